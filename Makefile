@@ -1,0 +1,44 @@
+# Quickstart: `make demo` then `make test`. Both create .venv on first use.
+# torch is installed first, pinned (TORCH), unless the venv already has one: on a GPU machine,
+# create .venv and `pip install` your CUDA build of torch before running make.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+RECIPE ?= recipes/tiny-cpu.yaml
+
+.PHONY: demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.torch: | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	touch $@
+
+$(VENV)/.install-base: setup.cfg pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.install-test: setup.cfg pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+$(VENV)/.install-bench: setup.cfg pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+demo: $(VENV)/.install-base
+	$(PY) -m lowmem_dpo.precompute $(RECIPE)
+	$(PY) -m lowmem_dpo.train $(RECIPE)
+
+test: $(VENV)/.install-test
+	$(VENV)/bin/ruff check lowmem_dpo tests bench
+	$(PY) -m pytest -q tests
+
+bench: $(VENV)/.install-bench
+	$(PY) bench/step_time.py bench/recipes/llama-25m-cpu.yaml --devices cpu --steps 10 --vs-trl --json bench/out/step_time.json
+
+clean:
+	rm -rf $(VENV) runs bench/out

@@ -1,0 +1,38 @@
+"""Command-line plumbing: user errors (exit code 2, one message, no traceback), --help, log lines."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """Bad input: say what, where, and what to do. Never shown with a traceback."""
+
+
+def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, stage: str, doc: str) -> int:
+    """Shared entry point of the `python -m lowmem_dpo.STAGE` commands: --help, exit codes, no tracebacks for
+    user errors."""
+    from lowmem_dpo.config import help_text
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(help_text(stage, doc))
+        return 0 if argv else EXIT_USAGE
+    try:
+        return main(argv) or 0
+    except UserError as e:
+        print(f"lowmem_dpo.{stage}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"lowmem_dpo.{stage}: interrupted; finished shards/checkpoints are kept.", file=sys.stderr)
+        return 130
+
+
+def log(msg: str) -> None:
+    """One line to stderr that does not break a running progress bar."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(msg, file=sys.stderr)

@@ -1,0 +1,286 @@
+"""One typed config for every stage: a YAML recipe plus `key=value` overrides.
+
+    python -m lowmem_dpo.train RECIPE.yaml learning_rate=1e-4 max_prompt_length=null
+
+Values are coerced by the declared type of the field, never by YAML's guess: `1e-4` is a float for a float
+field (YAML 1.1 would read it as a string), `null`/`None`/`none` is None for an Optional field (never the
+string "None"), `1.5` for an int field is an error. Every problem in a recipe is collected and reported at
+once, as a `ConfigError` that the stage entry points turn into exit code 2 and one message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+from lowmem_dpo.cli import UserError
+
+
+class ConfigError(UserError):
+    """A recipe or override the user must fix. Entry points print it and exit with code 2."""
+
+
+def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, cache_key=False):
+    """A config field with its one-line doc and validation bounds.
+
+    `cache_key=True` marks fields that change the reference log-probs, so they enter the cache fingerprint.
+    """
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "min_exclusive": min_exclusive,
+            "cache_key": cache_key}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Config:
+    # -- model and data ----------------------------------------------------------------------------------------
+    model_name_or_path: str = _f("lowmem_dpo:tiny-llama", "Base model: a local folder, a hub name (online), or "
+                                 "a built-in `lowmem_dpo:tiny-llama` / `lowmem_dpo:llama-25m` built on first use.")
+    dataset: str = _f("data/tiny-prefs.jsonl", "Preference rows {prompt, chosen, rejected}: a .jsonl/.json/"
+                      ".parquet/.csv file, a datasets save_to_disk folder, or a hub dataset name (online).")
+    dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders).")
+    output_dir: str = _f("runs/tiny", "Where train writes config.yaml, metrics.jsonl and the final LoRA adapter.")
+    ref_cache_dir: str = _f("runs/tiny-ref-cache", "Where precompute writes the reference log-prob cache and "
+                            "where train reads it.")
+    # -- precision and device ------------------------------------------------------------------------------------
+    device: str = _f("auto", "auto picks cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
+    dtype: str = _f("auto", "Weights/compute dtype. auto: float32 on CPU, bfloat16 on a CUDA GPU that has it "
+                    "(else float32). Memory: float32 costs 2x the bytes of the 16-bit types.",
+                    choices=("auto", "float32", "bfloat16", "float16"), cache_key=True)
+    quantization: str = _f("none", "Quantize the frozen base weights (4bit: ~0.56 bytes/param, 8bit: ~1.06). "
+                           "Not supported yet: only none.", choices=("none", "8bit", "4bit"), cache_key=True)
+    gradient_checkpointing: str = _f("auto", "Recompute activations in backward: saves activation memory, costs "
+                                     "~30% more compute. auto: off on CPU, on on CUDA.",
+                                     choices=("auto", "true", "false"))
+    # -- tokenization (these change the reference numbers) -----------------------------------------------------
+    max_length: int = _f(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
+                         "prompt alone reaches it are dropped. Activation memory grows linearly with it.",
+                         min=2, cache_key=True)
+    max_prompt_length: Optional[int] = _f(None, "If set, the prompt is first cut from the left to this many tokens.",
+                                          min=1, cache_key=True)
+    # -- DPO loss ------------------------------------------------------------------------------------------------
+    beta: float = _f(0.1, "DPO temperature: strength of the pull towards the reference.", min=0.0,
+                     min_exclusive=True)
+    loss_type: str = _f("sigmoid", "sigmoid (DPO), hinge (SLiC), ipo (length-normalised, as TRL), robust (rDPO).",
+                        choices=("sigmoid", "hinge", "ipo", "robust"))
+    label_smoothing: float = _f(0.0, "Assumed fraction of flipped labels (cDPO for sigmoid, rDPO for robust).",
+                                min=0.0, max=0.5)
+    # -- optimizer and schedule ----------------------------------------------------------------------------------
+    learning_rate: float = _f(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
+    lr_scheduler_type: str = _f("linear", "Decay after warmup.", choices=("linear", "cosine", "constant"))
+    warmup_steps: int = _f(0, "Optimizer steps of linear warmup from 0.", min=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay on the LoRA parameters.", min=0.0)
+    max_grad_norm: Optional[float] = _f(1.0, "Clip the gradient norm to this; null disables clipping.", min=0.0,
+                                        min_exclusive=True)
+    per_device_train_batch_size: int = _f(4, "Preference pairs per micro-batch (2x sequences in the forward). "
+                                          "Activation memory grows linearly with it.", min=1)
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step (memory-free batch growth).", min=1)
+    max_steps: int = _f(-1, "Optimizer steps to run; -1 runs num_train_epochs.", min=-1)
+    num_train_epochs: float = _f(1.0, "Passes over the data when max_steps is -1.", min=0.0, min_exclusive=True)
+    seed: int = _f(42, "Seed for LoRA init and data order.", min=0)
+    # -- LoRA ----------------------------------------------------------------------------------------------------
+    lora_r: int = _f(8, "LoRA rank. Trainable params (and their grads + 2 AdamW states) grow linearly with it.",
+                     min=1)
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0.0, min_exclusive=True)
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA input. The base model's own dropout is always off, as "
+                             "in TRL.", min=0.0, max=1.0)
+    lora_target_modules: list = _f(["all-linear"], "Module names to adapt, a list or comma-separated; "
+                                   "all-linear = every linear layer but the LM head.")
+    # -- logging and saving --------------------------------------------------------------------------------------
+    logging_steps: int = _f(10, "Log every this many optimizer steps (and at step 1 and the last step).", min=1)
+    save_steps: int = _f(0, "Save the adapter to output_dir/checkpoint-STEP every this many steps; 0 never.",
+                         min=0)
+    # -- precompute ----------------------------------------------------------------------------------------------
+    precompute_batch_size: int = _f(8, "Pairs per reference forward in precompute (no grads: can exceed the "
+                                    "training batch).", min=1)
+    cache_shard_rows: int = _f(1024, "Rows per cache shard; a killed precompute resumes from its last shard.",
+                               min=1)
+    ref_source: str = _f("cache", "cache: reference log-probs from ref_cache_dir (no reference forward). live: "
+                         "recompute them each step with the adapter disabled (for verification; costs a forward).",
+                         choices=("cache", "live"))
+
+    # ---------------------------------------------------------------------------------------------------------
+    def validate(self) -> list[str]:
+        """Cross-field checks; per-field types and ranges are checked at coercion time."""
+        problems = []
+        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
+            problems.append(f"max_prompt_length={self.max_prompt_length} must be below max_length="
+                            f"{self.max_length}: a prompt that long leaves no room for the completion")
+        if self.quantization != "none":
+            problems.append(f"quantization={self.quantization}: not supported yet (only none); the quantized "
+                            "base lands with the memory planner")
+        if self.loss_type == "robust" and self.label_smoothing >= 0.5:
+            problems.append(f"label_smoothing={self.label_smoothing}: loss_type=robust needs it below 0.5 "
+                            "(it divides by 1 - 2*label_smoothing)")
+        if not self.lora_target_modules:
+            problems.append("lora_target_modules is empty: name at least one module or use all-linear")
+        return problems
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_HINTS = typing.get_type_hints(Config)
+_NULLS = {"null", "none", "~", ""}
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_describe(inner[0])} or null"
+    if origin is Literal:
+        return "|".join(map(str, typing.get_args(tp)))
+    if tp is list:
+        return "list of str"
+    return tp.__name__
+
+
+def _coerce(name: str, raw, tp):
+    """Turn a YAML value or an override string into the field's declared type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in _NULLS):
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return _coerce(name, raw, inner)
+    if raw is None:
+        raise ConfigError(f"{name}=null: expected {_describe(tp)}, and this key cannot be null")
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        s = str(raw).strip().lower()
+        if s in ("true", "yes", "1", "on"):
+            return True
+        if s in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{name}={raw!r}: expected true or false")
+    if tp is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{name}={raw!r}: expected an integer")
+        if isinstance(raw, int):
+            return raw
+        if isinstance(raw, float):
+            raise ConfigError(f"{name}={raw!r}: expected an integer, got a fraction")
+        try:
+            return int(str(raw).strip().replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+    if tp is float:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{name}={raw!r}: expected a number")
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name}={raw!r}: expected a number such as 1e-4") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}={raw!r}: expected a finite number")
+        return value
+    if tp is list:
+        if isinstance(raw, str):
+            items = [s.strip() for s in raw.strip().strip("[]").split(",")]
+        elif isinstance(raw, (list, tuple)):
+            items = [str(s).strip() for s in raw]
+        else:
+            raise ConfigError(f"{name}={raw!r}: expected a list of names or a comma-separated string")
+        return [s for s in items if s]
+    if tp is str:
+        if isinstance(raw, (dict, list)):
+            raise ConfigError(f"{name}={raw!r}: expected a string")
+        return str(raw)
+    raise AssertionError(f"unhandled config type {tp} for {name}")
+
+
+def _check_bounds(name: str, value) -> None:
+    meta = FIELDS[name].metadata
+    if value is None:
+        return
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(meta['choices'])}")
+    lo, hi = meta["min"], meta["max"]
+    if lo is not None and (value < lo or (meta["min_exclusive"] and value == lo)):
+        op = ">" if meta["min_exclusive"] else ">="
+        raise ConfigError(f"{name}={value!r}: out of range, expected {op} {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{name}={value!r}: out of range, expected <= {hi}")
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected key=value (see --help for the keys)")
+        out[key.strip()] = value
+    return out
+
+
+def build_config(values: dict, source: str = "recipe") -> Config:
+    """Coerce and validate a mapping of raw values; collect every problem and raise once."""
+    problems, kwargs = [], {}
+    for key, raw in values.items():
+        if key not in FIELDS:
+            close = [k for k in FIELDS if k.split("_")[0] == key.split("_")[0]][:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else " (see --help for the keys)"
+            problems.append(f"{key}: unknown key in {source}{hint}")
+            continue
+        try:
+            value = _coerce(key, raw, _HINTS[key])
+            _check_bounds(key, value)
+            kwargs[key] = value
+        except ConfigError as e:
+            problems.append(f"{e} (in {source})" if source != "recipe" else str(e))
+    if problems:
+        raise ConfigError("; ".join(problems))
+    cfg = Config(**kwargs)
+    problems = cfg.validate()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return cfg
+
+
+def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Recipe YAML, then overrides on top, coerced and validated as one."""
+    values: dict = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe {str(path)!r} not found: pass the path of a YAML recipe, e.g. "
+                              "recipes/tiny-cpu.yaml")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"recipe {str(path)!r}: expected a mapping of key: value at the top level")
+        values.update(loaded)
+    values.update(parse_overrides(list(overrides)))
+    return build_config(values, source=f"recipe {recipe}" if recipe else "overrides")
+
+
+def help_text(stage: str, command_doc: str) -> str:
+    lines = [command_doc.strip(), "", f"usage: python -m lowmem_dpo.{stage} RECIPE.yaml [key=value ...]", "",
+             "keys (type, default: doc):"]
+    for f in dataclasses.fields(Config):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {f.name} ({_describe(_HINTS[f.name])}, default {yaml.safe_dump(default).strip()!s}"
+                     f"{' ; choices ' + '|'.join(f.metadata['choices']) if f.metadata['choices'] else ''}): "
+                     f"{f.metadata['doc']}")
+    return "\n".join(lines)
+
+
+def cache_settings(cfg: Config) -> dict:
+    """The config values the reference log-probs depend on (beyond model, tokenizer and data content)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config) if f.metadata["cache_key"]}

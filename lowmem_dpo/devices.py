@@ -1,0 +1,91 @@
+"""Per-device rules: which device, compute dtype and gradient checkpointing a run gets, and why.
+
+Hardware and optional-dependency code lives here, imported lazily, so everything imports on a CPU.
+The table is the rule book; `auto` values in the config resolve through it and the train log prints each
+choice with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lowmem_dpo.cli import UserError
+
+# device kind -> (dtype, gradient checkpointing, optimizer, reason)
+RULES = {
+    "cpu": ("float32", False, "torch AdamW",
+            "CPU: float32 (16-bit matmuls are slow on most CPUs); no checkpointing: RAM is plentiful and "
+            "recomputation only costs time"),
+    "cuda-bf16": ("bfloat16", True, "torch AdamW",
+                  "CUDA with bf16: bfloat16 weights halve memory; checkpointing trades ~30% compute for "
+                  "activation memory on a small card"),
+    "cuda": ("float32", True, "torch AdamW",
+             "CUDA without bf16: float32 (fp16 training would need loss scaling); checkpointing on"),
+}
+
+
+@dataclass
+class Resolved:
+    device: torch.device
+    kind: str
+    dtype: torch.dtype
+    gradient_checkpointing: bool
+    optimizer: str
+    reasons: list[str] = field(default_factory=list)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_kind(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "cuda-bf16" if torch.cuda.is_bf16_supported() else "cuda"
+    return "cpu"
+
+
+def resolve(cfg) -> Resolved:
+    """Resolve device, dtype and gradient_checkpointing from the config and the RULES table."""
+    reasons = []
+    if cfg.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        reasons.append(f"device={device.type} (auto: {'CUDA present' if device.type == 'cuda' else 'no CUDA'})")
+    else:
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise UserError("device=cuda but no CUDA GPU is visible to torch: use device=cpu or device=auto, or "
+                            "install a CUDA build of torch")
+        device = torch.device(cfg.device)
+        reasons.append(f"device={device.type} (from the recipe)")
+    kind = device_kind(device)
+    rule_dtype, rule_ckpt, optimizer, why = RULES[kind]
+    if cfg.dtype == "auto":
+        dtype = DTYPES[rule_dtype]
+        reasons.append(f"dtype={rule_dtype} (auto; {why})")
+    else:
+        dtype = DTYPES[cfg.dtype]
+        reasons.append(f"dtype={cfg.dtype} (from the recipe)")
+    if cfg.gradient_checkpointing == "auto":
+        ckpt = rule_ckpt
+        reasons.append(f"gradient_checkpointing={str(ckpt).lower()} (auto; {kind})")
+    else:
+        ckpt = cfg.gradient_checkpointing == "true"
+        reasons.append(f"gradient_checkpointing={cfg.gradient_checkpointing} (from the recipe)")
+    reasons.append(f"optimizer={optimizer}")
+    return Resolved(device, kind, dtype, ckpt, optimizer, reasons)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Peak allocated bytes on CUDA since the last reset; None on CPU (see bench/ for RSS)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None

@@ -1,0 +1,52 @@
+"""What every stage reads: the model folder, the tokenizer, the tokenized data, and the cache fingerprint of
+those inputs. Shared by precompute and train so both tokenize and fingerprint the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lowmem_dpo import cache, data, models
+from lowmem_dpo.config import Config
+from lowmem_dpo.devices import Resolved, dtype_name
+
+
+@dataclass
+class Inputs:
+    model_path: Path
+    tokenizer: object
+    fingerprint: dict  # components; cache.fingerprint_digest() of it keys the cache
+
+
+def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path) -> dict:
+    """Everything the reference log-probs depend on, and nothing they don't (no training knobs)."""
+    files = data.data_files(cfg.dataset)
+    if files:
+        root = Path(cfg.dataset) if Path(cfg.dataset).is_dir() else None
+        dataset = {"files": cache.files_digest(files, root), "split": cfg.dataset_split if root else None}
+    else:  # hub dataset: datasets' own content fingerprint
+        dataset = {"hub": cfg.dataset, "split": cfg.dataset_split,
+                   "fingerprint": data.load_rows(cfg.dataset, cfg.dataset_split)._fingerprint}
+    return {
+        "format": cache.FORMAT_VERSION,
+        "model": cache.files_digest(models.weight_files(model_path)),
+        "adapter": None,
+        "tokenizer": cache.files_digest(models.tokenizer_files(model_path)),
+        "dataset": dataset,
+        "max_length": cfg.max_length,
+        "max_prompt_length": cfg.max_prompt_length,
+        "dtype": dtype_name(resolved.dtype),
+        "quantization": cfg.quantization,
+    }
+
+
+def prepare(cfg: Config, resolved: Resolved) -> Inputs:
+    model_path = models.resolve_model_path(cfg.model_name_or_path)
+    tokenizer = models.load_tokenizer(model_path)
+    return Inputs(model_path, tokenizer, fingerprint_components(cfg, resolved, model_path))
+
+
+def tokenized(cfg: Config, tokenizer, progress: bool = True) -> data.TokenizedData:
+    rows = data.load_rows(cfg.dataset, cfg.dataset_split)
+    return data.tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=cfg.dataset,
+                              progress=progress)

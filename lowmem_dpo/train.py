@@ -1,0 +1,256 @@
+"""Train a LoRA DPO policy against cached reference log-probs: one model resident, no reference forward.
+
+    python -m lowmem_dpo.precompute recipes/tiny-cpu.yaml   # once
+    python -m lowmem_dpo.train recipes/tiny-cpu.yaml [key=value ...]
+
+Writes to output_dir: config.yaml (resolved), metrics.jsonl (one JSON object per logged step, TRL key names),
+and the final PEFT adapter (adapter_config.json, adapter_model.safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lowmem_dpo import cache, data, devices, inputs
+from lowmem_dpo.cli import UserError, log, run_cli
+from lowmem_dpo.config import Config, load_config
+from lowmem_dpo.logps import completion_logps
+from lowmem_dpo.loss import dpo_loss
+from lowmem_dpo.precompute import rebuild_command
+
+METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+               "logps/chosen", "logps/rejected")
+
+
+# -- setup steps -------------------------------------------------------------------------------------------------
+def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path):
+    """Base model (frozen, dropout off) + a fresh LoRA adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    from lowmem_dpo.models import load_model
+
+    base = load_model(model_path, resolved.device, resolved.dtype)
+    targets = cfg.lora_target_modules
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules="all-linear" if targets == ["all-linear"] else targets,
+                      task_type="CAUSAL_LM")
+    torch.manual_seed(cfg.seed)  # LoRA A init
+    try:
+        model = get_peft_model(base, lora)
+    except ValueError as e:
+        raise UserError(f"lora_target_modules={targets}: {e}") from None
+    if resolved.gradient_checkpointing:
+        # Saves memory: activations are recomputed in backward instead of kept for every layer.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    return model
+
+
+def get_lr(step: int, cfg: Config, total_steps: int) -> float:
+    """Learning rate multiplier for optimizer step `step` (0-based): linear warmup, then the decay."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.lr_scheduler_type == "constant":
+        return 1.0
+    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    if cfg.lr_scheduler_type == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return max(0.0, 1.0 - progress)
+
+
+def setup_optimizer(cfg: Config, model, total_steps: int):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: get_lr(s, cfg, total_steps))
+    return opt, sched, params
+
+
+def total_steps(cfg: Config, num_pairs: int) -> int:
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    return max(1, math.ceil(cfg.num_train_epochs * num_pairs / per_step))
+
+
+def micro_batches(pairs: list[data.TokenizedPair], batch_size: int, seed: int):
+    """Endless stream of micro-batches: each epoch a fresh seeded permutation, chunks cross epoch borders so
+    every micro-batch is full."""
+    g = torch.Generator().manual_seed(seed)
+    buf: list[data.TokenizedPair] = []
+    while True:
+        for i in torch.randperm(len(pairs), generator=g).tolist():
+            buf.append(pairs[i])
+            if len(buf) == batch_size:
+                yield buf
+                buf = []
+
+
+# -- one step ----------------------------------------------------------------------------------------------------
+@dataclass
+class StepStats:
+    sums: dict = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
+    pairs: int = 0
+    tokens: int = 0
+
+    def add(self, other: "StepStats") -> None:
+        for k in METRIC_KEYS:
+            self.sums[k] += other.sums[k]
+        self.pairs += other.pairs
+        self.tokens += other.tokens
+
+    def means(self) -> dict:
+        return {k: v / max(1, self.pairs) for k, v in self.sums.items()}
+
+
+def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
+    """(chosen, rejected, chosen_tokens, rejected_tokens) of the reference for this batch: (B,) each."""
+    if ref is not None:
+        return ref.chosen[batch.rows], ref.rejected[batch.rows]
+    # ref_source=live: the same model with the adapter off. Costs a forward pass; for verification.
+    with torch.no_grad(), model.disable_adapter():
+        chosen, rejected = completion_logps(model, batch.input_ids, batch.attention_mask,
+                                            batch.completion_mask).split()
+    return chosen.logps.cpu(), rejected.logps.cpu()
+
+
+def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int, device) -> StepStats:
+    """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params."""
+    stats = StepStats()
+    for pairs in group:
+        batch = data.collate(pairs, pad_id).to(device)
+        ref_chosen, ref_rejected = reference_logps(model, batch, ref)
+        policy = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        chosen, rejected = policy.split()  # (B,) each
+        losses, r_chosen, r_rejected = dpo_loss(
+            chosen.logps, rejected.logps, ref_chosen.to(device), ref_rejected.to(device),
+            beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
+            chosen_lengths=chosen.n_tokens, rejected_lengths=rejected.n_tokens)
+        (losses.mean() / len(group)).backward()
+        b = len(pairs)
+        s = stats.sums
+        s["loss"] += losses.detach().sum().item()
+        s["rewards/chosen"] += r_chosen.sum().item()
+        s["rewards/rejected"] += r_rejected.sum().item()
+        s["rewards/accuracies"] += (r_chosen > r_rejected).float().sum().item()
+        s["rewards/margins"] += (r_chosen - r_rejected).sum().item()
+        s["logps/chosen"] += chosen.logps.detach().sum().item()
+        s["logps/rejected"] += rejected.logps.detach().sum().item()
+        stats.pairs += b
+        stats.tokens += batch.num_tokens
+    return stats
+
+
+# -- output ------------------------------------------------------------------------------------------------------
+def save_adapter(model, out_dir: Path) -> None:
+    """PEFT adapter files into out_dir, each replaced atomically (a crash leaves the old file or the new one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out_dir))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_cache_rows(ref: cache.RefCache, pairs: list[data.TokenizedPair], cache_dir: Path) -> None:
+    rows = torch.tensor([p.row for p in pairs])
+    if len(ref.chosen) <= int(rows.max()) or not torch.isfinite(ref.chosen[rows]).all():
+        raise UserError(f"the reference cache in {str(cache_dir)!r} lacks rows this run trains on; rebuild it "
+                        "with python -m lowmem_dpo.precompute")
+
+
+def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> dict:
+    """Train and save the adapter; returns the last logged metrics."""
+    from tqdm.auto import tqdm
+
+    resolved = devices.resolve(cfg)
+    ins = inputs.prepare(cfg, resolved)
+    cache_dir = Path(cfg.ref_cache_dir)
+    ref = None
+    if cfg.ref_source == "cache":
+        cache.check_fingerprint(cache_dir, ins.fingerprint, rebuild_command(cfg, recipe))
+        ref = cache.load_ref_cache(cache_dir)
+    tok = inputs.tokenized(cfg, ins.tokenizer, progress)
+    if tok.dropped:
+        log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
+    if ref is not None:
+        check_cache_rows(ref, tok.pairs, cache_dir)
+
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache.atomic_write_bytes(out_dir / "config.yaml", cfg.to_yaml().encode())
+    for reason in resolved.reasons:
+        log(f"resolved {reason}")
+    log(f"reference: {'cached in ' + str(cache_dir) if ref is not None else 'live (adapter disabled), costs a forward'}")
+
+    model = setup_model(cfg, resolved, ins.model_path)
+    steps = total_steps(cfg, len(tok.pairs))
+    opt, sched, params = setup_optimizer(cfg, model, steps)
+    n_train = sum(p.numel() for p in params)
+    log(f"training {n_train:,} LoRA parameters for {steps} steps of {cfg.per_device_train_batch_size} x "
+        f"{cfg.gradient_accumulation_steps} pairs ({len(tok.pairs)} pairs in the data)")
+
+    pad_id = data.pad_token_id(ins.tokenizer)
+    stream = micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
+    metrics_path = out_dir / "metrics.jsonl"
+    metrics_file = open(metrics_path, "w", encoding="utf-8")
+    window = StepStats()
+    last: dict = {}
+    bar = tqdm(total=steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+    try:
+        for step in range(1, steps + 1):
+            group = [next(stream) for _ in range(cfg.gradient_accumulation_steps)]
+            devices.synchronize(resolved.device)
+            t0 = time.perf_counter()
+            lr = sched.get_last_lr()[0]
+            stats = train_step(model, cfg, group, ref, pad_id, resolved.device)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            devices.synchronize(resolved.device)
+            dt = time.perf_counter() - t0
+            window.add(stats)
+            bar.update(1)
+            if step == 1 or step % cfg.logging_steps == 0 or step == steps:
+                last = {"step": step, **{k: round(v, 6) for k, v in window.means().items()},
+                        "grad_norm": round(grad_norm, 6), "learning_rate": lr, "step_time_s": round(dt, 6),
+                        "tokens_per_s": round(stats.tokens / dt, 3)}
+                peak = devices.peak_memory_bytes(resolved.device)
+                if peak is not None:
+                    last["peak_mem_bytes"] = peak
+                metrics_file.write(json.dumps(last) + "\n")
+                metrics_file.flush()
+                bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['rewards/accuracies']:.2f}",
+                                margin=f"{last['rewards/margins']:.3f}")
+                window = StepStats()
+            if cfg.save_steps and step % cfg.save_steps == 0 and step != steps:
+                save_adapter(model, out_dir / f"checkpoint-{step}")
+    finally:
+        bar.close()
+        metrics_file.close()
+    save_adapter(model, out_dir)
+    log(f"saved adapter to {out_dir} (step {steps}: loss {last['loss']:.4f}, rewards/accuracies "
+        f"{last['rewards/accuracies']:.2f})")
+    return last
+
+
+def main(argv: list[str]) -> int:
+    run(load_config(argv[0], argv[1:]), recipe=argv[0])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main, None, "train", __doc__))
