@@ -11,6 +11,7 @@ once, as a `ConfigError` that the stage entry points turn into exit code 2 and o
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import types
@@ -154,7 +155,7 @@ def _coerce(name: str, raw, tp):
             return None
         inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
         return _coerce(name, raw, inner)
-    if raw is None:
+    if raw is None or (tp in (int, float, bool) and isinstance(raw, str) and raw.strip().lower() in _NULLS):
         raise ConfigError(f"{name}=null: expected {_describe(tp)}, and this key cannot be null")
     if tp is bool:
         if isinstance(raw, bool):
@@ -175,7 +176,11 @@ def _coerce(name: str, raw, tp):
         try:
             return int(str(raw).strip().replace("_", ""))
         except ValueError:
-            raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+            try:
+                float(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+            raise ConfigError(f"{name}={raw}: expected an integer, got a fraction") from None
     if tp is float:
         if isinstance(raw, bool):
             raise ConfigError(f"{name}={raw!r}: expected a number")
@@ -225,21 +230,25 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
-def build_config(values: dict, source: str = "recipe") -> Config:
-    """Coerce and validate a mapping of raw values; collect every problem and raise once."""
+def build_config(values: dict, sources: dict | None = None) -> Config:
+    """Coerce and validate a mapping of raw values; collect every problem and raise once.
+
+    `sources` maps a key to where its value came from (a recipe path or "override"), for the messages."""
+    sources = sources or {}
     problems, kwargs = [], {}
     for key, raw in values.items():
+        where = f" (in {sources[key]})" if key in sources else ""
         if key not in FIELDS:
-            close = [k for k in FIELDS if k.split("_")[0] == key.split("_")[0]][:3]
-            hint = f" (did you mean {', '.join(close)}?)" if close else " (see --help for the keys)"
-            problems.append(f"{key}: unknown key in {source}{hint}")
+            close = difflib.get_close_matches(key, FIELDS, n=3)
+            hint = f"did you mean {', '.join(close)}?" if close else "see --help for the keys"
+            problems.append(f"{key}: unknown key{where}; {hint}")
             continue
         try:
             value = _coerce(key, raw, _HINTS[key])
             _check_bounds(key, value)
             kwargs[key] = value
         except ConfigError as e:
-            problems.append(f"{e} (in {source})" if source != "recipe" else str(e))
+            problems.append(f"{e}{where}")
     if problems:
         raise ConfigError("; ".join(problems))
     cfg = Config(**kwargs)
@@ -266,8 +275,11 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> 
         if not isinstance(loaded, dict):
             raise ConfigError(f"recipe {str(path)!r}: expected a mapping of key: value at the top level")
         values.update(loaded)
-    values.update(parse_overrides(list(overrides)))
-    return build_config(values, source=f"recipe {recipe}" if recipe else "overrides")
+    sources = {k: f"recipe {recipe}" for k in values}
+    for key, value in parse_overrides(list(overrides)).items():
+        values[key] = value
+        sources[key] = "override"
+    return build_config(values, sources)
 
 
 def help_text(stage: str, command_doc: str) -> str:

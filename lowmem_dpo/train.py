@@ -158,6 +158,7 @@ def save_adapter(model, out_dir: Path) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         for f in sorted(tmp.iterdir()):
+            os.chmod(f, 0o644)
             os.replace(f, out_dir / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -170,8 +171,14 @@ def check_cache_rows(ref: cache.RefCache, pairs: list[data.TokenizedPair], cache
                         "with python -m lowmem_dpo.precompute")
 
 
-def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> dict:
-    """Train and save the adapter; returns the last logged metrics."""
+@dataclass
+class TrainResult:
+    metrics: dict  # the last logged line of metrics.jsonl
+    model: object  # the PEFT model as trained (in memory)
+
+
+def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainResult:
+    """Train and save the adapter to cfg.output_dir."""
     from tqdm.auto import tqdm
 
     resolved = devices.resolve(cfg)
@@ -244,7 +251,7 @@ def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> dict:
     save_adapter(model, out_dir)
     log(f"saved adapter to {out_dir} (step {steps}: loss {last['loss']:.4f}, rewards/accuracies "
         f"{last['rewards/accuracies']:.2f})")
-    return last
+    return TrainResult(last, model)
 
 
 def main(argv: list[str]) -> int:

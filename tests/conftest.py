@@ -1,0 +1,62 @@
+"""Shared fixtures: a private LOWMEM_DPO_HOME with the built-in tiny model built once per session, and configs
+that write into a test's tmp_path. Everything is real: transformers, tokenizers, peft, safetensors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_DATA = REPO / "data" / "tiny-prefs.jsonl"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def lowmem_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("lowmem_home")
+    old = os.environ.get("LOWMEM_DPO_HOME")
+    os.environ["LOWMEM_DPO_HOME"] = str(home)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    yield home
+    if old is None:
+        os.environ.pop("LOWMEM_DPO_HOME", None)
+    else:
+        os.environ["LOWMEM_DPO_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_path(lowmem_home) -> Path:
+    from lowmem_dpo.tiny import ensure_builtin
+
+    return ensure_builtin("lowmem_dpo:tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_path):
+    from lowmem_dpo.models import load_tokenizer
+
+    return load_tokenizer(tiny_path)
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """Config for the tiny model and shipped data, writing under tmp_path; keyword args override."""
+    from lowmem_dpo.config import build_config
+
+    def make(**overrides):
+        values = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA),
+                      output_dir=str(tmp_path / "out"), ref_cache_dir=str(tmp_path / "cache"), device="cpu",
+                      max_length=64, per_device_train_batch_size=4, precompute_batch_size=16, max_steps=3,
+                      logging_steps=1, learning_rate=1e-2, seed=0)
+        values.update(overrides)
+        return build_config(values)
+
+    return make
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
