@@ -21,6 +21,10 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
     if not argv or argv[0] in ("-h", "--help"):
         print(help_text(stage, doc))
         return 0 if argv else EXIT_USAGE
+    import warnings
+
+    # transformers' own deprecation notice, raised inside peft on every LoRA model: not the user's to act on.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
         return main(argv) or 0
     except UserError as e:

@@ -113,7 +113,7 @@ class StepStats:
 
 
 def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
-    """(chosen, rejected, chosen_tokens, rejected_tokens) of the reference for this batch: (B,) each."""
+    """(chosen, rejected) reference log-prob sums for this batch, (B,) each, on the CPU."""
     if ref is not None:
         return ref.chosen[batch.rows], ref.rejected[batch.rows]
     # ref_source=live: the same model with the adapter off. Costs a forward pass; for verification.
@@ -196,7 +196,8 @@ def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainR
 
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cache.atomic_write_bytes(out_dir / "config.yaml", cfg.to_yaml().encode())
+    resolved_note = "".join(f"# resolved {r}\n" for r in resolved.reasons)
+    cache.atomic_write_bytes(out_dir / "config.yaml", (cfg.to_yaml() + resolved_note).encode())
     for reason in resolved.reasons:
         log(f"resolved {reason}")
     log(f"reference: {'cached in ' + str(cache_dir) if ref is not None else 'live (adapter disabled), costs a forward'}")
