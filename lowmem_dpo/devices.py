@@ -15,9 +15,12 @@ from lowmem_dpo.cli import UserError
 
 # device kind -> (dtype, gradient checkpointing, optimizer, reason)
 RULES = {
+    "cpu-bf16": ("bfloat16", False, "torch AdamW",
+                 "CPU with native bf16 (AVX512-BF16/AMX): bfloat16 weights run matmuls ~2x faster than float32 "
+                 "and halve memory; no checkpointing: RAM is plentiful and recomputation only costs time"),
     "cpu": ("float32", False, "torch AdamW",
-            "CPU: float32 (16-bit matmuls are slow on most CPUs); no checkpointing: RAM is plentiful and "
-            "recomputation only costs time"),
+            "CPU without native bf16: float32 (16-bit matmuls are emulated and slow); no checkpointing: RAM is "
+            "plentiful and recomputation only costs time"),
     "cuda-bf16": ("bfloat16", True, "torch AdamW",
                   "CUDA with bf16: bfloat16 weights halve memory; checkpointing trades ~30% compute for "
                   "activation memory on a small card"),
@@ -39,10 +42,18 @@ class Resolved:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_native_bf16() -> bool:
+    """oneDNN's own check for AVX512-BF16 / AMX (a private torch op: any failure means no)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:
+        return False
+
+
 def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         return "cuda-bf16" if torch.cuda.is_bf16_supported() else "cuda"
-    return "cpu"
+    return "cpu-bf16" if cpu_has_native_bf16() else "cpu"
 
 
 def resolve(cfg) -> Resolved:

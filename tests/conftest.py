@@ -47,6 +47,7 @@ def make_cfg(tmp_path):
     def make(**overrides):
         values = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA),
                       output_dir=str(tmp_path / "out"), ref_cache_dir=str(tmp_path / "cache"), device="cpu",
+                      dtype="float32",  # exact comparisons; auto may pick bfloat16 on a CPU with native bf16
                       max_length=64, per_device_train_batch_size=4, precompute_batch_size=16, max_steps=3,
                       logging_steps=1, learning_rate=1e-2, seed=0)
         values.update(overrides)
