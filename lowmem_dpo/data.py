@@ -14,7 +14,6 @@ Conversational rows (lists of {role, content}) are rendered with the tokenizer's
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,16 +89,21 @@ def load_rows(spec: str, split: str = "train"):
                 if split not in ds:
                     raise UserError(f"dataset {spec!r} has splits {list(ds)}; set dataset_split to one of them")
                 ds = ds[split]
-        elif os.sep in spec or spec.startswith(".") or Path(spec).suffix in FILE_BUILDERS:
+        elif spec.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS or path.parent.exists() \
+                and str(path.parent) not in (".", ""):
             raise UserError(f"dataset {spec!r} not found: give the path of a .jsonl/.json/.parquet/.csv file or "
                             "a datasets save_to_disk folder")
         else:
-            ds = datasets.load_dataset(spec, split=split)
+            try:
+                ds = datasets.load_dataset(spec, split=split)
+            except Exception as e:
+                raise UserError(f"dataset {spec!r} is not a local file or folder, and loading it from the hub "
+                                f"failed ({type(e).__name__}); save it locally and pass the path") from None
     except UserError:
         raise
     except Exception as e:  # datasets raises many types for unreadable data: report, no traceback
         raise UserError(f"dataset {spec!r} could not be read: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                        " (check the file format; hub names need a network connection)") from None
+                        " (check that the file matches its extension)") from None
     missing = [k for k in REQUIRED if k not in ds.column_names]
     if missing:
         raise UserError(f"dataset {spec!r} lacks column(s) {', '.join(missing)} (has {', '.join(ds.column_names)});"
