@@ -38,7 +38,7 @@ test: $(VENV)/.install-test
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.install-bench
-	$(PY) bench/step_time.py bench/recipes/llama-25m-cpu.yaml --devices cpu --steps 10 --vs-trl --json bench/out/step_time.json
+	$(PY) bench/step_time.py bench/recipes/llama-25m-cpu.yaml --devices cpu,cuda --steps 20 --vs-trl --json bench/out/step_time.json
 
 clean:
 	rm -rf $(VENV) runs bench/out

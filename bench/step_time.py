@@ -119,7 +119,7 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def summarize(times: list[float], tokens: list[int]) -> dict:
+def summarize(times: list[float], tokens: list[int], cpu_times: list[float]) -> dict:
     return {
         "median_s": round(statistics.median(times), 4),
         "min_s": round(min(times), 4),
@@ -130,6 +130,9 @@ def summarize(times: list[float], tokens: list[int]) -> dict:
         "tokens_per_step_median": statistics.median(tokens),
         # throughput over the timed steps: non-padding tokens (chosen + rejected sequences) / seconds
         "tokens_per_s": round(sum(tokens) / sum(times), 1),
+        # CPU time of this process per step (all threads): less sensitive than wall time to other processes
+        # competing for the cores; compare with the wall times to spot a disturbed run
+        "cpu_time_median_s": round(statistics.median(cpu_times), 4),
     }
 
 
@@ -192,36 +195,25 @@ def bench_precompute(cfg, device: str, reuse: bool) -> dict:
 
 
 def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str) -> dict:
-    from lowmem_dpo import cache, data, devices, inputs, precompute, train
+    import dataclasses
 
-    resolved = devices.resolve(cfg)
+    from lowmem_dpo import devices, train
+
+    total = warmup + steps
     with PeakMemory(device) as pm:
         t_setup = time.perf_counter()
-        ins = inputs.prepare(cfg, resolved)
-        cache_dir = Path(cfg.ref_cache_dir)
-        cache.check_fingerprint(cache_dir, ins.fingerprint, precompute.rebuild_command(cfg, recipe))
-        ref = cache.load_ref_cache(cache_dir)
-        tok = inputs.tokenized(cfg, ins.tokenizer, progress=False)
-        train.check_cache_rows(ref, tok.pairs, cache_dir)
-        model = train.setup_model(cfg, resolved, ins.model_path)
-        total = warmup + steps
-        opt, sched, params = train.setup_optimizer(cfg, model, total)
-        pad_id = data.pad_token_id(ins.tokenizer)
-        stream = train.micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
+        session = train.setup(dataclasses.replace(cfg, max_steps=total), recipe, progress=False)
+        resolved, params = session.resolved, session.params
         setup_s = time.perf_counter() - t_setup
-        times, tokens, losses = [], [], []
+        times, cpu_times, tokens, losses = [], [], [], []
         for _ in range(total):
-            group = [next(stream) for _ in range(cfg.gradient_accumulation_steps)]
             devices.synchronize(resolved.device)
+            c0 = time.process_time()
             t0 = time.perf_counter()
-            stats = train.train_step(model, cfg, group, ref, pad_id, resolved.device)
-            torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            stats, _, _ = train.optimizer_step(session)  # exactly the step `python -m lowmem_dpo.train` takes
             devices.synchronize(resolved.device)
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
             tokens.append(stats.tokens)
             losses.append(stats.means()["loss"])
     out = {
@@ -233,11 +225,11 @@ def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str) -> dict:
                      "trainable_params": sum(p.numel() for p in params)},
         "setup_s": round(setup_s, 3),
         "warmup_s": [round(t, 4) for t in times[:warmup]],
-        **summarize(times[warmup:], tokens[warmup:]),
+        **summarize(times[warmup:], tokens[warmup:], cpu_times[warmup:]),
         "loss_first_last": [round(losses[0], 6), round(losses[-1], 6)],
         "peak_memory": pm.result,
     }
-    del model, opt, sched, params, ref
+    del session, params
     return out
 
 
@@ -260,7 +252,7 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict) -> dict
     import transformers
     import trl
     from peft import LoraConfig
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     from lowmem_dpo import data, models
@@ -270,15 +262,18 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict) -> dict
 
         def __init__(self):
             self.times: list[float] = []
-            self.t0 = 0.0
+            self.cpu_times: list[float] = []
+            self.t0 = self.c0 = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
             synchronize(device)
+            self.c0 = time.process_time()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             synchronize(device)
             self.times.append(time.perf_counter() - self.t0)
+            self.cpu_times.append(time.process_time() - self.c0)
 
     class CountingDPOTrainer(DPOTrainer):
         """DPOTrainer that notes each micro-batch's non-padding token count (a lazy tensor sum, no sync)."""
@@ -296,7 +291,7 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict) -> dict
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         # Only what must match ours (or keep the run short and quiet) is set; everything else is DPOConfig's default.
         required = {
-            "output_dir": str(Path(cfg.output_dir) / f"{device}-trl"),
+            "output_dir": str(Path(cfg.output_dir) / "trl"),
             "per_device_train_batch_size": cfg.per_device_train_batch_size,
             "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
             "max_length": cfg.max_length,
@@ -316,6 +311,7 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict) -> dict
         CountingDPOTrainer.bench_tokens = []
         trainer = CountingDPOTrainer(model=str(model_path), args=args, train_dataset=rows,
                                      processing_class=tokenizer, peft_config=lora, callbacks=[timer])
+        trainer.remove_callback(PrinterCallback)  # keep stdout for the table (logging itself still happens)
         setup_s = time.perf_counter() - t_setup
         result = trainer.train()
     tokens = [int(t) for t in CountingDPOTrainer.bench_tokens]
@@ -343,7 +339,7 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict) -> dict
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "setup_s": round(setup_s, 3),
         "warmup_s": [round(t, 4) for t in timer.times[:warmup]],
-        **summarize(timer.times[warmup:], per_step[warmup:len(timer.times)]),
+        **summarize(timer.times[warmup:], per_step[warmup:len(timer.times)], timer.cpu_times[warmup:]),
         "train_loss": round(float(result.training_loss), 6),
         "peak_memory": pm.result,
     }
@@ -436,6 +432,7 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "peft": peft.__version__,
         "lowmem_dpo_home": os.environ.get("LOWMEM_DPO_HOME"),
+        "loadavg_at_start": loadavg(),
     }
     try:
         import trl
@@ -444,6 +441,14 @@ def machine_info() -> dict:
     except ImportError:
         info["trl"] = None
     return info
+
+
+def loadavg() -> list[float] | None:
+    """1, 5 and 15 minute load averages: well above 0 before a CPU run means other processes share the cores."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _proc_status_kib_meminfo() -> int | None:
@@ -539,7 +544,7 @@ def plot(report: dict, path: Path) -> str | None:
         title += "\n" + ", ".join(ratios)
     ax.set_title(title)
     for i, m in enumerate(medians):
-        ax.annotate(f"{m:.2f}", (i, m), ha="center", va="bottom", xytext=(12, 2), textcoords="offset points")
+        ax.text(i, m / 2, f"{m:.2f} s", ha="center", va="center", color="white", fontweight="bold")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -594,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         r = report["devices"][device]
         failed |= "error" in r.get("trl", {})
     report["total_wall_s"] = round(time.perf_counter() - t0, 1)
+    report["machine"]["loadavg_at_end"] = loadavg()
 
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

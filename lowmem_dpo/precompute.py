@@ -30,12 +30,14 @@ def shard_plan(pairs: list[data.TokenizedPair], shard_rows: int) -> list[list[da
 
 
 @torch.inference_mode()
-def shard_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id: int, device, bar) -> dict:
+def shard_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id: int,
+                resolved: devices.Resolved, bar) -> dict:
     out = {"rows": [], "chosen": [], "rejected": [], "chosen_tokens": [], "rejected_tokens": []}
     for i in range(0, len(pairs), batch_size):
-        batch = data.collate(pairs[i:i + batch_size], pad_id).to(device)
-        chosen, rejected = completion_logps(model, batch.input_ids, batch.attention_mask,
-                                            batch.completion_mask).split()
+        batch = data.collate(pairs[i:i + batch_size], pad_id).to(resolved.device)
+        with devices.autocast(resolved):  # the same precision as train's forward: step 1 shows ln 2
+            chosen, rejected = completion_logps(model, batch.input_ids, batch.attention_mask,
+                                                batch.completion_mask).split()
         out["rows"].append(batch.rows)
         out["chosen"].append(chosen.logps.cpu())
         out["rejected"].append(rejected.logps.cpu())
@@ -92,7 +94,7 @@ def run(cfg: Config, progress: bool = True) -> Path:
     for shard, name, finished in zip(shards, names, done):
         if finished:
             continue
-        tensors = shard_logps(model, shard, cfg.precompute_batch_size, pad_id, resolved.device, bar)
+        tensors = shard_logps(model, shard, cfg.precompute_batch_size, pad_id, resolved, bar)
         cache.atomic_save_tensors(shard_dir / name, tensors)
     bar.close()
     elapsed = time.perf_counter() - t0

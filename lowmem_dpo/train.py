@@ -123,13 +123,16 @@ def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
     return chosen.logps.cpu(), rejected.logps.cpu()
 
 
-def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int, device) -> StepStats:
+def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
+               resolved: devices.Resolved) -> StepStats:
     """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params."""
     stats = StepStats()
+    device = resolved.device
     for pairs in group:
         batch = data.collate(pairs, pad_id).to(device)
-        ref_chosen, ref_rejected = reference_logps(model, batch, ref)
-        policy = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        with devices.autocast(resolved):
+            ref_chosen, ref_rejected = reference_logps(model, batch, ref)
+            policy = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
         chosen, rejected = policy.split()  # (B,) each
         losses, r_chosen, r_rejected = dpo_loss(
             chosen.logps, rejected.logps, ref_chosen.to(device), ref_rejected.to(device),
@@ -172,6 +175,60 @@ def check_cache_rows(ref: cache.RefCache, pairs: list[data.TokenizedPair], cache
 
 
 @dataclass
+class Session:
+    """Everything one training run holds: built by `setup`, advanced by `optimizer_step`."""
+
+    cfg: Config
+    resolved: devices.Resolved
+    model: object  # PeftModel
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    params: list  # the trainable LoRA parameters
+    ref: cache.RefCache | None  # None: ref_source=live
+    pairs: list[data.TokenizedPair]
+    pad_id: int
+    steps: int  # optimizer steps this run will take
+    stream: object  # micro_batches() generator
+
+
+def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Session:
+    """Check the cache, tokenize, load the model with a fresh adapter, build the optimizer."""
+    resolved = devices.resolve(cfg)
+    ins = inputs.prepare(cfg, resolved)
+    cache_dir = Path(cfg.ref_cache_dir)
+    ref = None
+    if cfg.ref_source == "cache":
+        # Before anything heavy loads: a stale cache is refused in seconds.
+        cache.check_fingerprint(cache_dir, ins.fingerprint, rebuild_command(cfg, recipe))
+        ref = cache.load_ref_cache(cache_dir)
+    tok = inputs.tokenized(cfg, ins.tokenizer, progress)
+    if tok.dropped:
+        log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
+    if ref is not None:
+        check_cache_rows(ref, tok.pairs, cache_dir)
+    model = setup_model(cfg, resolved, ins.model_path)
+    steps = total_steps(cfg, len(tok.pairs))
+    opt, sched, params = setup_optimizer(cfg, model, steps)
+    stream = micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
+    return Session(cfg, resolved, model, opt, sched, params, ref, tok.pairs, data.pad_token_id(ins.tokenizer),
+                   steps, stream)
+
+
+def optimizer_step(s: Session) -> tuple[StepStats, float, float]:
+    """One optimizer step: gradient_accumulation_steps micro-batches, clip, AdamW, schedule.
+    Returns (stats, grad_norm before clipping, learning rate used)."""
+    group = [next(s.stream) for _ in range(s.cfg.gradient_accumulation_steps)]
+    lr = s.sched.get_last_lr()[0]
+    stats = train_step(s.model, s.cfg, group, s.ref, s.pad_id, s.resolved)
+    max_norm = s.cfg.max_grad_norm if s.cfg.max_grad_norm is not None else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.params, max_norm).item()
+    s.opt.step()
+    s.sched.step()
+    s.opt.zero_grad(set_to_none=True)
+    return stats, grad_norm, lr
+
+
+@dataclass
 class TrainResult:
     metrics: dict  # the last logged line of metrics.jsonl
     model: object  # the PEFT model as trained (in memory)
@@ -181,62 +238,34 @@ def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainR
     """Train and save the adapter to cfg.output_dir."""
     from tqdm.auto import tqdm
 
-    resolved = devices.resolve(cfg)
-    ins = inputs.prepare(cfg, resolved)
-    cache_dir = Path(cfg.ref_cache_dir)
-    ref = None
-    if cfg.ref_source == "cache":
-        cache.check_fingerprint(cache_dir, ins.fingerprint, rebuild_command(cfg, recipe))
-        ref = cache.load_ref_cache(cache_dir)
-    tok = inputs.tokenized(cfg, ins.tokenizer, progress)
-    if tok.dropped:
-        log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
-    if ref is not None:
-        check_cache_rows(ref, tok.pairs, cache_dir)
-
+    s = setup(cfg, recipe, progress)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    resolved_note = "".join(f"# resolved {r}\n" for r in resolved.reasons)
+    resolved_note = "".join(f"# resolved {r}\n" for r in s.resolved.reasons)
     cache.atomic_write_bytes(out_dir / "config.yaml", (cfg.to_yaml() + resolved_note).encode())
-    for reason in resolved.reasons:
+    for reason in s.resolved.reasons:
         log(f"resolved {reason}")
-    log(f"reference: {'cached in ' + str(cache_dir) if ref is not None else 'live (adapter disabled), costs a forward'}")
+    log(f"reference: {'cached in ' + cfg.ref_cache_dir if s.ref is not None else 'live (adapter disabled), costs a forward'}")
+    log(f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
+        f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} pairs ({len(s.pairs)} pairs in the data)")
 
-    model = setup_model(cfg, resolved, ins.model_path)
-    steps = total_steps(cfg, len(tok.pairs))
-    opt, sched, params = setup_optimizer(cfg, model, steps)
-    n_train = sum(p.numel() for p in params)
-    log(f"training {n_train:,} LoRA parameters for {steps} steps of {cfg.per_device_train_batch_size} x "
-        f"{cfg.gradient_accumulation_steps} pairs ({len(tok.pairs)} pairs in the data)")
-
-    pad_id = data.pad_token_id(ins.tokenizer)
-    stream = micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
-    metrics_path = out_dir / "metrics.jsonl"
-    metrics_file = open(metrics_path, "w", encoding="utf-8")
     window = StepStats()
     last: dict = {}
-    bar = tqdm(total=steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
-    max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else float("inf")
-    try:
-        for step in range(1, steps + 1):
-            group = [next(stream) for _ in range(cfg.gradient_accumulation_steps)]
-            devices.synchronize(resolved.device)
+    bar = tqdm(total=s.steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    with open(out_dir / "metrics.jsonl", "w", encoding="utf-8") as metrics_file:
+        for step in range(1, s.steps + 1):
+            devices.synchronize(s.resolved.device)
             t0 = time.perf_counter()
-            lr = sched.get_last_lr()[0]
-            stats = train_step(model, cfg, group, ref, pad_id, resolved.device)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            devices.synchronize(resolved.device)
+            stats, grad_norm, lr = optimizer_step(s)
+            devices.synchronize(s.resolved.device)
             dt = time.perf_counter() - t0
             window.add(stats)
             bar.update(1)
-            if step == 1 or step % cfg.logging_steps == 0 or step == steps:
+            if step == 1 or step % cfg.logging_steps == 0 or step == s.steps:
                 last = {"step": step, **{k: round(v, 6) for k, v in window.means().items()},
                         "grad_norm": round(grad_norm, 6), "learning_rate": lr, "step_time_s": round(dt, 6),
                         "tokens_per_s": round(stats.tokens / dt, 3)}
-                peak = devices.peak_memory_bytes(resolved.device)
+                peak = devices.peak_memory_bytes(s.resolved.device)
                 if peak is not None:
                     last["peak_mem_bytes"] = peak
                 metrics_file.write(json.dumps(last) + "\n")
@@ -244,15 +273,13 @@ def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainR
                 bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['rewards/accuracies']:.2f}",
                                 margin=f"{last['rewards/margins']:.3f}")
                 window = StepStats()
-            if cfg.save_steps and step % cfg.save_steps == 0 and step != steps:
-                save_adapter(model, out_dir / f"checkpoint-{step}")
-    finally:
-        bar.close()
-        metrics_file.close()
-    save_adapter(model, out_dir)
-    log(f"saved adapter to {out_dir} (step {steps}: loss {last['loss']:.4f}, rewards/accuracies "
+            if cfg.save_steps and step % cfg.save_steps == 0 and step != s.steps:
+                save_adapter(s.model, out_dir / f"checkpoint-{step}")
+    bar.close()
+    save_adapter(s.model, out_dir)
+    log(f"saved adapter to {out_dir} (step {s.steps}: loss {last['loss']:.4f}, rewards/accuracies "
         f"{last['rewards/accuracies']:.2f})")
-    return TrainResult(last, model)
+    return TrainResult(last, s.model)
 
 
 def main(argv: list[str]) -> int:
