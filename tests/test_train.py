@@ -128,3 +128,12 @@ def test_demo_recipe_learns(tmp_path):
     assert last["step"] == cfg.max_steps
     assert last["rewards/accuracies"] >= 0.9
     assert last["rewards/margins"] > 0.05
+
+
+def test_bfloat16_cache_and_policy_agree_at_step_1(make_cfg):
+    """Precompute and train run the forward under the same autocast, so a bf16 run also starts at ln 2."""
+    cfg = make_cfg(dtype="bfloat16", max_steps=1)
+    precompute.run(cfg, progress=False)
+    (m,) = [train.run(cfg, progress=False).metrics]
+    assert m["loss"] == pytest.approx(math.log(2), abs=2e-3)
+    assert abs(m["rewards/margins"]) < 1e-2
