@@ -53,14 +53,25 @@ class Config:
     ref_cache_dir: str = _f("runs/tiny-ref-cache", "Where precompute writes the reference log-prob cache and "
                             "where train reads it.")
     # -- precision and device ------------------------------------------------------------------------------------
-    device: str = _f("auto", "auto picks cuda when present, else cpu.", choices=("auto", "cpu", "cuda"))
-    dtype: str = _f("auto", "Weights/compute dtype. auto: float32 on CPU, bfloat16 on a CUDA GPU that has it "
-                    "(else float32). Memory: float32 costs 2x the bytes of the 16-bit types.",
-                    choices=("auto", "float32", "bfloat16", "float16"), cache_key=True)
-    quantization: str = _f("none", "Quantize the frozen base weights (4bit: ~0.56 bytes/param, 8bit: ~1.06). "
-                           "Not supported yet: only none.", choices=("none", "8bit", "4bit"), cache_key=True)
+    device: str = _f("auto", "auto picks cuda when torch sees a GPU, else mps (Apple) when present, else cpu.",
+                     choices=("auto", "cpu", "cuda", "mps"))
+    dtype: str = _f("auto", "Dtype of the policy's unquantized weights and of its compute (also the compute dtype "
+                    "of a 4bit/8bit base). auto: bfloat16 on a CUDA GPU or a CPU with native bf16, else float32 "
+                    "(README, Devices). Memory: float32 costs 2x the bytes of the 16-bit types.",
+                    choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str = _f("none", "Quantize the policy's frozen base weights with bitsandbytes (4bit: NF4 with "
+                           "double quantization, ~0.56 bytes/param; 8bit: LLM.int8, ~1.06; none: 2 bytes/param in "
+                           "16-bit). LoRA weights stay float32.", choices=("none", "8bit", "4bit"))
+    ref_quantization: Optional[str] = _f(None, "Quantization of the reference in precompute (none|8bit|4bit); null: "
+                                         "the same as quantization. E.g. none with a 4bit policy computes the "
+                                         "reference at full precision.", choices=("none", "8bit", "4bit"),
+                                         cache_key=True)
+    ref_dtype: Optional[str] = _f(None, "Dtype of the reference in precompute (auto|float32|bfloat16|float16); "
+                                  "null: the same as dtype.", choices=("auto", "float32", "bfloat16", "float16"),
+                                  cache_key=True)
     gradient_checkpointing: str = _f("auto", "Recompute activations in backward: saves activation memory, costs "
-                                     "~30% more compute. auto: off on CPU, on on CUDA.",
+                                     "~30% more compute. auto: on for CUDA <= 24 GiB and mps, off for larger "
+                                     "GPUs and CPUs (README, Devices).",
                                      choices=("auto", "true", "false"))
     # -- tokenization (these change the reference numbers) -----------------------------------------------------
     max_length: int = _f(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
@@ -116,15 +127,29 @@ class Config:
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
             problems.append(f"max_prompt_length={self.max_prompt_length} must be below max_length="
                             f"{self.max_length}: a prompt that long leaves no room for the completion")
-        if self.quantization != "none":
-            problems.append(f"quantization={self.quantization}: not supported yet (only none); the quantized "
-                            "base lands with the memory planner")
+        if self.ref_source == "live":
+            for key, policy_key in (("ref_quantization", "quantization"), ("ref_dtype", "dtype")):
+                value = getattr(self, key)
+                if value is not None and value != getattr(self, policy_key):
+                    problems.append(f"{key}={value}: ref_source=live computes the reference with the policy's own "
+                                    f"base ({policy_key}={getattr(self, policy_key)}); set {key}=null or use "
+                                    "ref_source=cache")
         if self.loss_type == "robust" and self.label_smoothing >= 0.5:
             problems.append(f"label_smoothing={self.label_smoothing}: loss_type=robust needs it below 0.5 "
                             "(it divides by 1 - 2*label_smoothing)")
         if not self.lora_target_modules:
             problems.append("lora_target_modules is empty: name at least one module or use all-linear")
         return problems
+
+    @property
+    def reference_quantization(self) -> str:
+        """The reference's quantization: ref_quantization, or quantization when it is null."""
+        return self.quantization if self.ref_quantization is None else self.ref_quantization
+
+    @property
+    def reference_dtype(self) -> str:
+        """The reference's dtype setting (may be auto): ref_dtype, or dtype when it is null."""
+        return self.dtype if self.ref_dtype is None else self.ref_dtype
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
@@ -151,7 +176,9 @@ def _coerce(name: str, raw, tp):
     """Turn a YAML value or an override string into the field's declared type, or raise ConfigError."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        if raw is None or (isinstance(raw, str) and raw.strip().lower() in _NULLS):
+        choices = FIELDS[name].metadata["choices"] or ()
+        is_choice = isinstance(raw, str) and raw.strip() in choices  # ref_quantization=none: the choice, not null
+        if raw is None or (not is_choice and isinstance(raw, str) and raw.strip().lower() in _NULLS):
             return None
         inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
         return _coerce(name, raw, inner)
@@ -294,5 +321,9 @@ def help_text(stage: str, command_doc: str) -> str:
 
 
 def cache_settings(cfg: Config) -> dict:
-    """The config values the reference log-probs depend on (beyond model, tokenizer and data content)."""
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config) if f.metadata["cache_key"]}
+    """The config values the reference log-probs depend on (beyond model, tokenizer and data content), with
+    ref_quantization and ref_dtype resolved from quantization and dtype when null. The fingerprint goes one step
+    further and resolves a dtype of auto for the device (inputs.fingerprint_components)."""
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config) if f.metadata["cache_key"]}
+    out.update(ref_quantization=cfg.reference_quantization, ref_dtype=cfg.reference_dtype)
+    return out

@@ -1,8 +1,8 @@
-"""Per-device rules: which device, compute dtype and gradient checkpointing a run gets, and why.
+"""Per-device rules: which device, dtype, gradient checkpointing, optimizer and offload a run gets, and why.
 
-Hardware and optional-dependency code lives here, imported lazily, so everything imports on a CPU.
-The table is the rule book; `auto` values in the config resolve through it and the train log prints each
-choice with its reason.
+Hardware and optional-dependency code (bitsandbytes) lives here and in models.py, imported lazily, so
+everything imports on a CPU. The RULES table is the rule book; `auto` values in the config resolve through it
+and the train log prints each choice with its reason.
 """
 
 from __future__ import annotations
@@ -14,30 +14,83 @@ import torch
 
 from lowmem_dpo.cli import UserError
 
-# device kind -> (dtype, gradient checkpointing, optimizer, reason)
-RULES = {
-    "cpu-bf16": ("bfloat16", False, "torch AdamW",
-                 "CPU with native bf16 (AVX512-BF16/AMX): bfloat16 weights run matmuls ~2x faster than float32 "
-                 "and halve memory; no checkpointing: RAM is plentiful and recomputation only costs time"),
-    "cpu": ("float32", False, "torch AdamW",
-            "CPU without native bf16: float32 (16-bit matmuls are emulated and slow); no checkpointing: RAM is "
-            "plentiful and recomputation only costs time"),
-    "cuda-bf16": ("bfloat16", True, "torch AdamW",
-                  "CUDA with bf16: bfloat16 weights halve memory; checkpointing trades ~30% compute for "
-                  "activation memory on a small card"),
-    "cuda": ("float32", True, "torch AdamW",
-             "CUDA without bf16: float32 (fp16 training would need loss scaling); checkpointing on"),
+GiB = 1 << 30
+
+# Optimizer names (as transformers' `optim`): torch's AdamW, or bitsandbytes' paged 8-bit AdamW, whose two
+# states take 2 bytes/param instead of 8 and whose pages move to CPU RAM when the GPU runs out, instead of OOM.
+ADAMW_TORCH = "adamw_torch"
+PAGED_ADAMW_8BIT = "paged_adamw_8bit"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one device kind gets. dtype and gradient_checkpointing apply where the config says auto; the
+    optimizer and offload are not config keys and always come from here."""
+
+    dtype: str  # weights and compute; also the compute dtype of a 4-bit/8-bit base
+    gradient_checkpointing: bool
+    optimizer: str  # ADAMW_TORCH or PAGED_ADAMW_8BIT
+    offload: str  # what lives off the device's memory, beyond the reference (always on disk: the cache)
+    why: str
+
+
+_CKPT_SMALL_GPU = "checkpointing on: it trades ~30% compute for activation memory, which a 7B run needs here"
+_PAGED = ("paged 8-bit AdamW: LoRA optimizer state at 2 bytes/param, paged to CPU RAM under memory pressure "
+          "instead of an out-of-memory error")
+_CPU_FREE = "no checkpointing: RAM is plentiful and recomputation only costs time; torch AdamW (bitsandbytes' " \
+            "paged optimizers need CUDA)"
+
+# device kind -> Rule. CUDA kinds by total memory (<= 12 GiB, <= 24 GiB, larger) and bf16 support; CPUs by
+# native bf16 (AVX512-BF16 or AMX, as oneDNN reports); Apple GPUs (mps).
+RULES: dict[str, Rule] = {
+    "cuda-12gb-bf16": Rule("bfloat16", True, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+                           f"CUDA <= 12 GiB with bf16: bfloat16 halves memory; {_CKPT_SMALL_GPU}; {_PAGED}"),
+    "cuda-12gb": Rule("float32", True, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+                      f"CUDA <= 12 GiB without bf16: float32 (fp16 training would need loss scaling); "
+                      f"{_CKPT_SMALL_GPU}; {_PAGED}"),
+    "cuda-24gb-bf16": Rule("bfloat16", True, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+                           f"CUDA <= 24 GiB with bf16: bfloat16 halves memory; {_CKPT_SMALL_GPU}; {_PAGED}"),
+    "cuda-24gb": Rule("float32", True, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+                      f"CUDA <= 24 GiB without bf16: float32 (fp16 training would need loss scaling); "
+                      f"{_CKPT_SMALL_GPU}; {_PAGED}"),
+    "cuda-large-bf16": Rule("bfloat16", False, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+                            "CUDA > 24 GiB with bf16: bfloat16 halves memory; no checkpointing: a 7B LoRA run's "
+                            "activations fit at usual batch sizes and recomputation would cost ~30% step time "
+                            f"(set gradient_checkpointing=true for long sequences); {_PAGED}"),
+    "cuda-large": Rule("float32", False, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+                       "CUDA > 24 GiB without bf16: float32 (fp16 training would need loss scaling); no "
+                       f"checkpointing: activations fit at usual batch sizes; {_PAGED}"),
+    "mps": Rule("float32", True, ADAMW_TORCH, "none",
+                "Apple GPU (mps): float32 (bf16 there needs macOS 14+); checkpointing on: unified memory is shared "
+                "with the system; torch AdamW (bitsandbytes' paged optimizers need CUDA)"),
+    "cpu-bf16": Rule("bfloat16", False, ADAMW_TORCH, "none",
+                     "CPU with native bf16 (AVX512-BF16/AMX): bfloat16 runs matmuls ~2x faster than float32 and "
+                     f"halves memory, also as a 4-bit/8-bit base's compute dtype; {_CPU_FREE}"),
+    "cpu": Rule("float32", False, ADAMW_TORCH, "none",
+                f"CPU without native bf16: float32 (16-bit matmuls are emulated and slow); {_CPU_FREE}"),
 }
+
+QUANTIZATION_NAMES = {"none": "none", "8bit": "LLM.int8", "4bit": "NF4 with double quantization"}
 
 
 @dataclass
 class Resolved:
     device: torch.device
-    kind: str
-    dtype: torch.dtype
+    kind: str  # a RULES key
+    dtype: torch.dtype  # the policy's weights and compute, also the compute dtype of its quantized base
     gradient_checkpointing: bool
-    optimizer: str
+    optimizer: str  # ADAMW_TORCH or PAGED_ADAMW_8BIT
     reasons: list[str] = field(default_factory=list)
+    quantization: str = "none"  # the policy's base: none|8bit|4bit
+    ref_dtype: torch.dtype | None = None  # the reference's (precompute's) dtype; None: the same as dtype
+    ref_quantization: str | None = None  # the reference's base: none|8bit|4bit; None: the same as quantization
+    offload: str = "none"
+
+    def __post_init__(self):
+        if self.ref_dtype is None:
+            self.ref_dtype = self.dtype
+        if self.ref_quantization is None:
+            self.ref_quantization = self.quantization
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,48 +104,113 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+def memory_tier(total_bytes: int) -> str:
+    """CUDA memory tier of a card: 12gb (<= 12 GiB), 24gb (<= 24 GiB) or large."""
+    if total_bytes <= 12 * GiB:
+        return "12gb"
+    if total_bytes <= 24 * GiB:
+        return "24gb"
+    return "large"
+
+
 def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
-        return "cuda-bf16" if torch.cuda.is_bf16_supported() else "cuda"
+        tier = memory_tier(torch.cuda.get_device_properties(device).total_memory)
+        # Native bf16 only (Ampere and later): by default torch also answers yes for the slow emulation on
+        # Turing/Volta cards (T4, V100, RTX 20xx), which belong to the float32 rows.
+        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        return f"cuda-{tier}" + ("-bf16" if bf16 else "")
+    if device.type == "mps":
+        return "mps"
     return "cpu-bf16" if cpu_has_native_bf16() else "cpu"
 
 
-def resolve(cfg) -> Resolved:
-    """Resolve device, dtype and gradient_checkpointing from the config and the RULES table."""
-    reasons = []
+def _pick_device(cfg) -> tuple[torch.device, str]:
     if cfg.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        reasons.append(f"device={device.type} (auto: {'CUDA present' if device.type == 'cuda' else 'no CUDA'})")
-    else:
-        if cfg.device == "cuda" and not torch.cuda.is_available():
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device()), "device=cuda (auto: CUDA present)"
+        if torch.backends.mps.is_available():
+            return torch.device("mps"), "device=mps (auto: no CUDA, Apple GPU present)"
+        return torch.device("cpu"), "device=cpu (auto: no CUDA or mps)"
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
             raise UserError("device=cuda but no CUDA GPU is visible to torch: use device=cpu or device=auto, or "
                             "install a CUDA build of torch")
-        device = torch.device(cfg.device)
-        reasons.append(f"device={device.type} (from the recipe)")
+        return torch.device("cuda", torch.cuda.current_device()), "device=cuda (from the recipe)"
+    if cfg.device == "mps" and not torch.backends.mps.is_available():
+        raise UserError("device=mps but torch sees no Apple GPU (mps): use device=cpu or device=auto")
+    return torch.device(cfg.device), f"device={cfg.device} (from the recipe)"
+
+
+def _dtype(setting: str, key: str, rule: Rule) -> tuple[torch.dtype, str]:
+    if setting == "auto":
+        return DTYPES[rule.dtype], f"{key}={rule.dtype} (auto)"
+    return DTYPES[setting], f"{key}={setting} (from the recipe)"
+
+
+def resolve(cfg) -> Resolved:
+    """Resolve device, dtypes, gradient_checkpointing, optimizer and offload from the config and RULES."""
+    device, device_reason = _pick_device(cfg)
     kind = device_kind(device)
-    rule_dtype, rule_ckpt, optimizer, why = RULES[kind]
-    if cfg.dtype == "auto":
-        dtype = DTYPES[rule_dtype]
-        reasons.append(f"dtype={rule_dtype} (auto; {why})")
-    else:
-        dtype = DTYPES[cfg.dtype]
-        reasons.append(f"dtype={cfg.dtype} (from the recipe)")
+    rule = RULES[kind]
+    reasons = [device_reason, f"device kind {kind}: {rule.why}"]
+    dtype, why = _dtype(cfg.dtype, "dtype", rule)
+    reasons.append(why)
+    if cfg.quantization != "none":
+        reasons.append(f"quantization={cfg.quantization} ({QUANTIZATION_NAMES[cfg.quantization]}, bitsandbytes; "
+                       f"computes in {dtype_name(dtype)}, the dtype)")
+    ref_dtype, why = _dtype(cfg.reference_dtype, "ref_dtype", rule)
+    if cfg.ref_dtype is None:
+        why = f"ref_dtype={dtype_name(ref_dtype)} (null: as dtype)"
+    ref_q = (f"ref_quantization={cfg.reference_quantization} "
+             f"({'null: as quantization' if cfg.ref_quantization is None else 'from the recipe'})")
+    reasons.append(f"{why}, {ref_q}: the reference's settings in precompute and in the cache fingerprint")
     if cfg.gradient_checkpointing == "auto":
-        ckpt = rule_ckpt
-        reasons.append(f"gradient_checkpointing={str(ckpt).lower()} (auto; {kind})")
+        ckpt = rule.gradient_checkpointing
+        reasons.append(f"gradient_checkpointing={str(ckpt).lower()} (auto)")
     else:
         ckpt = cfg.gradient_checkpointing == "true"
         reasons.append(f"gradient_checkpointing={cfg.gradient_checkpointing} (from the recipe)")
-    reasons.append(f"optimizer={optimizer}")
-    return Resolved(device, kind, dtype, ckpt, optimizer, reasons)
+    reasons.append(f"optimizer={rule.optimizer}, offload={rule.offload} (rule for {kind})")
+    return Resolved(device, kind, dtype, ckpt, rule.optimizer, reasons, quantization=cfg.quantization,
+                    ref_dtype=ref_dtype, ref_quantization=cfg.reference_quantization, offload=rule.offload)
 
 
-def autocast(resolved: Resolved):
+# -- bitsandbytes (optional at import time; needed for quantization and the paged optimizer) ----------------------
+def import_bitsandbytes(needed_for: str):
+    """The bitsandbytes module, imported on first use, or a UserError saying how to install it."""
+    import logging
+
+    # At import, on CPUs with AVX512-BF16, bitsandbytes warns that the optional `kernels` package is missing; it
+    # only serves the packed inference path that models.load_model turns off. Not the user's to act on.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    except Exception as e:  # missing, or a build that does not match this machine's CUDA/CPU
+        detail = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"{needed_for} needs bitsandbytes, which could not be imported ({type(e).__name__}: "
+                        f"{detail}). Install it with: pip install 'bitsandbytes>=0.45' (on a GPU, after your CUDA "
+                        "build of torch)") from None
+    return bitsandbytes
+
+
+def make_optimizer(name: str, params: list, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer a rule names, over `params` (the LoRA weights, float32)."""
+    if name == PAGED_ADAMW_8BIT:
+        bnb = import_bitsandbytes(f"optimizer={PAGED_ADAMW_8BIT} (the rule on CUDA)")
+        return bnb.optim.PagedAdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    if name == ADAMW_TORCH:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise AssertionError(f"unknown optimizer {name!r} in devices.RULES")
+
+
+# -- forward-pass helpers ---------------------------------------------------------------------------------------
+def autocast(device: torch.device, dtype: torch.dtype):
     """Forward-pass context: with 16-bit base weights, autocast to the same dtype so peft's float32 LoRA path
     (which casts every adapted layer's input up to float32) also runs its matmuls in 16-bit. On a CPU with
     native bf16 this makes a train step ~20% faster; LoRA weights and optimizer state stay float32."""
-    if resolved.dtype in (torch.bfloat16, torch.float16):
-        return torch.autocast(resolved.device.type, dtype=resolved.dtype)
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(device.type, dtype=dtype)
     return contextlib.nullcontext()
 
 

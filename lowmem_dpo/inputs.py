@@ -19,7 +19,10 @@ class Inputs:
 
 
 def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path) -> dict:
-    """Everything the reference log-probs depend on, and nothing they don't (no training knobs)."""
+    """Everything the reference log-probs depend on, and nothing they don't (no training knobs).
+
+    `dtype` and `quantization` are the reference's resolved settings (ref_dtype and ref_quantization, which
+    default to dtype and quantization), not the policy's: a cache computed unquantized serves a 4-bit policy."""
     files = data.data_files(cfg.dataset)
     if files:
         root = Path(cfg.dataset) if Path(cfg.dataset).is_dir() else None
@@ -35,8 +38,8 @@ def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path) ->
         "dataset": dataset,
         "max_length": cfg.max_length,
         "max_prompt_length": cfg.max_prompt_length,
-        "dtype": dtype_name(resolved.dtype),
-        "quantization": cfg.quantization,
+        "dtype": dtype_name(resolved.ref_dtype),
+        "quantization": resolved.ref_quantization,
     }
 
 

@@ -35,7 +35,8 @@ def shard_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id:
     out = {"rows": [], "chosen": [], "rejected": [], "chosen_tokens": [], "rejected_tokens": []}
     for i in range(0, len(pairs), batch_size):
         batch = data.collate(pairs[i:i + batch_size], pad_id).to(resolved.device)
-        with devices.autocast(resolved):  # the same precision as train's forward: step 1 shows ln 2
+        # The same precision as train's forward at the same settings: step 1 shows ln 2.
+        with devices.autocast(resolved.device, resolved.ref_dtype):
             chosen, rejected = completion_logps(model, batch.input_ids, batch.attention_mask,
                                                 batch.completion_mask).split()
         out["rows"].append(batch.rows)
@@ -65,6 +66,8 @@ def run(cfg: Config, progress: bool = True) -> Path:
     if manifest is not None and manifest.get("fingerprint") == fp:
         log(f"reference cache {cache_dir} is up to date ({manifest['num_rows']} rows, fingerprint {fp[:12]})")
         return cache_dir
+    if resolved.ref_quantization != "none":  # fail before tokenizing, not after
+        devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
 
     tok = inputs.tokenized(cfg, ins.tokenizer, progress)
     if tok.dropped:
@@ -84,9 +87,10 @@ def run(cfg: Config, progress: bool = True) -> Path:
     if any(done):
         log(f"resuming: {sum(done)} of {len(shards)} shards already finished ({done_rows} rows)")
 
-    log(f"precompute: {len(tok.pairs)} rows on {resolved.device.type} in {devices.dtype_name(resolved.dtype)}, "
-        f"batch {cfg.precompute_batch_size}, into {shard_dir}")
-    model = load_model(ins.model_path, resolved.device, resolved.dtype)
+    quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
+    log(f"precompute: {len(tok.pairs)} rows on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
+        f"{quantized}, batch {cfg.precompute_batch_size}, into {shard_dir}")
+    model = load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
     pad_id = data.pad_token_id(ins.tokenizer)
     t0 = time.perf_counter()
     bar = tqdm(total=len(tok.pairs), initial=done_rows, desc="precompute", unit="row", disable=not progress,

@@ -33,12 +33,13 @@ METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies
 
 # -- setup steps -------------------------------------------------------------------------------------------------
 def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path):
-    """Base model (frozen, dropout off) + a fresh LoRA adapter."""
+    """Base model (frozen, dropout off, quantized if asked) + a fresh LoRA adapter whose every parameter gets a
+    gradient, with or without a quantized base and gradient checkpointing."""
     from peft import LoraConfig, get_peft_model
 
     from lowmem_dpo.models import load_model
 
-    base = load_model(model_path, resolved.device, resolved.dtype)
+    base = load_model(model_path, resolved.device, resolved.dtype, resolved.quantization)
     targets = cfg.lora_target_modules
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules="all-linear" if targets == ["all-linear"] else targets,
@@ -50,8 +51,18 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path):
         raise UserError(f"lora_target_modules={targets}: {e}") from None
     if resolved.gradient_checkpointing:
         # Saves memory: activations are recomputed in backward instead of kept for every layer.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        # Non-reentrant checkpointing: reentrant checkpointing gives a layer's output a grad_fn only when one of
+        # its *inputs* requires grad, and with a frozen (e.g. 8-bit) base and frozen embeddings none does, so
+        # backward fails with "element 0 of tensors does not require grad" or the LoRA weights inside get no
+        # gradient. The non-reentrant version tracks the parameters used inside the layer.
+        kwargs = {"use_reentrant": False}
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5; the old name warns there
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        # Belt and braces for models whose checkpointing ignores use_reentrant (remote code in the old format):
+        # the embedding output requires grad, so every layer's input does. Costs one (B, T, H) gradient.
+        base.enable_input_require_grads()
     model.train()
     return model
 
@@ -68,9 +79,11 @@ def get_lr(step: int, cfg: Config, total_steps: int) -> float:
     return max(0.0, 1.0 - progress)
 
 
-def setup_optimizer(cfg: Config, model, total_steps: int):
+def setup_optimizer(cfg: Config, model, total_steps: int, resolved: devices.Resolved):
+    """The device rule's optimizer (paged 8-bit AdamW on CUDA, torch AdamW elsewhere) over the LoRA weights,
+    with the warmup + decay schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    opt = devices.make_optimizer(resolved.optimizer, params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: get_lr(s, cfg, total_steps))
     return opt, sched, params
 
@@ -130,7 +143,7 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
     device = resolved.device
     for pairs in group:
         batch = data.collate(pairs, pad_id).to(device)
-        with devices.autocast(resolved):
+        with devices.autocast(resolved.device, resolved.dtype):
             ref_chosen, ref_rejected = reference_logps(model, batch, ref)
             policy = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
         chosen, rejected = policy.split()  # (B,) each
@@ -174,6 +187,20 @@ def check_cache_rows(ref: cache.RefCache, pairs: list[data.TokenizedPair], cache
                         "with python -m lowmem_dpo.precompute")
 
 
+def check_cache(cache_dir: Path, fingerprint: dict, rebuild_cmd: str) -> None:
+    """cache.check_fingerprint; when only the reference's precision differs, the message also says which
+    settings train against the cache as built (it may hold a higher-precision reference on purpose)."""
+    try:
+        cache.check_fingerprint(cache_dir, fingerprint, rebuild_cmd)
+    except UserError as e:
+        old = (cache.read_manifest(cache_dir) or {}).get("components", {})
+        changed = {k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k)}
+        if not changed or not changed <= {"dtype", "quantization"}:
+            raise
+        raise UserError(f"{e} ; or train against it as built: ref_quantization={old['quantization']} "
+                        f"ref_dtype={old['dtype']} (the dtype and quantization above are the reference's)") from None
+
+
 @dataclass
 class Session:
     """Everything one training run holds: built by `setup`, advanced by `optimizer_step`."""
@@ -199,8 +226,13 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     ref = None
     if cfg.ref_source == "cache":
         # Before anything heavy loads: a stale cache is refused in seconds.
-        cache.check_fingerprint(cache_dir, ins.fingerprint, rebuild_command(cfg, recipe))
+        check_cache(cache_dir, ins.fingerprint, rebuild_command(cfg, recipe))
         ref = cache.load_ref_cache(cache_dir)
+    needs_bnb = ([f"quantization={resolved.quantization}"] if resolved.quantization != "none" else []) + (
+        [f"optimizer={resolved.optimizer} (the {resolved.kind} rule)"]
+        if resolved.optimizer == devices.PAGED_ADAMW_8BIT else [])
+    if needs_bnb:  # fail before tokenizing and loading, not after
+        devices.import_bitsandbytes(" and ".join(needs_bnb))
     tok = inputs.tokenized(cfg, ins.tokenizer, progress)
     if tok.dropped:
         log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
@@ -208,7 +240,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
         check_cache_rows(ref, tok.pairs, cache_dir)
     model = setup_model(cfg, resolved, ins.model_path)
     steps = total_steps(cfg, len(tok.pairs))
-    opt, sched, params = setup_optimizer(cfg, model, steps)
+    opt, sched, params = setup_optimizer(cfg, model, steps, resolved)
     stream = micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
     return Session(cfg, resolved, model, opt, sched, params, ref, tok.pairs, data.pad_token_id(ins.tokenizer),
                    steps, stream)

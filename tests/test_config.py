@@ -54,7 +54,8 @@ def test_comma_separated_list():
     ("max_length=null", "max_length=null: expected int, and this key cannot be null"),
     ("learnin_rate=1e-4", "learnin_rate: unknown key"),
     ("max_steps", "expected key=value"),
-    ("quantization=4bit", "not supported yet"),
+    ("quantization=2bit", "quantization='2bit': expected one of none, 8bit, 4bit"),
+    ("ref_dtype=float8", "ref_dtype='float8': expected one of auto, float32, bfloat16, float16"),
     ("max_prompt_length=64", "must be below max_length"),
 ])
 def test_errors_name_key_value_and_expectation(override, fragment):
@@ -86,7 +87,13 @@ def test_recipe_errors(tmp_path):
 
 def test_training_knobs_are_not_cache_keys():
     keys = set(cache_settings(Config()))
-    assert keys == {"dtype", "quantization", "max_length", "max_prompt_length"}
+    assert keys == {"ref_dtype", "ref_quantization", "max_length", "max_prompt_length"}
+    # null ref settings are the policy's; set, they make the policy's dtype and quantization training knobs
+    assert cache_settings(Config(quantization="4bit", dtype="bfloat16")) == {
+        **cache_settings(Config()), "ref_quantization": "4bit", "ref_dtype": "bfloat16"}
+    pinned = Config(ref_quantization="none", ref_dtype="float32")
+    assert cache_settings(pinned) == cache_settings(Config(quantization="8bit", dtype="bfloat16",
+                                                           ref_quantization="none", ref_dtype="float32"))
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")) + sorted((REPO / "bench").rglob("*.yaml")),
