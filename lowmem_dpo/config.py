@@ -227,6 +227,8 @@ def _coerce(name: str, raw, tp):
             raise ConfigError(f"{name}={raw!r}: expected a list of names or a comma-separated string")
         return [s for s in items if s]
     if tp is str:
+        if isinstance(raw, bool):  # YAML reads a bare `true` as a bool: keep the choice's spelling
+            return str(raw).lower()
         if isinstance(raw, (dict, list)):
             raise ConfigError(f"{name}={raw!r}: expected a string")
         return str(raw)

@@ -132,3 +132,11 @@ def test_cli_help_lists_every_key():
         assert f"  {name} (" in p.stdout
     assert "learning_rate (float, default 5.0e-05" in p.stdout
     assert "max_prompt_length (int or null, default null" in p.stdout
+
+
+def test_bare_yaml_bool_for_a_choice_key(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("gradient_checkpointing: true\n")
+    assert load_config(recipe).gradient_checkpointing == "true"
+    recipe.write_text("gradient_checkpointing: false\n")
+    assert load_config(recipe).gradient_checkpointing == "false"

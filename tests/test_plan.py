@@ -1,0 +1,243 @@
+"""Memory planner: shipped architectures, the formulas against measured peaks (tiny-llama and llama-25m, with and
+without checkpointing, with and without a 4-bit base), the chunked LM head at 32k and 152k vocabularies, the
+knob search, the shipped 12 GB recipes, and the CLI."""
+
+import configparser
+import dataclasses
+import fnmatch
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lowmem_dpo import plan
+from lowmem_dpo.cli import UserError
+from lowmem_dpo.config import build_config, load_config
+
+REPO = plan.ARCHS_DIR.parents[1]
+GiB = plan.GiB
+
+
+# -- architectures -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, params", [
+    ("lowmem_dpo:arch/mistral-7b-v0.1", 7.2417e9), ("mistralai/Mistral-7B-v0.1", 7.2417e9),
+    ("meta-llama/Llama-3.1-8B", 8.0303e9), ("meta-llama/Llama-3.1-8B-Instruct", 8.0303e9),
+    ("Qwen/Qwen2.5-7B", 7.6156e9),
+])
+def test_shipped_architectures_have_the_published_sizes(spec, params):
+    arch = plan.load_arch(spec)
+    assert arch.params() == pytest.approx(params, rel=1e-3)
+
+
+def test_arch_matches_the_model_transformers_builds():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name in plan.shipped_archs():
+        config = AutoConfig.from_pretrained(plan.ARCHS_DIR / name)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert plan.load_arch(plan.ARCH_PREFIX + name).params() == sum(p.numel() for p in model.parameters()), name
+
+
+def test_arch_files_are_package_data():
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    patterns = cfg["options.package_data"]["lowmem_dpo"].split()
+    files = [str(p.relative_to(plan.ARCHS_DIR.parent)) for p in plan.ARCHS_DIR.glob("*/config.json")]
+    assert len(files) == 3 and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files)
+
+
+def test_unknown_arch_is_a_user_error():
+    with pytest.raises(UserError, match="no shipped architecture 'gpt-9'.*lowmem_dpo:arch/mistral-7b-v0.1"):
+        plan.load_arch("lowmem_dpo:arch/gpt-9")
+
+
+def test_builtin_weights_match_the_formula(tiny_path):
+    from lowmem_dpo.models import load_model
+
+    model = load_model(tiny_path, torch.device("cpu"), torch.float32)
+    arch = plan.load_arch("lowmem_dpo:tiny-llama")
+    assert sum(plan.base_weight_bytes(arch, "float32", "none").values()) == sum(
+        p.numel() * 4 for p in model.parameters())
+
+
+def test_nf4_bytes_per_param():
+    n = 4096 * 14336
+    assert plan.linear_weight_bytes(4096, 14336, "4bit", 2) / n == pytest.approx(0.516, abs=0.001)
+    assert plan.linear_weight_bytes(4096, 14336, "8bit", 2) / n == pytest.approx(1.0003, abs=0.001)
+
+
+# -- predicted vs measured (CPU, PeakMeter) ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def long_rows(tmp_path_factory):
+    """The step-time benchmark's rows (~250 tokens each): truncated at max_length, so activations dominate."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import make_data
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return str(make_data.ensure(tmp_path_factory.mktemp("bench") / "rows.jsonl", 16))
+
+
+def measured_vs_predicted(cfg, steps=2):
+    measured = plan.measure(cfg, steps)
+    setup = plan.at_measured_shapes(plan.setup_from_config(cfg), measured)
+    pred = plan.predict(plan.load_arch(cfg.model_name_or_path), setup)
+    return {stage: (getattr(pred, stage).tensor_peak_bytes, measured[stage]["measured_peak_bytes"])
+            for stage in ("train", "precompute")}
+
+
+CASES = [  # model, max_length, pairs per micro-batch, dtype, checkpointing, quantization
+    ("tiny-llama", 64, 8, "float32", "false", "none"),
+    ("tiny-llama", 64, 8, "bfloat16", "true", "4bit"),
+    ("llama-25m", 128, 2, "float32", "false", "none"),
+    ("llama-25m", 128, 2, "bfloat16", "true", "none"),
+    ("llama-25m", 128, 2, "bfloat16", "false", "4bit"),
+    ("llama-25m", 128, 2, "bfloat16", "true", "4bit"),
+]
+
+
+@pytest.mark.parametrize("model, max_length, batch, dtype, ckpt, quant", CASES,
+                         ids=["-".join(map(str, c)) for c in CASES])
+def test_prediction_within_20_percent_of_measured(long_rows, tmp_path, model, max_length, batch, dtype, ckpt, quant):
+    cfg = build_config(dict(model_name_or_path=f"lowmem_dpo:{model}", dataset=long_rows, device="cpu", dtype=dtype,
+                            gradient_checkpointing=ckpt, quantization=quant, max_length=max_length,
+                            max_prompt_length=max_length // 2,
+                            per_device_train_batch_size=batch, precompute_batch_size=batch,
+                            output_dir=str(tmp_path / "out"), ref_cache_dir=str(tmp_path / "cache")))
+    for stage, (predicted, measured) in measured_vs_predicted(cfg).items():
+        assert predicted == pytest.approx(measured, rel=0.2), stage
+
+
+@pytest.mark.parametrize("vocab, n_seq, seq_len", [(32000, 8, 1024), (152064, 4, 512)])
+def test_chunked_lm_head_is_bounded_at_7b_vocabularies(vocab, n_seq, seq_len):
+    """A 2-layer hidden-64 model with a 7B model's vocabulary, LoRA on, forward + backward of completion_logps:
+    the measured peak is the planner's (the LM-head term dominates it) and far below the [N, T, V] float32 logits."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lowmem_dpo.logps import completion_logps
+
+    prompt = 16
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    model.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+    ids = torch.randint(0, vocab, (n_seq, seq_len))
+    attention = torch.ones(n_seq, seq_len, dtype=torch.long)
+    attention[0, -8:] = 0  # padding: the mask transformers builds, as in real batches
+    completion = attention.clone()
+    completion[:, :prompt] = 0
+    with plan.PeakMeter("cpu") as meter:
+        completion_logps(model, ids, attention, completion).logps.sum().backward()
+    measured = meter.peak_bytes - meter.entry_bytes
+
+    arch = plan.arch_from_config(model.config.to_dict(), "test", "test")
+    setup = plan.Setup(device="cpu", kind="cpu", dtype="float32", quantization="none", ref_dtype="float32",
+                       ref_quantization="none", gradient_checkpointing=False, optimizer="adamw_torch",
+                       micro_batch=n_seq // 2, grad_accum=1, precompute_batch=1, max_length=seq_len, lora_r=8,
+                       lora_targets=plan.LORA_MODULES, completion_tokens=seq_len - prompt)
+    pred = plan.predict_train(arch, setup)
+    logits = pred.breakdown["peak_phase"]
+    assert logits == plan.logits_train_bytes(arch, n_seq * (seq_len - prompt)) == 4 * ((1 << 24) // vocab) * vocab * 4
+    predicted = pred.breakdown["activations"] + logits + pred.breakdown["lora_grads"]
+    assert predicted == pytest.approx(measured, rel=0.2)
+    assert measured - pred.breakdown["activations"] == pytest.approx(logits, rel=0.2)
+    assert measured < n_seq * seq_len * vocab * 4 / 2  # the whole step, while [N, T, V] float32 logits would be 1 GiB
+
+
+# -- choosing a plan ---------------------------------------------------------------------------------------------
+def mistral_setup(**changes):
+    cfg = load_config(None, ["model_name_or_path=mistralai/Mistral-7B-v0.1", "device=cuda", "dtype=bfloat16",
+                             "max_length=1024", "per_device_train_batch_size=8", "gradient_accumulation_steps=2",
+                             "gradient_checkpointing=false", "lora_r=16"])
+    return dataclasses.replace(plan.setup_from_config(cfg, 12 * GiB), **changes)
+
+
+def test_search_order_keeps_the_effective_batch():
+    arch = plan.load_arch("mistralai/Mistral-7B-v0.1")
+    chosen = plan.choose(arch, mistral_setup(), 12 * GiB)
+    assert chosen.fits and chosen.offload_bytes == 0
+    assert list(chosen.overrides)[:2] == ["gradient_checkpointing", "quantization"]
+    assert chosen.overrides["quantization"] == "4bit" and chosen.setup.ref_quantization == "4bit"
+    s = chosen.setup
+    assert s.micro_batch * s.grad_accum == 16 and s.micro_batch < 8
+    assert chosen.prediction.train.peak_bytes <= 12 * GiB < plan.predict(arch, mistral_setup()).train.peak_bytes
+    # one halving less would not fit: the search stops at the first setup that does
+    bigger = dataclasses.replace(s, micro_batch=s.micro_batch * 2, grad_accum=s.grad_accum // 2)
+    assert plan.predict(arch, bigger).train.peak_bytes > 12 * GiB
+
+
+def test_offload_of_whole_layers_when_nothing_else_fits():
+    arch = plan.load_arch("mistralai/Mistral-7B-v0.1")
+    chosen = plan.choose(arch, mistral_setup(), 4 * GiB)
+    layer = plan.layer_weight_bytes(arch, "bfloat16", "4bit")
+    assert chosen.setup.micro_batch == 1 and chosen.offload_layers > 0
+    assert chosen.offload_bytes == chosen.offload_layers * layer
+    assert chosen.fits
+    hopeless = plan.choose(arch, mistral_setup(), 1 * GiB)
+    assert not hopeless.fits
+
+
+def test_fitting_recipe_is_left_alone():
+    arch = plan.load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
+    setup = mistral_setup(quantization="4bit", ref_quantization="4bit", gradient_checkpointing=True, micro_batch=1)
+    chosen = plan.choose(arch, setup, 12 * GiB)
+    assert chosen.fits and chosen.overrides == {} and chosen.setup == setup
+
+
+@pytest.mark.parametrize("recipe", ["mistral-7b-qlora-12gb.yaml", "llama3.1-8b-qlora-12gb.yaml"])
+def test_12gb_recipes_plan_at_most_10_gib(recipe):
+    cfg = load_config(REPO / "recipes" / recipe)
+    pred = plan.predict(plan.load_arch(cfg.model_name_or_path), cfg, budget=12 * GiB)
+    assert pred.setup.kind == "cuda-12gb-bf16" and pred.setup.quantization == "4bit"
+    assert pred.train.peak_bytes <= 10 * GiB and pred.precompute.peak_bytes <= 10 * GiB
+    # the LM head term is a few chunks, not batch * seq * vocab * 4
+    assert pred.train.phases["logits"] <= 256 * plan.MiB
+
+
+def test_parse_size():
+    assert plan.parse_size("12GiB") == 12 * GiB
+    assert plan.parse_size("11.5GB") == 11_500_000_000
+    assert plan.parse_size("512 MiB") == 512 * plan.MiB
+    with pytest.raises(UserError, match="--budget 'lots'"):
+        plan.parse_size("lots")
+
+
+# -- CLI -------------------------------------------------------------------------------------------------------
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "lowmem_dpo.plan", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+
+
+def test_cli_table_and_json(tmp_path):
+    out = tmp_path / "plan.json"
+    p = _run("recipes/mistral-7b-qlora-12gb.yaml", "per_device_train_batch_size=16", "--budget", "12GiB",
+             "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "peak" in p.stdout and "overrides: " in p.stdout
+    report = json.loads(out.read_text())
+    assert report["budget_bytes"] == 12 * GiB
+    assert set(report["train"]) >= {"peak_bytes", "fits", "offload_bytes", "breakdown"}
+    assert report["train"]["fits"] is False and report["plan"]["fits"] is True
+    assert sum(report["train"]["breakdown"].values()) == report["train"]["peak_bytes"]
+    assert report["plan"]["overrides"]["gradient_accumulation_steps"] == str(
+        16 * 8 // int(report["plan"]["overrides"]["per_device_train_batch_size"]))
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--budget", "twelve"], "--budget 'twelve'"),
+    (["model_name_or_path=lowmem_dpo:arch/nope", "--budget", "12GiB"], "no shipped architecture"),
+    (["--slice", "2"], "--slice N needs N >= 1 and --measure"),
+    (["--measure", "model_name_or_path=lowmem_dpo:arch/mistral-7b-v0.1", "--budget", "12GiB"],
+     "--measure needs weights"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    ([], "device=cuda but no GPU here to read its memory from: pass --budget"),
+])
+def test_cli_errors_exit_2_in_one_line(args, fragment):
+    p = _run("recipes/mistral-7b-qlora-12gb.yaml", *args)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert fragment in p.stderr and len(p.stderr.strip().splitlines()) == 1
