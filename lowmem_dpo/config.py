@@ -73,6 +73,9 @@ class Config:
                                      "~30% more compute. auto: on for CUDA <= 24 GiB and mps, off for larger "
                                      "GPUs and CPUs (README, Devices).",
                                      choices=("auto", "true", "false"))
+    memory_budget: Optional[str] = _f(None, "Memory train plans for, e.g. 12GiB: with gradient_checkpointing=auto, "
+                                      "train turns checkpointing on when the planner predicts the run needs it. "
+                                      "null: the device's memory (GPU total, or physical RAM on a CPU).")
     # -- tokenization (these change the reference numbers) -----------------------------------------------------
     max_length: int = _f(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
                          "prompt alone reaches it are dropped. Activation memory grows linearly with it.",
@@ -137,6 +140,13 @@ class Config:
         if self.loss_type == "robust" and self.label_smoothing >= 0.5:
             problems.append(f"label_smoothing={self.label_smoothing}: loss_type=robust needs it below 0.5 "
                             "(it divides by 1 - 2*label_smoothing)")
+        if self.memory_budget is not None:
+            from lowmem_dpo.plan import parse_size
+
+            try:
+                parse_size(self.memory_budget, "memory_budget")
+            except UserError as e:
+                problems.append(str(e))
         if not self.lora_target_modules:
             problems.append("lora_target_modules is empty: name at least one module or use all-linear")
         return problems

@@ -218,10 +218,39 @@ class Session:
     stream: object  # micro_batches() generator
 
 
+def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> None:
+    """Train's `auto` memory choice from the same planner as `python -m lowmem_dpo.plan`: with
+    gradient_checkpointing=auto, checkpointing goes on when the planner says the run needs it to fit
+    memory_budget (default: the device's memory). Knobs that are not auto are only advised, with numbers."""
+    from lowmem_dpo import plan
+
+    budget = (plan.parse_size(cfg.memory_budget, "memory_budget") if cfg.memory_budget is not None
+              else plan.default_budget(resolved.device.type))
+    try:
+        arch = plan.load_arch(str(model_path))
+    except UserError as e:  # an architecture the planner does not model: keep the device rule's choices
+        log(f"note: no memory plan for this model ({e}); using the device rule's choices")
+        return
+    chosen = plan.choose(arch, cfg, budget)
+    peak = chosen.prediction.train.peak_bytes
+    overrides = dict(chosen.overrides)
+    if cfg.gradient_checkpointing == "auto" and overrides.pop("gradient_checkpointing", None) == "true":
+        resolved.gradient_checkpointing = True
+        resolved.reasons.append(f"gradient_checkpointing=true (auto; the planner: needed to fit "
+                                f"{plan.fmt(budget)}, train peak {plan.fmt(peak)} with it)")
+    overrides.pop("precompute_batch_size", None)  # precompute's business, not train's
+    if overrides:
+        log(f"warning: the planner predicts this run does not fit {plan.fmt(budget)}; it would with: "
+            + " ".join(f"{k}={v}" for k, v in overrides.items()) + " (python -m lowmem_dpo.plan shows the terms)")
+    else:
+        resolved.reasons.append(f"planner: train peak {plan.fmt(peak)} of a {plan.fmt(budget)} budget")
+
+
 def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Session:
     """Check the cache, tokenize, load the model with a fresh adapter, build the optimizer."""
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
+    apply_plan(cfg, resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
     ref = None
     if cfg.ref_source == "cache":

@@ -137,3 +137,23 @@ def test_bfloat16_cache_and_policy_agree_at_step_1(make_cfg):
     (m,) = [train.run(cfg, progress=False).metrics]
     assert m["loss"] == pytest.approx(math.log(2), abs=2e-3)
     assert abs(m["rewards/margins"]) < 1e-2
+
+
+def test_auto_checkpointing_comes_from_the_planner(make_cfg):
+    """With a budget the plain run exceeds, the planner turns checkpointing on; with the machine's RAM it stays
+    off (the CPU rule). Both runs train."""
+    roomy = make_cfg(max_steps=1, gradient_checkpointing="auto")
+    precompute.run(roomy, progress=False)
+    assert train.setup(roomy, progress=False).resolved.gradient_checkpointing is False
+    from lowmem_dpo import plan
+
+    arch = plan.load_arch("lowmem_dpo:tiny-llama")
+    no_ckpt = plan.predict(arch, roomy).train.peak_bytes
+    with_ckpt = plan.predict(arch, make_cfg(gradient_checkpointing="true")).train.peak_bytes
+    assert with_ckpt < no_ckpt
+    tight = make_cfg(max_steps=1, gradient_checkpointing="auto", memory_budget=str((no_ckpt + with_ckpt) // 2))
+    s = train.setup(tight, progress=False)
+    assert s.resolved.gradient_checkpointing is True
+    assert any("planner" in r for r in s.resolved.reasons)
+    stats, grad_norm, _ = train.optimizer_step(s)
+    assert stats.means()["loss"] == pytest.approx(math.log(2), abs=1e-5) and grad_norm > 0
