@@ -61,17 +61,18 @@ def disable_dropout(model: torch.nn.Module) -> None:
             m.p = 0.0
 
 
-def quantization_config(quantization: str, compute_dtype: torch.dtype):
+def quantization_config(quantization: str, compute_dtype: torch.dtype, cpu_offload: bool = False):
     """transformers' BitsAndBytesConfig: 4bit is NF4 with double quantization (the quantization constants are
     quantized too: ~0.37 bits/param less), computing in `compute_dtype`; 8bit is LLM.int8 (outlier features
-    above 6.0 in 16-bit). transformers keeps the LM head unquantized."""
+    above 6.0 in 16-bit). transformers keeps the LM head unquantized. cpu_offload: modules a device_map puts on
+    the CPU stay unquantized there (bitsandbytes quantizes on the GPU only)."""
     from transformers import BitsAndBytesConfig
 
     if quantization == "4bit":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=compute_dtype)
+                                  bnb_4bit_compute_dtype=compute_dtype, llm_int8_enable_fp32_cpu_offload=cpu_offload)
     if quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=cpu_offload)
     raise AssertionError(f"no bitsandbytes config for quantization={quantization!r}")
 
 
@@ -91,16 +92,69 @@ def _one_numeric_path(model: torch.nn.Module) -> None:
             m.support_avx512bf16_for_cpu = False
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"):
+def offloaded_bytes(model: torch.nn.Module, names: list[str]) -> int:
+    """Bytes of the parameters and buffers under the modules `names` (offloaded ones sit on the meta device
+    with their real shape and dtype)."""
+    total = 0
+    for name in names:
+        mod = model.get_submodule(name)
+        total += sum(t.numel() * t.element_size() for t in (*mod.parameters(), *mod.buffers()))
+    return total
+
+
+def offload_message(model: torch.nn.Module, device_map: dict) -> str | None:
+    """The log line for a model loaded with layers off the device, or None when nothing is offloaded."""
+    from lowmem_dpo.devices import offloaded_layers
+    from lowmem_dpo.plan import fmt
+
+    off = offloaded_layers(device_map)
+    if not off:
+        return None
+    layers = sum(1 for k in device_map if k.startswith("model.layers."))
+    where = "CPU RAM" if all(device_map[k] == "cpu" for k in off) else "CPU RAM/disk" if any(
+        device_map[k] == "cpu" for k in off) else "disk"
+    n = sum(1 for k in off if k.startswith("model.layers."))
+    return (f"offload: {n} of {layers} decoder layers ({fmt(offloaded_bytes(model, off))}) in {where}; "
+            "each step moves them over PCIe: expect slower steps")
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none",
+               device_map: dict | None = None, offload_folder: str | Path | None = None):
     """The causal LM in eval mode with dropout off, its weights frozen, on `device`.
 
     `dtype` is the dtype of every unquantized weight and, with quantization=4bit/8bit, the compute dtype of the
     quantized layers too. Nothing is cast beyond that: embeddings, norms and LM head stay in `dtype` (peft's
     prepare_model_for_kbit_training would cast them to float32: +0.5 GB on a 7B model with a 32k
-    vocabulary, +2.2 GB with 152k); the LoRA weights peft adds are float32."""
+    vocabulary, +2.2 GB with 152k); the LoRA weights peft adds are float32.
+
+    device_map (CPU offload, devices.offload_device_map): modules mapped to "cpu" (or "disk", under
+    `offload_folder`) stay off `device`; accelerate's hooks copy each one's weights to the device for its
+    forward and drop them after. Log-probs are the same; steps are slower (the log says how much moves)."""
     from transformers import AutoModelForCausalLM
 
-    if quantization == "none":
+    if device_map is not None:
+        import logging
+
+        from lowmem_dpo.cli import log
+        from lowmem_dpo.devices import offloaded_layers
+
+        kwargs = {}
+        if quantization != "none":
+            from lowmem_dpo.devices import import_bitsandbytes
+
+            import_bitsandbytes(f"quantization={quantization}")
+            logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+            kwargs["quantization_config"] = quantization_config(quantization, dtype,
+                                                                cpu_offload=bool(offloaded_layers(device_map)))
+        if offload_folder is not None:
+            kwargs["offload_folder"] = str(offload_folder)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map, **kwargs)
+        if quantization != "none":
+            _one_numeric_path(model)
+        message = offload_message(model, device_map)
+        if message:
+            log(message)
+    elif quantization == "none":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         model.to(device)
     else:

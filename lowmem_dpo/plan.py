@@ -683,7 +683,8 @@ def choose(arch: Arch, cfg_like, budget: int) -> Plan:
             ok = ok and left <= budget
             steps.append(f"{stage}: CPU offload of {k} of {arch.layers} decoder layers ({fmt(off)}), device peak "
                          f"{fmt(left)}" + ("" if left <= budget else " - still over the budget")
-                         + "; train/precompute have no offload key yet")
+                         + ("; precompute streams them on CUDA by itself" if stage == "precompute" else
+                            "; train cannot offload yet"))
     if not steps:
         steps.append("fits as given")
     return Plan(cur, pred, overrides, steps, ok, off_train, off_pre, max(k_train, k_pre))
@@ -1124,3 +1125,21 @@ if __name__ == "__main__":
     from lowmem_dpo.cli import run_cli
 
     raise SystemExit(run_cli(main, None, "plan", __doc__))
+
+
+def offload_map(arch: Arch, setup: Setup, budget: int, stage: str, device: int | str = 0) -> dict | None:
+    """The device_map that keeps `stage` (train | precompute) of the setup as given within `budget` by leaving
+    the trailing decoder layers in CPU RAM (devices.offload_device_map), or None when it fits without. The
+    numbers are the prediction's: per-layer weight bytes and everything else on the device (peak minus the
+    layers' weights), so the layers moved are the k of _offload."""
+    from lowmem_dpo import devices
+
+    pred = predict(arch, setup)
+    if stage == "train":
+        peak, per_layer = pred.train.peak_bytes, layer_weight_bytes(arch, setup.dtype, setup.quantization)
+    else:
+        peak, per_layer = pred.precompute.peak_bytes, layer_weight_bytes(arch, setup.ref_dtype,
+                                                                         setup.ref_quantization)
+    if peak <= budget:
+        return None
+    return devices.offload_device_map(arch.layers, per_layer, peak - arch.layers * per_layer, budget, device)

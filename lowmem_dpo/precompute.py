@@ -48,6 +48,26 @@ def shard_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id:
     return {k: torch.cat(v) for k, v in out.items()}
 
 
+def offload_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> dict | None:
+    """On CUDA, when the planner predicts the reference does not fit memory_budget (default: the card's
+    memory), a device_map that streams the trailing decoder layers from CPU RAM through the GPU (no gradients
+    here, so only their weights move); None otherwise, and always on a CPU or mps."""
+    from lowmem_dpo import plan
+    from lowmem_dpo.cli import UserError
+
+    if resolved.device.type != "cuda":
+        return None
+    budget = (plan.parse_size(cfg.memory_budget, "memory_budget") if cfg.memory_budget is not None
+              else plan.default_budget("cuda"))
+    try:
+        arch = plan.load_arch(str(model_path))
+    except UserError as e:
+        log(f"note: no memory plan for this model ({e}); no CPU offload")
+        return None
+    return plan.offload_map(arch, plan.setup_from_config(cfg, budget), budget, "precompute",
+                            resolved.device.index or 0)
+
+
 def rebuild_command(cfg: Config, recipe: str | None) -> str:
     return f"python -m lowmem_dpo.precompute {recipe or 'RECIPE.yaml'} ref_cache_dir={cfg.ref_cache_dir}"
 
@@ -90,7 +110,8 @@ def run(cfg: Config, progress: bool = True) -> Path:
     quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
     log(f"precompute: {len(tok.pairs)} rows on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
         f"{quantized}, batch {cfg.precompute_batch_size}, into {shard_dir}")
-    model = load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
+    model = load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization,
+                       device_map=offload_plan(cfg, resolved, ins.model_path))
     pad_id = data.pad_token_id(ins.tokenizer)
     t0 = time.perf_counter()
     bar = tqdm(total=len(tok.pairs), initial=done_rows, desc="precompute", unit="row", disable=not progress,

@@ -9,6 +9,7 @@ and the final PEFT adapter (adapter_config.json, adapter_model.safetensors).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -244,6 +245,17 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> Non
             + " ".join(f"{k}={v}" for k, v in overrides.items()) + " (python -m lowmem_dpo.plan shows the terms)")
     else:
         resolved.reasons.append(f"planner: train peak {plan.fmt(peak)} of a {plan.fmt(budget)} budget")
+    if chosen.offload_layers and resolved.device.type == "cuda":
+        setup = dataclasses.replace(plan.setup_from_config(cfg, budget),
+                                    gradient_checkpointing=resolved.gradient_checkpointing)
+        device_map = plan.offload_map(arch, setup, budget, "train")
+        if device_map:
+            off = devices.offloaded_layers(device_map)
+            # peft puts the LoRA weights of a layer accelerate keeps off the device on the meta device, and
+            # backward then fails there; LoRA on the resident layers only would be a different adapter.
+            log(f"warning: train would need {len(off)} of {arch.layers} decoder layers in CPU RAM to fit "
+                f"{plan.fmt(budget)}; train does not offload yet (LoRA on offloaded layers cannot get gradients): "
+                "expect an out-of-memory error, or apply the planner's other advice")
 
 
 def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Session:
