@@ -23,8 +23,13 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
         return 0 if argv else EXIT_USAGE
     import warnings
 
+    import logging
+
     # transformers' own deprecation notice, raised inside peft on every LoRA model: not the user's to act on.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    # bitsandbytes (imported by peft) notes at import that an optional `kernels` package is missing; it serves
+    # only the packed inference path that models.load_model turns off.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         return main(argv) or 0
     except UserError as e:
