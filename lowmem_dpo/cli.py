@@ -21,9 +21,8 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
     if not argv or argv[0] in ("-h", "--help"):
         print(help_text(stage, doc))
         return 0 if argv else EXIT_USAGE
-    import warnings
-
     import logging
+    import warnings
 
     # transformers' own deprecation notice, raised inside peft on every LoRA model: not the user's to act on.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
