@@ -966,6 +966,25 @@ def parse_size(text: str, what: str = "--budget") -> int:
     return int(float(m.group(1)) * units[m.group(2).lower()])
 
 
+def run_budget(cfg, device: str) -> int:
+    """The budget train and precompute plan for: memory_budget, or the device's memory."""
+    if cfg.memory_budget is not None:
+        return parse_size(cfg.memory_budget, "memory_budget")
+    return default_budget(device)
+
+
+def arch_of_run(model_path, instead: str) -> Arch | None:
+    """The planner's Arch for a run's model folder; None, logged with what happens `instead`, for an
+    architecture the planner does not model."""
+    from lowmem_dpo.cli import log
+
+    try:
+        return load_arch(str(model_path))
+    except UserError as e:
+        log(f"note: no memory plan for this model ({e}); {instead}")
+        return None
+
+
 def default_budget(device: str) -> int:
     import torch
 

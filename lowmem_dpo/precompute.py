@@ -53,16 +53,12 @@ def offload_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> d
     memory), a device_map that streams the trailing decoder layers from CPU RAM through the GPU (no gradients
     here, so only their weights move); None otherwise, and always on a CPU or mps."""
     from lowmem_dpo import plan
-    from lowmem_dpo.cli import UserError
 
     if resolved.device.type != "cuda":
         return None
-    budget = (plan.parse_size(cfg.memory_budget, "memory_budget") if cfg.memory_budget is not None
-              else plan.default_budget("cuda"))
-    try:
-        arch = plan.load_arch(str(model_path))
-    except UserError as e:
-        log(f"note: no memory plan for this model ({e}); no CPU offload")
+    budget = plan.run_budget(cfg, "cuda")
+    arch = plan.arch_of_run(model_path, "no CPU offload")
+    if arch is None:
         return None
     return plan.offload_map(arch, plan.setup_from_config(cfg, budget), budget, "precompute",
                             resolved.device.index or 0)

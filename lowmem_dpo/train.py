@@ -225,12 +225,9 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> Non
     memory_budget (default: the device's memory). Knobs that are not auto are only advised, with numbers."""
     from lowmem_dpo import plan
 
-    budget = (plan.parse_size(cfg.memory_budget, "memory_budget") if cfg.memory_budget is not None
-              else plan.default_budget(resolved.device.type))
-    try:
-        arch = plan.load_arch(str(model_path))
-    except UserError as e:  # an architecture the planner does not model: keep the device rule's choices
-        log(f"note: no memory plan for this model ({e}); using the device rule's choices")
+    budget = plan.run_budget(cfg, resolved.device.type)
+    arch = plan.arch_of_run(model_path, "using the device rule's choices")
+    if arch is None:
         return
     chosen = plan.choose(arch, cfg, budget)
     peak = chosen.prediction.train.peak_bytes
