@@ -132,32 +132,11 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
     forward and drop them after. Log-probs are the same; steps are slower (the log says how much moves)."""
     from transformers import AutoModelForCausalLM
 
-    if device_map is not None:
-        import logging
+    from lowmem_dpo.cli import log
+    from lowmem_dpo.devices import offloaded_layers
 
-        from lowmem_dpo.cli import log
-        from lowmem_dpo.devices import offloaded_layers
-
-        kwargs = {}
-        if quantization != "none":
-            from lowmem_dpo.devices import import_bitsandbytes
-
-            import_bitsandbytes(f"quantization={quantization}")
-            logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-            kwargs["quantization_config"] = quantization_config(quantization, dtype,
-                                                                cpu_offload=bool(offloaded_layers(device_map)))
-        if offload_folder is not None:
-            kwargs["offload_folder"] = str(offload_folder)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map, **kwargs)
-        if quantization != "none":
-            _one_numeric_path(model)
-        message = offload_message(model, device_map)
-        if message:
-            log(message)
-    elif quantization == "none":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        model.to(device)
-    else:
+    kwargs = {}
+    if quantization != "none":
         import logging
 
         from lowmem_dpo.devices import import_bitsandbytes
@@ -165,11 +144,21 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
         import_bitsandbytes(f"quantization={quantization}")
         # LLM.int8 logs a warning on every matmul whose input is not float16 (it casts by design): noise.
         logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-        # Quantized weights are placed on the device as they load: they cannot be moved afterwards.
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                     quantization_config=quantization_config(quantization, dtype),
-                                                     device_map={"": str(device)})
+        offloads = device_map is not None and bool(offloaded_layers(device_map))
+        kwargs["quantization_config"] = quantization_config(quantization, dtype, cpu_offload=offloads)
+        if device_map is None:
+            # Quantized weights are placed on the device as they load: they cannot be moved afterwards.
+            device_map = {"": str(device)}
+    if offload_folder is not None:
+        kwargs["offload_folder"] = str(offload_folder)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map, **kwargs)
+    if device_map is None:
+        model.to(device)
+    if quantization != "none":
         _one_numeric_path(model)
+    message = offload_message(model, device_map) if device_map is not None else None
+    if message:
+        log(message)
     model.config.use_cache = False
     disable_dropout(model)
     for p in model.parameters():
