@@ -18,7 +18,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import yaml
 
@@ -45,7 +45,12 @@ def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fal
 class Config:
     # -- model and data ----------------------------------------------------------------------------------------
     model_name_or_path: str = _f("lowmem_dpo:tiny-llama", "Base model: a local folder, a hub name (online), or "
-                                 "a built-in `lowmem_dpo:tiny-llama` / `lowmem_dpo:llama-25m` built on first use.")
+                                 "a built-in `lowmem_dpo:tiny-llama` / `lowmem_dpo:llama-25m` built on first use; or "
+                                 "a PEFT LoRA adapter folder (e.g. the SFT stage's output_dir), whose "
+                                 "adapter_config.json names the base.")
+    sft_adapter: Optional[str] = _f(None, "A PEFT LoRA adapter folder from an SFT stage, on model_name_or_path (a "
+                                    "base): the reference is base + adapter (its files enter the cache "
+                                    "fingerprint) and train continues it (adapter_mode).")
     dataset: str = _f("data/tiny-prefs.jsonl", "Preference rows {prompt, chosen, rejected}: a .jsonl/.json/"
                       ".parquet/.csv file, a datasets save_to_disk folder, or a hub dataset name (online).")
     dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders).")
@@ -110,6 +115,10 @@ class Config:
                              "in TRL.", min=0.0, max=1.0)
     lora_target_modules: list = _f(["all-linear"], "Module names to adapt, a list or comma-separated; "
                                    "all-linear = every linear layer but the LM head.")
+    adapter_mode: str = _f("continue", "With an SFT adapter: continue trains that adapter (its own rank, alpha and "
+                           "target modules; the lora_* keys but lora_dropout are ignored); new_on_merged merges it "
+                           "into an unquantized base and trains a fresh adapter from the lora_* keys.",
+                           choices=("continue", "new_on_merged"))
     # -- logging and saving --------------------------------------------------------------------------------------
     logging_steps: int = _f(10, "Log every this many optimizer steps (and at step 1 and the last step).", min=1)
     save_steps: int = _f(0, "Save the adapter to output_dir/checkpoint-STEP every this many steps; 0 never.",
@@ -122,6 +131,9 @@ class Config:
     ref_source: str = _f("cache", "cache: reference log-probs from ref_cache_dir (no reference forward). live: "
                          "recompute them each step with the adapter disabled (for verification; costs a forward).",
                          choices=("cache", "live"))
+
+    # Keys the recipe or an override set (build_config fills it), as opposed to defaults: warnings name only these.
+    explicit_keys: ClassVar[frozenset] = frozenset()
 
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> list[str]:
@@ -291,6 +303,7 @@ def build_config(values: dict, sources: dict | None = None) -> Config:
     if problems:
         raise ConfigError("; ".join(problems))
     cfg = Config(**kwargs)
+    cfg.explicit_keys = frozenset(kwargs)
     problems = cfg.validate()
     if problems:
         raise ConfigError("; ".join(problems))

@@ -13,13 +13,17 @@ from lowmem_dpo.devices import Resolved, dtype_name
 
 @dataclass
 class Inputs:
-    model_path: Path
+    model_path: Path  # the base model folder
+    source: models.ModelSource  # the base and the SFT adapter on it, if any
     tokenizer: object
     fingerprint: dict  # components; cache.fingerprint_digest() of it keys the cache
 
 
-def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path) -> dict:
+def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, adapter_path: Path | None = None) -> dict:
     """Everything the reference log-probs depend on, and nothing they don't (no training knobs).
+
+    With an SFT adapter (`adapter_path`) the reference is base + adapter, so the adapter's files are in it;
+    adapter_mode is not (the reference is base + adapter in both modes, see adapters.py).
 
     `dtype` and `quantization` are the reference's resolved settings (ref_dtype and ref_quantization, which
     default to dtype and quantization), not the policy's: a cache computed unquantized serves a 4-bit policy."""
@@ -33,7 +37,7 @@ def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path) ->
     return {
         "format": cache.FORMAT_VERSION,
         "model": cache.files_digest(models.weight_files(model_path)),
-        "adapter": None,
+        "adapter": None if adapter_path is None else cache.files_digest(models.adapter_files(adapter_path)),
         "tokenizer": cache.files_digest(models.tokenizer_files(model_path)),
         "dataset": dataset,
         "max_length": cfg.max_length,
@@ -44,9 +48,10 @@ def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path) ->
 
 
 def prepare(cfg: Config, resolved: Resolved) -> Inputs:
-    model_path = models.resolve_model_path(cfg.model_name_or_path)
-    tokenizer = models.load_tokenizer(model_path)
-    return Inputs(model_path, tokenizer, fingerprint_components(cfg, resolved, model_path))
+    source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)  # the stages log source.description
+    tokenizer = models.load_tokenizer(source.base_path)
+    return Inputs(source.base_path, source, tokenizer,
+                  fingerprint_components(cfg, resolved, source.base_path, source.adapter_path))
 
 
 def tokenized(cfg: Config, tokenizer, progress: bool = True) -> data.TokenizedData:

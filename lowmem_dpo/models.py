@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +22,8 @@ def resolve_model_path(spec: str) -> Path:
         return ensure_builtin(spec)
     path = Path(spec)
     if path.is_dir():
+        if not (path / "config.json").is_file() and (path / ADAPTER_CONFIG).is_file():
+            return adapter_base(path, "model_name_or_path")  # an adapter folder: its base (see model_source)
         if not (path / "config.json").is_file():
             raise UserError(f"model_name_or_path={spec!r}: the folder has no config.json; point it at a "
                             "transformers model folder")
@@ -34,6 +38,129 @@ def resolve_model_path(spec: str) -> Path:
     except Exception as e:
         raise UserError(f"model_name_or_path={spec!r} is not a local folder and could not be fetched from the hub "
                         f"({type(e).__name__}); download it to a folder and pass that path") from None
+
+
+# -- which model: a base, an SFT adapter on a base, or a merged model -------------------------------------------
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What `model_name_or_path` (and `sft_adapter`) name: a full model folder, plus the SFT LoRA adapter that is
+    on it when there is one. With an adapter, the reference is base + adapter and train starts from it."""
+
+    base_path: Path  # folder with config.json, weights and tokenizer
+    adapter_path: Path | None  # a PEFT LoRA adapter folder, or None
+    kind: str  # "base", "merged" (a full model whose model card names its base_model), "adapter", "sft_adapter"
+    description: str  # the log line saying which
+
+    @property
+    def adapter(self) -> dict | None:
+        """The adapter's adapter_config.json, or None without an adapter."""
+        return None if self.adapter_path is None else read_adapter_config(self.adapter_path, "adapter")
+
+
+def read_adapter_config(path: Path, key: str) -> dict:
+    """A LoRA adapter's adapter_config.json, or a UserError naming `key` (the config key that pointed at it)."""
+    try:
+        config = json.loads((Path(path) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{key}={str(path)!r}: cannot read its {ADAPTER_CONFIG} ({type(e).__name__}); point it at "
+                        "a PEFT adapter folder") from None
+    if config.get("peft_type") != "LORA":
+        raise UserError(f"{key}={str(path)!r} is a {config.get('peft_type')} adapter; lowmem_dpo continues LoRA "
+                        "adapters only: merge it into the base (peft merge_and_unload) and pass the merged folder")
+    return config
+
+
+def adapter_files(path: Path) -> list[Path]:
+    """adapter_config.json and the adapter's weights: the files its content is (for the cache fingerprint)."""
+    weights = [path / n for n in ADAPTER_WEIGHTS if (path / n).is_file()]
+    if not weights:
+        raise UserError(f"adapter folder {str(path)!r} has {ADAPTER_CONFIG} but no "
+                        f"{' or '.join(ADAPTER_WEIGHTS)}")
+    return [path / ADAPTER_CONFIG, weights[0]]
+
+
+def adapter_base(path: Path, key: str) -> Path:
+    """The full model folder an adapter's adapter_config.json names as base_model_name_or_path."""
+    base = read_adapter_config(path, key).get("base_model_name_or_path")
+    hint = (f"pass the base as model_name_or_path=BASE and the adapter as sft_adapter={path}")
+    if not base:
+        raise UserError(f"{key}={str(path)!r}: its {ADAPTER_CONFIG} names no base_model_name_or_path; {hint}")
+    base_dir = Path(base)
+    if base_dir.is_dir() and (base_dir / ADAPTER_CONFIG).is_file():
+        raise UserError(f"{key}={str(path)!r}: its base {base!r} is itself an adapter; lowmem_dpo keeps one adapter: "
+                        "merge the first into its base (peft merge_and_unload), save it, and point the second at it")
+    try:
+        return resolve_model_path(base)
+    except UserError as e:
+        raise UserError(f"{key}={str(path)!r} is a LoRA adapter whose base could not be found ({e}); {hint}") from None
+
+
+def _has_weights(path: Path) -> bool:
+    return any(p.suffix in WEIGHT_SUFFIXES and not p.name.startswith("adapter_model") for p in path.iterdir())
+
+
+def _card_base_model(path: Path) -> str | None:
+    """The `base_model:` a model card (README.md front matter, the hub convention for fine-tuned and merged
+    models) names, or None."""
+    card = path / "README.md"
+    if not card.is_file():
+        return None
+    text = card.read_text(encoding="utf-8", errors="replace")
+    if not text.startswith("---"):
+        return None
+    for line in text.split("---", 2)[1].splitlines():
+        if line.startswith("base_model:") and line.partition(":")[2].strip():
+            return line.partition(":")[2].strip()
+    return None
+
+
+def model_source(model_name_or_path: str, sft_adapter: str | None = None) -> ModelSource:
+    """Detect what the recipe names: a base model, a PEFT LoRA adapter folder (whose adapter_config.json names the
+    base), a merged model, or a base plus `sft_adapter`. One adapter at most: anything that would put a second
+    adapter on a model that carries one is a UserError."""
+    spec = model_name_or_path
+    path = Path(spec) if Path(spec).is_dir() else resolve_model_path(spec)  # a built-in or a hub snapshot
+    from_folder = (path / ADAPTER_CONFIG).is_file()
+    if from_folder and (path / "config.json").is_file() and _has_weights(path):
+        # transformers would load the base named in adapter_config.json with the adapter attached, and a new
+        # adapter would then stack on it.
+        raise UserError(f"model_name_or_path={spec!r} holds full model weights and an {ADAPTER_CONFIG}: unclear "
+                        "which is meant. If the weights already include the adapter (merged), remove "
+                        f"{ADAPTER_CONFIG} from the folder; otherwise move the adapter files to their own folder and "
+                        "pass it as sft_adapter=FOLDER")
+    if from_folder:
+        if sft_adapter is not None:
+            raise UserError(f"model_name_or_path={spec!r} is already a LoRA adapter and sft_adapter={sft_adapter!r} "
+                            "names another: lowmem_dpo keeps one adapter. Drop sft_adapter, or set "
+                            "model_name_or_path to the base model")
+        base = adapter_base(path, "model_name_or_path")
+        return ModelSource(base, path, "adapter", f"model: {spec} is a LoRA adapter ({_lora_summary(path)}) on "
+                           f"base {base}: the reference is base + this adapter")
+    base = resolve_model_path(str(path))
+    if sft_adapter is not None:
+        adapter = Path(sft_adapter)
+        if not (adapter.is_dir() and (adapter / ADAPTER_CONFIG).is_file()):
+            raise UserError(f"sft_adapter={sft_adapter!r}: not a PEFT adapter folder (no {ADAPTER_CONFIG}); point "
+                            "it at the output_dir of the SFT stage")
+        named = read_adapter_config(adapter, "sft_adapter").get("base_model_name_or_path")
+        return ModelSource(base, adapter, "sft_adapter", f"model: base {spec} + sft_adapter {sft_adapter} "
+                           f"({_lora_summary(adapter)}; trained on {named}): the reference is base + this adapter")
+    card_base = _card_base_model(base)
+    if card_base is not None:
+        return ModelSource(base, None, "merged", f"model: {spec} is a full model whose model card names base_model "
+                           f"{card_base} (fine-tuned or merged): it is the reference as it is")
+    return ModelSource(base, None, "base", f"model: {spec} is a base model (no adapter): it is the reference as it is")
+
+
+def _lora_summary(path: Path) -> str:
+    c = read_adapter_config(path, "adapter")
+    targets = c.get("target_modules")
+    targets = ",".join(sorted({t.rsplit(".", 1)[-1] for t in targets})) if isinstance(targets, list) else targets
+    return f"LoRA r={c.get('r')}, alpha={c.get('lora_alpha')} on {targets}"
 
 
 def weight_files(path: Path) -> list[Path]:

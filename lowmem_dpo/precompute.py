@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import cache, data, devices, inputs
+from lowmem_dpo import adapters, cache, data, devices, inputs
 from lowmem_dpo.cli import log, run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.logps import completion_logps
@@ -84,6 +84,7 @@ def run(cfg: Config, progress: bool = True) -> Path:
         return cache_dir
     if resolved.ref_quantization != "none":  # fail before tokenizing, not after
         devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
+    log(ins.source.description)
 
     tok = inputs.tokenized(cfg, ins.tokenizer, progress)
     if tok.dropped:
@@ -108,6 +109,7 @@ def run(cfg: Config, progress: bool = True) -> Path:
         f"{quantized}, batch {cfg.precompute_batch_size}, into {shard_dir}")
     model = load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization,
                        device_map=offload_plan(cfg, resolved, ins.model_path))
+    model = adapters.reference_model(model, ins.source)  # base + the SFT adapter, when there is one
     pad_id = data.pad_token_id(ins.tokenizer)
     t0 = time.perf_counter()
     bar = tqdm(total=len(tok.pairs), initial=done_rows, desc="precompute", unit="row", disable=not progress,

@@ -4,7 +4,8 @@
     python -m lowmem_dpo.train recipes/tiny-cpu.yaml [key=value ...]
 
 Writes to output_dir: config.yaml (resolved), metrics.jsonl (one JSON object per logged step, TRL key names),
-and the final PEFT adapter (adapter_config.json, adapter_model.safetensors).
+and the final PEFT adapter (adapter_config.json, adapter_model.safetensors). When model_name_or_path (or
+sft_adapter) names an SFT LoRA adapter, that adapter is the one trained (adapters.py).
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from lowmem_dpo import cache, data, devices, inputs
+from lowmem_dpo import adapters, cache, data, devices, inputs
 from lowmem_dpo.cli import UserError, log, run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.loss import dpo_loss
+from lowmem_dpo.models import ModelSource
 from lowmem_dpo.precompute import rebuild_command
 
 METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -33,23 +37,32 @@ METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies
 
 
 # -- setup steps -------------------------------------------------------------------------------------------------
-def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path):
-    """Base model (frozen, dropout off, quantized if asked) + a fresh LoRA adapter whose every parameter gets a
-    gradient, with or without a quantized base and gradient checkpointing."""
+def new_adapter(cfg: Config, base):
+    """A fresh LoRA adapter from the recipe's lora_* keys on `base` (B = 0: the policy starts equal to base)."""
     from peft import LoraConfig, get_peft_model
 
-    from lowmem_dpo.models import load_model
-
-    base = load_model(model_path, resolved.device, resolved.dtype, resolved.quantization)
+    adapters.check_no_adapter(base, "a fresh LoRA adapter")
     targets = cfg.lora_target_modules
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules="all-linear" if targets == ["all-linear"] else targets,
                       task_type="CAUSAL_LM")
     torch.manual_seed(cfg.seed)  # LoRA A init
     try:
-        model = get_peft_model(base, lora)
+        return get_peft_model(base, lora)
     except ValueError as e:
         raise UserError(f"lora_target_modules={targets}: {e}") from None
+
+
+def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, source: ModelSource | None = None):
+    """Base model (frozen, dropout off, quantized if asked) + one LoRA adapter whose every parameter gets a
+    gradient, with or without a quantized base and gradient checkpointing: the SFT adapter of `source`
+    continued, or a fresh one (on the base with the SFT adapter merged in, for adapter_mode=new_on_merged)."""
+    from lowmem_dpo.models import load_model
+
+    base = load_model(model_path, resolved.device, resolved.dtype, resolved.quantization)
+    model = adapters.sft_policy(base, cfg, source) if source is not None else None
+    if model is None:
+        model = new_adapter(cfg, base)
     if resolved.gradient_checkpointing:
         # Saves memory: activations are recomputed in backward instead of kept for every layer.
         # Non-reentrant checkpointing: reentrant checkpointing gives a layer's output a grad_fn only when one of
@@ -173,7 +186,12 @@ def save_adapter(model, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out_dir))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with warnings.catch_warnings():
+            # peft looks for the base's config.json at base_model_name_or_path to see whether the vocabulary
+            # changed; a built-in name (lowmem_dpo:tiny-llama, as sft writes it) is not a path, and nothing here
+            # changes the vocabulary.
+            warnings.filterwarnings("ignore", message="Could not find a config file in", category=UserWarning)
+            model.save_pretrained(tmp, safe_serialization=True)
         for f in sorted(tmp.iterdir()):
             os.chmod(f, 0o644)
             os.replace(f, out_dir / f.name)
@@ -212,8 +230,8 @@ class Session:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
     params: list  # the trainable LoRA parameters
-    ref: cache.RefCache | None  # None: ref_source=live
-    pairs: list[data.TokenizedPair]
+    ref: cache.RefCache | None  # None: ref_source=live (or the SFT stage, which has no reference)
+    pairs: list  # data.TokenizedPair (the SFT stage: data.TokenizedCompletion)
     pad_id: int
     steps: int  # optimizer steps this run will take
     stream: object  # micro_batches() generator
@@ -255,10 +273,21 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> Non
                 "expect an out-of-memory error, or apply the planner's other advice")
 
 
+def check_bitsandbytes(resolved: devices.Resolved) -> None:
+    """Fail before tokenizing and loading, not after, when the run needs bitsandbytes and it cannot load."""
+    needs_bnb = ([f"quantization={resolved.quantization}"] if resolved.quantization != "none" else []) + (
+        [f"optimizer={resolved.optimizer} (the {resolved.kind} rule)"]
+        if resolved.optimizer == devices.PAGED_ADAMW_8BIT else [])
+    if needs_bnb:
+        devices.import_bitsandbytes(" and ".join(needs_bnb))
+
+
 def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Session:
-    """Check the cache, tokenize, load the model with a fresh adapter, build the optimizer."""
+    """Check the cache, tokenize, load the model with its one adapter (fresh, or the SFT adapter continued),
+    build the optimizer."""
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
+    adapters.check_mode(cfg, ins.source, resolved.quantization)
     apply_plan(cfg, resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
     ref = None
@@ -266,17 +295,14 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
         # Before anything heavy loads: a stale cache is refused in seconds.
         check_cache(cache_dir, ins.fingerprint, rebuild_command(cfg, recipe))
         ref = cache.load_ref_cache(cache_dir)
-    needs_bnb = ([f"quantization={resolved.quantization}"] if resolved.quantization != "none" else []) + (
-        [f"optimizer={resolved.optimizer} (the {resolved.kind} rule)"]
-        if resolved.optimizer == devices.PAGED_ADAMW_8BIT else [])
-    if needs_bnb:  # fail before tokenizing and loading, not after
-        devices.import_bitsandbytes(" and ".join(needs_bnb))
+    check_bitsandbytes(resolved)
+    log(ins.source.description)
     tok = inputs.tokenized(cfg, ins.tokenizer, progress)
     if tok.dropped:
         log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
     if ref is not None:
         check_cache_rows(ref, tok.pairs, cache_dir)
-    model = setup_model(cfg, resolved, ins.model_path)
+    model = setup_model(cfg, resolved, ins.model_path, ins.source)
     steps = total_steps(cfg, len(tok.pairs))
     opt, sched, params = setup_optimizer(cfg, model, steps, resolved)
     stream = micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
@@ -290,12 +316,17 @@ def optimizer_step(s: Session) -> tuple[StepStats, float, float]:
     group = [next(s.stream) for _ in range(s.cfg.gradient_accumulation_steps)]
     lr = s.sched.get_last_lr()[0]
     stats = train_step(s.model, s.cfg, group, s.ref, s.pad_id, s.resolved)
+    return stats, apply_gradients(s), lr
+
+
+def apply_gradients(s: Session) -> float:
+    """Clip, AdamW step, schedule step, zero the gradients; returns the gradient norm before clipping."""
     max_norm = s.cfg.max_grad_norm if s.cfg.max_grad_norm is not None else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(s.params, max_norm).item()
     s.opt.step()
     s.sched.step()
     s.opt.zero_grad(set_to_none=True)
-    return stats, grad_norm, lr
+    return grad_norm
 
 
 @dataclass
@@ -304,35 +335,39 @@ class TrainResult:
     model: object  # the PEFT model as trained (in memory)
 
 
-def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainResult:
-    """Train and save the adapter to cfg.output_dir."""
-    from tqdm.auto import tqdm
-
-    s = setup(cfg, recipe, progress)
-    out_dir = Path(cfg.output_dir)
+def start_output(s: Session) -> Path:
+    """output_dir with the resolved config.yaml, and the resolved choices in the log."""
+    out_dir = Path(s.cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     resolved_note = "".join(f"# resolved {r}\n" for r in s.resolved.reasons)
-    cache.atomic_write_bytes(out_dir / "config.yaml", (cfg.to_yaml() + resolved_note).encode())
+    cache.atomic_write_bytes(out_dir / "config.yaml", (s.cfg.to_yaml() + resolved_note).encode())
     for reason in s.resolved.reasons:
         log(f"resolved {reason}")
-    log(f"reference: {'cached in ' + cfg.ref_cache_dir if s.ref is not None else 'live (adapter disabled), costs a forward'}")
-    log(f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
-        f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} pairs ({len(s.pairs)} pairs in the data)")
+    return out_dir
 
-    window = StepStats()
+
+def fit(s: Session, step: Callable[[Session], tuple], new_stats: Callable[[], StepStats],
+        postfix: Callable[[dict], dict], desc: str, progress: bool = True) -> dict:
+    """The loop train and sft share: s.steps calls of `step` (-> stats, grad_norm, lr), a metrics.jsonl line
+    per logged step (means over the steps since the previous line), the progress bar with `postfix`'s values,
+    checkpoints every save_steps and the adapter at the end. Returns the last metrics line."""
+    from tqdm.auto import tqdm
+
+    cfg, out_dir = s.cfg, Path(s.cfg.output_dir)
+    window = new_stats()
     last: dict = {}
-    bar = tqdm(total=s.steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=s.steps, desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
     with open(out_dir / "metrics.jsonl", "w", encoding="utf-8") as metrics_file:
-        for step in range(1, s.steps + 1):
+        for n in range(1, s.steps + 1):
             devices.synchronize(s.resolved.device)
             t0 = time.perf_counter()
-            stats, grad_norm, lr = optimizer_step(s)
+            stats, grad_norm, lr = step(s)
             devices.synchronize(s.resolved.device)
             dt = time.perf_counter() - t0
             window.add(stats)
             bar.update(1)
-            if step == 1 or step % cfg.logging_steps == 0 or step == s.steps:
-                last = {"step": step, **{k: round(v, 6) for k, v in window.means().items()},
+            if n == 1 or n % cfg.logging_steps == 0 or n == s.steps:
+                last = {"step": n, **{k: round(v, 6) for k, v in window.means().items()},
                         "grad_norm": round(grad_norm, 6), "learning_rate": lr, "step_time_s": round(dt, 6),
                         "tokens_per_s": round(stats.tokens / dt, 3)}
                 peak = devices.peak_memory_bytes(s.resolved.device)
@@ -340,15 +375,30 @@ def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainR
                     last["peak_mem_bytes"] = peak
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
-                bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['rewards/accuracies']:.2f}",
-                                margin=f"{last['rewards/margins']:.3f}")
-                window = StepStats()
-            if cfg.save_steps and step % cfg.save_steps == 0 and step != s.steps:
-                save_adapter(s.model, out_dir / f"checkpoint-{step}")
+                bar.set_postfix(postfix(last))
+                window = new_stats()
+            if cfg.save_steps and n % cfg.save_steps == 0 and n != s.steps:
+                save_adapter(s.model, out_dir / f"checkpoint-{n}")
     bar.close()
     save_adapter(s.model, out_dir)
-    log(f"saved adapter to {out_dir} (step {s.steps}: loss {last['loss']:.4f}, rewards/accuracies "
-        f"{last['rewards/accuracies']:.2f})")
+    log(f"saved adapter to {out_dir} (step {s.steps}: "
+        + ", ".join(f"{k} {v}" for k, v in postfix(last).items()) + ")")
+    return last
+
+
+def dpo_postfix(m: dict) -> dict:
+    return {"loss": f"{m['loss']:.4f}", "acc": f"{m['rewards/accuracies']:.2f}",
+            "margin": f"{m['rewards/margins']:.3f}"}
+
+
+def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainResult:
+    """Train and save the adapter to cfg.output_dir."""
+    s = setup(cfg, recipe, progress)
+    start_output(s)
+    log(f"reference: {'cached in ' + cfg.ref_cache_dir if s.ref is not None else 'live (adapter disabled), costs a forward'}")
+    log(f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
+        f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} pairs ({len(s.pairs)} pairs in the data)")
+    last = fit(s, optimizer_step, StepStats, dpo_postfix, "train", progress)
     return TrainResult(last, s.model)
 
 

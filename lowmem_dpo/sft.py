@@ -1,0 +1,115 @@
+"""Stage A: supervised fine-tuning of a LoRA adapter, the starting point (and the reference) of a DPO stage.
+
+    python -m lowmem_dpo.sft recipes/tiny-sft.yaml [key=value ...]
+
+The loss is the mean negative log-likelihood of the completion tokens only (prompt and padding contribute
+nothing), as TRL's SFTTrainer with completion_only_loss: rows with `prompt`/`completion` (TRL's prompt-completion
+format, text or conversations), or preference rows, whose `prompt`/`chosen` are used. Text completions get the
+EOS token appended. Model loading, quantization, device rules, gradient checkpointing, optimizer and schedule are
+train's (same keys), so stage A fits where stage B fits.
+
+Writes to output_dir: config.yaml (resolved), metrics.jsonl (step, loss, grad_norm, learning_rate, step_time_s,
+tokens_per_s), and a standard PEFT adapter (adapter_config.json, adapter_model.safetensors) whose
+base_model_name_or_path names the base, so `model_name_or_path=OUTPUT_DIR` points a DPO recipe at base + adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lowmem_dpo import adapters, data, devices, models, train
+from lowmem_dpo.cli import log, run_cli
+from lowmem_dpo.config import Config, load_config
+from lowmem_dpo.logps import completion_logps
+from lowmem_dpo.tiny import BUILTIN_PREFIX
+
+
+@dataclass
+class SFTStats:
+    """Sums over the steps since the last log line; the loss is their mean over completion tokens."""
+
+    nll: float = 0.0  # summed -log p of the completion tokens
+    targets: int = 0  # completion tokens
+    tokens: int = 0  # all tokens in the forward (for tokens_per_s)
+
+    def add(self, other: "SFTStats") -> None:
+        self.nll += other.nll
+        self.targets += other.targets
+        self.tokens += other.tokens
+
+    def means(self) -> dict:
+        return {"loss": self.nll / max(1, self.targets)}
+
+
+def base_name(spec: str) -> str:
+    """How the saved adapter names its base: a built-in or hub name as given, a local folder as an absolute path
+    (so the adapter folder works from any working directory)."""
+    if spec.startswith(BUILTIN_PREFIX) or not Path(spec).is_dir():
+        return spec
+    return str(Path(spec).resolve())
+
+
+def setup(cfg: Config, progress: bool = True) -> train.Session:
+    """Tokenize the SFT rows, load the model with one adapter (fresh, or an SFT adapter continued), optimizer."""
+    resolved = devices.resolve(cfg)
+    source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)
+    adapters.check_mode(cfg, source, resolved.quantization)
+    # The planner plans a DPO step: 2 x per_device_train_batch_size sequences, twice an SFT step's.
+    train.apply_plan(cfg, resolved, source.base_path)
+    train.check_bitsandbytes(resolved)
+    log(source.description)
+    tokenizer = models.load_tokenizer(source.base_path)
+    rows = data.load_rows(cfg.dataset, cfg.dataset_split, required=("prompt",))
+    tok = data.tokenize_completions(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=cfg.dataset,
+                                    progress=progress)
+    if tok.dropped:
+        log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
+    model = train.setup_model(cfg, resolved, source.base_path, source)
+    if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
+        model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
+    steps = train.total_steps(cfg, len(tok.pairs))
+    opt, sched, params = train.setup_optimizer(cfg, model, steps, resolved)
+    stream = train.micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
+    return train.Session(cfg, resolved, model, opt, sched, params, None, tok.pairs, data.pad_token_id(tokenizer),
+                         steps, stream)
+
+
+def sft_step(s: train.Session) -> tuple[SFTStats, float, float]:
+    """One optimizer step over gradient_accumulation_steps micro-batches. Returns (stats, grad_norm before
+    clipping, learning rate used)."""
+    lr = s.sched.get_last_lr()[0]
+    batches = [data.collate_completions(next(s.stream), s.pad_id) for _ in range(s.cfg.gradient_accumulation_steps)]
+    # The step's loss is the mean over all its completion tokens (as TRL), so each micro-batch's sum is divided by
+    # the step's total, known before the first backward. Position t-1 predicts token t: mask[:, 1:] counts.
+    n_targets = sum(int(b.completion_mask[:, 1:].sum()) for b in batches)
+    stats = SFTStats()
+    for batch in batches:
+        batch = batch.to(s.resolved.device)
+        with devices.autocast(s.resolved.device, s.resolved.dtype):
+            out = completion_logps(s.model, batch.input_ids, batch.attention_mask, batch.completion_mask)  # (B,)
+        (-out.logps.sum() / max(1, n_targets)).backward()
+        stats.nll -= out.logps.detach().sum().item()
+        stats.targets += int(out.n_tokens.sum())
+        stats.tokens += batch.num_tokens
+    return stats, train.apply_gradients(s), lr
+
+
+def run(cfg: Config, progress: bool = True) -> train.TrainResult:
+    """Fine-tune and save the adapter to cfg.output_dir."""
+    s = setup(cfg, progress)
+    train.start_output(s)
+    log(f"sft: training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
+        f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} rows ({len(s.pairs)} rows in the "
+        "data), loss on completion tokens only")
+    last = train.fit(s, sft_step, SFTStats, lambda m: {"loss": f"{m['loss']:.4f}"}, "sft", progress)
+    return train.TrainResult(last, s.model)
+
+
+def main(argv: list[str]) -> int:
+    run(load_config(argv[0], argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main, None, "sft", __doc__))
