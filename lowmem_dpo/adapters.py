@@ -13,11 +13,13 @@ into the base weights first, then a fresh adapter is added. The reference is bas
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from lowmem_dpo.cli import UserError, log
 from lowmem_dpo.config import Config
-from lowmem_dpo.models import ModelSource
+from lowmem_dpo.models import ModelSource, target_names
 
 LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_modules")  # the adapter's structure: continue keeps its own
 
@@ -50,22 +52,34 @@ def reference_model(base: torch.nn.Module, source: ModelSource) -> torch.nn.Modu
     return model
 
 
-def check_mode(cfg: Config, source: ModelSource, quantization: str) -> None:
-    """Before anything loads: the adapter_mode and ref_source settings that cannot work with this source."""
+def check_mode(cfg: Config, source: ModelSource, quantization: str, reference: bool = True) -> None:
+    """Before anything loads: the adapter_mode (and, for a stage with a reference, ref_source) settings that
+    cannot work with this source."""
     if source.adapter_path is None:
         if "adapter_mode" in cfg.explicit_keys and cfg.adapter_mode != "continue":
             log(f"note: adapter_mode={cfg.adapter_mode} has no effect: {source.kind} model, no SFT adapter")
         return
     if cfg.adapter_mode == "new_on_merged" and quantization != "none":
         raise UserError(f"adapter_mode=new_on_merged with quantization={quantization}: merging the SFT adapter into "
-                        f"a {quantization} base would round the merged weights to {quantization} (a different "
-                        "model than the reference) and bitsandbytes layers are not merged in place. Use "
-                        "adapter_mode=continue (trains the SFT adapter itself on the quantized base), or "
+                        f"a {quantization} base rounds the merged weights back to {quantization}, so the policy would "
+                        "start from a different model than the cached reference and lose the adapter's precision. "
+                        "Use adapter_mode=continue (trains the SFT adapter itself on the quantized base), or "
                         "quantization=none")
-    if cfg.ref_source == "live" and cfg.adapter_mode == "continue":
+    if reference and cfg.ref_source == "live" and cfg.adapter_mode == "continue":
         raise UserError("ref_source=live with adapter_mode=continue: the live reference is the model with its "
                         "adapter off, which is the base without the SFT adapter, not the SFT model. Use "
                         "ref_source=cache (python -m lowmem_dpo.precompute first)")
+
+
+def planned_lora(cfg: Config, source: ModelSource) -> Config:
+    """The config the memory planner sees: with adapter_mode=continue, the SFT adapter's rank and target modules
+    instead of the recipe's lora_* keys (the adapter's LoRA weights, grads and optimizer state are what train
+    holds)."""
+    if source.adapter_path is None or cfg.adapter_mode != "continue":
+        return cfg
+    adapter = source.adapter
+    return dataclasses.replace(cfg, lora_r=adapter.get("r", cfg.lora_r),
+                               lora_target_modules=target_names(adapter) or cfg.lora_target_modules)
 
 
 def linear_module_names(model: torch.nn.Module) -> set[str]:
@@ -79,10 +93,8 @@ def linear_module_names(model: torch.nn.Module) -> set[str]:
 def lora_conflicts(cfg: Config, adapter_config: dict, all_linear: set[str]) -> dict[str, tuple]:
     """Recipe LoRA keys the user set (not defaults) whose value differs from the adapter's: {key: (recipe,
     adapter)}. `all_linear` is what lora_target_modules=all-linear means on this model."""
-    targets = adapter_config.get("target_modules") or []
-    # peft saves all-linear as the full module paths it matched; compare the modules' short names
-    adapter_targets = all_linear if targets == "all-linear" else {
-        t.rsplit(".", 1)[-1] for t in ([targets] if isinstance(targets, str) else targets)}
+    names = target_names(adapter_config)
+    adapter_targets = all_linear if names == ["all-linear"] else set(names)
     recipe_targets = all_linear if cfg.lora_target_modules == ["all-linear"] else set(cfg.lora_target_modules)
     differs = {
         "lora_r": (cfg.lora_r, adapter_config.get("r")),
@@ -122,8 +134,10 @@ def continue_adapter(base: torch.nn.Module, cfg: Config, source: ModelSource):
             + ". To train a fresh adapter with them, set adapter_mode=new_on_merged")
     model = PeftModel.from_pretrained(base, source.adapter_path, is_trainable=True)
     set_lora_dropout(model, cfg.lora_dropout)
+    trained_with = adapter_config.get("lora_dropout")
+    note = f"; it was trained with {trained_with}" if trained_with not in (None, cfg.lora_dropout) else ""
     log(f"adapter: continuing {source.adapter_path} (r={adapter_config.get('r')}, "
-        f"alpha={adapter_config.get('lora_alpha')}, lora_dropout={cfg.lora_dropout})")
+        f"alpha={adapter_config.get('lora_alpha')}, lora_dropout={cfg.lora_dropout} from the recipe{note})")
     return model
 
 

@@ -19,7 +19,8 @@ class Inputs:
     fingerprint: dict  # components; cache.fingerprint_digest() of it keys the cache
 
 
-def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, adapter_path: Path | None = None) -> dict:
+def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, adapter_path: Path | None = None,
+                           tokenizer_path: Path | None = None) -> dict:
     """Everything the reference log-probs depend on, and nothing they don't (no training knobs).
 
     With an SFT adapter (`adapter_path`) the reference is base + adapter, so the adapter's files are in it;
@@ -38,7 +39,7 @@ def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, ad
         "format": cache.FORMAT_VERSION,
         "model": cache.files_digest(models.weight_files(model_path)),
         "adapter": None if adapter_path is None else cache.files_digest(models.adapter_files(adapter_path)),
-        "tokenizer": cache.files_digest(models.tokenizer_files(model_path)),
+        "tokenizer": cache.files_digest(models.tokenizer_files(tokenizer_path or model_path)),
         "dataset": dataset,
         "max_length": cfg.max_length,
         "max_prompt_length": cfg.max_prompt_length,
@@ -49,9 +50,9 @@ def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, ad
 
 def prepare(cfg: Config, resolved: Resolved) -> Inputs:
     source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)  # the stages log source.description
-    tokenizer = models.load_tokenizer(source.base_path)
+    tokenizer = models.load_tokenizer(source.tokenizer_path)
     return Inputs(source.base_path, source, tokenizer,
-                  fingerprint_components(cfg, resolved, source.base_path, source.adapter_path))
+                  fingerprint_components(cfg, resolved, source.base_path, source.adapter_path, source.tokenizer_path))
 
 
 def tokenized(cfg: Config, tokenizer, progress: bool = True) -> data.TokenizedData:

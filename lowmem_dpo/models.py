@@ -56,6 +56,14 @@ class ModelSource:
     description: str  # the log line saying which
 
     @property
+    def tokenizer_path(self) -> Path:
+        """The adapter folder when it holds a tokenizer (SFT trainers may save one, e.g. with a chat template the
+        SFT data was rendered with), else the base."""
+        if self.adapter_path is not None and (self.adapter_path / "tokenizer_config.json").is_file():
+            return self.adapter_path
+        return self.base_path
+
+    @property
     def adapter(self) -> dict | None:
         """The adapter's adapter_config.json, or None without an adapter."""
         return None if self.adapter_path is None else read_adapter_config(self.adapter_path, "adapter")
@@ -156,11 +164,18 @@ def model_source(model_name_or_path: str, sft_adapter: str | None = None) -> Mod
     return ModelSource(base, None, "base", f"model: {spec} is a base model (no adapter): it is the reference as it is")
 
 
+def target_names(adapter_config: dict) -> list[str]:
+    """An adapter's target modules by short name, sorted (peft saves all-linear as the full module paths it
+    matched); a string (all-linear, a regex) as a one-item list."""
+    targets = adapter_config.get("target_modules") or []
+    if isinstance(targets, str):
+        return [targets]
+    return sorted({t.rsplit(".", 1)[-1] for t in targets})
+
+
 def _lora_summary(path: Path) -> str:
     c = read_adapter_config(path, "adapter")
-    targets = c.get("target_modules")
-    targets = ",".join(sorted({t.rsplit(".", 1)[-1] for t in targets})) if isinstance(targets, list) else targets
-    return f"LoRA r={c.get('r')}, alpha={c.get('lora_alpha')} on {targets}"
+    return f"LoRA r={c.get('r')}, alpha={c.get('lora_alpha')} on {','.join(target_names(c))}"
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -54,12 +54,12 @@ def setup(cfg: Config, progress: bool = True) -> train.Session:
     """Tokenize the SFT rows, load the model with one adapter (fresh, or an SFT adapter continued), optimizer."""
     resolved = devices.resolve(cfg)
     source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)
-    adapters.check_mode(cfg, source, resolved.quantization)
+    adapters.check_mode(cfg, source, resolved.quantization, reference=False)
     # The planner plans a DPO step: 2 x per_device_train_batch_size sequences, twice an SFT step's.
-    train.apply_plan(cfg, resolved, source.base_path)
+    train.apply_plan(adapters.planned_lora(cfg, source), resolved, source.base_path)
     train.check_bitsandbytes(resolved)
     log(source.description)
-    tokenizer = models.load_tokenizer(source.base_path)
+    tokenizer = models.load_tokenizer(source.tokenizer_path)
     rows = data.load_rows(cfg.dataset, cfg.dataset_split, required=("prompt",))
     tok = data.tokenize_completions(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=cfg.dataset,
                                     progress=progress)

@@ -288,7 +288,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
     adapters.check_mode(cfg, ins.source, resolved.quantization)
-    apply_plan(cfg, resolved, ins.model_path)
+    apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
     ref = None
     if cfg.ref_source == "cache":

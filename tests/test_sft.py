@@ -222,6 +222,20 @@ def test_model_source_kinds(sft_dir, tiny_path, tmp_path):
         model_source("lowmem_dpo:tiny-llama", str(tmp_path))
 
 
+def test_the_adapter_folder_supplies_planning_and_its_saved_tokenizer(sft_dir, tiny_path, tokenizer, tmp_path):
+    cfg = tiny_cfg(tmp_path, model_name_or_path=str(sft_dir))
+    planned = adapters.planned_lora(cfg, model_source(str(sft_dir)))
+    assert (planned.lora_r, planned.lora_target_modules) == (
+        4, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
+    merged_mode = tiny_cfg(tmp_path, model_name_or_path=str(sft_dir), adapter_mode="new_on_merged")
+    assert adapters.planned_lora(merged_mode, model_source(str(sft_dir))) is merged_mode  # a fresh adapter
+    assert model_source(str(sft_dir)).tokenizer_path == tiny_path
+    with_tokenizer = tmp_path / "with-tokenizer"
+    shutil.copytree(sft_dir, with_tokenizer)
+    tokenizer.save_pretrained(with_tokenizer)
+    assert model_source(str(with_tokenizer)).tokenizer_path == with_tokenizer
+
+
 def test_lora_conflicts_name_only_keys_the_user_set():
     adapter = {"r": 8, "lora_alpha": 16, "target_modules": ["model.layers.0.self_attn.q_proj", "v_proj"]}
     linear = {"q_proj", "k_proj", "v_proj", "o_proj"}
