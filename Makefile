@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 RECIPE ?= recipes/tiny-cpu.yaml
 
-.PHONY: demo test lint bench clean
+.PHONY: demo demo-sft test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ $(VENV)/.install-bench: setup.cfg pyproject.toml $(VENV)/.torch
 demo: $(VENV)/.install-base
 	$(PY) -m lowmem_dpo.precompute $(RECIPE)
 	$(PY) -m lowmem_dpo.train $(RECIPE)
+
+# Stacked SFT -> DPO on the tiny model (README, Stacked SFT -> DPO)
+demo-sft: $(VENV)/.install-base
+	$(PY) -m lowmem_dpo.sft recipes/tiny-sft.yaml
+	$(PY) -m lowmem_dpo.precompute recipes/tiny-dpo-after-sft.yaml
+	$(PY) -m lowmem_dpo.train recipes/tiny-dpo-after-sft.yaml
 
 test: $(VENV)/.install-test
 	$(VENV)/bin/ruff check lowmem_dpo tests bench

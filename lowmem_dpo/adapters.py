@@ -21,8 +21,6 @@ from lowmem_dpo.cli import UserError, log
 from lowmem_dpo.config import Config
 from lowmem_dpo.models import ModelSource, target_names
 
-LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_modules")  # the adapter's structure: continue keeps its own
-
 
 def carries_adapter(model: torch.nn.Module) -> bool:
     """Whether peft layers (any adapter, active or not) are already injected into `model`."""

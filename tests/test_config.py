@@ -116,7 +116,7 @@ def _run(*args, cwd=REPO):
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
-@pytest.mark.parametrize("stage", ["precompute", "train"])
+@pytest.mark.parametrize("stage", ["precompute", "train", "sft"])
 def test_cli_bad_override_exits_2_without_traceback(stage):
     p = _run(f"lowmem_dpo.{stage}", "recipes/tiny-cpu.yaml", "max_steps=1.5", "learnin_rate=1")
     assert p.returncode == 2
