@@ -33,14 +33,16 @@ METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies
 
 
 # -- setup steps -------------------------------------------------------------------------------------------------
-def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path):
+def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, device_map: dict | None = None,
+                offload_folder: Path | None = None):
     """Base model (frozen, dropout off, quantized if asked) + a fresh LoRA adapter whose every parameter gets a
-    gradient, with or without a quantized base and gradient checkpointing."""
+    gradient, with or without a quantized base, gradient checkpointing and layers offloaded by `device_map`."""
     from peft import LoraConfig, get_peft_model
 
-    from lowmem_dpo.models import load_model
+    from lowmem_dpo.models import load_model, place_offloaded_adapters
 
-    base = load_model(model_path, resolved.device, resolved.dtype, resolved.quantization)
+    base = load_model(model_path, resolved.device, resolved.dtype, resolved.quantization, device_map=device_map,
+                      offload_folder=offload_folder)
     targets = cfg.lora_target_modules
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules="all-linear" if targets == ["all-linear"] else targets,
@@ -50,6 +52,10 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path):
         model = get_peft_model(base, lora)
     except ValueError as e:
         raise UserError(f"lora_target_modules={targets}: {e}") from None
+    placed = place_offloaded_adapters(model, resolved.device)
+    if placed:
+        log(f"offload: the LoRA weights of {len(placed)} adapted modules on offloaded layers stay on "
+            f"{resolved.device.type}; only the frozen base weights stream")
     if resolved.gradient_checkpointing:
         # Saves memory: activations are recomputed in backward instead of kept for every layer.
         # Non-reentrant checkpointing: reentrant checkpointing gives a layer's output a grad_fn only when one of
@@ -219,16 +225,20 @@ class Session:
     stream: object  # micro_batches() generator
 
 
-def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> None:
-    """Train's `auto` memory choice from the same planner as `python -m lowmem_dpo.plan`: with
+def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> dict | None:
+    """Train's `auto` memory choices from the same planner as `python -m lowmem_dpo.plan`: with
     gradient_checkpointing=auto, checkpointing goes on when the planner says the run needs it to fit
-    memory_budget (default: the device's memory). Knobs that are not auto are only advised, with numbers."""
+    memory_budget (default: the device's memory). Knobs that are not auto are only advised, with numbers.
+
+    Returns the device_map for CPU offload (on CUDA, when even the planner's other knobs leave train over the
+    budget: the trailing decoder layers stay in CPU RAM and stream through the GPU; checkpointing goes on), or
+    None."""
     from lowmem_dpo import plan
 
     budget = plan.run_budget(cfg, resolved.device.type)
     arch = plan.arch_of_run(model_path, "using the device rule's choices")
     if arch is None:
-        return
+        return None
     chosen = plan.choose(arch, cfg, budget)
     peak = chosen.prediction.train.peak_bytes
     overrides = dict(chosen.overrides)
@@ -242,24 +252,24 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> Non
             + " ".join(f"{k}={v}" for k, v in overrides.items()) + " (python -m lowmem_dpo.plan shows the terms)")
     else:
         resolved.reasons.append(f"planner: train peak {plan.fmt(peak)} of a {plan.fmt(budget)} budget")
-    if chosen.offload_layers and resolved.device.type == "cuda":
-        setup = dataclasses.replace(plan.setup_from_config(cfg, budget),
-                                    gradient_checkpointing=resolved.gradient_checkpointing)
-        device_map = plan.offload_map(arch, setup, budget, "train")
-        if device_map:
-            off = devices.offloaded_layers(device_map)
-            # peft puts the LoRA weights of a layer accelerate keeps off the device on the meta device, and
-            # backward then fails there; LoRA on the resident layers only would be a different adapter.
-            log(f"warning: train would need {len(off)} of {arch.layers} decoder layers in CPU RAM to fit "
-                f"{plan.fmt(budget)}; train does not offload yet (LoRA on offloaded layers cannot get gradients): "
-                "expect an out-of-memory error, or apply the planner's other advice")
+    if resolved.device.type != "cuda":
+        return None
+    # The run as configured (the advice above is not applied), with checkpointing: offload needs it.
+    setup = dataclasses.replace(plan.setup_from_config(cfg, budget), gradient_checkpointing=True)
+    device_map = plan.offload_map(arch, setup, budget, "train", resolved.device.index or 0)
+    if device_map is not None and not resolved.gradient_checkpointing:
+        # Without it autograd keeps every streamed layer's device copy until backward: nothing saved.
+        resolved.gradient_checkpointing = True
+        resolved.reasons.append("gradient_checkpointing=true (CPU offload: an offloaded layer's weights are "
+                                "streamed in again for its backward instead of staying on the device)")
+    return device_map
 
 
 def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Session:
     """Check the cache, tokenize, load the model with a fresh adapter, build the optimizer."""
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
-    apply_plan(cfg, resolved, ins.model_path)
+    device_map = apply_plan(cfg, resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
     ref = None
     if cfg.ref_source == "cache":
@@ -276,7 +286,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
         log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
     if ref is not None:
         check_cache_rows(ref, tok.pairs, cache_dir)
-    model = setup_model(cfg, resolved, ins.model_path)
+    model = setup_model(cfg, resolved, ins.model_path, device_map)
     steps = total_steps(cfg, len(tok.pairs))
     opt, sched, params = setup_optimizer(cfg, model, steps, resolved)
     stream = micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
