@@ -226,6 +226,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """CUDA's (and mps') out-of-memory error, or the CPU allocator's failure."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e))
+
+
+def release_memory(device: torch.device) -> None:
+    """Hand cached blocks back after an out-of-memory error, so a smaller retry starts from a clean pool."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def peak_memory_bytes(device: torch.device) -> int | None:
     """Peak allocated bytes on CUDA since the last reset; None on CPU (see bench/ for RSS)."""
     if device.type == "cuda":

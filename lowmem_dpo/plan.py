@@ -878,17 +878,18 @@ def measure(cfg, steps: int = 2) -> dict:
         gc.collect()
         precompute.run(mcfg, progress=False)
         session = train.setup(mcfg, progress=False)
-        seen = []
+        taken = []
 
         def recording(stream):
-            for pairs in stream:
-                seen.append(_pair_shape(pairs))
-                yield pairs
+            for pair in stream:
+                taken.append(pair)
+                yield pair
 
         session.stream = recording(session.stream)
         with PeakMeter(resolved.device) as tr:
             for _ in range(steps):
                 train.optimizer_step(session)
+        seen = [_pair_shape(pairs) for pairs in train.split(taken, session.micro_batch)]
         del session
         gc.collect()
         if resolved.device.type == "cuda":

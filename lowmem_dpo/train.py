@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import cache, data, devices, inputs
+from lowmem_dpo import cache, checkpoint, data, devices, guards, inputs
 from lowmem_dpo.cli import UserError, log, run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.logps import completion_logps
@@ -102,17 +102,23 @@ def total_steps(cfg: Config, num_pairs: int) -> int:
     return max(1, math.ceil(cfg.num_train_epochs * num_pairs / per_step))
 
 
-def micro_batches(pairs: list[data.TokenizedPair], batch_size: int, seed: int):
-    """Endless stream of micro-batches: each epoch a fresh seeded permutation, chunks cross epoch borders so
-    every micro-batch is full."""
+def pair_stream(pairs: list[data.TokenizedPair], seed: int):
+    """Endless stream of pairs: each epoch a fresh seeded permutation. Each optimizer step takes its pairs from
+    here, so a step's pairs do not depend on how they are split into micro-batches, and a resumed run skips
+    exactly the pairs it consumed."""
     g = torch.Generator().manual_seed(seed)
-    buf: list[data.TokenizedPair] = []
     while True:
         for i in torch.randperm(len(pairs), generator=g).tolist():
-            buf.append(pairs[i])
-            if len(buf) == batch_size:
-                yield buf
-                buf = []
+            yield pairs[i]
+
+
+def take(stream, n: int) -> list:
+    return [next(stream) for _ in range(n)]
+
+
+def split(pairs: list, micro_batch: int) -> list[list]:
+    """The micro-batches of one optimizer step, in order."""
+    return [pairs[i:i + micro_batch] for i in range(0, len(pairs), micro_batch)]
 
 
 # -- one step ----------------------------------------------------------------------------------------------------
@@ -121,12 +127,14 @@ class StepStats:
     sums: dict = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
     pairs: int = 0
     tokens: int = 0
+    chosen_tokens: int = 0  # completion tokens of the chosen sides (per-token guard)
 
     def add(self, other: "StepStats") -> None:
         for k in METRIC_KEYS:
             self.sums[k] += other.sums[k]
         self.pairs += other.pairs
         self.tokens += other.tokens
+        self.chosen_tokens += other.chosen_tokens
 
     def means(self) -> dict:
         return {k: v / max(1, self.pairs) for k, v in self.sums.items()}
@@ -145,9 +153,11 @@ def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
 
 def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
                resolved: devices.Resolved) -> StepStats:
-    """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params."""
+    """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params. The
+    loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it)."""
     stats = StepStats()
     device = resolved.device
+    n_pairs = sum(len(pairs) for pairs in group)
     for pairs in group:
         batch = data.collate(pairs, pad_id).to(device)
         with devices.autocast(resolved.device, resolved.dtype):
@@ -158,7 +168,7 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
             chosen.logps, rejected.logps, ref_chosen.to(device), ref_rejected.to(device),
             beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
             chosen_lengths=chosen.n_tokens, rejected_lengths=rejected.n_tokens)
-        (losses.mean() / len(group)).backward()
+        (losses.sum() / n_pairs).backward()
         b = len(pairs)
         s = stats.sums
         s["loss"] += losses.detach().sum().item()
@@ -170,6 +180,7 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
         s["logps/rejected"] += rejected.logps.detach().sum().item()
         stats.pairs += b
         stats.tokens += batch.num_tokens
+        stats.chosen_tokens += int(chosen.n_tokens.sum())
     return stats
 
 
@@ -221,8 +232,21 @@ class Session:
     ref: cache.RefCache | None  # None: ref_source=live
     pairs: list[data.TokenizedPair]
     pad_id: int
-    steps: int  # optimizer steps this run will take
-    stream: object  # micro_batches() generator
+    steps: int  # optimizer steps this run takes in all (a resumed run included)
+    stream: object  # pair_stream() generator, positioned after the pairs already trained on
+    micro_batch: int  # pairs per forward; the out-of-memory back-off halves it
+    grad_accum: int  # micro-batches per optimizer step; doubled with each halving
+    step: int = 0  # optimizer steps finished
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient, in all
+    nonfinite_in_a_row: int = 0
+    window: StepStats = field(default_factory=StepStats)  # stats since the last logged line
+    metrics_lines: list[str] = field(default_factory=list)  # metrics.jsonl so far
+    resumed_from: Path | None = None
+    replaces: list[Path] = field(default_factory=list)  # an earlier run's checkpoints, removed at the first save
+
+    @property
+    def pairs_per_step(self) -> int:
+        return self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps
 
 
 def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> dict | None:
@@ -266,9 +290,19 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> dic
 
 
 def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Session:
-    """Check the cache, tokenize, load the model with a fresh adapter, build the optimizer."""
+    """Check the cache, tokenize, load the model with a fresh adapter, build the optimizer; with resume=auto
+    and a checkpoint in output_dir (or resume=PATH), continue from it."""
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
+    resume_from = checkpoint.find(cfg.output_dir, cfg.resume)  # before anything heavy: a bad path fails fast
+    saved = checkpoint.read_state(resume_from) if resume_from is not None else None
+    if saved is not None:
+        changed = checkpoint.config_changes(saved.config, dataclasses.asdict(cfg))
+        if changed:
+            raise UserError(f"{resume_from} was written by a run with other settings ("
+                            + ", ".join(f"{k}: {saved.config.get(k)!r} -> {getattr(cfg, k, None)!r}" for k in changed)
+                            + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
+                            " are replaced as the new run saves)")
     device_map = apply_plan(cfg, resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
     ref = None
@@ -289,23 +323,82 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     model = setup_model(cfg, resolved, ins.model_path, device_map)
     steps = total_steps(cfg, len(tok.pairs))
     opt, sched, params = setup_optimizer(cfg, model, steps, resolved)
-    stream = micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
-    return Session(cfg, resolved, model, opt, sched, params, ref, tok.pairs, data.pad_token_id(ins.tokenizer),
-                   steps, stream)
+    s = Session(cfg, resolved, model, opt, sched, params, ref, tok.pairs, data.pad_token_id(ins.tokenizer),
+                steps, pair_stream(tok.pairs, cfg.seed), cfg.per_device_train_batch_size,
+                cfg.gradient_accumulation_steps)
+    if saved is not None:
+        checkpoint.restore(resume_from, model, opt, sched)
+        for _ in range(saved.pairs_seen):  # the data order is a function of the seed: replay it
+            next(s.stream)
+        s.step, s.skipped_steps = saved.step, saved.skipped_steps
+        s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
+        s.window = StepStats(**saved.window)
+        s.metrics_lines = checkpoint.metrics_lines(resume_from)
+        s.resumed_from = resume_from
+    else:
+        s.replaces = [p for _, p in checkpoint.complete(cfg.output_dir)]
+    return s
+
+
+def checkpoint_state(s: Session) -> checkpoint.TrainerState:
+    return checkpoint.TrainerState(step=s.step, pairs_seen=s.step * s.pairs_per_step, micro_batch=s.micro_batch,
+                                   grad_accum=s.grad_accum, skipped_steps=s.skipped_steps,
+                                   window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg))
+
+
+def backward_with_backoff(s: Session, pairs: list[data.TokenizedPair]) -> StepStats:
+    """train_step over `pairs` split into micro-batches; on out-of-memory, halve the micro-batch (the
+    accumulation doubles: the same pairs, the same update) and retry, down to 1 pair."""
+    while True:
+        try:
+            return train_step(s.model, s.cfg, split(pairs, s.micro_batch), s.ref, s.pad_id, s.resolved)
+        except Exception as e:
+            if not devices.is_out_of_memory(e):
+                raise
+            s.opt.zero_grad(set_to_none=True)  # drop the partial step's gradients
+            del e  # its traceback holds the failed step's tensors
+            devices.release_memory(s.resolved.device)
+            if s.micro_batch == 1:
+                raise UserError(f"out of memory at step {s.step + 1} with 1 pair per micro-batch; lower max_length, "
+                                "or set quantization=4bit / gradient_checkpointing=true (python -m "
+                                "lowmem_dpo.plan RECIPE.yaml shows what fits)") from None
+            s.micro_batch = max(1, s.micro_batch // 2)
+            s.grad_accum = math.ceil(len(pairs) / s.micro_batch)
+            log(f"out of memory at step {s.step + 1}: retrying with per_device_train_batch_size={s.micro_batch} "
+                f"gradient_accumulation_steps={s.grad_accum} (the same {len(pairs)} pairs per step)")
 
 
 def optimizer_step(s: Session) -> tuple[StepStats, float, float]:
-    """One optimizer step: gradient_accumulation_steps micro-batches, clip, AdamW, schedule.
-    Returns (stats, grad_norm before clipping, learning rate used)."""
-    group = [next(s.stream) for _ in range(s.cfg.gradient_accumulation_steps)]
+    """One optimizer step over the next pairs_per_step pairs: forward+backward by micro-batches, clip, AdamW,
+    schedule. A non-finite loss or gradient skips the update (the schedule still advances);
+    max_nonfinite_steps in a row stop the run. Returns (stats, grad_norm before clipping, learning rate)."""
+    pairs = take(s.stream, s.pairs_per_step)
     lr = s.sched.get_last_lr()[0]
-    stats = train_step(s.model, s.cfg, group, s.ref, s.pad_id, s.resolved)
+    stats = backward_with_backoff(s, pairs)
     max_norm = s.cfg.max_grad_norm if s.cfg.max_grad_norm is not None else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(s.params, max_norm).item()
-    s.opt.step()
+    s.step += 1
+    if guards.nonfinite(stats.sums["loss"], grad_norm):
+        s.skipped_steps += 1
+        s.nonfinite_in_a_row += 1
+        log(f"warning: step {s.step}: non-finite loss ({stats.sums['loss'] / max(1, stats.pairs):.4g}) or gradient "
+            f"norm ({grad_norm:.4g}); update skipped ({s.nonfinite_in_a_row} in a row)")
+        if s.nonfinite_in_a_row >= s.cfg.max_nonfinite_steps:
+            raise UserError(f"diverged: {s.nonfinite_in_a_row} steps in a row with a non-finite loss or gradient "
+                            f"(up to step {s.step}); the weights were not updated by them and "
+                            + last_checkpoint_note(s) + "; lower learning_rate or check the data and the cache")
+    else:
+        s.nonfinite_in_a_row = 0
+        s.opt.step()
     s.sched.step()
     s.opt.zero_grad(set_to_none=True)
     return stats, grad_norm, lr
+
+
+def last_checkpoint_note(s: Session) -> str:
+    found = checkpoint.complete(s.cfg.output_dir)
+    return (f"the last checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact" if found
+            else "no checkpoint was written (save_steps)")
 
 
 @dataclass
@@ -314,8 +407,36 @@ class TrainResult:
     model: object  # the PEFT model as trained (in memory)
 
 
+def save_final(s: Session, out_dir: Path) -> None:
+    """The adapter into output_dir, refusing non-finite weights and a disk without room for it."""
+    bad = [n for n, p in s.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    if bad:
+        raise UserError(f"not saving: {len(bad)} LoRA weights are not finite (first: {bad[0]}); "
+                        + last_checkpoint_note(s))
+    need = sum(p.numel() * p.element_size() for p in s.params) + (1 << 20)
+    then = "The training itself is in " + (last_checkpoint_note(s).replace("the last checkpoint, ", "", 1)
+                                           if checkpoint.complete(s.cfg.output_dir) else "memory only, lost")
+    cache.ensure_free_space(out_dir, need, "the adapter", then)
+    try:
+        save_adapter(s.model, out_dir)
+    except OSError as e:
+        if cache.is_disk_full(e):
+            raise cache.disk_full_error(out_dir, "the adapter", need, then) from None
+        raise
+
+
+def log_line(s: Session, stats: StepStats, grad_norm: float, lr: float, dt: float) -> dict:
+    means = s.window.means()
+    line = {"step": s.step, **{k: round(v, 6) for k, v in means.items()}, "grad_norm": round(grad_norm, 6),
+            "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3)}
+    peak = devices.peak_memory_bytes(s.resolved.device)
+    if peak is not None:
+        line["peak_mem_bytes"] = peak
+    return line
+
+
 def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainResult:
-    """Train and save the adapter to cfg.output_dir."""
+    """Train and save the adapter to cfg.output_dir; checkpoints every save_steps; resumes per cfg.resume."""
     from tqdm.auto import tqdm
 
     s = setup(cfg, recipe, progress)
@@ -327,38 +448,54 @@ def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainR
         log(f"resolved {reason}")
     log(f"reference: {'cached in ' + cfg.ref_cache_dir if s.ref is not None else 'live (adapter disabled), costs a forward'}")
     log(f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
-        f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} pairs ({len(s.pairs)} pairs in the data)")
-
-    window = StepStats()
-    last: dict = {}
-    bar = tqdm(total=s.steps, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
-    with open(out_dir / "metrics.jsonl", "w", encoding="utf-8") as metrics_file:
-        for step in range(1, s.steps + 1):
+        f"{s.micro_batch} x {s.grad_accum} pairs ({len(s.pairs)} pairs in the data)")
+    if s.resumed_from is not None:
+        log(f"resuming from {s.resumed_from} (step {s.step} of {s.steps})")
+    elif s.replaces:
+        log(f"starting over (resume={cfg.resume}): the {len(s.replaces)} checkpoints in "
+            f"{checkpoint.root(out_dir)} are replaced by this run's first one")
+    # metrics.jsonl as of the checkpoint: a resumed run continues it without repeating steps
+    cache.atomic_write_bytes(out_dir / "metrics.jsonl", "".join(s.metrics_lines).encode())
+    last = json.loads(s.metrics_lines[-1]) if s.metrics_lines else {}
+    bar = tqdm(total=s.steps, initial=s.step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as metrics_file:
+        while s.step < s.steps:
             devices.synchronize(s.resolved.device)
             t0 = time.perf_counter()
             stats, grad_norm, lr = optimizer_step(s)
             devices.synchronize(s.resolved.device)
             dt = time.perf_counter() - t0
-            window.add(stats)
+            if not guards.nonfinite(stats.sums["loss"]):
+                s.window.add(stats)
             bar.update(1)
+            step = s.step
             if step == 1 or step % cfg.logging_steps == 0 or step == s.steps:
-                last = {"step": step, **{k: round(v, 6) for k, v in window.means().items()},
-                        "grad_norm": round(grad_norm, 6), "learning_rate": lr, "step_time_s": round(dt, 6),
-                        "tokens_per_s": round(stats.tokens / dt, 3)}
-                peak = devices.peak_memory_bytes(s.resolved.device)
-                if peak is not None:
-                    last["peak_mem_bytes"] = peak
-                metrics_file.write(json.dumps(last) + "\n")
+                last = log_line(s, stats, grad_norm, lr, dt)
+                line = json.dumps(last) + "\n"
+                metrics_file.write(line)
                 metrics_file.flush()
+                s.metrics_lines.append(line)
                 bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['rewards/accuracies']:.2f}",
                                 margin=f"{last['rewards/margins']:.3f}")
-                window = StepStats()
-            if cfg.save_steps and step % cfg.save_steps == 0 and step != s.steps:
-                save_adapter(s.model, out_dir / f"checkpoint-{step}")
+                signs = guards.warning_signs(s.window.means(), step, s.steps, cfg.beta,
+                                             s.window.chosen_tokens / max(1, s.window.pairs))
+                s.window = StepStats()
+                for sign in signs:
+                    log(f"warning: step {step}: {sign}")
+                if signs and cfg.early_stop_on_divergence:
+                    raise UserError(f"stopped at step {step} (early_stop_on_divergence=true): {signs[0]}; "
+                                    + last_checkpoint_note(s))
+            if cfg.save_steps and (step % cfg.save_steps == 0 or step == s.steps):
+                checkpoint.save(out_dir, checkpoint_state(s), s.model, s.opt, s.sched, s.metrics_lines,
+                                cfg.save_total_limit, s.replaces)
+                s.replaces = []
     bar.close()
-    save_adapter(s.model, out_dir)
-    log(f"saved adapter to {out_dir} (step {s.steps}: loss {last['loss']:.4f}, rewards/accuracies "
-        f"{last['rewards/accuracies']:.2f})")
+    if s.skipped_steps:
+        log(f"note: {s.skipped_steps} updates were skipped for a non-finite loss or gradient")
+    save_final(s, out_dir)
+    if last:
+        log(f"saved adapter to {out_dir} (step {s.steps}: loss {last['loss']:.4f}, rewards/accuracies "
+            f"{last['rewards/accuracies']:.2f})")
     return TrainResult(last, s.model)
 
 
