@@ -62,6 +62,44 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     atomic_write_bytes(path, save({k: v.contiguous().cpu() for k, v in tensors.items()}))
 
 
+# -- disk space --------------------------------------------------------------------------------------------------
+DISK_FULL_ERRNOS = (28, 122)  # ENOSPC, EDQUOT (quota)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes for an unprivileged writer on the filesystem that holds `folder` (or its nearest existing
+    parent)."""
+    import shutil
+
+    folder = Path(folder).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def ensure_free_space(folder: Path, need: int, what: str, then: str) -> None:
+    """Refuse (exit 2) before writing `need` bytes of `what` into `folder` when the disk has less free:
+    better than a half-written file after hours of work. `then` says what happens to the work so far."""
+    from lowmem_dpo.plan import fmt
+
+    free = free_bytes(folder)
+    if free < need:
+        raise UserError(f"not enough disk space for {what} in {str(folder)!r}: needs ~{fmt(need)}, "
+                        f"{fmt(free)} free; free some space (or point the output elsewhere) and rerun. {then}")
+
+
+def disk_full_error(folder: Path, what: str, need: int, then: str) -> UserError:
+    """The UserError for a write that hit a full disk after all (the estimate was short, or space went)."""
+    from lowmem_dpo.plan import fmt
+
+    return UserError(f"disk full while writing {what} in {str(folder)!r} (needs ~{fmt(need)}, "
+                     f"{fmt(free_bytes(folder))} free now); free some space and rerun. {then}")
+
+
 # -- fingerprint -------------------------------------------------------------------------------------------------
 def _digest_store() -> Path:
     from lowmem_dpo.tiny import home

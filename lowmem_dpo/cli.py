@@ -29,6 +29,10 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
     # bitsandbytes (imported by peft) notes at import that an optional `kernels` package is missing; it serves
     # only the packed inference path that models.load_model turns off.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # peft, saving an adapter, looks for the base's config.json at base_model_name_or_path to see whether the
+    # vocabulary changed; a built-in name (lowmem_dpo:tiny-llama, as sft writes it) is not a path. Nothing here
+    # changes the vocabulary.
+    warnings.filterwarnings("ignore", message="Could not find a config file in", category=UserWarning)
     try:
         return main(argv) or 0
     except UserError as e:

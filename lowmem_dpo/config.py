@@ -121,8 +121,20 @@ class Config:
                            choices=("continue", "new_on_merged"))
     # -- logging and saving --------------------------------------------------------------------------------------
     logging_steps: int = _f(10, "Log every this many optimizer steps (and at step 1 and the last step).", min=1)
-    save_steps: int = _f(0, "Save the adapter to output_dir/checkpoint-STEP every this many steps; 0 never.",
-                         min=0)
+    save_steps: int = _f(50, "Checkpoint every this many optimizer steps into output_dir/checkpoints/checkpoint-"
+                         "STEP (adapter, optimizer, scheduler, RNG, data position, metrics; ~3x the adapter's size);"
+                         " 0 never.", min=0)
+    save_total_limit: int = _f(2, "Checkpoints to keep (the newest); older ones are removed once a new one is "
+                               "complete. 0 keeps all.", min=0)
+    resume: str = _f("auto", "auto: continue from the newest complete checkpoint in output_dir/checkpoints if there "
+                     "is one (rerun the same command after a crash); never: start over; or the path of a "
+                     "checkpoint-STEP folder.")
+    # -- guards ----------------------------------------------------------------------------------------------------
+    max_nonfinite_steps: int = _f(3, "A non-finite loss or gradient skips that update; this many in a row stop the "
+                                  "run as diverged (the last checkpoint stays).", min=1)
+    early_stop_on_divergence: bool = _f(False, "Stop (exit 2, last checkpoint kept) when the DPO warning signs show: "
+                                        "reward margin exploding, loss collapsing towards 0 early, chosen "
+                                        "log-probs falling fast. Off: they are only logged as warnings.")
     # -- precompute ----------------------------------------------------------------------------------------------
     precompute_batch_size: int = _f(8, "Pairs per reference forward in precompute (no grads: can exceed the "
                                     "training batch).", min=1)

@@ -40,24 +40,27 @@ _PAGED = ("paged 8-bit AdamW: LoRA optimizer state at 2 bytes/param, paged to CP
 _CPU_FREE = "no checkpointing: RAM is plentiful and recomputation only costs time; torch AdamW (bitsandbytes' " \
             "paged optimizers need CUDA)"
 
+_CUDA_OFFLOAD = ("optimizer state (paged); trailing decoder layers to CPU RAM when the planner says the run does "
+                 "not fit memory_budget")
+
 # device kind -> Rule. CUDA kinds by total memory (<= 12 GiB, <= 24 GiB, larger) and bf16 support; CPUs by
 # native bf16 (AVX512-BF16 or AMX, as oneDNN reports); Apple GPUs (mps).
 RULES: dict[str, Rule] = {
-    "cuda-12gb-bf16": Rule("bfloat16", True, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+    "cuda-12gb-bf16": Rule("bfloat16", True, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
                            f"CUDA <= 12 GiB with bf16: bfloat16 halves memory; {_CKPT_SMALL_GPU}; {_PAGED}"),
-    "cuda-12gb": Rule("float32", True, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+    "cuda-12gb": Rule("float32", True, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
                       f"CUDA <= 12 GiB without bf16: float32 (fp16 training would need loss scaling); "
                       f"{_CKPT_SMALL_GPU}; {_PAGED}"),
-    "cuda-24gb-bf16": Rule("bfloat16", True, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+    "cuda-24gb-bf16": Rule("bfloat16", True, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
                            f"CUDA <= 24 GiB with bf16: bfloat16 halves memory; {_CKPT_SMALL_GPU}; {_PAGED}"),
-    "cuda-24gb": Rule("float32", True, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+    "cuda-24gb": Rule("float32", True, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
                       f"CUDA <= 24 GiB without bf16: float32 (fp16 training would need loss scaling); "
                       f"{_CKPT_SMALL_GPU}; {_PAGED}"),
-    "cuda-large-bf16": Rule("bfloat16", False, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+    "cuda-large-bf16": Rule("bfloat16", False, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
                             "CUDA > 24 GiB with bf16: bfloat16 halves memory; no checkpointing: a 7B LoRA run's "
                             "activations fit at usual batch sizes and recomputation would cost ~30% step time "
                             f"(set gradient_checkpointing=true for long sequences); {_PAGED}"),
-    "cuda-large": Rule("float32", False, PAGED_ADAMW_8BIT, "optimizer state (paged)",
+    "cuda-large": Rule("float32", False, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
                        "CUDA > 24 GiB without bf16: float32 (fp16 training would need loss scaling); no "
                        f"checkpointing: activations fit at usual batch sizes; {_PAGED}"),
     "mps": Rule("float32", True, ADAMW_TORCH, "none",
@@ -223,6 +226,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """CUDA's (and mps') out-of-memory error, or the CPU allocator's failure."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e))
+
+
+def release_memory(device: torch.device) -> None:
+    """Hand cached blocks back after an out-of-memory error, so a smaller retry starts from a clean pool."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def peak_memory_bytes(device: torch.device) -> int | None:
     """Peak allocated bytes on CUDA since the last reset; None on CPU (see bench/ for RSS)."""
     if device.type == "cuda":
@@ -236,28 +255,32 @@ def peak_memory_bytes(device: torch.device) -> int | None:
 OFFLOAD_RESIDENT = ("model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head")
 
 
-def layers_on_device(layers: int, layer_bytes: int, other_bytes: int, budget: int) -> int:
+def layers_on_device(layers: int, layer_bytes: int, other_bytes: int, budget: int,
+                     buffer_bytes: int | None = None) -> int:
     """How many leading decoder layers fit `budget` next to `other_bytes` (everything on the device that is not
     a decoder layer's weights: embeddings, norm, LM head, activations, LoRA and optimizer state, overhead).
 
     All `layers` fit when other + layers*layer_bytes <= budget. Otherwise n layers stay when
-    other + (n + 1)*layer_bytes <= budget: the extra layer is the device buffer each offloaded layer streams
-    through. The same rule as plan._offload: with other = peak - layers*layer_bytes, layers - n is its k.
-    0 when not even one layer fits beside its buffer."""
+    other + n*layer_bytes + buffer_bytes <= budget: the buffer (default one layer) is the device copy each
+    offloaded layer streams through; it is larger than a resident layer when the resident ones are quantized
+    and the offloaded ones are not (bitsandbytes quantizes on the GPU only). The same rule as plan._offload.
+    0 when not even one layer fits beside the buffer."""
     if layers < 0 or layer_bytes <= 0:
         raise ValueError(f"layers={layers}, layer_bytes={layer_bytes}: expected layers >= 0 and layer_bytes > 0")
     if other_bytes + layers * layer_bytes <= budget:
         return layers
-    return max(0, min(layers - 1, (budget - other_bytes) // layer_bytes - 1))
+    buffer_bytes = layer_bytes if buffer_bytes is None else buffer_bytes
+    return max(0, min(layers - 1, (budget - other_bytes - buffer_bytes) // layer_bytes))
 
 
 def offload_device_map(layers: int, layer_bytes: int, other_bytes: int, budget: int, device: int | str = 0,
                        layers_prefix: str = "model.layers",
-                       resident: tuple[str, ...] = OFFLOAD_RESIDENT) -> dict[str, int | str]:
+                       resident: tuple[str, ...] = OFFLOAD_RESIDENT,
+                       buffer_bytes: int | None = None) -> dict[str, int | str]:
     """An accelerate/transformers device_map: the `resident` modules and the leading layers that fit
     (layers_on_device) on `device`, the rest on "cpu" (kept in CPU RAM, copied to the device for each forward
     by accelerate's hooks). Keys in model order: embeddings, layers, then norm and head."""
-    n = layers_on_device(layers, layer_bytes, other_bytes, budget)
+    n = layers_on_device(layers, layer_bytes, other_bytes, budget, buffer_bytes)
     first = [m for m in resident if m.endswith("embed_tokens")]
     rest = [m for m in resident if m not in first]
     out: dict[str, int | str] = dict.fromkeys(first, device)

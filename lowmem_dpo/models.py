@@ -12,6 +12,8 @@ from lowmem_dpo.cli import UserError
 from lowmem_dpo.tiny import BUILTIN_PREFIX, ensure_builtin
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# What CPU->GPU copies of pageable memory reach on PCIe 4.0 x16 in practice; for the offload log's estimate.
+PCIE_BYTES_PER_S = 12e9
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
@@ -256,8 +258,37 @@ def offload_message(model: torch.nn.Module, device_map: dict) -> str | None:
     where = "CPU RAM" if all(device_map[k] == "cpu" for k in off) else "CPU RAM/disk" if any(
         device_map[k] == "cpu" for k in off) else "disk"
     n = sum(1 for k in off if k.startswith("model.layers."))
-    return (f"offload: {n} of {layers} decoder layers ({fmt(offloaded_bytes(model, off))}) in {where}; "
-            "each step moves them over PCIe: expect slower steps")
+    moved = offloaded_bytes(model, off)
+    cost = "" if where == "disk" else (
+        f" (~{moved / PCIE_BYTES_PER_S:.2f} s per forward at {PCIE_BYTES_PER_S / 1e9:.0f} GB/s; train's "
+        "backward streams them again)")
+    return (f"offload: {n} of {layers} decoder layers ({fmt(moved)}) in {where}; every forward moves them to "
+            f"the device{cost}: expect slower steps")
+
+
+def place_offloaded_adapters(model: torch.nn.Module, device: torch.device) -> list[str]:
+    """Give the LoRA weights of offloaded layers real storage on `device`, freshly initialised; returns the
+    names of the LoRA layers placed.
+
+    peft puts a new adapter on its base layer's device, and accelerate keeps an offloaded layer's weights on
+    the meta device between forwards, so those adapters would have no storage and backward would fail there.
+    LoRA weights are tiny (r x (in + out) per layer) and are what train updates: they stay resident while the
+    frozen base weights stream through the device. The init is peft's own (reset_lora_parameters), so with
+    the seed set the run is as deterministic as without offload."""
+    from peft.tuners.lora import LoraLayer
+
+    placed = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter in module.lora_A:
+            if module.lora_A[adapter].weight.device.type != "meta":
+                continue
+            module.lora_A[adapter].to_empty(device=device)
+            module.lora_B[adapter].to_empty(device=device)
+            module.reset_lora_parameters(adapter, model.peft_config[adapter].init_lora_weights)
+            placed.append(name)
+    return placed
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none",

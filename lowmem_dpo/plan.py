@@ -11,7 +11,7 @@ Prints the predicted peak of train and of precompute, term by term, for the reci
 the budget, searches the knobs in this order and prints the first plan that fits, as key=value overrides:
 gradient checkpointing on; quantization=4bit; halve per_device_train_batch_size and double
 gradient_accumulation_steps (the effective batch stays); halve precompute_batch_size (first, when only precompute
-is over); last, CPU offload of whole decoder layers (offload_bytes; no config key yet). The formulas are small
+is over); last, CPU offload of whole decoder layers (offload_bytes; train and precompute do it on CUDA by themselves). The formulas are small
 pure functions below (predict, choose), documented term by term; train can use them for its auto choices.
 
 The device planned for is the recipe's (device=cuda plans for a GPU on any machine; auto is this machine's).
@@ -609,13 +609,22 @@ def _smaller_micro_batch(b: int) -> int:
     return max(d for d in range(1, b // 2 + 1) if b % d == 0)
 
 
-def _offload(peak: int, budget: int, per_layer: int, layers: int) -> tuple[int, int]:
-    """Whole layers to keep in CPU RAM so `peak` fits: k = ceil((peak - budget + per_layer) / per_layer), the
-    extra layer being the device buffer an offloaded layer streams through. (layers moved, bytes moved)."""
+def streamed_layer_bytes(arch: Arch, dtype: str, quantization: str) -> int:
+    """One offloaded decoder layer's weights as they sit in CPU RAM and stream through the device: bitsandbytes
+    quantizes on the GPU only, so with 4bit/8bit the layers a device_map puts on the CPU stay unquantized, in
+    `dtype` (transformers' llm_int8_enable_fp32_cpu_offload)."""
+    return layer_weight_bytes(arch, dtype, "none")
+
+
+def _offload(peak: int, budget: int, per_layer: int, layers: int, streamed: int | None = None) -> tuple[int, int]:
+    """Whole layers to keep in CPU RAM so `peak` fits: each one moved saves `per_layer` device bytes, and one
+    device buffer of `streamed` bytes (default per_layer) holds the layer running now, so
+    k = ceil((peak - budget + streamed) / per_layer). Returns (layers moved, CPU RAM they take)."""
+    streamed = per_layer if streamed is None else streamed
     if peak <= budget:
         return 0, 0
-    k = math.ceil((peak - budget + per_layer) / per_layer)
-    return min(k, layers), min(k, layers) * per_layer
+    k = min(layers, math.ceil((peak - budget + streamed) / per_layer))
+    return k, k * streamed
 
 
 def choose(arch: Arch, cfg_like, budget: int) -> Plan:
@@ -672,19 +681,21 @@ def choose(arch: Arch, cfg_like, budget: int) -> Plan:
         train_ok, pre_ok = fits(pred)
     cur, pred = smaller_precompute_batch(cur, pred)
     per_layer = layer_weight_bytes(arch, cur.dtype, cur.quantization)
-    k_train, off_train = _offload(pred.train.peak_bytes, budget, per_layer, arch.layers)
+    streamed = streamed_layer_bytes(arch, cur.dtype, cur.quantization)
+    k_train, off_train = _offload(pred.train.peak_bytes, budget, per_layer, arch.layers, streamed)
     ref_layer = layer_weight_bytes(arch, cur.ref_dtype, cur.ref_quantization)
-    k_pre, off_pre = _offload(pred.precompute.peak_bytes, budget, ref_layer, arch.layers)
+    ref_streamed = streamed_layer_bytes(arch, cur.ref_dtype, cur.ref_quantization)
+    k_pre, off_pre = _offload(pred.precompute.peak_bytes, budget, ref_layer, arch.layers, ref_streamed)
     ok = True
-    for stage, k, off, layer_bytes, peak in (("train", k_train, off_train, per_layer, pred.train.peak_bytes),
-                                             ("precompute", k_pre, off_pre, ref_layer, pred.precompute.peak_bytes)):
+    for stage, k, off, layer_bytes, buffer, peak in (
+            ("train", k_train, off_train, per_layer, streamed, pred.train.peak_bytes),
+            ("precompute", k_pre, off_pre, ref_layer, ref_streamed, pred.precompute.peak_bytes)):
         if k:
-            left = peak - off + layer_bytes
+            left = peak - k * layer_bytes + buffer
             ok = ok and left <= budget
-            steps.append(f"{stage}: CPU offload of {k} of {arch.layers} decoder layers ({fmt(off)}), device peak "
-                         f"{fmt(left)}" + ("" if left <= budget else " - still over the budget")
-                         + ("; precompute streams them on CUDA by itself" if stage == "precompute" else
-                            "; train cannot offload yet"))
+            steps.append(f"{stage}: CPU offload of {k} of {arch.layers} decoder layers ({fmt(off)} of CPU RAM), "
+                         f"device peak {fmt(left)}" + ("" if left <= budget else " - still over the budget")
+                         + (f"; {stage} streams them through the device by itself (CUDA)"))
     if not steps:
         steps.append("fits as given")
     return Plan(cur, pred, overrides, steps, ok, off_train, off_pre, max(k_train, k_pre))
@@ -867,17 +878,18 @@ def measure(cfg, steps: int = 2) -> dict:
         gc.collect()
         precompute.run(mcfg, progress=False)
         session = train.setup(mcfg, progress=False)
-        seen = []
+        taken = []
 
         def recording(stream):
-            for pairs in stream:
-                seen.append(_pair_shape(pairs))
-                yield pairs
+            for pair in stream:
+                taken.append(pair)
+                yield pair
 
         session.stream = recording(session.stream)
         with PeakMeter(resolved.device) as tr:
             for _ in range(steps):
                 train.optimizer_step(session)
+        seen = [_pair_shape(pairs) for pairs in train.split(taken, session.micro_batch)]
         del session
         gc.collect()
         if resolved.device.type == "cuda":
@@ -1074,7 +1086,8 @@ def main(argv: list[str]) -> int:
     pred = predict(arch, setup)
     chosen = choose(arch, setup, budget)
     _, as_given_offload = _offload(pred.train.peak_bytes, budget,
-                                   layer_weight_bytes(arch, setup.dtype, setup.quantization), arch.layers)
+                                   layer_weight_bytes(arch, setup.dtype, setup.quantization), arch.layers,
+                                   streamed_layer_bytes(arch, setup.dtype, setup.quantization))
     report = {"model": cfg.model_name_or_path, "arch": dataclasses.asdict(arch), "device": setup.device,
               "device_kind": setup.kind, "budget_bytes": budget, "setup": dataclasses.asdict(setup),
               "train": stage_json(pred.train, budget, as_given_offload),
@@ -1154,11 +1167,11 @@ def offload_map(arch: Arch, setup: Setup, budget: int, stage: str, device: int |
     from lowmem_dpo import devices
 
     pred = predict(arch, setup)
-    if stage == "train":
-        peak, per_layer = pred.train.peak_bytes, layer_weight_bytes(arch, setup.dtype, setup.quantization)
-    else:
-        peak, per_layer = pred.precompute.peak_bytes, layer_weight_bytes(arch, setup.ref_dtype,
-                                                                         setup.ref_quantization)
+    dtype, quantization = ((setup.dtype, setup.quantization) if stage == "train"
+                           else (setup.ref_dtype, setup.ref_quantization))
+    peak = pred.train.peak_bytes if stage == "train" else pred.precompute.peak_bytes
     if peak <= budget:
         return None
-    return devices.offload_device_map(arch.layers, per_layer, peak - arch.layers * per_layer, budget, device)
+    per_layer = layer_weight_bytes(arch, dtype, quantization)
+    return devices.offload_device_map(arch.layers, per_layer, peak - arch.layers * per_layer, budget, device,
+                                      buffer_bytes=streamed_layer_bytes(arch, dtype, quantization))

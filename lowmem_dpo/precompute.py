@@ -104,6 +104,11 @@ def run(cfg: Config, progress: bool = True) -> Path:
     if any(done):
         log(f"resuming: {sum(done)} of {len(shards)} shards already finished ({done_rows} rows)")
 
+    # rows (int64) + chosen, rejected (float32) + two token counts (int32) per row, a header per shard
+    need = (len(tok.pairs) - done_rows) * 24 + len(shards) * 4096 + (1 << 20)
+    cache.ensure_free_space(cache_dir, need, "the reference cache",
+                            "Finished shards are kept: the rerun resumes after them." if any(done) else
+                            "Nothing was written; an existing cache there is untouched.")
     quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
     log(f"precompute: {len(tok.pairs)} rows on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
         f"{quantized}, batch {cfg.precompute_batch_size}, into {shard_dir}")
@@ -118,7 +123,13 @@ def run(cfg: Config, progress: bool = True) -> Path:
         if finished:
             continue
         tensors = shard_logps(model, shard, cfg.precompute_batch_size, pad_id, resolved, bar)
-        cache.atomic_save_tensors(shard_dir / name, tensors)
+        try:
+            cache.atomic_save_tensors(shard_dir / name, tensors)
+        except OSError as e:
+            if cache.is_disk_full(e):
+                raise cache.disk_full_error(shard_dir, name, need, "Finished shards are kept: the rerun "
+                                            "resumes after them; an existing cache there is untouched.") from None
+            raise
     bar.close()
     elapsed = time.perf_counter() - t0
     computed = len(tok.pairs) - done_rows

@@ -15,10 +15,11 @@ base_model_name_or_path names the base, so `model_name_or_path=OUTPUT_DIR` point
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowmem_dpo import adapters, data, devices, models, train
+from lowmem_dpo import adapters, checkpoint, data, devices, guards, models, train
 from lowmem_dpo.cli import log, run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.logps import completion_logps
@@ -56,7 +57,7 @@ def setup(cfg: Config, progress: bool = True) -> train.Session:
     source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)
     adapters.check_mode(cfg, source, resolved.quantization, reference=False)
     # The planner plans a DPO step: 2 x per_device_train_batch_size sequences, twice an SFT step's.
-    train.apply_plan(adapters.planned_lora(cfg, source), resolved, source.base_path)
+    device_map = train.apply_plan(adapters.planned_lora(cfg, source), resolved, source.base_path)
     train.check_bitsandbytes(resolved)
     log(source.description)
     tokenizer = models.load_tokenizer(source.tokenizer_path)
@@ -65,21 +66,23 @@ def setup(cfg: Config, progress: bool = True) -> train.Session:
                                     progress=progress)
     if tok.dropped:
         log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
-    model = train.setup_model(cfg, resolved, source.base_path, source)
+    model = train.setup_model(cfg, resolved, source.base_path, device_map, source=source)
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
     steps = train.total_steps(cfg, len(tok.pairs))
     opt, sched, params = train.setup_optimizer(cfg, model, steps, resolved)
-    stream = train.micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
     return train.Session(cfg, resolved, model, opt, sched, params, None, tok.pairs, data.pad_token_id(tokenizer),
-                         steps, stream)
+                         steps, train.pair_stream(tok.pairs, cfg.seed), cfg.per_device_train_batch_size,
+                         cfg.gradient_accumulation_steps, window=SFTStats(),
+                         replaces=[p for _, p in checkpoint.complete(cfg.output_dir)])
 
 
 def sft_step(s: train.Session) -> tuple[SFTStats, float, float]:
-    """One optimizer step over gradient_accumulation_steps micro-batches. Returns (stats, grad_norm before
+    """One optimizer step over the next pairs_per_step rows, by micro-batches. Returns (stats, grad_norm before
     clipping, learning rate used)."""
     lr = s.sched.get_last_lr()[0]
-    batches = [data.collate_completions(next(s.stream), s.pad_id) for _ in range(s.cfg.gradient_accumulation_steps)]
+    batches = [data.collate_completions(items, s.pad_id)
+               for items in train.split(train.take(s.stream, s.pairs_per_step), s.micro_batch)]
     # The step's loss is the mean over all its completion tokens (as TRL), so each micro-batch's sum is divided by
     # the step's total, known before the first backward. Position t-1 predicts token t: mask[:, 1:] counts.
     n_targets = sum(int(b.completion_mask[:, 1:].sum()) for b in batches)
@@ -92,17 +95,40 @@ def sft_step(s: train.Session) -> tuple[SFTStats, float, float]:
         stats.nll -= out.logps.detach().sum().item()
         stats.targets += int(out.n_tokens.sum())
         stats.tokens += batch.num_tokens
-    return stats, train.apply_gradients(s), lr
+    return stats, train.apply_gradients(s, stats.means()["loss"]), lr
 
 
 def run(cfg: Config, progress: bool = True) -> train.TrainResult:
-    """Fine-tune and save the adapter to cfg.output_dir."""
+    """Fine-tune and save the adapter to cfg.output_dir; full-state checkpoints every save_steps (as train's,
+    under output_dir/checkpoints; sft does not resume from them yet)."""
+    from tqdm.auto import tqdm
+
     s = setup(cfg, progress)
-    train.start_output(s)
+    out_dir = train.start_output(s)
     log(f"sft: training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
-        f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} rows ({len(s.pairs)} rows in the "
-        "data), loss on completion tokens only")
-    last = train.fit(s, sft_step, SFTStats, lambda m: {"loss": f"{m['loss']:.4f}"}, "sft", progress)
+        f"{s.micro_batch} x {s.grad_accum} rows ({len(s.pairs)} rows in the data), loss on completion tokens only")
+    last: dict = {}
+    bar = tqdm(total=s.steps, desc="sft", unit="step", disable=not progress, dynamic_ncols=True)
+    with open(out_dir / "metrics.jsonl", "w", encoding="utf-8") as metrics_file:
+        while s.step < s.steps:
+            stats, grad_norm, lr, dt = train.timed(s, sft_step)
+            if not guards.nonfinite(stats.nll):
+                s.window.add(stats)
+            bar.update(1)
+            if s.step == 1 or s.step % cfg.logging_steps == 0 or s.step == s.steps:
+                last = train.log_line(s, stats, grad_norm, lr, dt)
+                s.metrics_lines.append(json.dumps(last) + "\n")
+                metrics_file.write(s.metrics_lines[-1])
+                metrics_file.flush()
+                bar.set_postfix(loss=f"{last['loss']:.4f}")
+                s.window = SFTStats()
+            if cfg.save_steps and (s.step % cfg.save_steps == 0 or s.step == s.steps):
+                checkpoint.save(out_dir, train.checkpoint_state(s), s.model, s.opt, s.sched, s.metrics_lines,
+                                cfg.save_total_limit, s.replaces)
+                s.replaces = []
+    bar.close()
+    train.save_final(s, out_dir)
+    log(f"saved adapter to {out_dir} (step {s.steps}: loss {last['loss']:.4f})")
     return train.TrainResult(last, s.model)
 
 

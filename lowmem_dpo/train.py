@@ -17,14 +17,12 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from lowmem_dpo import adapters, cache, data, devices, inputs
+from lowmem_dpo import adapters, cache, checkpoint, data, devices, guards, inputs
 from lowmem_dpo.cli import UserError, log, run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.logps import completion_logps
@@ -53,16 +51,23 @@ def new_adapter(cfg: Config, base):
         raise UserError(f"lora_target_modules={targets}: {e}") from None
 
 
-def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, source: ModelSource | None = None):
+def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, device_map: dict | None = None,
+                offload_folder: Path | None = None, source: ModelSource | None = None):
     """Base model (frozen, dropout off, quantized if asked) + one LoRA adapter whose every parameter gets a
-    gradient, with or without a quantized base and gradient checkpointing: the SFT adapter of `source`
-    continued, or a fresh one (on the base with the SFT adapter merged in, for adapter_mode=new_on_merged)."""
-    from lowmem_dpo.models import load_model
+    gradient, with or without a quantized base, gradient checkpointing and layers offloaded by `device_map`: the
+    SFT adapter of `source` continued, or a fresh one (on the base with the SFT adapter merged in, for
+    adapter_mode=new_on_merged)."""
+    from lowmem_dpo.models import load_model, place_offloaded_adapters
 
-    base = load_model(model_path, resolved.device, resolved.dtype, resolved.quantization)
+    base = load_model(model_path, resolved.device, resolved.dtype, resolved.quantization, device_map=device_map,
+                      offload_folder=offload_folder)
     model = adapters.sft_policy(base, cfg, source) if source is not None else None
     if model is None:
         model = new_adapter(cfg, base)
+    placed = place_offloaded_adapters(model, resolved.device)
+    if placed:
+        log(f"offload: the LoRA weights of {len(placed)} adapted modules on offloaded layers stay on "
+            f"{resolved.device.type}; only the frozen base weights stream")
     if resolved.gradient_checkpointing:
         # Saves memory: activations are recomputed in backward instead of kept for every layer.
         # Non-reentrant checkpointing: reentrant checkpointing gives a layer's output a grad_fn only when one of
@@ -109,17 +114,23 @@ def total_steps(cfg: Config, num_pairs: int) -> int:
     return max(1, math.ceil(cfg.num_train_epochs * num_pairs / per_step))
 
 
-def micro_batches(pairs: list[data.TokenizedPair], batch_size: int, seed: int):
-    """Endless stream of micro-batches: each epoch a fresh seeded permutation, chunks cross epoch borders so
-    every micro-batch is full."""
+def pair_stream(pairs: list[data.TokenizedPair], seed: int):
+    """Endless stream of pairs: each epoch a fresh seeded permutation. Each optimizer step takes its pairs from
+    here, so a step's pairs do not depend on how they are split into micro-batches, and a resumed run skips
+    exactly the pairs it consumed."""
     g = torch.Generator().manual_seed(seed)
-    buf: list[data.TokenizedPair] = []
     while True:
         for i in torch.randperm(len(pairs), generator=g).tolist():
-            buf.append(pairs[i])
-            if len(buf) == batch_size:
-                yield buf
-                buf = []
+            yield pairs[i]
+
+
+def take(stream, n: int) -> list:
+    return [next(stream) for _ in range(n)]
+
+
+def split(pairs: list, micro_batch: int) -> list[list]:
+    """The micro-batches of one optimizer step, in order."""
+    return [pairs[i:i + micro_batch] for i in range(0, len(pairs), micro_batch)]
 
 
 # -- one step ----------------------------------------------------------------------------------------------------
@@ -128,12 +139,14 @@ class StepStats:
     sums: dict = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
     pairs: int = 0
     tokens: int = 0
+    chosen_tokens: int = 0  # completion tokens of the chosen sides (per-token guard)
 
     def add(self, other: "StepStats") -> None:
         for k in METRIC_KEYS:
             self.sums[k] += other.sums[k]
         self.pairs += other.pairs
         self.tokens += other.tokens
+        self.chosen_tokens += other.chosen_tokens
 
     def means(self) -> dict:
         return {k: v / max(1, self.pairs) for k, v in self.sums.items()}
@@ -152,9 +165,11 @@ def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
 
 def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
                resolved: devices.Resolved) -> StepStats:
-    """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params."""
+    """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params. The
+    loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it)."""
     stats = StepStats()
     device = resolved.device
+    n_pairs = sum(len(pairs) for pairs in group)
     for pairs in group:
         batch = data.collate(pairs, pad_id).to(device)
         with devices.autocast(resolved.device, resolved.dtype):
@@ -165,7 +180,7 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
             chosen.logps, rejected.logps, ref_chosen.to(device), ref_rejected.to(device),
             beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
             chosen_lengths=chosen.n_tokens, rejected_lengths=rejected.n_tokens)
-        (losses.mean() / len(group)).backward()
+        (losses.sum() / n_pairs).backward()
         b = len(pairs)
         s = stats.sums
         s["loss"] += losses.detach().sum().item()
@@ -177,6 +192,7 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
         s["logps/rejected"] += rejected.logps.detach().sum().item()
         stats.pairs += b
         stats.tokens += batch.num_tokens
+        stats.chosen_tokens += int(chosen.n_tokens.sum())
     return stats
 
 
@@ -186,12 +202,7 @@ def save_adapter(model, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out_dir))
     try:
-        with warnings.catch_warnings():
-            # peft looks for the base's config.json at base_model_name_or_path to see whether the vocabulary
-            # changed; a built-in name (lowmem_dpo:tiny-llama, as sft writes it) is not a path, and nothing here
-            # changes the vocabulary.
-            warnings.filterwarnings("ignore", message="Could not find a config file in", category=UserWarning)
-            model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True)
         for f in sorted(tmp.iterdir()):
             os.chmod(f, 0o644)
             os.replace(f, out_dir / f.name)
@@ -230,23 +241,40 @@ class Session:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
     params: list  # the trainable LoRA parameters
-    ref: cache.RefCache | None  # None: ref_source=live (or the SFT stage, which has no reference)
-    pairs: list  # data.TokenizedPair (the SFT stage: data.TokenizedCompletion)
+    ref: cache.RefCache | None  # None: ref_source=live
+    pairs: list[data.TokenizedPair]
     pad_id: int
-    steps: int  # optimizer steps this run will take
-    stream: object  # micro_batches() generator
+    steps: int  # optimizer steps this run takes in all (a resumed run included)
+    stream: object  # pair_stream() generator, positioned after the pairs already trained on
+    micro_batch: int  # pairs per forward; the out-of-memory back-off halves it
+    grad_accum: int  # micro-batches per optimizer step; doubled with each halving
+    step: int = 0  # optimizer steps finished
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient, in all
+    nonfinite_in_a_row: int = 0
+    window: StepStats = field(default_factory=StepStats)  # stats since the last logged line
+    metrics_lines: list[str] = field(default_factory=list)  # metrics.jsonl so far
+    resumed_from: Path | None = None
+    replaces: list[Path] = field(default_factory=list)  # an earlier run's checkpoints, removed at the first save
+
+    @property
+    def pairs_per_step(self) -> int:
+        return self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps
 
 
-def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> None:
-    """Train's `auto` memory choice from the same planner as `python -m lowmem_dpo.plan`: with
+def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> dict | None:
+    """Train's `auto` memory choices from the same planner as `python -m lowmem_dpo.plan`: with
     gradient_checkpointing=auto, checkpointing goes on when the planner says the run needs it to fit
-    memory_budget (default: the device's memory). Knobs that are not auto are only advised, with numbers."""
+    memory_budget (default: the device's memory). Knobs that are not auto are only advised, with numbers.
+
+    Returns the device_map for CPU offload (on CUDA, when even the planner's other knobs leave train over the
+    budget: the trailing decoder layers stay in CPU RAM and stream through the GPU; checkpointing goes on), or
+    None."""
     from lowmem_dpo import plan
 
     budget = plan.run_budget(cfg, resolved.device.type)
     arch = plan.arch_of_run(model_path, "using the device rule's choices")
     if arch is None:
-        return
+        return None
     chosen = plan.choose(arch, cfg, budget)
     peak = chosen.prediction.train.peak_bytes
     overrides = dict(chosen.overrides)
@@ -260,17 +288,17 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> Non
             + " ".join(f"{k}={v}" for k, v in overrides.items()) + " (python -m lowmem_dpo.plan shows the terms)")
     else:
         resolved.reasons.append(f"planner: train peak {plan.fmt(peak)} of a {plan.fmt(budget)} budget")
-    if chosen.offload_layers and resolved.device.type == "cuda":
-        setup = dataclasses.replace(plan.setup_from_config(cfg, budget),
-                                    gradient_checkpointing=resolved.gradient_checkpointing)
-        device_map = plan.offload_map(arch, setup, budget, "train")
-        if device_map:
-            off = devices.offloaded_layers(device_map)
-            # peft puts the LoRA weights of a layer accelerate keeps off the device on the meta device, and
-            # backward then fails there; LoRA on the resident layers only would be a different adapter.
-            log(f"warning: train would need {len(off)} of {arch.layers} decoder layers in CPU RAM to fit "
-                f"{plan.fmt(budget)}; train does not offload yet (LoRA on offloaded layers cannot get gradients): "
-                "expect an out-of-memory error, or apply the planner's other advice")
+    if resolved.device.type != "cuda":
+        return None
+    # The run as configured (the advice above is not applied), with checkpointing: offload needs it.
+    setup = dataclasses.replace(plan.setup_from_config(cfg, budget), gradient_checkpointing=True)
+    device_map = plan.offload_map(arch, setup, budget, "train", resolved.device.index or 0)
+    if device_map is not None and not resolved.gradient_checkpointing:
+        # Without it autograd keeps every streamed layer's device copy until backward: nothing saved.
+        resolved.gradient_checkpointing = True
+        resolved.reasons.append("gradient_checkpointing=true (CPU offload: an offloaded layer's weights are "
+                                "streamed in again for its backward instead of staying on the device)")
+    return device_map
 
 
 def check_bitsandbytes(resolved: devices.Resolved) -> None:
@@ -283,12 +311,21 @@ def check_bitsandbytes(resolved: devices.Resolved) -> None:
 
 
 def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Session:
-    """Check the cache, tokenize, load the model with its one adapter (fresh, or the SFT adapter continued),
-    build the optimizer."""
+    """Check the cache, tokenize, load the model with its one adapter (fresh, or the SFT adapter continued), build
+    the optimizer; with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it."""
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
     adapters.check_mode(cfg, ins.source, resolved.quantization)
-    apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
+    resume_from = checkpoint.find(cfg.output_dir, cfg.resume)  # before anything heavy: a bad path fails fast
+    saved = checkpoint.read_state(resume_from) if resume_from is not None else None
+    if saved is not None:
+        changed = checkpoint.config_changes(saved.config, dataclasses.asdict(cfg))
+        if changed:
+            raise UserError(f"{resume_from} was written by a run with other settings ("
+                            + ", ".join(f"{k}: {saved.config.get(k)!r} -> {getattr(cfg, k, None)!r}" for k in changed)
+                            + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
+                            " are replaced as the new run saves)")
+    device_map = apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
     ref = None
     if cfg.ref_source == "cache":
@@ -302,31 +339,91 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
         log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
     if ref is not None:
         check_cache_rows(ref, tok.pairs, cache_dir)
-    model = setup_model(cfg, resolved, ins.model_path, ins.source)
+    model = setup_model(cfg, resolved, ins.model_path, device_map, source=ins.source)
     steps = total_steps(cfg, len(tok.pairs))
     opt, sched, params = setup_optimizer(cfg, model, steps, resolved)
-    stream = micro_batches(tok.pairs, cfg.per_device_train_batch_size, cfg.seed)
-    return Session(cfg, resolved, model, opt, sched, params, ref, tok.pairs, data.pad_token_id(ins.tokenizer),
-                   steps, stream)
+    s = Session(cfg, resolved, model, opt, sched, params, ref, tok.pairs, data.pad_token_id(ins.tokenizer),
+                steps, pair_stream(tok.pairs, cfg.seed), cfg.per_device_train_batch_size,
+                cfg.gradient_accumulation_steps)
+    if saved is not None:
+        checkpoint.restore(resume_from, model, opt, sched)
+        for _ in range(saved.pairs_seen):  # the data order is a function of the seed: replay it
+            next(s.stream)
+        s.step, s.skipped_steps = saved.step, saved.skipped_steps
+        s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
+        s.window = StepStats(**saved.window)
+        s.metrics_lines = checkpoint.metrics_lines(resume_from)
+        s.resumed_from = resume_from
+    else:
+        s.replaces = [p for _, p in checkpoint.complete(cfg.output_dir)]
+    return s
+
+
+def checkpoint_state(s: Session) -> checkpoint.TrainerState:
+    return checkpoint.TrainerState(step=s.step, pairs_seen=s.step * s.pairs_per_step, micro_batch=s.micro_batch,
+                                   grad_accum=s.grad_accum, skipped_steps=s.skipped_steps,
+                                   window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg))
+
+
+def backward_with_backoff(s: Session, pairs: list[data.TokenizedPair]) -> StepStats:
+    """train_step over `pairs` split into micro-batches; on out-of-memory, halve the micro-batch (the
+    accumulation doubles: the same pairs, the same update) and retry, down to 1 pair."""
+    while True:
+        try:
+            return train_step(s.model, s.cfg, split(pairs, s.micro_batch), s.ref, s.pad_id, s.resolved)
+        except Exception as e:
+            if not devices.is_out_of_memory(e):
+                raise
+            s.opt.zero_grad(set_to_none=True)  # drop the partial step's gradients
+            del e  # its traceback holds the failed step's tensors
+            devices.release_memory(s.resolved.device)
+            if s.micro_batch == 1:
+                raise UserError(f"out of memory at step {s.step + 1} with 1 pair per micro-batch; lower max_length, "
+                                "or set quantization=4bit / gradient_checkpointing=true (python -m "
+                                "lowmem_dpo.plan RECIPE.yaml shows what fits)") from None
+            s.micro_batch = max(1, s.micro_batch // 2)
+            s.grad_accum = math.ceil(len(pairs) / s.micro_batch)
+            log(f"out of memory at step {s.step + 1}: retrying with per_device_train_batch_size={s.micro_batch} "
+                f"gradient_accumulation_steps={s.grad_accum} (the same {len(pairs)} pairs per step)")
 
 
 def optimizer_step(s: Session) -> tuple[StepStats, float, float]:
-    """One optimizer step: gradient_accumulation_steps micro-batches, clip, AdamW, schedule.
-    Returns (stats, grad_norm before clipping, learning rate used)."""
-    group = [next(s.stream) for _ in range(s.cfg.gradient_accumulation_steps)]
+    """One optimizer step over the next pairs_per_step pairs: forward+backward by micro-batches, clip, AdamW,
+    schedule. A non-finite loss or gradient skips the update (the schedule still advances);
+    max_nonfinite_steps in a row stop the run. Returns (stats, grad_norm before clipping, learning rate)."""
+    pairs = take(s.stream, s.pairs_per_step)
     lr = s.sched.get_last_lr()[0]
-    stats = train_step(s.model, s.cfg, group, s.ref, s.pad_id, s.resolved)
-    return stats, apply_gradients(s), lr
+    stats = backward_with_backoff(s, pairs)
+    return stats, apply_gradients(s, stats.sums["loss"] / max(1, stats.pairs)), lr
 
 
-def apply_gradients(s: Session) -> float:
-    """Clip, AdamW step, schedule step, zero the gradients; returns the gradient norm before clipping."""
+def apply_gradients(s: Session, loss: float) -> float:
+    """The update after a step's backward (train's and sft's): clip; AdamW unless `loss` (the step's mean) or the
+    gradient norm is non-finite; schedule; zero the gradients. Returns the gradient norm before clipping."""
     max_norm = s.cfg.max_grad_norm if s.cfg.max_grad_norm is not None else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(s.params, max_norm).item()
-    s.opt.step()
+    s.step += 1
+    if guards.nonfinite(loss, grad_norm):
+        s.skipped_steps += 1
+        s.nonfinite_in_a_row += 1
+        log(f"warning: step {s.step}: non-finite loss ({loss:.4g}) or gradient "
+            f"norm ({grad_norm:.4g}); update skipped ({s.nonfinite_in_a_row} in a row)")
+        if s.nonfinite_in_a_row >= s.cfg.max_nonfinite_steps:
+            raise UserError(f"diverged: {s.nonfinite_in_a_row} steps in a row with a non-finite loss or gradient "
+                            f"(up to step {s.step}); the weights were not updated by them and "
+                            + last_checkpoint_note(s) + "; lower learning_rate or check the data and the cache")
+    else:
+        s.nonfinite_in_a_row = 0
+        s.opt.step()
     s.sched.step()
     s.opt.zero_grad(set_to_none=True)
     return grad_norm
+
+
+def last_checkpoint_note(s: Session) -> str:
+    found = checkpoint.complete(s.cfg.output_dir)
+    return (f"the last checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact" if found
+            else "no checkpoint was written (save_steps)")
 
 
 @dataclass
@@ -335,8 +432,36 @@ class TrainResult:
     model: object  # the PEFT model as trained (in memory)
 
 
+def save_final(s: Session, out_dir: Path) -> None:
+    """The adapter into output_dir, refusing non-finite weights and a disk without room for it."""
+    bad = [n for n, p in s.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    if bad:
+        raise UserError(f"not saving: {len(bad)} LoRA weights are not finite (first: {bad[0]}); "
+                        + last_checkpoint_note(s))
+    need = sum(p.numel() * p.element_size() for p in s.params) + (1 << 20)
+    then = "The training itself is in " + (last_checkpoint_note(s).replace("the last checkpoint, ", "", 1)
+                                           if checkpoint.complete(s.cfg.output_dir) else "memory only, lost")
+    cache.ensure_free_space(out_dir, need, "the adapter", then)
+    try:
+        save_adapter(s.model, out_dir)
+    except OSError as e:
+        if cache.is_disk_full(e):
+            raise cache.disk_full_error(out_dir, "the adapter", need, then) from None
+        raise
+
+
+def log_line(s: Session, stats: StepStats, grad_norm: float, lr: float, dt: float) -> dict:
+    means = s.window.means()
+    line = {"step": s.step, **{k: round(v, 6) for k, v in means.items()}, "grad_norm": round(grad_norm, 6),
+            "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3)}
+    peak = devices.peak_memory_bytes(s.resolved.device)
+    if peak is not None:
+        line["peak_mem_bytes"] = peak
+    return line
+
+
 def start_output(s: Session) -> Path:
-    """output_dir with the resolved config.yaml, and the resolved choices in the log."""
+    """output_dir with the resolved config.yaml; the resolved choices in the log."""
     out_dir = Path(s.cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     resolved_note = "".join(f"# resolved {r}\n" for r in s.resolved.reasons)
@@ -346,59 +471,67 @@ def start_output(s: Session) -> Path:
     return out_dir
 
 
-def fit(s: Session, step: Callable[[Session], tuple], new_stats: Callable[[], StepStats],
-        postfix: Callable[[dict], dict], desc: str, progress: bool = True) -> dict:
-    """The loop train and sft share: s.steps calls of `step` (-> stats, grad_norm, lr), a metrics.jsonl line
-    per logged step (means over the steps since the previous line), the progress bar with `postfix`'s values,
-    checkpoints every save_steps and the adapter at the end. Returns the last metrics line."""
-    from tqdm.auto import tqdm
-
-    cfg, out_dir = s.cfg, Path(s.cfg.output_dir)
-    window = new_stats()
-    last: dict = {}
-    bar = tqdm(total=s.steps, desc=desc, unit="step", disable=not progress, dynamic_ncols=True)
-    with open(out_dir / "metrics.jsonl", "w", encoding="utf-8") as metrics_file:
-        for n in range(1, s.steps + 1):
-            devices.synchronize(s.resolved.device)
-            t0 = time.perf_counter()
-            stats, grad_norm, lr = step(s)
-            devices.synchronize(s.resolved.device)
-            dt = time.perf_counter() - t0
-            window.add(stats)
-            bar.update(1)
-            if n == 1 or n % cfg.logging_steps == 0 or n == s.steps:
-                last = {"step": n, **{k: round(v, 6) for k, v in window.means().items()},
-                        "grad_norm": round(grad_norm, 6), "learning_rate": lr, "step_time_s": round(dt, 6),
-                        "tokens_per_s": round(stats.tokens / dt, 3)}
-                peak = devices.peak_memory_bytes(s.resolved.device)
-                if peak is not None:
-                    last["peak_mem_bytes"] = peak
-                metrics_file.write(json.dumps(last) + "\n")
-                metrics_file.flush()
-                bar.set_postfix(postfix(last))
-                window = new_stats()
-            if cfg.save_steps and n % cfg.save_steps == 0 and n != s.steps:
-                save_adapter(s.model, out_dir / f"checkpoint-{n}")
-    bar.close()
-    save_adapter(s.model, out_dir)
-    log(f"saved adapter to {out_dir} (step {s.steps}: "
-        + ", ".join(f"{k} {v}" for k, v in postfix(last).items()) + ")")
-    return last
-
-
-def dpo_postfix(m: dict) -> dict:
-    return {"loss": f"{m['loss']:.4f}", "acc": f"{m['rewards/accuracies']:.2f}",
-            "margin": f"{m['rewards/margins']:.3f}"}
+def timed(s: Session, step) -> tuple:
+    """`step(s)`'s (stats, grad_norm, lr) and its wall seconds, the device synchronized before and after."""
+    devices.synchronize(s.resolved.device)
+    t0 = time.perf_counter()
+    stats, grad_norm, lr = step(s)
+    devices.synchronize(s.resolved.device)
+    return stats, grad_norm, lr, time.perf_counter() - t0
 
 
 def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainResult:
-    """Train and save the adapter to cfg.output_dir."""
+    """Train and save the adapter to cfg.output_dir; checkpoints every save_steps; resumes per cfg.resume."""
+    from tqdm.auto import tqdm
+
     s = setup(cfg, recipe, progress)
-    start_output(s)
+    out_dir = start_output(s)
     log(f"reference: {'cached in ' + cfg.ref_cache_dir if s.ref is not None else 'live (adapter disabled), costs a forward'}")
     log(f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
-        f"{cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} pairs ({len(s.pairs)} pairs in the data)")
-    last = fit(s, optimizer_step, StepStats, dpo_postfix, "train", progress)
+        f"{s.micro_batch} x {s.grad_accum} pairs ({len(s.pairs)} pairs in the data)")
+    if s.resumed_from is not None:
+        log(f"resuming from {s.resumed_from} (step {s.step} of {s.steps})")
+    elif s.replaces:
+        log(f"starting over (resume={cfg.resume}): the {len(s.replaces)} checkpoints in "
+            f"{checkpoint.root(out_dir)} are replaced by this run's first one")
+    # metrics.jsonl as of the checkpoint: a resumed run continues it without repeating steps
+    cache.atomic_write_bytes(out_dir / "metrics.jsonl", "".join(s.metrics_lines).encode())
+    last = json.loads(s.metrics_lines[-1]) if s.metrics_lines else {}
+    bar = tqdm(total=s.steps, initial=s.step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as metrics_file:
+        while s.step < s.steps:
+            stats, grad_norm, lr, dt = timed(s, optimizer_step)
+            if not guards.nonfinite(stats.sums["loss"]):
+                s.window.add(stats)
+            bar.update(1)
+            step = s.step
+            if step == 1 or step % cfg.logging_steps == 0 or step == s.steps:
+                last = log_line(s, stats, grad_norm, lr, dt)
+                line = json.dumps(last) + "\n"
+                metrics_file.write(line)
+                metrics_file.flush()
+                s.metrics_lines.append(line)
+                bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['rewards/accuracies']:.2f}",
+                                margin=f"{last['rewards/margins']:.3f}")
+                signs = guards.warning_signs(s.window.means(), step, s.steps, cfg.beta,
+                                             s.window.chosen_tokens / max(1, s.window.pairs))
+                s.window = StepStats()
+                for sign in signs:
+                    log(f"warning: step {step}: {sign}")
+                if signs and cfg.early_stop_on_divergence:
+                    raise UserError(f"stopped at step {step} (early_stop_on_divergence=true): {signs[0]}; "
+                                    + last_checkpoint_note(s))
+            if cfg.save_steps and (step % cfg.save_steps == 0 or step == s.steps):
+                checkpoint.save(out_dir, checkpoint_state(s), s.model, s.opt, s.sched, s.metrics_lines,
+                                cfg.save_total_limit, s.replaces)
+                s.replaces = []
+    bar.close()
+    if s.skipped_steps:
+        log(f"note: {s.skipped_steps} updates were skipped for a non-finite loss or gradient")
+    save_final(s, out_dir)
+    if last:
+        log(f"saved adapter to {out_dir} (step {s.steps}: loss {last['loss']:.4f}, rewards/accuracies "
+            f"{last['rewards/accuracies']:.2f})")
     return TrainResult(last, s.model)
 
 

@@ -60,7 +60,7 @@ def test_every_lora_parameter_gets_a_gradient(small, quantization, checkpointing
     assert checkpointed == (checkpointing == "true")
 
     train.optimizer_step(s)
-    train.train_step(s.model, cfg, [next(s.stream)], None, s.pad_id, s.resolved)
+    train.train_step(s.model, cfg, [train.take(s.stream, s.micro_batch)], None, s.pad_id, s.resolved)
     lora = {n: p for n, p in s.model.named_parameters() if p.requires_grad}
     assert len(lora) == 2 * len(adapted) and all("lora_A" in n or "lora_B" in n for n in lora)
     assert [n for n, p in lora.items() if p.grad is None] == []

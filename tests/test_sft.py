@@ -71,7 +71,7 @@ def test_sft_writes_a_peft_adapter_and_its_loss_is_completion_only(sft_dir, tiny
     # Step 1's loss is the base model's mean -log p over the completion tokens of the first micro-batch.
     cfg = tiny_cfg(sft_dir.parent)
     items = data.tokenize_completions(data.load_rows(str(rows64)), tokenizer, 64, None, progress=False).pairs
-    first = next(train.micro_batches(items, cfg.per_device_train_batch_size, cfg.seed))
+    first = train.take(train.pair_stream(items, cfg.seed), cfg.per_device_train_batch_size)
     base = load_model(tiny_path, torch.device("cpu"), torch.float32)
     pairs = [data.TokenizedPair(c.row, c.prompt_ids, c.completion_ids, c.completion_ids) for c in first]
     nll = -logps_by_hand(base, pairs)[:, 0].sum().item() / sum(len(c.completion_ids) for c in first)
@@ -143,7 +143,7 @@ def test_continue_on_a_quantized_base_with_checkpointing(sft_dir, tmp_path, rows
                    gradient_checkpointing="true", max_steps=1)
     precompute.run(cfg, progress=False)
     s = train.setup(cfg, progress=False)
-    stats = train.train_step(s.model, cfg, [next(s.stream)], s.ref, s.pad_id, s.resolved)
+    stats = train.train_step(s.model, cfg, [train.take(s.stream, s.micro_batch)], s.ref, s.pad_id, s.resolved)
     assert stats.means()["loss"] == pytest.approx(math.log(2), abs=2e-3)
     lora = {n: p for n, p in s.model.named_parameters() if p.requires_grad}
     assert len(lora) == 28 and all("lora_" in n for n in lora)  # 14 adapted layers x (A, B)

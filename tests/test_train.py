@@ -107,11 +107,16 @@ def test_lr_schedule(kind, expected):
     assert got == pytest.approx(expected)
 
 
-def test_micro_batches_cover_each_epoch_once():
+def test_pair_stream_covers_each_epoch_once_and_splits_in_order():
     pairs = [data.TokenizedPair(i, [1], [2], [3]) for i in range(10)]
-    stream = train.micro_batches(pairs, 5, seed=1)
-    epoch = [p.row for _ in range(2) for p in next(stream)]
+    stream = train.pair_stream(pairs, seed=1)
+    epoch = [p.row for p in train.take(stream, 10)]
     assert sorted(epoch) == list(range(10))
+    second = [p.row for p in train.take(stream, 10)]
+    assert sorted(second) == list(range(10)) and second != epoch  # a fresh permutation each epoch
+    again = train.pair_stream(pairs, seed=1)
+    assert [p.row for p in train.take(again, 10)] == epoch  # a function of the seed
+    assert train.split(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 def test_demo_recipe_learns(tmp_path):

@@ -1,0 +1,185 @@
+"""Training checkpoints: everything a killed run needs to continue as if it had never stopped.
+
+    python -m lowmem_dpo.train RECIPE.yaml      # rerun the same command: resumes from the newest checkpoint
+
+Layout, one folder per checkpoint, under output_dir/checkpoints/:
+
+    checkpoint-STEP/adapter_config.json, adapter_model.safetensors   the PEFT adapter at STEP (loadable as is)
+    checkpoint-STEP/optimizer.pt, scheduler.pt                        their state_dicts (torch.save)
+    checkpoint-STEP/rng.pt                                            torch's CPU (and CUDA) RNG states
+    checkpoint-STEP/metrics.jsonl                                     metrics.jsonl as it was at STEP
+    checkpoint-STEP/trainer_state.json                                step, position in the data order, batch
+                                                                      split, the run's config
+
+A checkpoint is complete or absent: it is written into a hidden temporary folder beside the others, every file
+fsynced, and renamed to checkpoint-STEP in one step. Older ones beyond save_total_limit are removed only after
+the new one is in place. Before writing, the free disk space is checked against the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowmem_dpo import cache
+from lowmem_dpo.cli import UserError
+
+FOLDER = "checkpoints"
+STATE = "trainer_state.json"
+_NAME = re.compile(r"checkpoint-(\d+)")
+# Config keys that may change between a run and its resumption without changing the numbers it computes.
+RESUMABLE_CHANGES = frozenset({"output_dir", "ref_cache_dir", "logging_steps", "save_steps", "save_total_limit",
+                               "resume", "memory_budget", "precompute_batch_size", "cache_shard_rows",
+                               "early_stop_on_divergence", "max_nonfinite_steps", "strict"})
+
+
+@dataclass
+class TrainerState:
+    step: int  # optimizer steps finished
+    pairs_seen: int  # pairs consumed from the data stream (step * pairs per step)
+    micro_batch: int  # the split in use (out-of-memory back-off may have halved it)
+    grad_accum: int
+    skipped_steps: int  # updates skipped for a non-finite loss or gradient
+    window: dict  # train.StepStats since the last logged line, so the next line is what it would have been
+    config: dict  # the run's Config as a dict
+
+
+def root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / FOLDER
+
+
+def complete(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint, oldest first. Temporary folders are not checkpoints."""
+    folder = root(output_dir)
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        m = _NAME.fullmatch(p.name)
+        if m and (p / STATE).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def size_bytes(model, opt) -> int:
+    """What a checkpoint of this run takes on disk: the adapter, the optimizer state, and 64 KiB for the rest
+    (scheduler, RNG, metrics, JSON, file headers)."""
+    adapter = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    return adapter + state + (64 << 10)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics_lines: list[str],
+         keep: int, replaces: list[Path] = ()) -> Path:
+    """Write checkpoint-{state.step} atomically, then remove `replaces` (an earlier run's checkpoints, when
+    this one started over) and keep only the newest `keep`. A full disk stops the run with exit 2 and leaves
+    the previous checkpoints as they were."""
+    folder = root(output_dir)
+    final = folder / f"checkpoint-{state.step}"
+    need = size_bytes(model, opt)
+    newest = complete(output_dir)
+    then = (f"The run resumes from {newest[-1][1].name} (step {newest[-1][0]}), which is intact."
+            if newest else "No checkpoint was written yet.")
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(".checkpoint-*"):  # a write a kill interrupted: never a checkpoint, only litter
+        shutil.rmtree(stale, ignore_errors=True)
+    cache.ensure_free_space(folder, need, f"checkpoint-{state.step}", then)
+    tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{state.step}-", dir=folder))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(sched.state_dict(), tmp / "scheduler.pt")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / "rng.pt")
+        (tmp / "metrics.jsonl").write_text("".join(metrics_lines), encoding="utf-8")
+        (tmp / STATE).write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n", encoding="utf-8")
+        for p in tmp.iterdir():
+            os.chmod(p, 0o644)
+        _fsync_tree(tmp)
+        if final.exists():  # a checkpoint of the same step from an earlier attempt: the new one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if cache.is_disk_full(e):
+            raise cache.disk_full_error(folder, f"checkpoint-{state.step}", need, then) from None
+        raise
+    for old in replaces:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    for _, old in complete(output_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_state(path: Path) -> TrainerState:
+    try:
+        return TrainerState(**json.loads((path / STATE).read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"checkpoint {str(path)!r} is unreadable ({type(e).__name__}: {e}); pass resume=never to "
+                        "start over, or resume=PATH of another checkpoint") from None
+
+
+def find(output_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint to resume from: resume=auto the newest complete one under output_dir (None if there is
+    none), never None, else resume is a checkpoint folder's path."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        found = complete(output_dir)
+        return found[-1][1] if found else None
+    path = Path(resume)
+    if not (path / STATE).is_file():
+        raise UserError(f"resume={resume!r} is not a complete checkpoint folder (no {STATE}); checkpoints are "
+                        f"{root(output_dir)}/checkpoint-STEP")
+    return path
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """Config keys whose values differ from the checkpoint's, except those that do not change the numbers."""
+    keys = (set(saved) | set(current)) - RESUMABLE_CHANGES
+    return sorted(k for k in keys if saved.get(k) != current.get(k))
+
+
+def restore(path: Path, model, opt, sched) -> None:
+    """Load the adapter weights, optimizer, scheduler and RNG states of checkpoint `path` into the run."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "adapter_model.safetensors"))
+    result = set_peft_model_state_dict(model, weights)
+    if getattr(result, "unexpected_keys", None):
+        raise UserError(f"checkpoint {str(path)!r} holds an adapter that does not match this run's "
+                        f"({len(result.unexpected_keys)} unexpected keys); pass resume=never to start over")
+    opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+    sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    rng = torch.load(path / "rng.pt", weights_only=True)
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def metrics_lines(path: Path) -> list[str]:
+    return (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
