@@ -80,15 +80,15 @@ def run(cfg: Config, progress: bool = True) -> Path:
     fp = cache.fingerprint_digest(ins.fingerprint)
     manifest = cache.read_manifest(cache_dir)
     if manifest is not None and manifest.get("fingerprint") == fp:
+        # The rows a cache holds do not depend on strict; a strict run still refuses data it would skip.
+        data.check_skips(data.manifest_skips(manifest), manifest["num_rows"], manifest["num_pairs"],
+                         cfg.dataset, cfg.max_length, cfg.strict)
         log(f"reference cache {cache_dir} is up to date ({manifest['num_rows']} rows, fingerprint {fp[:12]})")
         return cache_dir
     if resolved.ref_quantization != "none":  # fail before tokenizing, not after
         devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
 
-    tok = inputs.tokenized(cfg, ins.tokenizer, progress)
-    if tok.dropped:
-        log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: their prompt alone reaches max_length="
-            f"{cfg.max_length} (first: row {tok.dropped[0]})")
+    tok = inputs.tokenized(cfg, ins.tokenizer, progress)  # bad data stops here, before anything is written
     shards = shard_plan(tok.pairs, cfg.cache_shard_rows)
     shard_dir = cache_dir / f"shards-{fp[:16]}"
     build = {"fingerprint": fp, "shard_rows": cfg.cache_shard_rows, "num_shards": len(shards)}
@@ -128,6 +128,8 @@ def run(cfg: Config, progress: bool = True) -> Path:
         "num_rows": tok.num_rows,
         "num_pairs": len(tok.pairs),
         "dropped_rows": tok.dropped,
+        "skipped": tok.skipped,
+        "truncated": {part: len(rows) for part, rows in tok.truncated.items()},
         "shard_dir": shard_dir.name,
         "shards": names,
         "rows_per_s": round(computed / elapsed, 3) if elapsed > 0 and computed else None,
