@@ -3,7 +3,7 @@
     python -m lowmem_dpo.precompute recipes/tiny-cpu.yaml [key=value ...]
 
 Re-running on a valid cache is a quick no-op (the fingerprint is computed from remembered file digests, no
-model load). A killed run resumes from its last finished shard. The manifest is written last, atomically, so
+model load). Both end with the preflight report (lowmem_dpo.preflight), printed and saved beside the manifest. A killed run resumes from its last finished shard. The manifest is written last, atomically, so
 a previous cache stays usable until the new one is complete.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import cache, data, devices, inputs
+from lowmem_dpo import cache, data, devices, inputs, preflight
 from lowmem_dpo.cli import log, run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.logps import completion_logps
@@ -84,6 +84,7 @@ def run(cfg: Config, progress: bool = True) -> Path:
         data.check_skips(data.manifest_skips(manifest), manifest["num_rows"], manifest["num_pairs"],
                          cfg.dataset, cfg.max_length, cfg.strict)
         log(f"reference cache {cache_dir} is up to date ({manifest['num_rows']} rows, fingerprint {fp[:12]})")
+        report(cache_dir)
         return cache_dir
     if resolved.ref_quantization != "none":  # fail before tokenizing, not after
         devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
@@ -141,7 +142,15 @@ def run(cfg: Config, progress: bool = True) -> Path:
             shutil.rmtree(old, ignore_errors=True)
     log(f"wrote reference cache {cache_dir}: {len(tok.pairs)} rows, fingerprint {fp[:12]}"
         + (f", {computed / elapsed:.1f} rows/s" if elapsed > 0 and computed else ""))
+    report(cache_dir)
     return cache_dir
+
+
+def report(cache_dir: Path) -> None:
+    """Write the preflight report beside the manifest and log its summary and warnings."""
+    for line in preflight.summary_lines(preflight.refresh(cache_dir)):
+        log(line)
+    log(f"preflight report: {cache_dir / preflight.REPORT}")
 
 
 def main(argv: list[str]) -> int:
