@@ -53,14 +53,10 @@ class TokenizedPair:
 @dataclass
 class TokenizedData:
     pairs: list[TokenizedPair]
-    num_rows: int  # rows in the dataset, skipped ones included
-    skipped: dict[str, list[int]] = field(default_factory=dict)  # SKIPS reason -> rows left out for it
+    num_rows: int  # rows in the dataset, dropped ones included
+    dropped: list[int]  # every row left out, for any reason (the cache holds NaN for them)
+    skipped: dict[str, list[int]] = field(default_factory=dict)  # the same rows by SKIPS reason
     truncated: dict[str, list[int]] = field(default_factory=dict)  # TRUNCATIONS part -> kept rows cut there
-
-    @property
-    def dropped(self) -> list[int]:
-        """Every row left out, for any reason (the cache holds NaN for them)."""
-        return sorted(r for rows in self.skipped.values() for r in rows)
 
 
 @dataclass
@@ -127,15 +123,16 @@ def _value_kind(value) -> str | None:
     return "invalid"
 
 
-def row_kind(row: dict, kind: str | None) -> str | None:
-    """The row's kind, 'text' or 'conversation' (`kind`, the kind of the rows before it, when all its values
-    are null); ValueError saying what is wrong for a structural problem. Rows may not mix the two kinds."""
-    missing = [k for k in REQUIRED if k not in row]
+def row_kind(row: dict, kind: str | None, required: tuple[str, ...] = REQUIRED) -> str | None:
+    """The kind of the row's `required` values, 'text' or 'conversation' (`kind`, the kind of the rows before
+    it, when they are all null); ValueError saying what is wrong for a structural problem. Rows may not mix the
+    two kinds."""
+    missing = [k for k in required if k not in row]
     if missing:
         raise ValueError(f"lacks {', '.join(missing)} (has {', '.join(map(str, row)) or 'no keys'}); every row "
-                         "needs prompt, chosen and rejected")
+                         f"needs {', '.join(required)}")
     kinds = set()
-    for key in REQUIRED:
+    for key in required:
         k = _value_kind(row[key])
         if k == "invalid":
             raise ValueError(f"{key} is {_what(row[key])} ({json.dumps(row[key], default=str)[:60]}); expected "
@@ -143,31 +140,32 @@ def row_kind(row: dict, kind: str | None) -> str | None:
         if k is not None:
             kinds.add(k)
     if len(kinds) > 1:
-        raise ValueError("mixes text and conversations; prompt, chosen and rejected must all be text or all be "
-                         "lists of {role, content} messages")
+        raise ValueError(f"mixes text and conversations; {', '.join(required)} must all be text or all be lists "
+                         "of {role, content} messages")
     mine = kinds.pop() if kinds else None
     if kind is not None and mine is not None and mine != kind:
         raise ValueError(f"is a {mine} row but the rows before it are {kind} rows; use one format for every row")
     return mine or kind
 
 
-def _check_rows(rows: Iterator[tuple[str, object]], spec: str) -> None:
+def _check_rows(rows: Iterator[tuple[str, object]], spec: str, required: tuple[str, ...]) -> None:
     """Structural checks of (location, parsed JSON value) rows; UserError at the first problem."""
     kind, count = None, 0
     for where, row in rows:
         if not isinstance(row, dict):
             what = "a list" if isinstance(row, list) else _what(row)
-            raise UserError(f"dataset {spec!r} {where}: {what}, not an object with prompt, chosen and rejected")
+            raise UserError(f"dataset {spec!r} {where}: {what}, not an object with {', '.join(required)}")
         try:
-            kind = row_kind(row, kind)
+            kind = row_kind(row, kind, required)
         except ValueError as e:
             raise UserError(f"dataset {spec!r} {where}: {e}") from None
         count += 1
     if count == 0:
-        raise UserError(f"dataset {spec!r} has no rows: it needs objects with prompt, chosen and rejected")
+        raise UserError(f"dataset {spec!r} has no rows: it needs objects with {', '.join(required)}")
 
 
-def _json_lines(lines: Iterator[tuple[int, str]], spec: str) -> Iterator[tuple[str, object]]:
+def _json_lines(lines: Iterator[tuple[int, str]], spec: str,
+                required: tuple[str, ...]) -> Iterator[tuple[str, object]]:
     for n, line in lines:
         if not line.strip():
             continue  # blank lines are allowed (datasets skips them too)
@@ -175,13 +173,13 @@ def _json_lines(lines: Iterator[tuple[int, str]], spec: str) -> Iterator[tuple[s
             yield f"line {n}", json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"dataset {spec!r} line {n}: not JSON ({e.msg} at column {e.colno}): "
-                            f"{line.strip()[:60]!r}; each line must be one JSON object with prompt, chosen and "
-                            "rejected") from None
+                            f"{line.strip()[:60]!r}; each line must be one JSON object with "
+                            f"{', '.join(required)}") from None
 
 
-def check_file(path: Path, spec: str) -> None:
+def check_file(path: Path, spec: str, required: tuple[str, ...] = REQUIRED) -> None:
     """Streamed checks of a local file before `datasets` reads it: UTF-8 (.jsonl, .json, .csv) and, for JSON,
-    one object per line (or a list of objects) with well-formed prompt, chosen and rejected."""
+    one object per line (or a list of objects) with well-formed `required` values."""
     suffix = path.suffix.lower()
     if suffix == ".csv":
         for _ in _decoded_lines(path, spec):
@@ -209,9 +207,9 @@ def check_file(path: Path, spec: str) -> None:
             raise UserError(f"dataset {spec!r} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno}); "
                             "use one JSON object per line, or one list of objects") from None
         if isinstance(whole, list):
-            _check_rows(((f"row {i}", row) for i, row in enumerate(whole)), spec)
+            _check_rows(((f"row {i}", row) for i, row in enumerate(whole)), spec, required)
         return  # one object: datasets reads it as columns, checked once loaded
-    _check_rows(_json_lines(itertools.chain(head, lines), spec), spec)
+    _check_rows(_json_lines(itertools.chain(head, lines), spec, required), spec, required)
 
 
 def row_locator(spec: str, num_rows: int) -> Callable[[int], str]:
@@ -233,8 +231,9 @@ def row_locator(spec: str, num_rows: int) -> Callable[[int], str]:
     return where
 
 
-def load_rows(spec: str, split: str = "train"):
-    """A `datasets.Dataset` of preference rows from a local file, a save_to_disk folder or a hub name."""
+def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUIRED):
+    """A `datasets.Dataset` of preference rows (or rows with the `required` columns) from a local file, a
+    save_to_disk folder or a hub name."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -247,7 +246,7 @@ def load_rows(spec: str, split: str = "train"):
                                 + ", ".join(FILE_BUILDERS))
             if path.stat().st_size == 0:
                 raise UserError(f"dataset {spec!r} is empty: it needs rows with prompt, chosen and rejected")
-            check_file(path, spec)
+            check_file(path, spec, required)
             ds = datasets.load_dataset(builder, data_files=str(path), split="train")
         elif path.is_dir():
             ds = datasets.load_from_disk(str(path))
@@ -270,10 +269,10 @@ def load_rows(spec: str, split: str = "train"):
     except Exception as e:  # datasets raises many types for unreadable data: report, no traceback
         raise UserError(f"dataset {spec!r} could not be read: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
                         " (check that the file matches its extension)") from None
-    missing = [k for k in REQUIRED if k not in ds.column_names]
+    missing = [k for k in required if k not in ds.column_names]
     if missing:
         raise UserError(f"dataset {spec!r} lacks column(s) {', '.join(missing)} (has {', '.join(ds.column_names)});"
-                        " each row needs prompt, chosen and rejected")
+                        f" each row needs {', '.join(required)}")
     if len(ds) == 0:
         raise UserError(f"dataset {spec!r} has no rows")
     return ds
@@ -377,7 +376,8 @@ def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None,
             pairs.append(TokenizedPair(i, prompt_ids, chosen_ids, rejected_ids))
         bar.update(len(rows["prompt"]))
     bar.close()
-    tok = TokenizedData(pairs, len(ds), {k: sorted(v) for k, v in skipped.items() if v}, truncated)
+    skipped = {k: sorted(v) for k, v in skipped.items() if v}
+    tok = TokenizedData(pairs, len(ds), sorted(r for rows in skipped.values() for r in rows), skipped, truncated)
     check_skips(tok.skipped, tok.num_rows, len(pairs), spec, max_length, strict, where)
     for line in summary_lines(tok, max_length, max_prompt_length, where):
         log(line)

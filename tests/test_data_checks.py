@@ -51,6 +51,13 @@ def test_structural_problems_refuse_with_file_and_line(tmp_path, tokenizer, name
     assert fragment in user_error(path, tokenizer)
 
 
+def test_the_caller_names_the_required_columns(tmp_path):
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "completion": "b"}])
+    assert len(data.load_rows(str(path), required=("prompt",))) == 1
+    with pytest.raises(UserError, match="line 1: lacks chosen, rejected"):
+        data.load_rows(str(path))
+
+
 def test_non_text_values_in_other_formats_name_the_row(tmp_path, tokenizer):
     import datasets
 
