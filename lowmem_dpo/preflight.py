@@ -116,7 +116,7 @@ def summary_lines(rep: dict) -> list[str]:
 
 def refresh(cache_dir: Path) -> dict:
     """Compute the report of the cache in cache_dir and write it beside the manifest (atomically, only when it
-    changed, so an up-to-date cache's files keep their times)."""
+    changed, so an up-to-date cache's files keep their times; a folder that cannot be written is only logged)."""
     rep = report(cache.load_ref_cache(cache_dir))
     path = Path(cache_dir) / REPORT
     try:
@@ -124,7 +124,10 @@ def refresh(cache_dir: Path) -> dict:
     except (OSError, ValueError):
         old = None
     if old != rep:
-        cache.atomic_write_json(path, rep)
+        try:
+            cache.atomic_write_json(path, rep)
+        except OSError as e:  # a read-only cache folder still serves train; the report is printed anyway
+            log(f"warning: could not save the preflight report to {path}: {e}")
     return rep
 
 
