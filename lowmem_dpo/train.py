@@ -315,9 +315,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
         if resolved.optimizer == devices.PAGED_ADAMW_8BIT else [])
     if needs_bnb:  # fail before tokenizing and loading, not after
         devices.import_bitsandbytes(" and ".join(needs_bnb))
-    tok = inputs.tokenized(cfg, ins.tokenizer, progress)
-    if tok.dropped:
-        log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
+    tok = inputs.tokenized(cfg, ins.tokenizer, progress)  # logs the rows it skips
     if ref is not None:
         check_cache_rows(ref, tok.pairs, cache_dir)
     model = setup_model(cfg, resolved, ins.model_path, device_map)
