@@ -11,8 +11,8 @@ files, the dataset's content, the tokenization settings and the reference's dtyp
 adapter's files, when one is used). Training knobs are not in it. File digests are remembered by
 (path, size, mtime) in $LOWMEM_DPO_HOME/file-digests.json so a multi-GB model is hashed once.
 
-Row order: tensors are indexed by dataset row as loaded. Rows dropped by tokenization (prompt alone reaches
-max_length) hold NaN in `chosen`/`rejected` and 0 tokens; train never samples them.
+Row order: tensors are indexed by dataset row as loaded. Rows skipped by tokenization (data.SKIPS, e.g. a
+prompt alone reaching max_length) hold NaN in `chosen`/`rejected` and 0 tokens; train never samples them.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def fingerprint_digest(components: dict) -> str:
 # -- reading ---------------------------------------------------------------------------------------------------
 @dataclass
 class RefCache:
-    """Reference log-probs per dataset row (NaN / 0 tokens for dropped rows)."""
+    """Reference log-probs per dataset row (NaN / 0 tokens for skipped rows)."""
 
     chosen: torch.Tensor  # (num_rows,) fp32
     rejected: torch.Tensor  # (num_rows,) fp32
@@ -191,7 +191,7 @@ def load_ref_cache(cache_dir: str | os.PathLike) -> RefCache:
 
 
 def load_ref_logps(cache_dir: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected): float32 reference log-prob sums in dataset row order; NaN for dropped rows."""
+    """(chosen, rejected): float32 reference log-prob sums in dataset row order; NaN for skipped rows."""
     c = load_ref_cache(cache_dir)
     return c.chosen, c.rejected
 

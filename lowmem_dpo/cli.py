@@ -19,7 +19,10 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(help_text(stage, doc))
+        try:
+            print(help_text(stage, doc))
+        except BrokenPipeError:  # `--help | head`: the reader left; not an error
+            sys.stdout = None
         return 0 if argv else EXIT_USAGE
     import logging
     import warnings

@@ -87,6 +87,9 @@ class Config:
                          min=2, cache_key=True)
     max_prompt_length: Optional[int] = _f(None, "If set, the prompt is first cut from the left to this many tokens.",
                                           min=1, cache_key=True)
+    strict: bool = _f(False, "Refuse the data instead of skipping unusable rows (an empty value, chosen identical to "
+                      "rejected, a prompt alone reaching max_length); README, Data checks. Not a cache key: it only "
+                      "turns skips into errors, the rows kept are the same.")
     # -- DPO loss ------------------------------------------------------------------------------------------------
     beta: float = _f(0.1, "DPO temperature: strength of the pull towards the reference.", min=0.0,
                      min_exclusive=True)

@@ -6,23 +6,41 @@ Tokenization of standard text rows (same numbers as TRL):
   - `prompt` and `prompt + completion` are tokenized with the tokenizer's default special tokens;
   - the completion starts where the ids stop sharing a prefix with the prompt's ids;
   - with `max_prompt_length`, the prompt ids are then cut from the left to that many tokens;
-  - each prompt+completion sequence keeps its first `max_length` tokens; rows whose prompt alone reaches
-    `max_length` are dropped (counted and logged).
+  - each prompt+completion sequence keeps its first `max_length` tokens.
 Conversational rows (lists of {role, content}) are rendered with the tokenizer's chat template instead
 (prompt with the generation prompt; no EOS appended: the template closes the turn).
+
+Checks (README, "Data checks"). Structural problems refuse the data with a UserError naming the file and the
+line (JSON Lines) or row: no rows, bytes that are not UTF-8, a line that is not a JSON object, a row without
+prompt, chosen or rejected, a value that is neither text (or null) nor a list of {role, content} messages,
+text mixed with conversations. Well-formed rows that DPO cannot use are skipped, counted and logged with their
+first rows (`SKIPS`); `strict=true` refuses them instead, naming the first. Every row skipped: refused. strict
+only turns skips into errors, the rows kept are the same, so it is not part of the cache fingerprint.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
-from lowmem_dpo.cli import UserError
+from lowmem_dpo.cli import UserError, log
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 REQUIRED = ("prompt", "chosen", "rejected")
+# Why a well-formed row is left out -> (what the log says, what to do). Order: the order rows are checked in.
+SKIPS = {
+    "empty": ("prompt, chosen or rejected is empty", "fill in or remove the row"),
+    "identical": ("chosen is identical to rejected", "remove the row (it states no preference)"),
+    "prompt_too_long": ("the prompt alone reaches max_length", "raise max_length or set max_prompt_length"),
+    "identical_tokens": ("chosen and rejected have the same tokens within max_length", "raise max_length"),
+    "empty_completion": ("the prompt or the completion is empty", "fill in or remove the row"),  # SFT rows
+}
+TRUNCATIONS = ("prompt", "chosen", "rejected")  # prompt: cut by max_prompt_length; completions: at max_length
 
 
 @dataclass
@@ -46,7 +64,9 @@ class TokenizedCompletion:
 class TokenizedData:
     pairs: list  # TokenizedPair (tokenize_rows) or TokenizedCompletion (tokenize_completions)
     num_rows: int  # rows in the dataset, dropped ones included
-    dropped: list[int]  # rows whose prompt alone reaches max_length
+    dropped: list[int]  # every row left out, for any reason (the cache holds NaN for them)
+    skipped: dict[str, list[int]] = field(default_factory=dict)  # the same rows by SKIPS reason
+    truncated: dict[str, list[int]] = field(default_factory=dict)  # TRUNCATIONS part -> kept rows cut there
 
 
 @dataclass
@@ -78,6 +98,150 @@ def data_files(spec: str) -> list[Path]:
     return []
 
 
+# -- checks on the raw file, before `datasets` (whose errors carry no line numbers) ---------------------------
+def _decoded_lines(path: Path, spec: str) -> Iterator[tuple[int, str]]:
+    """(line number from 1, text) of a file read as UTF-8 (a leading byte-order mark dropped); bytes that are
+    not UTF-8 are a UserError naming the line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                near = raw[max(0, e.start - 30):e.start].decode("utf-8", "replace").strip()
+                raise UserError(f"dataset {spec!r} line {n}: not UTF-8 text (byte {raw[e.start]:#04x} at byte "
+                                f"{e.start + 1} of the line, after {near!r}); re-save the file as UTF-8") from None
+            yield n, (text.lstrip("\ufeff") if n == 1 else text)
+
+
+def _what(value) -> str:
+    """What a JSON value is, for messages."""
+    if isinstance(value, list):
+        return "a list, but not of {role, content} messages"
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "text", dict: "an object",
+             type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _value_kind(value) -> str | None:
+    """'text', 'conversation' (a list of {role, content} messages), None for null, 'invalid' otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                       and isinstance(m.get("content"), str) for m in value):
+        return "conversation"
+    return "invalid"
+
+
+def row_kind(row: dict, kind: str | None, required: tuple[str, ...] = REQUIRED) -> str | None:
+    """The kind of the row's `required` values, 'text' or 'conversation' (`kind`, the kind of the rows before
+    it, when they are all null); ValueError saying what is wrong for a structural problem. Rows may not mix the
+    two kinds."""
+    missing = [k for k in required if k not in row]
+    if missing:
+        raise ValueError(f"lacks {', '.join(missing)} (has {', '.join(map(str, row)) or 'no keys'}); every row "
+                         f"needs {', '.join(required)}")
+    kinds = set()
+    for key in required:
+        k = _value_kind(row[key])
+        if k == "invalid":
+            raise ValueError(f"{key} is {_what(row[key])} ({json.dumps(row[key], default=str)[:60]}); expected "
+                             "text, or a list of {role, content} messages")
+        if k is not None:
+            kinds.add(k)
+    if len(kinds) > 1:
+        raise ValueError(f"mixes text and conversations; {', '.join(required)} must all be text or all be lists "
+                         "of {role, content} messages")
+    mine = kinds.pop() if kinds else None
+    if kind is not None and mine is not None and mine != kind:
+        raise ValueError(f"is a {mine} row but the rows before it are {kind} rows; use one format for every row")
+    return mine or kind
+
+
+def _check_rows(rows: Iterator[tuple[str, object]], spec: str, required: tuple[str, ...]) -> None:
+    """Structural checks of (location, parsed JSON value) rows; UserError at the first problem."""
+    kind, count = None, 0
+    for where, row in rows:
+        if not isinstance(row, dict):
+            what = "a list" if isinstance(row, list) else _what(row)
+            raise UserError(f"dataset {spec!r} {where}: {what}, not an object with {', '.join(required)}")
+        try:
+            kind = row_kind(row, kind, required)
+        except ValueError as e:
+            raise UserError(f"dataset {spec!r} {where}: {e}") from None
+        count += 1
+    if count == 0:
+        raise UserError(f"dataset {spec!r} has no rows: it needs objects with {', '.join(required)}")
+
+
+def _json_lines(lines: Iterator[tuple[int, str]], spec: str,
+                required: tuple[str, ...]) -> Iterator[tuple[str, object]]:
+    for n, line in lines:
+        if not line.strip():
+            continue  # blank lines are allowed (datasets skips them too)
+        try:
+            yield f"line {n}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"dataset {spec!r} line {n}: not JSON ({e.msg} at column {e.colno}): "
+                            f"{line.strip()[:60]!r}; each line must be one JSON object with "
+                            f"{', '.join(required)}") from None
+
+
+def check_file(path: Path, spec: str, required: tuple[str, ...] = REQUIRED) -> None:
+    """Streamed checks of a local file before `datasets` reads it: UTF-8 (.jsonl, .json, .csv) and, for JSON,
+    one object per line (or a list of objects) with well-formed `required` values."""
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        for _ in _decoded_lines(path, spec):
+            pass
+        return
+    if suffix not in (".jsonl", ".json"):
+        return
+    lines = _decoded_lines(path, spec)
+    head = []
+    for n, line in lines:
+        head.append((n, line))
+        if line.strip():
+            break
+    first = head[-1][1].lstrip() if head else ""
+    try:
+        one_line = json.loads(first) if first else None
+    except json.JSONDecodeError:
+        one_line = None
+    if first.startswith("[") or (suffix == ".json" and first.startswith("{") and not isinstance(one_line, dict)):
+        # a JSON list of rows, or one object over several lines (datasets reads columns from it via pandas)
+        text = "".join(t for _, t in head) + "".join(t for _, t in lines)
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"dataset {spec!r} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno}); "
+                            "use one JSON object per line, or one list of objects") from None
+        if isinstance(whole, list):
+            _check_rows(((f"row {i}", row) for i, row in enumerate(whole)), spec, required)
+        return  # one object: datasets reads it as columns, checked once loaded
+    _check_rows(_json_lines(itertools.chain(head, lines), spec, required), spec, required)
+
+
+def row_locator(spec: str, num_rows: int) -> Callable[[int], str]:
+    """row -> "row R at line L" for a JSON Lines file with num_rows rows, else "row R". The file is read again
+    only on the first call (messages only)."""
+    lines: list[int] | None = None
+
+    def where(row: int) -> str:
+        nonlocal lines
+        if lines is None:
+            lines = []
+            path = Path(spec)
+            if path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
+                found = [(n, t) for n, t in _decoded_lines(path, spec) if t.strip()]
+                if len(found) == num_rows and found[0][1].lstrip().startswith("{"):
+                    lines = [n for n, _ in found]
+        return f"row {row} at line {lines[row]}" if lines else f"row {row}"
+
+    return where
+
+
 def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUIRED):
     """A `datasets.Dataset` of preference rows (or rows with the `required` columns) from a local file, a
     save_to_disk folder or a hub name."""
@@ -93,6 +257,7 @@ def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUI
                                 + ", ".join(FILE_BUILDERS))
             if path.stat().st_size == 0:
                 raise UserError(f"dataset {spec!r} is empty: it needs rows with prompt, chosen and rejected")
+            check_file(path, spec, required)
             ds = datasets.load_dataset(builder, data_files=str(path), split="train")
         elif path.is_dir():
             ds = datasets.load_from_disk(str(path))
@@ -137,13 +302,19 @@ def _common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _check_row(i: int, row: dict, spec: str, conversational: bool) -> None:
-    for key in REQUIRED:
-        value = row[key]
-        ok = isinstance(value, list) if conversational else isinstance(value, str)
-        if not ok or not value:
-            what = "a list of {role, content} messages" if conversational else "non-empty text"
-            raise UserError(f"dataset {spec!r} row {i}: {key} must be {what}, got {str(value)[:60]!r}")
+def _is_empty(value) -> bool:
+    if isinstance(value, list):
+        return not any(m["content"].strip() for m in value)
+    return value is None or not value.strip()
+
+
+def skip_reason(row: dict) -> str | None:
+    """The SKIPS reason of a well-formed row that is unusable before tokenization, or None."""
+    if any(_is_empty(row[k]) for k in REQUIRED):
+        return "empty"
+    if row["chosen"] == row["rejected"]:
+        return "identical"
+    return None
 
 
 def _chat_ids(tokenizer, messages: list, **kwargs) -> list[int]:
@@ -151,19 +322,71 @@ def _chat_ids(tokenizer, messages: list, **kwargs) -> list[int]:
     return list(out["input_ids"])
 
 
+def _encode(rows: list[dict], tokenizer, conversational: bool) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt ids, prompt+chosen ids, prompt+rejected ids) per row."""
+    if conversational:
+        return [(_chat_ids(tokenizer, r["prompt"], add_generation_prompt=True),
+                 _chat_ids(tokenizer, r["prompt"] + r["chosen"]),
+                 _chat_ids(tokenizer, r["prompt"] + r["rejected"])) for r in rows]
+    eos = tokenizer.eos_token
+    prompts = [r["prompt"] for r in rows]
+    chosen = [r["prompt"] + (r["chosen"] if r["chosen"].endswith(eos) else r["chosen"] + eos) for r in rows]
+    rejected = [r["prompt"] + (r["rejected"] if r["rejected"].endswith(eos) else r["rejected"] + eos) for r in rows]
+    enc = tokenizer(prompts + chosen + rejected)["input_ids"]
+    n = len(rows)
+    return list(zip(enc[:n], enc[n:2 * n], enc[2 * n:]))
+
+
 def _split_prompt(prompt: list[int], full: list[list[int]], max_length: int, max_prompt_length: int | None):
-    """(prompt ids, [completion ids of each of `full`]) as TRL 1.16 cuts them, or None when the prompt alone
-    reaches max_length (the row is dropped): the completion starts where the ids stop sharing a prefix with the
-    prompt's; with max_prompt_length the prompt is cut from the left; each prompt+completion keeps its first
+    """(prompt ids, [completion ids of each of `full`], prompt cut?, [completion cut?]) as TRL 1.16 cuts them, or
+    None when the prompt alone reaches max_length: the completion starts where the ids stop sharing a prefix with
+    the prompt's; with max_prompt_length the prompt is cut from the left; each prompt+completion keeps its first
     max_length tokens."""
     prompt_len = min(_common_prefix_length(prompt, f) for f in full)
     prompt_ids = prompt[:prompt_len]
+    prompt_cut = max_prompt_length is not None and len(prompt_ids) > max_prompt_length
     if max_prompt_length is not None:
         prompt_ids = prompt_ids[-max_prompt_length:]
     if len(prompt_ids) >= max_length:
         return None
     room = max_length - len(prompt_ids)  # keep the first max_length tokens of prompt+completion
-    return prompt_ids, [f[prompt_len:][:room] for f in full]
+    completions = [f[prompt_len:] for f in full]
+    return prompt_ids, [c[:room] for c in completions], prompt_cut, [len(c) > room for c in completions]
+
+
+def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None, spec: str = "dataset",
+                  progress: bool = True, strict: bool = False) -> TokenizedData:
+    """Tokenize every row (TRL 1.16 conventions, see module doc), in dataset order. Structural problems are
+    UserErrors; unusable rows are skipped and logged (SKIPS), or refused with `strict`; so is every row skipped."""
+    _eos_text(tokenizer)
+    where = row_locator(spec, len(ds))
+    pairs: list[TokenizedPair] = []
+    skipped: dict[str, list[int]] = {reason: [] for reason in SKIPS}
+    truncated: dict[str, list[int]] = {part: [] for part in TRUNCATIONS}
+    for checked, kind in _checked_chunks(ds, spec, where, REQUIRED, progress):
+        usable = []
+        for i, row in checked:
+            reason = skip_reason(row)
+            if reason:
+                skipped[reason].append(i)
+            else:
+                usable.append((i, row))
+        encoded = _encode([r for _, r in usable], tokenizer, kind == "conversation") if usable else []
+        for (i, _), (p, pc, pr) in zip(usable, encoded):
+            split = _split_prompt(p, [pc, pr], max_length, max_prompt_length)
+            if split is None:
+                skipped["prompt_too_long"].append(i)
+                continue
+            prompt_ids, (chosen_ids, rejected_ids), prompt_cut, (chosen_cut, rejected_cut) = split
+            cut = {"prompt": prompt_cut, "chosen": chosen_cut, "rejected": rejected_cut}
+            if chosen_ids == rejected_ids:
+                skipped["identical_tokens"].append(i)
+                continue
+            for part in TRUNCATIONS:
+                if cut[part]:
+                    truncated[part].append(i)
+            pairs.append(TokenizedPair(i, prompt_ids, chosen_ids, rejected_ids))
+    return _checked_result(pairs, len(ds), skipped, truncated, spec, max_length, max_prompt_length, strict, where)
 
 
 def _eos_text(tokenizer) -> str:
@@ -172,53 +395,86 @@ def _eos_text(tokenizer) -> str:
     return tokenizer.eos_token
 
 
-def _kept(items: list, num_rows: int, dropped: list[int], spec: str, max_length: int) -> TokenizedData:
-    """The tokenized rows, or a UserError when tokenization dropped every one."""
-    if not items:
-        raise UserError(f"dataset {spec!r}: all {num_rows} rows were dropped because their prompt alone reaches "
-                        f"max_length={max_length}; raise max_length or set max_prompt_length")
-    return TokenizedData(items, num_rows, dropped)
-
-
-def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None, spec: str = "dataset",
-                  progress: bool = True) -> TokenizedData:
-    """Tokenize every row (TRL 1.16 conventions, see module doc). Rows are kept in dataset order."""
+def _checked_chunks(ds, spec: str, where: Callable[[int], str], required: tuple[str, ...], progress: bool):
+    """The rows as (index, row) lists of up to 512, each with the rows' kind so far (row_kind: a structural
+    problem is a UserError naming the row), under a progress bar."""
     from tqdm.auto import tqdm
 
-    eos = _eos_text(tokenizer)
-    pairs, dropped = [], []
-    chunk = 512
+    kind = None
     bar = tqdm(total=len(ds), desc="tokenize", unit="row", disable=not progress, leave=False)
-    for start in range(0, len(ds), chunk):
-        rows = ds[start:start + chunk]
-        batch = [dict(zip(rows, vals)) for vals in zip(*rows.values())]
-        conversational = is_conversational(batch[0])
-        for j, row in enumerate(batch):
-            _check_row(start + j, row, spec, conversational)
-        if conversational:
-            tokenized = [
-                (_chat_ids(tokenizer, r["prompt"], add_generation_prompt=True),
-                 _chat_ids(tokenizer, r["prompt"] + r["chosen"]),
-                 _chat_ids(tokenizer, r["prompt"] + r["rejected"]))
-                for r in batch]
-        else:
-            prompts = [r["prompt"] for r in batch]
-            chosen = [r["prompt"] + (r["chosen"] if r["chosen"].endswith(eos) else r["chosen"] + eos) for r in batch]
-            rejected = [r["prompt"] + (r["rejected"] if r["rejected"].endswith(eos) else r["rejected"] + eos)
-                        for r in batch]
-            enc = tokenizer(prompts + chosen + rejected)["input_ids"]
-            n = len(batch)
-            tokenized = list(zip(enc[:n], enc[n:2 * n], enc[2 * n:]))
-        for j, (p, pc, pr) in enumerate(tokenized):
-            cut = _split_prompt(p, [pc, pr], max_length, max_prompt_length)
-            if cut is None:
-                dropped.append(start + j)
-                continue
-            prompt_ids, (chosen_ids, rejected_ids) = cut
-            pairs.append(TokenizedPair(start + j, prompt_ids, chosen_ids, rejected_ids))
-        bar.update(len(batch))
+    for start in range(0, len(ds), 512):
+        rows = ds[start:start + 512]
+        checked = []
+        for i, row in enumerate((dict(zip(rows, vals)) for vals in zip(*rows.values())), start):
+            try:
+                kind = row_kind(row, kind, required)
+            except ValueError as e:
+                raise UserError(f"dataset {spec!r} {where(i)}: {e}") from None
+            checked.append((i, row))
+        yield checked, kind
+        bar.update(len(checked))
     bar.close()
-    return _kept(pairs, len(ds), dropped, spec, max_length)
+
+
+def _checked_result(items: list, num_rows: int, skipped: dict[str, list[int]], truncated: dict[str, list[int]],
+                    spec: str, max_length: int, max_prompt_length: int | None, strict: bool,
+                    where: Callable[[int], str]) -> TokenizedData:
+    """The TokenizedData of the rows kept, its skips checked (strict, every row skipped) and logged."""
+    skipped = {k: sorted(v) for k, v in skipped.items() if v}
+    tok = TokenizedData(items, num_rows, sorted(r for rows in skipped.values() for r in rows), skipped, truncated)
+    check_skips(tok.skipped, tok.num_rows, len(items), spec, max_length, strict, where)
+    for line in summary_lines(tok, max_length, max_prompt_length, where):
+        log(line)
+    return tok
+
+
+def _reason_text(reason: str, max_length: int) -> str:
+    return SKIPS[reason][0].replace("max_length", f"max_length={max_length}")
+
+
+def check_skips(skipped: dict[str, list[int]], num_rows: int, kept: int, spec: str, max_length: int,
+                strict: bool, where: Callable[[int], str] | None = None) -> None:
+    """UserError when rows were skipped and `strict` is set (naming the first), or when every row was."""
+    if not skipped or (kept and not strict):
+        return
+    where = where or row_locator(spec, num_rows)
+    first, reason = min((rows[0], reason) for reason, rows in skipped.items())
+    others = sum(map(len, skipped.values())) - 1
+    if kept and strict:
+        raise UserError(f"dataset {spec!r} {where(first)}: {_reason_text(reason, max_length)}, and strict=true "
+                        f"refuses such rows ({others} more in this data): {SKIPS[reason][1]}, or set strict=false "
+                        "to skip them")
+    detail = "; ".join(f"{len(rows)} because {_reason_text(r, max_length)} (first: {where(rows[0])}; "
+                       f"{SKIPS[r][1]})" for r, rows in skipped.items())
+    raise UserError(f"dataset {spec!r}: all {num_rows} rows were skipped, so nothing is left to train on: {detail}")
+
+
+def manifest_skips(manifest: dict) -> dict[str, list[int]]:
+    """Rows a cache left out, by SKIPS reason (caches built before reasons were recorded only left out rows
+    whose prompt reached max_length)."""
+    if "skipped" in manifest:
+        return manifest["skipped"]
+    dropped = manifest.get("dropped_rows", [])
+    return {"prompt_too_long": dropped} if dropped else {}
+
+
+def summary_lines(tok: TokenizedData, max_length: int, max_prompt_length: int | None,
+                  where: Callable[[int], str]) -> list[str]:
+    """Log lines: rows skipped, by reason with their first rows, and rows kept with a cut prompt or completion."""
+    lines = []
+    if tok.skipped:
+        parts = [f"{len(rows)} because {_reason_text(r, max_length)} ("
+                 + ", ".join(map(where, rows[:3])) + (", ..." if len(rows) > 3 else "") + ")"
+                 for r, rows in tok.skipped.items()]
+        lines.append(f"skipped {len(tok.dropped)} of {tok.num_rows} rows: " + "; ".join(parts)
+                     + " (strict=true refuses them instead)")
+    cut = {part: len(rows) for part, rows in tok.truncated.items() if rows}
+    parts = [f"{cut[p]} {p} completions cut at max_length={max_length}" for p in ("chosen", "rejected") if p in cut]
+    if "prompt" in cut:
+        parts.append(f"{cut['prompt']} prompts cut to max_prompt_length={max_prompt_length}")
+    if parts:
+        lines.append(f"kept {len(tok.pairs)} rows, with " + ", ".join(parts))
+    return lines
 
 
 def collate(pairs: list[TokenizedPair], pad_token_id: int) -> Batch:
@@ -268,39 +524,37 @@ def sft_column(ds, spec: str) -> str:
                     "needs rows with prompt and completion, or preference rows with prompt and chosen")
 
 
+def _encode_completions(rows: list[dict], column: str, tokenizer, conversational: bool) -> list[tuple]:
+    """(prompt ids, prompt+completion ids) per row, as _encode tokenizes prompt+chosen."""
+    if conversational:
+        return [(_chat_ids(tokenizer, r["prompt"], add_generation_prompt=True),
+                 _chat_ids(tokenizer, r["prompt"] + r[column])) for r in rows]
+    eos = tokenizer.eos_token
+    full = [r["prompt"] + (r[column] if r[column].endswith(eos) else r[column] + eos) for r in rows]
+    enc = tokenizer([r["prompt"] for r in rows] + full)["input_ids"]
+    return list(zip(enc[:len(rows)], enc[len(rows):]))
+
+
 def tokenize_completions(ds, tokenizer, max_length: int, max_prompt_length: int | None, spec: str = "dataset",
-                         progress: bool = True) -> TokenizedData:
+                         progress: bool = True, strict: bool = False) -> TokenizedData:
     """SFT rows: prompt + completion (or chosen), tokenized as tokenize_rows tokenizes a chosen completion (text:
     EOS appended unless there, as TRL's SFTTrainer does; conversations: the chat template), so the SFT model's
-    completion is the sequence the DPO stage scores."""
-    from tqdm.auto import tqdm
-
-    eos = _eos_text(tokenizer)
+    completion is the sequence the DPO stage scores. Rows with an empty prompt or completion, or whose prompt
+    alone reaches max_length, are skipped and logged (strict: refused)."""
+    _eos_text(tokenizer)
     column = sft_column(ds, spec)
-    items, dropped = [], []
-    bar = tqdm(total=len(ds), desc="tokenize", unit="row", disable=not progress, leave=False)
-    for start in range(0, len(ds), 512):
-        rows = ds[start:start + 512]
-        prompts, completions = rows["prompt"], rows[column]
-        conversational = isinstance(prompts[0], list)
-        for j, (prompt, completion) in enumerate(zip(prompts, completions)):
-            for key, value in (("prompt", prompt), (column, completion)):
-                if not value or not isinstance(value, list if conversational else str):
-                    what = "a list of {role, content} messages" if conversational else "non-empty text"
-                    raise UserError(f"dataset {spec!r} row {start + j}: {key} must be {what}, got {str(value)[:60]!r}")
-        if conversational:
-            tokenized = [(_chat_ids(tokenizer, p, add_generation_prompt=True), _chat_ids(tokenizer, p + c))
-                         for p, c in zip(prompts, completions)]
-        else:
-            full = [p + (c if c.endswith(eos) else c + eos) for p, c in zip(prompts, completions)]
-            enc = tokenizer(prompts + full)["input_ids"]
-            tokenized = list(zip(enc[:len(full)], enc[len(full):]))
-        for j, (p, pc) in enumerate(tokenized):
-            cut = _split_prompt(p, [pc], max_length, max_prompt_length)
-            if cut is None:
-                dropped.append(start + j)
+    where = row_locator(spec, len(ds))
+    items: list[TokenizedCompletion] = []
+    skipped: dict[str, list[int]] = {"empty_completion": [], "prompt_too_long": []}
+    for checked, kind in _checked_chunks(ds, spec, where, ("prompt", column), progress):
+        usable = [(i, r) for i, r in checked if not (_is_empty(r["prompt"]) or _is_empty(r[column]))]
+        skipped["empty_completion"] += sorted({i for i, _ in checked} - {i for i, _ in usable})
+        encoded = _encode_completions([r for _, r in usable], column, tokenizer, kind == "conversation") \
+            if usable else []
+        for (i, _), (p, pc) in zip(usable, encoded):
+            split = _split_prompt(p, [pc], max_length, max_prompt_length)
+            if split is None:
+                skipped["prompt_too_long"].append(i)
             else:
-                items.append(TokenizedCompletion(start + j, cut[0], cut[1][0]))
-        bar.update(len(prompts))
-    bar.close()
-    return _kept(items, len(ds), dropped, spec, max_length)
+                items.append(TokenizedCompletion(i, split[0], split[1][0]))
+    return _checked_result(items, len(ds), skipped, {}, spec, max_length, max_prompt_length, strict, where)

@@ -58,4 +58,4 @@ def prepare(cfg: Config, resolved: Resolved) -> Inputs:
 def tokenized(cfg: Config, tokenizer, progress: bool = True) -> data.TokenizedData:
     rows = data.load_rows(cfg.dataset, cfg.dataset_split)
     return data.tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=cfg.dataset,
-                              progress=progress)
+                              progress=progress, strict=cfg.strict)

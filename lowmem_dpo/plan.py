@@ -16,6 +16,9 @@ pure functions below (predict, choose), documented term by term; train can use t
 
 The device planned for is the recipe's (device=cuda plans for a GPU on any machine; auto is this machine's).
 
+Exit status: 0 when the recipe or the printed plan fits the budget, 1 when nothing fits (so a script can run
+`python -m lowmem_dpo.plan R.yaml && python -m lowmem_dpo.train R.yaml`), 2 for bad input.
+
 options:
   --budget SIZE  device memory to fit, e.g. 12GiB, 11.5GB, 12000MiB or bytes. Default: the memory of the device
                  planned for (the GPU's total memory; the machine's RAM on a CPU).
@@ -487,6 +490,8 @@ def framework_overhead(device: str, tensor_peak: int) -> int:
         return CUDA_CONTEXT_BYTES + int(CUDA_FRAGMENTATION * tensor_peak)
     return 0
 
+
+EXIT_NO_FIT = 1
 
 # -- prediction --------------------------------------------------------------------------------------------------
 @dataclass
@@ -1150,7 +1155,7 @@ def main(argv: list[str]) -> int:
         path = Path(args.json_out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return 0 if chosen.fits else EXIT_NO_FIT
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python -m lowmem_dpo.precompute recipes/tiny-cpu.yaml [key=value ...]
 
 Re-running on a valid cache is a quick no-op (the fingerprint is computed from remembered file digests, no
-model load). A killed run resumes from its last finished shard. The manifest is written last, atomically, so
+model load). Both end with the preflight report (lowmem_dpo.preflight), printed and saved beside the manifest. A killed run resumes from its last finished shard. The manifest is written last, atomically, so
 a previous cache stays usable until the new one is complete.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, cache, data, devices, inputs
+from lowmem_dpo import adapters, cache, data, devices, inputs, preflight
 from lowmem_dpo.cli import log, run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.logps import completion_logps
@@ -80,16 +80,17 @@ def run(cfg: Config, progress: bool = True) -> Path:
     fp = cache.fingerprint_digest(ins.fingerprint)
     manifest = cache.read_manifest(cache_dir)
     if manifest is not None and manifest.get("fingerprint") == fp:
+        # The rows a cache holds do not depend on strict; a strict run still refuses data it would skip.
+        data.check_skips(data.manifest_skips(manifest), manifest["num_rows"], manifest["num_pairs"],
+                         cfg.dataset, cfg.max_length, cfg.strict)
         log(f"reference cache {cache_dir} is up to date ({manifest['num_rows']} rows, fingerprint {fp[:12]})")
+        report(cache_dir)
         return cache_dir
     if resolved.ref_quantization != "none":  # fail before tokenizing, not after
         devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
     log(ins.source.description)
 
-    tok = inputs.tokenized(cfg, ins.tokenizer, progress)
-    if tok.dropped:
-        log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: their prompt alone reaches max_length="
-            f"{cfg.max_length} (first: row {tok.dropped[0]})")
+    tok = inputs.tokenized(cfg, ins.tokenizer, progress)  # bad data stops here, before anything is written
     shards = shard_plan(tok.pairs, cfg.cache_shard_rows)
     shard_dir = cache_dir / f"shards-{fp[:16]}"
     build = {"fingerprint": fp, "shard_rows": cfg.cache_shard_rows, "num_shards": len(shards)}
@@ -141,6 +142,8 @@ def run(cfg: Config, progress: bool = True) -> Path:
         "num_rows": tok.num_rows,
         "num_pairs": len(tok.pairs),
         "dropped_rows": tok.dropped,
+        "skipped": tok.skipped,
+        "truncated": {part: len(rows) for part, rows in tok.truncated.items()},
         "shard_dir": shard_dir.name,
         "shards": names,
         "rows_per_s": round(computed / elapsed, 3) if elapsed > 0 and computed else None,
@@ -152,7 +155,15 @@ def run(cfg: Config, progress: bool = True) -> Path:
             shutil.rmtree(old, ignore_errors=True)
     log(f"wrote reference cache {cache_dir}: {len(tok.pairs)} rows, fingerprint {fp[:12]}"
         + (f", {computed / elapsed:.1f} rows/s" if elapsed > 0 and computed else ""))
+    report(cache_dir)
     return cache_dir
+
+
+def report(cache_dir: Path) -> None:
+    """Write the preflight report beside the manifest and log its summary and warnings."""
+    for line in preflight.summary_lines(preflight.refresh(cache_dir)):
+        log(line)
+    log(f"preflight report: {cache_dir / preflight.REPORT}")
 
 
 def main(argv: list[str]) -> int:

@@ -63,9 +63,7 @@ def setup(cfg: Config, progress: bool = True) -> train.Session:
     tokenizer = models.load_tokenizer(source.tokenizer_path)
     rows = data.load_rows(cfg.dataset, cfg.dataset_split, required=("prompt",))
     tok = data.tokenize_completions(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=cfg.dataset,
-                                    progress=progress)
-    if tok.dropped:
-        log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
+                                    progress=progress, strict=cfg.strict)  # logs the rows it skips
     model = train.setup_model(cfg, resolved, source.base_path, device_map, source=source)
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)

@@ -334,9 +334,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
         ref = cache.load_ref_cache(cache_dir)
     check_bitsandbytes(resolved)
     log(ins.source.description)
-    tok = inputs.tokenized(cfg, ins.tokenizer, progress)
-    if tok.dropped:
-        log(f"dropped {len(tok.dropped)} of {tok.num_rows} rows: prompt alone reaches max_length={cfg.max_length}")
+    tok = inputs.tokenized(cfg, ins.tokenizer, progress)  # logs the rows it skips
     if ref is not None:
         check_cache_rows(ref, tok.pairs, cache_dir)
     model = setup_model(cfg, resolved, ins.model_path, device_map, source=ins.source)

@@ -50,25 +50,28 @@ def test_completion_starts_where_ids_diverge(tokenizer):
 
 def test_truncation_and_dropped_rows(tokenizer):
     long_prompt = "Write a positive review of the lamp. " * 10
-    rows = ROWS + [{"prompt": long_prompt, "chosen": "Yes.", "rejected": "No."}]
+    # completions that differ from their first token, so a cut one is still a preference
+    rows = [dict(r, chosen="Yes, " + r["chosen"], rejected="No, " + r["rejected"]) for r in ROWS]
+    rows += [{"prompt": long_prompt, "chosen": "Yes.", "rejected": "No."}]
     ds = data.load_rows(str(write_jsonl_tmp(rows)))
     plen = len(tokenizer(ROWS[0]["prompt"])["input_ids"])
     tok = data.tokenize_rows(ds, tokenizer, max_length=plen + 2, max_prompt_length=None, progress=False)
-    assert tok.dropped == [2] and tok.num_rows == 3
+    assert tok.dropped == [2] and tok.num_rows == 3 and tok.skipped == {"prompt_too_long": [2]}
     assert [p.row for p in tok.pairs] == [0, 1]
+    assert tok.truncated == {"prompt": [], "chosen": [0, 1], "rejected": [0, 1]}
     for p in tok.pairs:
         assert len(p.prompt_ids) + len(p.chosen_ids) <= plen + 2
     assert len(tok.pairs[0].chosen_ids) == 2  # the first max_length tokens are kept
     # max_prompt_length cuts the prompt from the left first, so the long row survives
     tok2 = data.tokenize_rows(ds, tokenizer, max_length=24, max_prompt_length=8, progress=False)
-    assert tok2.dropped == [] and len(tok2.pairs[2].prompt_ids) == 8
+    assert tok2.dropped == [] and len(tok2.pairs[2].prompt_ids) == 8 and 2 in tok2.truncated["prompt"]
     full_prompt = tokenizer(long_prompt)["input_ids"]
     assert tok2.pairs[2].prompt_ids == full_prompt[-8:]
 
 
 def test_all_rows_dropped_is_a_user_error(tokenizer):
     ds = data.load_rows(str(write_jsonl_tmp(ROWS)))
-    with pytest.raises(UserError, match="all 2 rows were dropped"):
+    with pytest.raises(UserError, match="all 2 rows were skipped.*prompt alone reaches max_length=3"):
         data.tokenize_rows(ds, tokenizer, max_length=3, max_prompt_length=None, progress=False)
 
 
@@ -107,9 +110,9 @@ def test_every_format_gives_the_same_pairs(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("content, fragment", [
     ("", "is empty"),
-    ('{"prompt": "a", "chosen": "b"}\n', "lacks column(s) rejected"),
-    ('{"prompt": "a", "chosen": "", "rejected": "c"}\n', "row 0: chosen must be non-empty text"),
-    ("not json\n", "could not be read"),
+    ('{"prompt": "a", "chosen": "b"}\n', "line 1: lacks rejected (has prompt, chosen)"),
+    ('{"prompt": "a", "chosen": "", "rejected": "c"}\n', "all 1 rows were skipped"),
+    ("not json\n", "line 1: not JSON"),
 ])
 def test_bad_files_are_user_errors(tmp_path, tokenizer, content, fragment):
     path = tmp_path / "bad.jsonl"

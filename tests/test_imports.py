@@ -17,7 +17,7 @@ def test_imports(name):
     importlib.import_module(name)
 
 
-@pytest.mark.parametrize("stage", ["precompute", "train", "sft"])
+@pytest.mark.parametrize("stage", ["precompute", "train", "preflight", "sft"])
 def test_stage_help_shows_command(stage):
     p = subprocess.run([sys.executable, "-m", f"lowmem_dpo.{stage}", "--help"], capture_output=True, text=True,
                        timeout=120)

@@ -228,6 +228,14 @@ def test_cli_table_and_json(tmp_path):
         16 * 8 // int(report["plan"]["overrides"]["per_device_train_batch_size"]))
 
 
+def test_cli_exits_1_when_nothing_fits(tmp_path):
+    out = tmp_path / "plan.json"
+    p = _run("recipes/mistral-7b-qlora-12gb.yaml", "--budget", "1GiB", "--json", str(out))
+    assert p.returncode == 1, p.stderr
+    assert "DOES NOT FIT 1.00 GiB even with every knob" in p.stdout
+    assert json.loads(out.read_text())["plan"]["fits"] is False
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--budget", "twelve"], "--budget 'twelve'"),
     (["model_name_or_path=lowmem_dpo:arch/nope", "--budget", "12GiB"], "no shipped architecture"),

@@ -183,25 +183,23 @@ def test_not_enough_free_space_is_refused_before_writing(built, tmp_path, monkey
     assert checkpoint.complete(out) == []
 
 
-def _mount_command(size: str, folder: Path) -> list[str] | None:
-    """A shell prefix that mounts a small tmpfs on `folder` for the command: directly as root, or in a user
-    namespace (unshare -rm) otherwise; None when neither works here."""
+def _mount_namespace(folder: Path) -> list[str] | None:
+    """A command prefix that runs its command in a private mount namespace where a tmpfs can be mounted on
+    `folder` (unshare -m as root, unshare -rm in a user namespace otherwise): the mount disappears with the
+    command. None when neither works here."""
+    if shutil.which("unshare") is None:
+        return None
     folder.mkdir(parents=True, exist_ok=True)
-    for prefix in ([] if os.geteuid() == 0 else None, ["unshare", "-rm"]):
-        if prefix is None or (prefix and shutil.which("unshare") is None):
-            continue
-        probe = subprocess.run([*prefix, "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {folder} && umount {folder}"],
-                               capture_output=True)
-        if probe.returncode == 0:
-            return prefix
-    return None
+    prefix = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    probe = subprocess.run([*prefix, "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {folder}"], capture_output=True)
+    return prefix if probe.returncode == 0 else None
 
 
 def test_a_real_small_filesystem_fills_up(built, tmp_path):
     """A 2 MiB tmpfs as output_dir (a real full disk, where this machine lets the test mount one): the run
     stops with exit 2 and a message, and the newest checkpoint on it is complete."""
     disk = tmp_path / "disk"
-    prefix = _mount_command("2m", disk)
+    prefix = _mount_namespace(disk)
     if prefix is None:
         pytest.skip("cannot mount a tmpfs here (needs root or unprivileged user namespaces)")
     out = disk / "out"

@@ -95,6 +95,13 @@ def test_prompt_completion_rows_tokenize_as_the_chosen_of_preference_rows(tmp_pa
                                      progress=False).pairs
     assert tokenizer.decode(c.prompt_ids).endswith("<|assistant|>\n")
     assert tokenizer.decode(c.completion_ids) == "hello</s>\n"
+    gap = write_jsonl(tmp_path / "gap.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": ""}])
+    tok = data.tokenize_completions(data.load_rows(str(gap), required=("prompt",)), tokenizer, 64, None,
+                                    progress=False)
+    assert [c.row for c in tok.pairs] == [0] and tok.skipped == {"empty_completion": [1]}
+    with pytest.raises(UserError, match="row 1 at line 2: the prompt or the completion is empty.*strict=true"):
+        data.tokenize_completions(data.load_rows(str(gap), required=("prompt",)), tokenizer, 64, None, spec=str(gap),
+                                  progress=False, strict=True)
     with pytest.raises(UserError, match="no completion or chosen column"):
         data.tokenize_completions(data.load_rows(str(write_jsonl(tmp_path / "x.jsonl", [{"prompt": "a", "y": "b"}])),
                                                  required=("prompt",)), tokenizer, 64, None, progress=False)

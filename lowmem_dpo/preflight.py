@@ -1,0 +1,156 @@
+"""Preflight report: does DPO look well posed on this data, judged from the reference's cached log-probs.
+
+    python -m lowmem_dpo.preflight RECIPE.yaml [key=value ...]   # print the report of an existing cache
+
+Precompute writes the report at its end, as `preflight.json` beside the cache's manifest, and prints its
+summary; it refreshes both from the cache when it finds the cache up to date. Nothing here loads a model.
+
+Per kept pair (c, r: the reference's summed completion log-probs of chosen and rejected; nc, nr: their token
+counts), the report gives the distribution (mean, min, 5/25/50/75/95th percentiles, max) of
+  - margin            c - r                  nats; what DPO's implicit reward starts from
+  - per_token_margin  c / nc - r / nr        nats per token
+  - length_ratio      nc / nr
+and the rows skipped and truncated by tokenization (data.SKIPS, data.TRUNCATIONS). It warns, with the numbers,
+when (thresholds in THRESHOLDS):
+  - the median per_token_margin is below -0.5: the reference finds each chosen token e^0.5 = 1.6x less likely
+    than a rejected one. DPO then has to pull the policy far from the reference before the preference shows,
+    the regime where it collapses (loss to 0, degenerate text): run SFT on the chosen completions first.
+  - the median length_ratio is above 1.5: chosen is systematically much longer than rejected, so summed
+    log-probs mix length into the preference; consider loss_type=ipo (length-normalised) or balancing lengths.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from lowmem_dpo import cache, data
+from lowmem_dpo.cli import log, run_cli
+
+REPORT = "preflight.json"
+QUANTILES = {"p5": 0.05, "p25": 0.25, "p50": 0.5, "p75": 0.75, "p95": 0.95}
+THRESHOLDS = {
+    "per_token_margin_median_below": -0.5,  # nats/token: chosen tokens e^0.5 = 1.6x less likely than rejected
+    "length_ratio_median_above": 1.5,  # chosen tokens / rejected tokens
+}
+
+
+def pair_stats(chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: torch.Tensor,
+               rejected_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(num_rows,) cache tensors -> (pairs,) float64 margin, per_token_margin and length_ratio of the rows the
+    cache holds (skipped rows are NaN there and left out)."""
+    keep = torch.isfinite(chosen) & torch.isfinite(rejected)
+    c, r = chosen[keep].double(), rejected[keep].double()
+    nc, nr = chosen_tokens[keep].double().clamp(min=1), rejected_tokens[keep].double().clamp(min=1)
+    return {"margin": c - r, "per_token_margin": c / nc - r / nr, "length_ratio": nc / nr}
+
+
+def distribution(x: torch.Tensor) -> dict[str, float]:
+    """mean, min, the QUANTILES and max of a non-empty 1-D tensor, rounded for reading."""
+    q = torch.quantile(x.double(), torch.tensor(list(QUANTILES.values()), dtype=torch.float64))
+    out = {"mean": x.mean().item(), "min": x.min().item(), **dict(zip(QUANTILES, q.tolist())), "max": x.max().item()}
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def ill_posed(report: dict, thresholds: dict = THRESHOLDS) -> list[str]:
+    """Warnings, with their numbers, for a report's distributions (see the module doc)."""
+    warnings = []
+    per_token, limit = report["per_token_margin"]["p50"], thresholds["per_token_margin_median_below"]
+    if per_token < limit:
+        warnings.append(
+            f"the reference finds chosen far less likely per token than rejected: median per-token margin "
+            f"{per_token:.3f} nats/token is below {limit} ({report['share_chosen_less_likely_per_token']:.0%} of "
+            f"pairs below 0; median summed margin {report['margin']['p50']:.1f} nats). DPO would have to move the "
+            "policy far from the reference first: run SFT on the chosen completions, then DPO from that model "
+            "(python -m lowmem_dpo.sft, then model_name_or_path=its output_dir)")
+    ratio, limit = report["length_ratio"]["p50"], thresholds["length_ratio_median_above"]
+    if ratio > limit:
+        warnings.append(
+            f"chosen is systematically much longer than rejected: median chosen/rejected token ratio {ratio:.2f} is "
+            f"above {limit} (chosen longer in {report['share_chosen_longer']:.0%} of pairs). Summed log-probs then "
+            "fold length into the preference: consider loss_type=ipo (length-normalised) or balancing lengths")
+    return warnings
+
+
+def report(ref: cache.RefCache, thresholds: dict = THRESHOLDS) -> dict:
+    """The preflight report of a loaded cache."""
+    stats = pair_stats(ref.chosen, ref.rejected, ref.chosen_tokens, ref.rejected_tokens)
+    out = {
+        "fingerprint": ref.manifest["fingerprint"],
+        "rows": ref.manifest["num_rows"],
+        "pairs": len(stats["margin"]),
+        "skipped": {reason: len(rows) for reason, rows in data.manifest_skips(ref.manifest).items()},
+        "truncated": ref.manifest.get("truncated"),  # None: a cache built before truncation was counted
+        **{name: distribution(x) for name, x in stats.items()},
+        "share_chosen_less_likely_per_token": round((stats["per_token_margin"] < 0).double().mean().item(), 4),
+        "share_chosen_longer": round((stats["length_ratio"] > 1).double().mean().item(), 4),
+        "thresholds": dict(thresholds),
+    }
+    out["warnings"] = ill_posed(out, thresholds)
+    return out
+
+
+def summary_lines(rep: dict) -> list[str]:
+    """The report as a few log lines: counts, the three distributions, then the warnings."""
+    skipped = sum(rep["skipped"].values())
+    head = f"preflight: {rep['pairs']} pairs of {rep['rows']} rows"
+    if skipped:
+        head += f" ({skipped} skipped: " + ", ".join(f"{n} {r}" for r, n in rep["skipped"].items()) + ")"
+    cut = rep["truncated"]
+    head += ("; truncation not recorded in this cache" if cut is None else
+             f"; truncated: {cut['chosen']} chosen, {cut['rejected']} rejected, {cut['prompt']} prompts")
+    keys = ["mean", *QUANTILES]
+    lines = [head, "  " + " " * 34 + "".join(f"{k:>9}" for k in keys)]
+    for name, label in (("margin", "margin c-r (nats)"), ("per_token_margin", "per-token margin (nats/token)"),
+                        ("length_ratio", "length ratio c/r (tokens)")):
+        lines.append(f"  {label:<34}" + "".join(f"{rep[name][k]:>9.3f}" for k in keys))
+    lines += [f"warning: {w}" for w in rep["warnings"]]
+    if not rep["warnings"]:
+        t = rep["thresholds"]
+        lines.append(f"preflight: no warning (median per-token margin {rep['per_token_margin']['p50']:.3f} is not "
+                     f"below {t['per_token_margin_median_below']}, median length ratio "
+                     f"{rep['length_ratio']['p50']:.2f} not above {t['length_ratio_median_above']})")
+    return lines
+
+
+def refresh(cache_dir: Path) -> dict:
+    """Compute the report of the cache in cache_dir and write it beside the manifest (atomically, only when it
+    changed, so an up-to-date cache's files keep their times; a folder that cannot be written is only logged)."""
+    rep = report(cache.load_ref_cache(cache_dir))
+    path = Path(cache_dir) / REPORT
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = None
+    if old != rep:
+        try:
+            cache.atomic_write_json(path, rep)
+        except OSError as e:  # a read-only cache folder still serves train; the report is printed anyway
+            log(f"warning: could not save the preflight report to {path}: {e}")
+    return rep
+
+
+def run(cfg, recipe: str | None = None) -> dict:
+    """The report of the cache that matches cfg (refused, with the rebuild command, when it does not)."""
+    from lowmem_dpo import devices, inputs
+    from lowmem_dpo.precompute import rebuild_command
+
+    ins = inputs.prepare(cfg, devices.resolve(cfg))
+    cache.check_fingerprint(Path(cfg.ref_cache_dir), ins.fingerprint, rebuild_command(cfg, recipe))
+    return refresh(Path(cfg.ref_cache_dir))
+
+
+def main(argv: list[str]) -> int:
+    from lowmem_dpo.config import load_config
+
+    cfg = load_config(argv[0], argv[1:])
+    rep = run(cfg, recipe=argv[0])
+    print("\n".join(summary_lines(rep)))
+    log(f"report saved to {Path(cfg.ref_cache_dir) / REPORT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main, None, "preflight", __doc__))
