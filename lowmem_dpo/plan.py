@@ -420,14 +420,24 @@ def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: i
 def dequant_bytes(arch: Arch, quantization: str, s: int) -> int:
     """A quantized Linear runs by dequantizing its weight: the largest one's weight in the compute dtype (n*s)
     plus its float32 block absmax (4*n/64) exist for the duration of one matmul (forward, and again in
-    backward). 8bit: the dequantized weight, n*s - a lower bound: LLM.int8's own buffers (int8/int32 copies of
-    activations, saved inputs) are not modeled; measured on a CPU the 8bit peaks were 11-50% above this."""
+    backward). 8bit: the dequantized weight, n*s, in backward (the forward multiplies in int8: int8_buffers)."""
     n = max(i * o for i, o in arch.linears().values())
     if quantization == "4bit":
         return n * s + 4 * math.ceil(n / NF4_BLOCK)
     if quantization == "8bit":
         return n * s
     return 0
+
+
+def int8_buffers(arch: Arch, quantization: str, nt: int) -> int:
+    """LLM.int8's forward of one Linear (8bit only): the int8 copy of its (NT, in) input, and three 4-byte
+    (NT, out) tensors: the int32 accumulator, its float32 dequantized copy and the float32 outlier product:
+    NT*(in + 12*out) for the largest such Linear (gate/up_proj, in=H, out=I). Fitted to CPU measurements of
+    precompute (tiny-llama and llama-25m, float32: within 1%; bfloat16: -5%..-15%); bitsandbytes' CUDA
+    kernels differ."""
+    if quantization != "8bit":
+        return 0
+    return nt * max(i + 12 * o for i, o in arch.linears().values())
 
 
 def layer_working_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> int:
@@ -437,12 +447,14 @@ def layer_working_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> i
       float32 cast of down_proj's input), an (N,T,I) s-byte gradient with autocast, and an (N,T,H) s-byte
       gradient: NT*(4*I + (s*I if autocast) + s*H);
     quantized base Linear: its dequantized weight (dequant_bytes) with the (N,T,I) and (N,T,H) s-byte gradients
-      around its matmul: NT*(s*I + s*H) + dequant."""
+      around its matmul: NT*(s*I + s*H) + dequant;
+    8bit forward (recomputed in backward with checkpointing): the (N,T,H) input and LLM.int8's buffers."""
     s = DTYPE_BYTES[setup.dtype]
     nt = n_seq * seq_len
     lora_path = nt * (4 * arch.intermediate + (s * arch.intermediate if setup.autocast else 0) + s * arch.hidden)
     dequant = dequant_bytes(arch, setup.quantization, s)
-    return max(lora_path, (nt * s * (arch.intermediate + arch.hidden) + dequant) if dequant else 0)
+    int8_forward = nt * s * arch.hidden + int8_buffers(arch, setup.quantization, nt)
+    return max(lora_path, (nt * s * (arch.intermediate + arch.hidden) + dequant) if dequant else 0, int8_forward)
 
 
 def chunk_tokens(arch: Arch, completion_positions: int) -> int:
@@ -470,12 +482,13 @@ def precompute_layer_bytes(arch: Arch, n_seq: int, seq_len: int, s: int, quantiz
     """One layer's working set under inference_mode (nothing is kept between layers), the largest of:
     MLP product: the embedding output, the layer input, the residual and the norm output (4*H), SiLU(gate), up
       and their product (3*I): NT*(4H + 3I)*s (measured: the peak for these architectures unquantized);
-    up_proj of a quantized base: 4*H, SiLU(gate) and up's output (2*I), and the dequantized weight:
-      NT*(4H + 2I)*s + dequant (measured: the peak with 4-bit);
+    up_proj of a quantized base: 4*H, SiLU(gate) and up's output (2*I), and the dequantized weight (4bit) or
+      LLM.int8's buffers (8bit, int8_buffers): NT*(4H + 2I)*s + that (measured: the peak with 4-bit and 8-bit);
     attention: NT*(4H + 3*q_dim + 2*kv_dim)*s + the boolean and the s-byte additive masks, n_seq*T^2*(1 + s)
       (+ dequant)."""
     nt = n_seq * seq_len
-    dequant = dequant_bytes(arch, quantization, s)
+    # forward only: 8bit multiplies in int8 (its buffers), 4bit dequantizes the weight
+    dequant = int8_buffers(arch, quantization, nt) if quantization == "8bit" else dequant_bytes(arch, quantization, s)
     mlp = nt * (4 * arch.hidden + 3 * arch.intermediate) * s
     up_proj = (nt * (4 * arch.hidden + 2 * arch.intermediate) * s + dequant) if dequant else 0
     attn = nt * (4 * arch.hidden + 3 * arch.q_dim + 2 * arch.kv_dim) * s + n_seq * seq_len * seq_len * (1 + s)
@@ -1137,8 +1150,8 @@ def main(argv: list[str]) -> int:
     for note in notes:
         print(note)
     if "8bit" in (setup.quantization, setup.ref_quantization):
-        print("note: with 8bit only the weights are modeled, not LLM.int8's matmul buffers: treat the peaks as lower "
-              "bounds (11-50% low on a CPU)")
+        print("note: 8bit's LLM.int8 buffers are modeled from CPU measurements (bitsandbytes' CUDA kernels differ): "
+              "allow a margin on a GPU")
     print()
     c = chosen.setup
     print(f"plan: quantization={c.quantization} gradient_checkpointing={str(c.gradient_checkpointing).lower()} "
