@@ -38,6 +38,7 @@ for p in (str(ROOT), str(BENCH)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import limits  # noqa: E402
 import torch  # noqa: E402
 
 TARGET_RATIO = 0.7  # the issue's requirement: ours median step <= 0.7 x TRL's median step
@@ -194,7 +195,7 @@ def bench_precompute(cfg, device: str, reuse: bool) -> dict:
     }
 
 
-def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str) -> dict:
+def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str, flop_steps: int) -> dict:
     import dataclasses
 
     from lowmem_dpo import devices, train
@@ -229,6 +230,9 @@ def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str) -> dict:
         "loss_first_last": [round(losses[0], 6), round(losses[-1], 6)],
         "peak_memory": pm.result,
     }
+    if flop_steps:  # after the timed steps and outside the memory phase: the counter slows steps down
+        out["flops"] = limits.train_step_flops(session, warmup, flop_steps)
+        out["flops"]["achieved_flop_per_s"] = round(out["flops"]["flops_per_token"] * out["tokens_per_s"])
     del session, params
     return out
 
@@ -376,8 +380,14 @@ def bench_device(device: str, args) -> dict:
     log(f"[{device}] precompute ({'reuse' if args.reuse_cache else 'fresh'} cache in {cfg.ref_cache_dir})")
     out["precompute"] = bench_precompute(cfg, device, args.reuse_cache)
     log(f"[{device}] precompute: {out['precompute']['rows']} rows, {out['precompute']['rows_per_s']} rows/s")
+    if args.limit_repeats:
+        log(f"[{device}] precompute against a bare forward: {args.limit_repeats} repeats")
+        vs = out["precompute_vs_bare_forward"] = limits.precompute_vs_bare_forward(cfg, args.limit_repeats)
+        log(f"[{device}] precompute {vs['ours_rows_per_s']} rows/s, bare forward {vs['bare_rows_per_s']} rows/s: "
+            f"ratio {vs['ratio']}")
+        _release_freed_memory()
     log(f"[{device}] ours: {args.warmup} warm-up + {args.steps} timed steps")
-    out["ours"] = bench_ours(cfg, device, args.steps, args.warmup, args.recipe)
+    out["ours"] = bench_ours(cfg, device, args.steps, args.warmup, args.recipe, args.flop_steps)
     log(f"[{device}] ours: median step {out['ours']['median_s']} s, {out['ours']['tokens_per_s']} tokens/s")
     _release_freed_memory()
     if args.vs_trl:
@@ -394,8 +404,38 @@ def bench_device(device: str, args) -> dict:
             out["target_ratio"] = TARGET_RATIO
             out["meets_target"] = ratio <= TARGET_RATIO
         _release_freed_memory()
+    if args.flop_steps:
+        log(f"[{device}] matmul FLOP/s (bfloat16, float32)")
+        out["matmul_peak"] = limits.matmul_peak(torch.device(device), model_matmul_shape(cfg))
+        out["train_step_vs_matmul_peak"] = step_vs_peak(out["ours"], out["matmul_peak"])
+        log(f"[{device}] train step: {out['train_step_vs_matmul_peak']}")
     out["torch_threads_after"] = torch.get_num_threads()
     return out
+
+
+def model_matmul_shape(cfg) -> tuple[int, int, int] | None:
+    """(tokens of a full batch, hidden, intermediate): the shape of the model's MLP up-projection in a step."""
+    from lowmem_dpo import models
+
+    try:
+        conf = json.loads((models.resolve_model_path(cfg.model_name_or_path) / "config.json").read_text())
+        return (2 * cfg.per_device_train_batch_size * cfg.max_length, conf["hidden_size"], conf["intermediate_size"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def step_vs_peak(ours: dict, peak: dict) -> dict:
+    """Achieved FLOP/s of the median train step against the measured matmul FLOP/s in the step's dtype."""
+    dtype = ours["settings"]["dtype"]
+    achieved = ours["flops"]["achieved_flop_per_s"]
+    ref = peak.get(dtype)
+    return {
+        "dtype": dtype,
+        "achieved_flop_per_s": achieved,
+        "matmul_peak_flop_per_s": ref["peak_flop_per_s"] if ref else None,
+        "ratio": round(achieved / ref["peak_flop_per_s"], 4) if ref else None,
+        "ratio_to_best": round(achieved / ref["best_flop_per_s"], 4) if ref else None,
+    }
 
 
 def device_name(device: str) -> str:
@@ -507,7 +547,55 @@ def markdown(report: dict) -> str:
                          f"{r['target_ratio']} target)")
     lines.append("")
     lines += [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + limits_table(report)) + "\n"
+
+
+def _g(flops) -> str:
+    return "-" if flops is None else f"{flops / 1e9:,.0f}"
+
+
+def limits_table(report: dict) -> list[str]:
+    """Precompute against a bare forward, and the train step's counted FLOP/s against the matmul peak."""
+    lines = ["", "| device | precompute rows/s (shard_logps) | bare forward rows/s | precompute / bare (goal >= 0.9) "
+             "| step GFLOP (counted) | step GFLOP/s | matmul GFLOP/s bf16 / fp32 | step / matmul (dtype) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = 0
+    for dev, r in report["devices"].items():
+        vs, step, peak = r.get("precompute_vs_bare_forward"), r.get("train_step_vs_matmul_peak"), r.get("matmul_peak")
+        if not (vs or step):
+            continue
+        rows += 1
+        pre = (f"{vs['ours_rows_per_s']:.1f} | {vs['bare_rows_per_s']:.1f} | {vs['ratio']:.2f}" if vs
+               else "- | - | -")
+        if step:
+            flops = r["ours"]["flops"]
+            per_step = statistics.median(flops["flops_per_step"])
+            ratio = "-" if step["ratio"] is None else f"{step['ratio']:.2f} ({step['dtype']})"
+            mm = f"{_g(peak['bfloat16']['peak_flop_per_s'])} / {_g(peak['float32']['peak_flop_per_s'])}"
+            train = f"{_g(per_step)} | {_g(step['achieved_flop_per_s'])} | {mm} | {ratio}"
+        else:
+            train = "- | - | - | -"
+        lines.append(f"| {dev} | {pre} | {train} |")
+    if not rows:
+        return []
+    return lines + ["", "- precompute / bare: rows/s of precompute.shard_logps over precompute's batches against a "
+                    "bare `model(input_ids, attention_mask).logits` of the same model on the same batches "
+                    "(medians of repeats, timed back to back).",
+                    "- step GFLOP: FlopCounterMode over train.optimizer_step (matmuls and attention only); "
+                    "step GFLOP/s = counted FLOPs per token x tokens/s of the timed steps; matmul GFLOP/s: the "
+                    "fastest median of torch.mm over square and model-shaped matrices."]
+
+
+def limits_bars(report: dict) -> list[tuple[str, float]]:
+    """(label, ratio) for the plot's second panel: precompute / bare forward and step / matmul peak per device."""
+    bars = []
+    for dev, r in report["devices"].items():
+        if "precompute_vs_bare_forward" in r:
+            bars.append((f"{dev}\nprecompute /\nbare forward", r["precompute_vs_bare_forward"]["ratio"]))
+        step = r.get("train_step_vs_matmul_peak")
+        if step and step["ratio"] is not None:
+            bars.append((f"{dev}\nstep FLOP/s /\n{step['dtype']} matmul", step["ratio"]))
+    return bars
 
 
 def plot(report: dict, path: Path) -> str | None:
@@ -533,7 +621,21 @@ def plot(report: dict, path: Path) -> str | None:
             colors.append(color)
     if not medians:
         return "no numbers to plot"
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(medians), 4))
+    limit_bars = limits_bars(report)
+    width = 1.8 + 1.6 * len(medians)
+    if limit_bars:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(width + 1.8 + 1.6 * len(limit_bars), 4.5),
+                                      gridspec_kw={"width_ratios": [len(medians), len(limit_bars)]})
+        names, values = zip(*limit_bars)
+        ax2.bar(range(len(values)), values, color="tab:green")
+        ax2.set_xticks(range(len(values)), names, fontsize=8)
+        ax2.axhline(0.9, color="gray", linestyle="--", linewidth=1)
+        ax2.set_ylabel("ratio to the limit")
+        ax2.set_title("against the machine\n(dashed: precompute goal 0.9)")
+        for i, v in enumerate(values):
+            ax2.text(i, v / 2, f"{v:.2f}", ha="center", va="center", color="white", fontweight="bold")
+    else:
+        fig, ax = plt.subplots(figsize=(width, 4))
     ax.bar(range(len(medians)), medians, yerr=[lows, highs], capsize=6, color=colors)
     ax.set_xticks(range(len(medians)), labels)
     ax.set_ylabel("median optimizer step (s); bars: min..max")
@@ -564,6 +666,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--vs-trl", action="store_true", help="also time TRL's DPOTrainer with its defaults")
     ap.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="change a DPOConfig default for the TRL run (recorded in the JSON); repeatable")
+    ap.add_argument("--limit-repeats", type=int, default=3, metavar="R",
+                    help="repeats of precompute against a bare forward over all rows (0: skip)")
+    ap.add_argument("--flop-steps", type=int, default=3, metavar="K",
+                    help="train steps whose FLOPs are counted, and the matmul peak measured (0: skip both)")
     ap.add_argument("--reuse-cache", action="store_true", help="keep an up-to-date reference cache instead of "
                     "rebuilding it (precompute rows/s then come from the manifest of the earlier build)")
     args = ap.parse_args(argv)
@@ -571,8 +677,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [d for d in args.devices if d not in KNOWN_DEVICES]
     if bad:
         ap.error(f"--devices: unknown {', '.join(bad)} (known: {', '.join(KNOWN_DEVICES)})")
-    if args.steps < 1 or args.warmup < 0:
-        ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.limit_repeats < 0 or args.flop_steps < 0:
+        ap.error("--steps must be >= 1, and --warmup, --limit-repeats and --flop-steps >= 0")
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         ap.error(f"overrides must be key=value, got {bad}")
