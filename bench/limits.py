@@ -103,35 +103,45 @@ def precompute_vs_bare_forward(cfg, repeats: int) -> dict:
 
 
 # -- 2. matmul peak -----------------------------------------------------------------------------------------------
-def _mm_flop_per_s(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int,
-                   target_s: float) -> tuple[float, float]:
-    """(median, best) FLOP/s of torch.mm (m, k) @ (k, n) over `repeats` timings of a loop lasting ~target_s."""
+def matmul_timer(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, target_s: float = 0.15):
+    """A function returning the FLOP/s of one timing of torch.mm (m, k) @ (k, n) in a loop lasting ~target_s
+    (the loop length is set from one call after a warm-up call)."""
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, n, device=device).to(dtype)
     out = torch.empty(m, n, device=device, dtype=dtype)
-    with torch.inference_mode():
-        torch.mm(a, b, out=out)  # warm-up (oneDNN primitive creation)
+
+    @torch.inference_mode()
+    def loop(inner: int) -> float:
         _sync(device)
         t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
+        for _ in range(inner):
+            torch.mm(a, b, out=out)
         _sync(device)
-        inner = max(1, int(target_s / max(time.perf_counter() - t0, 1e-6)))
-        rates = []
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                torch.mm(a, b, out=out)
-            _sync(device)
-            rates.append(2 * m * k * n * inner / (time.perf_counter() - t0))
+        return time.perf_counter() - t0
+
+    loop(1)  # warm-up (oneDNN primitive creation, CUDA context)
+    inner = max(1, int(target_s / max(loop(1), 1e-6)))
+    return lambda: 2 * m * k * n * inner / loop(inner)
+
+
+def _mm_flop_per_s(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device, repeats: int,
+                   target_s: float) -> tuple[float, float]:
+    """(median, best) FLOP/s of torch.mm (m, k) @ (k, n) over `repeats` timings."""
+    timer = matmul_timer(m, k, n, dtype, device, target_s)
+    rates = [timer() for _ in range(repeats)]
     return statistics.median(rates), max(rates)
+
+
+def square_sizes(device: torch.device) -> tuple[int, ...]:
+    """Square matmul sizes timed on `device`, smallest to largest (the largest is usually the fastest)."""
+    return (512, 1024, 2048) if device.type == "cpu" else (1024, 2048, 4096, 8192)
 
 
 def matmul_peak(device: torch.device, model_shape: tuple[int, int, int] | None, repeats: int = 5,
                 target_s: float = 0.15) -> dict:
     """Dense matmul FLOP/s in bfloat16 and float32: squares and the model's (tokens, hidden) @ (hidden,
     intermediate). `peak_flop_per_s` per dtype is the largest median over the shapes."""
-    sizes = (512, 1024, 2048) if device.type == "cpu" else (1024, 2048, 4096, 8192)
+    sizes = square_sizes(device)
     shapes = [(n, n, n) for n in sizes] + ([tuple(model_shape)] if model_shape else [])
     out: dict = {"threads": torch.get_num_threads(), "repeats": repeats,
                  "method": f"torch.mm(out=) in a loop of ~{target_s} s per timing, median of {repeats}; "
@@ -172,16 +182,27 @@ def count_flops(fn):
     return result, counter.get_total_flops(), by_op
 
 
-def train_step_flops(session, warmup: int, count: int) -> dict:
-    """FLOPs of `count` more `train.optimizer_step` calls on `session`, replaying the batches of the first timed
-    steps: the stream is rebuilt from the seed as train.setup builds it and the warm-up steps' batches skipped.
-    Call after the timed steps (the counted steps train the adapter further; the counter slows them down)."""
+def _replay(session, warmup: int) -> None:
+    """Rebuild the session's batch stream from the seed, as train.setup builds it, and skip the warm-up steps'
+    batches: the next steps see the batches of the first timed steps again."""
     from lowmem_dpo import train
 
     cfg = session.cfg
     session.stream = train.micro_batches(session.pairs, cfg.per_device_train_batch_size, cfg.seed)
     for _ in range(warmup * cfg.gradient_accumulation_steps):
         next(session.stream)
+
+
+def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True) -> dict:
+    """FLOPs of `count` more `train.optimizer_step` calls on `session`, replaying the batches of the first timed
+    steps. Call after the timed steps (the counted steps train the adapter further; the counter slows them down).
+
+    With `back_to_back`: the same `count` batches are replayed once more without the counter, each step timed
+    and followed by one timing of the largest square matmul of `square_sizes` in the step's dtype, so each step's FLOP/s is set against
+    matmul FLOP/s measured seconds apart (`back_to_back`: robust to load that changes over the run)."""
+    from lowmem_dpo import devices, train
+
+    _replay(session, warmup)
     flops, tokens, by_op = [], [], {}
     for _ in range(count):
         (stats, _, _), n, ops = count_flops(lambda: train.optimizer_step(session))
@@ -189,6 +210,22 @@ def train_step_flops(session, warmup: int, count: int) -> dict:
         tokens.append(stats.tokens)
         for op, v in ops.items():
             by_op[op] = by_op.get(op, 0) + v
+    paired = None
+    if back_to_back:
+        device = session.resolved.device
+        size = square_sizes(device)[-1]
+        timer = matmul_timer(size, size, size, session.resolved.dtype, device)
+        _replay(session, warmup)
+        ratios = []
+        for n in flops:
+            _sync(device)
+            t0 = time.perf_counter()
+            train.optimizer_step(session)
+            _sync(device)
+            ratios.append(n / (time.perf_counter() - t0) / timer())
+        paired = {"matmul": {"m": size, "k": size, "n": size, "dtype": devices.dtype_name(session.resolved.dtype)},
+                        "per_step_ratio": [round(r, 4) for r in ratios],
+                        "ratio_median": round(statistics.median(ratios), 4)}
     return {
         "counted_steps": count,
         "method": "torch.utils.flop_counter.FlopCounterMode around train.optimizer_step (forward, backward "
@@ -199,4 +236,5 @@ def train_step_flops(session, warmup: int, count: int) -> dict:
         "tokens_per_step": tokens,
         "flops_per_token": round(sum(flops) / sum(tokens)),
         "flops_per_step_by_op": {op: v // count for op, v in sorted(by_op.items())},
+        "back_to_back": paired,
     }
