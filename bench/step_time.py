@@ -676,6 +676,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="repeats of precompute against a bare forward over all rows (0: skip)")
     ap.add_argument("--flop-steps", type=int, default=3, metavar="K",
                     help="train steps whose FLOPs are counted, and the matmul peak measured (0: skip both)")
+    ap.add_argument("--threads", type=int, default=0, metavar="T",
+                    help="torch.set_num_threads(T) for the whole run (default: torch's default, the usable cores)")
     ap.add_argument("--reuse-cache", action="store_true", help="keep an up-to-date reference cache instead of "
                     "rebuilding it (precompute rows/s then come from the manifest of the earlier build)")
     args = ap.parse_args(argv)
@@ -683,8 +685,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [d for d in args.devices if d not in KNOWN_DEVICES]
     if bad:
         ap.error(f"--devices: unknown {', '.join(bad)} (known: {', '.join(KNOWN_DEVICES)})")
-    if args.steps < 1 or args.warmup < 0 or args.limit_repeats < 0 or args.flop_steps < 0:
-        ap.error("--steps must be >= 1, and --warmup, --limit-repeats and --flop-steps >= 0")
+    if args.steps < 1 or min(args.warmup, args.limit_repeats, args.flop_steps, args.threads) < 0:
+        ap.error("--steps must be >= 1, and --warmup, --limit-repeats, --flop-steps and --threads >= 0")
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         ap.error(f"overrides must be key=value, got {bad}")
@@ -695,6 +697,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from lowmem_dpo.cli import UserError
 
     report = {"devices": {}, "machine": machine_info(),
