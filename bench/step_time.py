@@ -1,7 +1,8 @@
 """Step-time benchmark: lowmem_dpo's cached-reference DPO+LoRA step, optionally against TRL's DPOTrainer.
 
     python bench/step_time.py RECIPE.yaml [key=value ...] --devices cpu,cuda --steps N --json OUT \
-        [--warmup W] [--vs-trl] [--trl-set KEY=VALUE ...] [--reuse-cache]
+        [--warmup W] [--vs-trl] [--trl-set KEY=VALUE ...] [--limit-repeats R] [--flop-steps K] [--threads T] \
+        [--reuse-cache]
 
 Run from the repository root (recipe paths are relative to it). Per device in --devices:
   1. precompute: `lowmem_dpo.precompute.run(cfg)` builds the reference cache (rows/s; an existing cache for the
@@ -9,7 +10,9 @@ Run from the repository root (recipe paths are relative to it). Per device in --
   2. ours: W warm-up + N timed optimizer steps of lowmem_dpo.train's step (train_step, clip_grad_norm_, AdamW
      step, scheduler step, zero_grad), each timed with perf_counter (torch.cuda.synchronize on CUDA);
   3. with --vs-trl: TRL's DPOTrainer with its DPOConfig defaults on the same model folder, rows, batch size,
-     max_length and LoRA settings, W + N steps, each timed by a TrainerCallback (on_step_begin..on_step_end).
+     max_length and LoRA settings, W + N steps, each timed by a TrainerCallback (on_step_begin..on_step_end);
+  4. against the machine (bench/limits.py): precompute's rows/s against a bare forward over the same batches
+     (R repeats), K train steps' FLOPs counted and set against the measured bf16/fp32 matmul FLOP/s.
 Devices that are not present are reported as {"available": false, "reason": ...}.
 
 Writes OUT (JSON), OUT with .md (a Markdown table) and OUT with .png (bar plot; needs matplotlib).
