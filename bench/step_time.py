@@ -240,7 +240,9 @@ def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str, flop_step
     }
     if flop_steps:  # after the timed steps and outside the memory phase: the counter slows steps down
         out["flops"] = limits.train_step_flops(session, warmup, flop_steps)
-        out["flops"]["achieved_flop_per_s"] = round(out["flops"]["flops_per_token"] * out["tokens_per_s"])
+        # a median step: counted FLOPs per token x the timed steps' median tokens per step / median step seconds
+        out["flops"]["achieved_flop_per_s"] = round(out["flops"]["flops_per_token"] * out["tokens_per_step_median"]
+                                                    / out["median_s"])
     del session, params
     return out
 
@@ -595,7 +597,7 @@ def limits_table(report: dict) -> list[str]:
                     "bare `model(input_ids, attention_mask).logits` of the same model on the same batches "
                     "(medians of repeats, timed back to back).",
                     "- step GFLOP: FlopCounterMode over train.optimizer_step (matmuls and attention only); "
-                    "step GFLOP/s = counted FLOPs per token x tokens/s of the timed steps; matmul GFLOP/s: the "
+                    "step GFLOP/s = counted FLOPs per token x median tokens per step / median step s; matmul GFLOP/s: the "
                     "fastest median of torch.mm over square and model-shaped matrices; back to back: the "
                     "counted steps timed again, each followed by one square-matmul timing (median of the "
                     "per-step ratios)."]
