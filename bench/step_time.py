@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -239,7 +240,9 @@ def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str, flop_step
         "peak_memory": pm.result,
     }
     if flop_steps:  # after the timed steps and outside the memory phase: the counter slows steps down
-        out["flops"] = limits.train_step_flops(session, warmup, flop_steps)
+        out["flops"], ok = guarded("FLOP count", device,
+                                   functools.partial(limits.train_step_flops, session, warmup, flop_steps))
+    if flop_steps and ok:
         # a median step: counted FLOPs per token x the timed steps' median tokens per step / median step seconds
         out["flops"]["achieved_flop_per_s"] = round(out["flops"]["flops_per_token"] * out["tokens_per_step_median"]
                                                     / out["median_s"])
@@ -371,6 +374,16 @@ def _jsonable(v):
     return str(v)
 
 
+def guarded(what: str, device: str, fn) -> tuple[dict, bool]:
+    """(fn(), True), or ({"error", "traceback"}, False) when it raises: a failed measurement is reported in the
+    JSON and the others are still worth keeping."""
+    try:
+        return fn(), True
+    except Exception as e:
+        log(f"[{device}] {what} failed: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}, False
+
+
 # -- one device --------------------------------------------------------------------------------------------------
 def bench_device(device: str, args) -> dict:
     from lowmem_dpo.config import load_config
@@ -392,9 +405,12 @@ def bench_device(device: str, args) -> dict:
     log(f"[{device}] precompute: {out['precompute']['rows']} rows, {out['precompute']['rows_per_s']} rows/s")
     if args.limit_repeats:
         log(f"[{device}] precompute against a bare forward: {args.limit_repeats} repeats")
-        vs = out["precompute_vs_bare_forward"] = limits.precompute_vs_bare_forward(cfg, args.limit_repeats)
-        log(f"[{device}] precompute {vs['ours_rows_per_s']} rows/s, bare forward {vs['bare_rows_per_s']} rows/s: "
-            f"ratio {vs['ratio']}")
+        vs, ok = guarded("precompute against a bare forward", device,
+                         lambda: limits.precompute_vs_bare_forward(cfg, args.limit_repeats))
+        out["precompute_vs_bare_forward"] = vs
+        if ok:
+            log(f"[{device}] precompute {vs['ours_rows_per_s']} rows/s, bare forward {vs['bare_rows_per_s']} "
+                f"rows/s: ratio {vs['ratio']}")
         _release_freed_memory()
     log(f"[{device}] ours: {args.warmup} warm-up + {args.steps} timed steps")
     out["ours"] = bench_ours(cfg, device, args.steps, args.warmup, args.recipe, args.flop_steps)
@@ -402,12 +418,9 @@ def bench_device(device: str, args) -> dict:
     _release_freed_memory()
     if args.vs_trl:
         log(f"[{device}] TRL DPOTrainer: {args.warmup} warm-up + {args.steps} timed steps")
-        try:
-            out["trl"] = bench_trl(cfg, device, args.steps, args.warmup, args.trl_sets)
-        except Exception as e:  # report it in the JSON; the other numbers are still worth keeping
-            out["trl"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
-            log(f"[{device}] TRL failed: {out['trl']['error']}")
-        else:
+        out["trl"], ok = guarded("TRL", device, lambda: bench_trl(cfg, device, args.steps, args.warmup,
+                                                                    args.trl_sets))
+        if ok:
             log(f"[{device}] TRL: median step {out['trl']['median_s']} s, {out['trl']['tokens_per_s']} tokens/s")
             ratio = out["ours"]["median_s"] / out["trl"]["median_s"]
             out["ratio_median_step"] = round(ratio, 4)
@@ -416,9 +429,11 @@ def bench_device(device: str, args) -> dict:
         _release_freed_memory()
     if args.flop_steps:
         log(f"[{device}] matmul FLOP/s (bfloat16, float32)")
-        out["matmul_peak"] = limits.matmul_peak(torch.device(device), model_matmul_shape(cfg))
-        out["train_step_vs_matmul_peak"] = step_vs_peak(out["ours"], out["matmul_peak"])
-        log(f"[{device}] train step: {out['train_step_vs_matmul_peak']}")
+        out["matmul_peak"], ok = guarded("matmul FLOP/s", device,
+                                         lambda: limits.matmul_peak(torch.device(device), model_matmul_shape(cfg)))
+        if ok and "error" not in out["ours"]["flops"]:
+            out["train_step_vs_matmul_peak"] = step_vs_peak(out["ours"], out["matmul_peak"])
+            log(f"[{device}] train step: {out['train_step_vs_matmul_peak']}")
     out["torch_threads_after"] = torch.get_num_threads()
     return out
 
@@ -578,8 +593,11 @@ def limits_table(report: dict) -> list[str]:
         if not (vs or step):
             continue
         rows += 1
-        pre = (f"{vs['ours_rows_per_s']:.1f} | {vs['bare_rows_per_s']:.1f} | {vs['ratio']:.2f}" if vs
-               else "- | - | -")
+        if vs and "error" in vs:
+            pre = "failed | - | -"
+        else:
+            pre = (f"{vs['ours_rows_per_s']:.1f} | {vs['bare_rows_per_s']:.1f} | {vs['ratio']:.2f}" if vs
+                   else "- | - | -")
         if step:
             flops = r["ours"]["flops"]
             per_step = statistics.median(flops["flops_per_step"])
@@ -607,7 +625,7 @@ def limits_bars(report: dict) -> list[tuple[str, float]]:
     """(label, ratio) for the plot's second panel: precompute / bare forward and step / matmul peak per device."""
     bars = []
     for dev, r in report["devices"].items():
-        if "precompute_vs_bare_forward" in r:
+        if "ratio" in r.get("precompute_vs_bare_forward", {}):
             bars.append((f"{dev}\nprecompute /\nbare forward", r["precompute_vs_bare_forward"]["ratio"]))
         step = r.get("train_step_vs_matmul_peak")
         if step and step["ratio"] is not None:
@@ -724,7 +742,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"[{device}] error: {e}")
             failed = True
         r = report["devices"][device]
-        failed |= "error" in r.get("trl", {})
+        parts = [r.get(k, {}) for k in ("trl", "precompute_vs_bare_forward", "matmul_peak")]
+        failed |= any("error" in part for part in parts + [r.get("ours", {}).get("flops", {})])
     report["total_wall_s"] = round(time.perf_counter() - t0, 1)
     report["machine"]["loadavg_at_end"] = loadavg()
 
