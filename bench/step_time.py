@@ -1,7 +1,8 @@
 """Step-time benchmark: lowmem_dpo's cached-reference DPO+LoRA step, optionally against TRL's DPOTrainer.
 
     python bench/step_time.py RECIPE.yaml [key=value ...] --devices cpu,cuda --steps N --json OUT \
-        [--warmup W] [--vs-trl] [--trl-set KEY=VALUE ...] [--reuse-cache]
+        [--warmup W] [--vs-trl] [--trl-set KEY=VALUE ...] [--limit-repeats R] [--flop-steps K] [--threads T] \
+        [--reuse-cache]
 
 Run from the repository root (recipe paths are relative to it). Per device in --devices:
   1. precompute: `lowmem_dpo.precompute.run(cfg)` builds the reference cache (rows/s; an existing cache for the
@@ -9,7 +10,9 @@ Run from the repository root (recipe paths are relative to it). Per device in --
   2. ours: W warm-up + N timed optimizer steps of lowmem_dpo.train's step (train_step, clip_grad_norm_, AdamW
      step, scheduler step, zero_grad), each timed with perf_counter (torch.cuda.synchronize on CUDA);
   3. with --vs-trl: TRL's DPOTrainer with its DPOConfig defaults on the same model folder, rows, batch size,
-     max_length and LoRA settings, W + N steps, each timed by a TrainerCallback (on_step_begin..on_step_end).
+     max_length and LoRA settings, W + N steps, each timed by a TrainerCallback (on_step_begin..on_step_end);
+  4. against the machine (bench/limits.py): precompute's rows/s against a bare forward over the same batches
+     (R repeats), K train steps' FLOPs counted and set against the measured bf16/fp32 matmul FLOP/s.
 Devices that are not present are reported as {"available": false, "reason": ...}.
 
 Writes OUT (JSON), OUT with .md (a Markdown table) and OUT with .png (bar plot; needs matplotlib).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -38,6 +42,7 @@ for p in (str(ROOT), str(BENCH)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import limits  # noqa: E402
 import torch  # noqa: E402
 
 TARGET_RATIO = 0.7  # the issue's requirement: ours median step <= 0.7 x TRL's median step
@@ -172,7 +177,9 @@ def bench_precompute(cfg, device: str, reuse: bool) -> dict:
     from lowmem_dpo import cache, precompute
 
     cache_dir = Path(cfg.ref_cache_dir)
-    removed = False if reuse else clear_cache(cache_dir)
+    if not reuse:
+        clear_cache(cache_dir)
+    before = cache.read_manifest(cache_dir)
     with PeakMemory(device) as pm:
         t0 = time.perf_counter()
         precompute.run(cfg, progress=False)
@@ -180,21 +187,24 @@ def bench_precompute(cfg, device: str, reuse: bool) -> dict:
         wall = time.perf_counter() - t0
     manifest = cache.read_manifest(cache_dir) or {}
     rows = manifest.get("num_pairs", 0)
+    # with --reuse-cache an up-to-date cache is kept: precompute.run only checks it, and the manifest's rows/s
+    # are those of the earlier build
+    rebuilt = before is None or before.get("created") != manifest.get("created")
     return {
         "cache_dir": str(cache_dir),
-        "rebuilt": not reuse or removed,
+        "rebuilt": rebuilt,
         "rows": rows,
         "batch_size": cfg.precompute_batch_size,
         # rows_per_s: the forward loop only, as precompute records it in the manifest (model load, hashing and
         # tokenization excluded). rows_per_s_wall: the whole precompute.run call.
         "rows_per_s": manifest.get("rows_per_s"),
         "wall_s": round(wall, 3),
-        "rows_per_s_wall": round(rows / wall, 3) if wall > 0 else None,
+        "rows_per_s_wall": round(rows / wall, 3) if wall > 0 and rebuilt else None,
         "peak_memory": pm.result,
     }
 
 
-def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str) -> dict:
+def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str, flop_steps: int) -> dict:
     import dataclasses
 
     from lowmem_dpo import devices, train
@@ -229,6 +239,13 @@ def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str) -> dict:
         "loss_first_last": [round(losses[0], 6), round(losses[-1], 6)],
         "peak_memory": pm.result,
     }
+    if flop_steps:  # after the timed steps and outside the memory phase: the counter slows steps down
+        out["flops"], ok = guarded("FLOP count", device,
+                                   functools.partial(limits.train_step_flops, session, warmup, flop_steps))
+    if flop_steps and ok:
+        # a median step: counted FLOPs per token x the timed steps' median tokens per step / median step seconds
+        out["flops"]["achieved_flop_per_s"] = round(out["flops"]["flops_per_token"] * out["tokens_per_step_median"]
+                                                    / out["median_s"])
     del session, params
     return out
 
@@ -357,6 +374,16 @@ def _jsonable(v):
     return str(v)
 
 
+def guarded(what: str, device: str, fn) -> tuple[dict, bool]:
+    """(fn(), True), or ({"error", "traceback"}, False) when it raises: a failed measurement is reported in the
+    JSON and the others are still worth keeping."""
+    try:
+        return fn(), True
+    except Exception as e:
+        log(f"[{device}] {what} failed: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}, False
+
+
 # -- one device --------------------------------------------------------------------------------------------------
 def bench_device(device: str, args) -> dict:
     from lowmem_dpo.config import load_config
@@ -376,26 +403,66 @@ def bench_device(device: str, args) -> dict:
     log(f"[{device}] precompute ({'reuse' if args.reuse_cache else 'fresh'} cache in {cfg.ref_cache_dir})")
     out["precompute"] = bench_precompute(cfg, device, args.reuse_cache)
     log(f"[{device}] precompute: {out['precompute']['rows']} rows, {out['precompute']['rows_per_s']} rows/s")
+    if args.limit_repeats:
+        log(f"[{device}] precompute against a bare forward: {args.limit_repeats} repeats")
+        vs, ok = guarded("precompute against a bare forward", device,
+                         lambda: limits.precompute_vs_bare_forward(cfg, args.limit_repeats))
+        out["precompute_vs_bare_forward"] = vs
+        if ok:
+            log(f"[{device}] precompute {vs['ours_rows_per_s']} rows/s, bare forward {vs['bare_rows_per_s']} "
+                f"rows/s: ratio {vs['ratio']}")
+        _release_freed_memory()
     log(f"[{device}] ours: {args.warmup} warm-up + {args.steps} timed steps")
-    out["ours"] = bench_ours(cfg, device, args.steps, args.warmup, args.recipe)
+    out["ours"] = bench_ours(cfg, device, args.steps, args.warmup, args.recipe, args.flop_steps)
     log(f"[{device}] ours: median step {out['ours']['median_s']} s, {out['ours']['tokens_per_s']} tokens/s")
     _release_freed_memory()
     if args.vs_trl:
         log(f"[{device}] TRL DPOTrainer: {args.warmup} warm-up + {args.steps} timed steps")
-        try:
-            out["trl"] = bench_trl(cfg, device, args.steps, args.warmup, args.trl_sets)
-        except Exception as e:  # report it in the JSON; the other numbers are still worth keeping
-            out["trl"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
-            log(f"[{device}] TRL failed: {out['trl']['error']}")
-        else:
+        out["trl"], ok = guarded("TRL", device, lambda: bench_trl(cfg, device, args.steps, args.warmup,
+                                                                    args.trl_sets))
+        if ok:
             log(f"[{device}] TRL: median step {out['trl']['median_s']} s, {out['trl']['tokens_per_s']} tokens/s")
             ratio = out["ours"]["median_s"] / out["trl"]["median_s"]
             out["ratio_median_step"] = round(ratio, 4)
             out["target_ratio"] = TARGET_RATIO
             out["meets_target"] = ratio <= TARGET_RATIO
         _release_freed_memory()
+    if args.flop_steps:
+        log(f"[{device}] matmul FLOP/s (bfloat16, float32)")
+        out["matmul_peak"], ok = guarded("matmul FLOP/s", device,
+                                         lambda: limits.matmul_peak(torch.device(device), model_matmul_shape(cfg)))
+        if ok and "error" not in out["ours"]["flops"]:
+            out["train_step_vs_matmul_peak"] = step_vs_peak(out["ours"], out["matmul_peak"])
+            log(f"[{device}] train step: {out['train_step_vs_matmul_peak']}")
     out["torch_threads_after"] = torch.get_num_threads()
     return out
+
+
+def model_matmul_shape(cfg) -> tuple[int, int, int] | None:
+    """(tokens of a full batch, hidden, intermediate): the shape of the model's MLP up-projection in a step."""
+    from lowmem_dpo import models
+
+    try:
+        conf = json.loads((models.resolve_model_path(cfg.model_name_or_path) / "config.json").read_text())
+        return (2 * cfg.per_device_train_batch_size * cfg.max_length, conf["hidden_size"], conf["intermediate_size"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def step_vs_peak(ours: dict, peak: dict) -> dict:
+    """Achieved FLOP/s of the median train step against the measured matmul FLOP/s in the step's dtype."""
+    dtype = ours["settings"]["dtype"]
+    achieved = ours["flops"]["achieved_flop_per_s"]
+    ref = peak.get(dtype)
+    return {
+        "dtype": dtype,
+        "achieved_flop_per_s": achieved,
+        "matmul_peak_flop_per_s": ref["peak_flop_per_s"] if ref else None,
+        "ratio": round(achieved / ref["peak_flop_per_s"], 4) if ref else None,
+        "ratio_to_best": round(achieved / ref["best_flop_per_s"], 4) if ref else None,
+        # each counted batch's step timed again, right before one timing of a square matmul: see limits.py
+        "ratio_back_to_back": (ours["flops"]["back_to_back"] or {}).get("ratio_median"),
+    }
 
 
 def device_name(device: str) -> str:
@@ -497,7 +564,8 @@ def markdown(report: dict) -> str:
                 notes.append(f"{dev} {label}: {s['error']}")
                 continue
             pm = s["peak_memory"]
-            pre_col = (f"{pre['rows_per_s']} ({pre['rows_per_s_wall']} wall)" if name == "ours" else "-")
+            wall = f"{pre['rows_per_s_wall']} wall" if pre["rebuilt"] else "cache reused: an earlier build's"
+            pre_col = (f"{pre['rows_per_s']} ({wall})" if name == "ours" else "-")
             lines.append(f"| {dev} | {label} | {s['median_s']:.3f} | {s['min_s']:.3f} | {s['max_s']:.3f} | "
                          f"{s['tokens_per_s']:,.0f} | {_mib(pm['peak_bytes'])} ({_mib(pm['peak_delta_bytes'])}) | "
                          f"{pre_col} |")
@@ -507,7 +575,62 @@ def markdown(report: dict) -> str:
                          f"{r['target_ratio']} target)")
     lines.append("")
     lines += [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + limits_table(report)) + "\n"
+
+
+def _g(flops) -> str:
+    return "-" if flops is None else f"{flops / 1e9:,.0f}"
+
+
+def limits_table(report: dict) -> list[str]:
+    """Precompute against a bare forward, and the train step's counted FLOP/s against the matmul peak."""
+    lines = ["", "| device | precompute rows/s (shard_logps) | bare forward rows/s | precompute / bare (goal >= 0.9) "
+             "| step GFLOP (counted) | step GFLOP/s | matmul GFLOP/s bf16 / fp32 | step / matmul (dtype) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = 0
+    for dev, r in report["devices"].items():
+        vs, step, peak = r.get("precompute_vs_bare_forward"), r.get("train_step_vs_matmul_peak"), r.get("matmul_peak")
+        if not (vs or step):
+            continue
+        rows += 1
+        if vs and "error" in vs:
+            pre = "failed | - | -"
+        else:
+            pre = (f"{vs['ours_rows_per_s']:.1f} | {vs['bare_rows_per_s']:.1f} | {vs['ratio']:.2f}" if vs
+                   else "- | - | -")
+        if step:
+            flops = r["ours"]["flops"]
+            per_step = statistics.median(flops["flops_per_step"])
+            ratio = "-" if step["ratio"] is None else f"{step['ratio']:.2f} ({step['dtype']})"
+            if step.get("ratio_back_to_back") is not None:
+                ratio += f"; back to back {step['ratio_back_to_back']:.2f}"
+            mm = f"{_g(peak['bfloat16']['peak_flop_per_s'])} / {_g(peak['float32']['peak_flop_per_s'])}"
+            train = f"{_g(per_step)} | {_g(step['achieved_flop_per_s'])} | {mm} | {ratio}"
+        else:
+            train = "- | - | - | -"
+        lines.append(f"| {dev} | {pre} | {train} |")
+    if not rows:
+        return []
+    return lines + ["", "- precompute / bare: rows/s of precompute.shard_logps over precompute's batches against a "
+                    "bare `model(input_ids, attention_mask).logits` of the same model on the same batches "
+                    "(medians of repeats, timed back to back).",
+                    "- step GFLOP: FlopCounterMode over train.optimizer_step (matmuls and attention only); "
+                    "step GFLOP/s = counted FLOPs per token x median tokens per step / median step s; matmul GFLOP/s: the "
+                    "fastest median of torch.mm over square and model-shaped matrices; back to back: the "
+                    "counted steps timed again, each followed by one square-matmul timing (median of the "
+                    "per-step ratios)."]
+
+
+def limits_bars(report: dict) -> list[tuple[str, float]]:
+    """(label, ratio) for the plot's second panel: precompute / bare forward and step / matmul peak per device."""
+    bars = []
+    for dev, r in report["devices"].items():
+        if "ratio" in r.get("precompute_vs_bare_forward", {}):
+            bars.append((f"{dev}\nprecompute /\nbare forward", r["precompute_vs_bare_forward"]["ratio"]))
+        step = r.get("train_step_vs_matmul_peak")
+        if step and step["ratio"] is not None:
+            bars.append((f"{dev}\nstep FLOP/s /\n{step['dtype']} matmul", step["ratio"]))
+    return bars
 
 
 def plot(report: dict, path: Path) -> str | None:
@@ -533,7 +656,21 @@ def plot(report: dict, path: Path) -> str | None:
             colors.append(color)
     if not medians:
         return "no numbers to plot"
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(medians), 4))
+    limit_bars = limits_bars(report)
+    width = 1.8 + 1.6 * len(medians)
+    if limit_bars:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(width + 1.8 + 1.6 * len(limit_bars), 4.5),
+                                      gridspec_kw={"width_ratios": [len(medians), len(limit_bars)]})
+        names, values = zip(*limit_bars)
+        ax2.bar(range(len(values)), values, color="tab:green")
+        ax2.set_xticks(range(len(values)), names, fontsize=8)
+        ax2.axhline(0.9, color="gray", linestyle="--", linewidth=1)
+        ax2.set_ylabel("ratio to the limit")
+        ax2.set_title("against the machine\n(dashed: precompute goal 0.9)")
+        for i, v in enumerate(values):
+            ax2.text(i, v / 2, f"{v:.2f}", ha="center", va="center", color="white", fontweight="bold")
+    else:
+        fig, ax = plt.subplots(figsize=(width, 4))
     ax.bar(range(len(medians)), medians, yerr=[lows, highs], capsize=6, color=colors)
     ax.set_xticks(range(len(medians)), labels)
     ax.set_ylabel("median optimizer step (s); bars: min..max")
@@ -564,6 +701,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--vs-trl", action="store_true", help="also time TRL's DPOTrainer with its defaults")
     ap.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="change a DPOConfig default for the TRL run (recorded in the JSON); repeatable")
+    ap.add_argument("--limit-repeats", type=int, default=3, metavar="R",
+                    help="repeats of precompute against a bare forward over all rows (0: skip)")
+    ap.add_argument("--flop-steps", type=int, default=3, metavar="K",
+                    help="train steps whose FLOPs are counted, and the matmul peak measured (0: skip both)")
+    ap.add_argument("--threads", type=int, default=0, metavar="T",
+                    help="torch.set_num_threads(T) for the whole run (default: torch's default, the usable cores)")
     ap.add_argument("--reuse-cache", action="store_true", help="keep an up-to-date reference cache instead of "
                     "rebuilding it (precompute rows/s then come from the manifest of the earlier build)")
     args = ap.parse_args(argv)
@@ -571,8 +714,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [d for d in args.devices if d not in KNOWN_DEVICES]
     if bad:
         ap.error(f"--devices: unknown {', '.join(bad)} (known: {', '.join(KNOWN_DEVICES)})")
-    if args.steps < 1 or args.warmup < 0:
-        ap.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or min(args.warmup, args.limit_repeats, args.flop_steps, args.threads) < 0:
+        ap.error("--steps must be >= 1, and --warmup, --limit-repeats, --flop-steps and --threads >= 0")
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         ap.error(f"overrides must be key=value, got {bad}")
@@ -583,6 +726,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from lowmem_dpo.cli import UserError
 
     report = {"devices": {}, "machine": machine_info(),
@@ -597,7 +742,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"[{device}] error: {e}")
             failed = True
         r = report["devices"][device]
-        failed |= "error" in r.get("trl", {})
+        parts = [r.get(k, {}) for k in ("trl", "precompute_vs_bare_forward", "matmul_peak")]
+        failed |= any("error" in part for part in parts + [r.get("ours", {}).get("flops", {})])
     report["total_wall_s"] = round(time.perf_counter() - t0, 1)
     report["machine"]["loadavg_at_end"] = loadavg()
 
