@@ -183,14 +183,12 @@ def count_flops(fn):
 
 
 def _replay(session, warmup: int) -> None:
-    """Rebuild the session's batch stream from the seed, as train.setup builds it, and skip the warm-up steps'
-    batches: the next steps see the batches of the first timed steps again."""
+    """Rebuild the session's pair stream from the seed, as train.setup builds it, and skip the warm-up steps'
+    pairs: the next steps see the batches of the first timed steps again."""
     from lowmem_dpo import train
 
-    cfg = session.cfg
-    session.stream = train.micro_batches(session.pairs, cfg.per_device_train_batch_size, cfg.seed)
-    for _ in range(warmup * cfg.gradient_accumulation_steps):
-        next(session.stream)
+    session.stream = train.pair_stream(session.pairs, session.cfg.seed)
+    train.take(session.stream, warmup * session.pairs_per_step)
 
 
 def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True) -> dict:
