@@ -42,6 +42,10 @@ class SFTStats:
     def means(self) -> dict:
         return {"loss": self.nll / max(1, self.targets)}
 
+    @property
+    def empty(self) -> bool:
+        return self.targets == 0
+
 
 def base_name(spec: str) -> str:
     """How the saved adapter names its base: a built-in or hub name as given, a local folder as an absolute path
@@ -118,7 +122,8 @@ def run(cfg: Config, progress: bool = True) -> train.TrainResult:
                 s.metrics_lines.append(json.dumps(last) + "\n")
                 metrics_file.write(s.metrics_lines[-1])
                 metrics_file.flush()
-                bar.set_postfix(loss=f"{last['loss']:.4f}")
+                if not s.window.empty:
+                    bar.set_postfix(loss=f"{last['loss']:.4f}")
                 s.window = SFTStats()
             if cfg.save_steps and (s.step % cfg.save_steps == 0 or s.step == s.steps):
                 checkpoint.save(out_dir, train.checkpoint_state(s), s.model, s.opt, s.sched, s.metrics_lines,
@@ -126,7 +131,8 @@ def run(cfg: Config, progress: bool = True) -> train.TrainResult:
                 s.replaces = []
     bar.close()
     train.save_final(s, out_dir)
-    log(f"saved adapter to {out_dir} (step {s.steps}: loss {last['loss']:.4f})")
+    loss = f": loss {last['loss']:.4f}" if last.get("loss") is not None else ""
+    log(f"saved adapter to {out_dir} (step {s.steps}{loss})")
     return train.TrainResult(last, s.model)
 
 

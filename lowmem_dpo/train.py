@@ -151,6 +151,10 @@ class StepStats:
     def means(self) -> dict:
         return {k: v / max(1, self.pairs) for k, v in self.sums.items()}
 
+    @property
+    def empty(self) -> bool:
+        return self.pairs == 0
+
 
 def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
     """(chosen, rejected) reference log-prob sums for this batch, (B,) each, on the CPU."""
@@ -449,8 +453,11 @@ def save_final(s: Session, out_dir: Path) -> None:
 
 
 def log_line(s: Session, stats: StepStats, grad_norm: float, lr: float, dt: float) -> dict:
-    means = s.window.means()
-    line = {"step": s.step, **{k: round(v, 6) for k, v in means.items()}, "grad_norm": round(grad_norm, 6),
+    """The metrics.jsonl line for this step: the window's means (null when every step since the last line was
+    skipped as non-finite), the step's gradient norm, learning rate and timing."""
+    means = dict.fromkeys(s.window.means()) if s.window.empty else s.window.means()
+    line = {"step": s.step, **{k: None if v is None else round(v, 6) for k, v in means.items()},
+            "grad_norm": round(grad_norm, 6) if math.isfinite(grad_norm) else None,
             "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3)}
     peak = devices.peak_memory_bytes(s.resolved.device)
     if peak is not None:
@@ -509,10 +516,12 @@ def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainR
                 metrics_file.write(line)
                 metrics_file.flush()
                 s.metrics_lines.append(line)
-                bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['rewards/accuracies']:.2f}",
-                                margin=f"{last['rewards/margins']:.3f}")
-                signs = guards.warning_signs(s.window.means(), step, s.steps, cfg.beta,
-                                             s.window.chosen_tokens / max(1, s.window.pairs))
+                signs = []
+                if not s.window.empty:  # else every step since the last line was skipped (already warned)
+                    bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['rewards/accuracies']:.2f}",
+                                    margin=f"{last['rewards/margins']:.3f}")
+                    signs = guards.warning_signs(s.window.means(), step, s.steps, cfg.beta,
+                                                 s.window.chosen_tokens / s.window.pairs)
                 s.window = StepStats()
                 for sign in signs:
                     log(f"warning: step {step}: {sign}")
@@ -527,9 +536,11 @@ def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainR
     if s.skipped_steps:
         log(f"note: {s.skipped_steps} updates were skipped for a non-finite loss or gradient")
     save_final(s, out_dir)
-    if last:
+    if last and last.get("loss") is not None:
         log(f"saved adapter to {out_dir} (step {s.steps}: loss {last['loss']:.4f}, rewards/accuracies "
             f"{last['rewards/accuracies']:.2f})")
+    else:
+        log(f"saved adapter to {out_dir} (step {s.steps})")
     return TrainResult(last, s.model)
 
 

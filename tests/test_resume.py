@@ -304,3 +304,25 @@ def test_a_wrong_reference_is_flagged_and_stops_with_early_stop(built, tmp_path,
                                 "early_stop_on_divergence=true"], "train", "")
     err = capsys.readouterr().err
     assert code == 2 and "stopped at step 1 (early_stop_on_divergence=true): reward margin exploding" in err
+
+
+def test_a_run_of_nonfinite_losses_logs_nulls_and_stops_as_diverged(built, tmp_path, capsys):
+    """Reference values at float32's limits (finite, so the cache passes its checks) make every loss
+    infinite: the log lines of the skipped steps carry null metrics (not 0, which would read as a perfect
+    loss), and the third in a row stops the run with exit 2 and no traceback; no adapter is saved."""
+    manifest = cache.read_manifest(tmp_path / "cache")
+    for name in manifest["shards"]:
+        path = tmp_path / "cache" / manifest["shard_dir"] / name
+        tensors = load_file(str(path))
+        tensors["chosen"] = torch.full_like(tensors["chosen"], 3.4e38)
+        tensors["rejected"] = torch.full_like(tensors["rejected"], -3.4e38)
+        save_file(tensors, str(path))
+    out = tmp_path / "out"
+    code = run_cli(train.main, [str(built), f"output_dir={out}", "logging_steps=1", "max_steps=10"], "train", "")
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "warning: step 1: non-finite loss (inf)" in err
+    assert "diverged: 3 steps in a row with a non-finite loss or gradient (up to step 3)" in err
+    lines = metrics(out)
+    assert [m["step"] for m in lines] == [1, 2] and all(m["loss"] is None for m in lines)
+    assert not (out / "adapter_model.safetensors").exists() and checkpoint.complete(out) == []
