@@ -56,10 +56,12 @@ def base_name(spec: str) -> str:
 
 
 def setup(cfg: Config, progress: bool = True) -> train.Session:
-    """Tokenize the SFT rows, load the model with one adapter (fresh, or an SFT adapter continued), optimizer."""
+    """Tokenize the SFT rows, load the model with one adapter (fresh, or an SFT adapter continued), optimizer;
+    with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it, as train does."""
     resolved = devices.resolve(cfg)
     source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)
     adapters.check_mode(cfg, source, resolved.quantization, reference=False)
+    resume_from, saved = train.find_resume(cfg)
     # The planner plans a DPO step: 2 x per_device_train_batch_size sequences, twice an SFT step's.
     device_map = train.apply_plan(adapters.planned_lora(cfg, source), resolved, source.base_path)
     train.check_bitsandbytes(resolved)
@@ -73,10 +75,10 @@ def setup(cfg: Config, progress: bool = True) -> train.Session:
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
     steps = train.total_steps(cfg, len(tok.pairs))
     opt, sched, params = train.setup_optimizer(cfg, model, steps, resolved)
-    return train.Session(cfg, resolved, model, opt, sched, params, None, tok.pairs, data.pad_token_id(tokenizer),
-                         steps, train.pair_stream(tok.pairs, cfg.seed), cfg.per_device_train_batch_size,
-                         cfg.gradient_accumulation_steps, window=SFTStats(),
-                         replaces=[p for _, p in checkpoint.complete(cfg.output_dir)])
+    s = train.Session(cfg, resolved, model, opt, sched, params, None, tok.pairs, data.pad_token_id(tokenizer),
+                      steps, train.pair_stream(tok.pairs, cfg.seed), cfg.per_device_train_batch_size,
+                      cfg.gradient_accumulation_steps, window=SFTStats())
+    return train.resume_or_start(s, resume_from, saved)
 
 
 def sft_step(s: train.Session) -> tuple[SFTStats, float, float]:
@@ -101,17 +103,17 @@ def sft_step(s: train.Session) -> tuple[SFTStats, float, float]:
 
 
 def run(cfg: Config, progress: bool = True) -> train.TrainResult:
-    """Fine-tune and save the adapter to cfg.output_dir; full-state checkpoints every save_steps (as train's,
-    under output_dir/checkpoints; sft does not resume from them yet)."""
+    """Fine-tune and save the adapter to cfg.output_dir; full-state checkpoints every save_steps under
+    output_dir/checkpoints, resumed from as train does (resume=auto|never|PATH)."""
     from tqdm.auto import tqdm
 
     s = setup(cfg, progress)
     out_dir = train.start_output(s)
     log(f"sft: training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
         f"{s.micro_batch} x {s.grad_accum} rows ({len(s.pairs)} rows in the data), loss on completion tokens only")
-    last: dict = {}
-    bar = tqdm(total=s.steps, desc="sft", unit="step", disable=not progress, dynamic_ncols=True)
-    with open(out_dir / "metrics.jsonl", "w", encoding="utf-8") as metrics_file:
+    last = json.loads(s.metrics_lines[-1]) if s.metrics_lines else {}
+    bar = tqdm(total=s.steps, initial=s.step, desc="sft", unit="step", disable=not progress, dynamic_ncols=True)
+    with train.open_metrics(s, out_dir) as metrics_file:
         while s.step < s.steps:
             stats, grad_norm, lr, dt = train.timed(s, sft_step)
             if not guards.nonfinite(stats.nll):

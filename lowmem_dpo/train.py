@@ -320,15 +320,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
     adapters.check_mode(cfg, ins.source, resolved.quantization)
-    resume_from = checkpoint.find(cfg.output_dir, cfg.resume)  # before anything heavy: a bad path fails fast
-    saved = checkpoint.read_state(resume_from) if resume_from is not None else None
-    if saved is not None:
-        changed = checkpoint.config_changes(saved.config, dataclasses.asdict(cfg))
-        if changed:
-            raise UserError(f"{resume_from} was written by a run with other settings ("
-                            + ", ".join(f"{k}: {saved.config.get(k)!r} -> {getattr(cfg, k, None)!r}" for k in changed)
-                            + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
-                            " are replaced as the new run saves)")
+    resume_from, saved = find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast
     device_map = apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
     ref = None
@@ -347,18 +339,51 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     s = Session(cfg, resolved, model, opt, sched, params, ref, tok.pairs, data.pad_token_id(ins.tokenizer),
                 steps, pair_stream(tok.pairs, cfg.seed), cfg.per_device_train_batch_size,
                 cfg.gradient_accumulation_steps)
-    if saved is not None:
-        checkpoint.restore(resume_from, model, opt, sched)
-        for _ in range(saved.pairs_seen):  # the data order is a function of the seed: replay it
-            next(s.stream)
-        s.step, s.skipped_steps = saved.step, saved.skipped_steps
-        s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
-        s.window = StepStats(**saved.window)
-        s.metrics_lines = checkpoint.metrics_lines(resume_from)
-        s.resumed_from = resume_from
-    else:
-        s.replaces = [p for _, p in checkpoint.complete(cfg.output_dir)]
+    return resume_or_start(s, resume_from, saved)
+
+
+def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | None]:
+    """The checkpoint this run continues from (resume=auto: the newest in output_dir; resume=PATH) and its
+    state, refused when it was written with settings that change the numbers; (None, None) to start over."""
+    resume_from = checkpoint.find(cfg.output_dir, cfg.resume)
+    if resume_from is None:
+        return None, None
+    saved = checkpoint.read_state(resume_from)
+    changed = checkpoint.config_changes(saved.config, dataclasses.asdict(cfg))
+    if changed:
+        raise UserError(f"{resume_from} was written by a run with other settings ("
+                        + ", ".join(f"{k}: {saved.config.get(k)!r} -> {getattr(cfg, k, None)!r}" for k in changed)
+                        + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
+                        " are replaced as the new run saves)")
+    return resume_from, saved
+
+
+def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.TrainerState | None) -> Session:
+    """Put a freshly set-up session where checkpoint `resume_from` left off (weights, optimizer, schedule, RNG,
+    data position, batch split, the metrics so far); or, starting over, note the old checkpoints it replaces."""
+    if saved is None:
+        s.replaces = [p for _, p in checkpoint.complete(s.cfg.output_dir)]
+        return s
+    checkpoint.restore(resume_from, s.model, s.opt, s.sched)
+    take(s.stream, saved.pairs_seen)  # the data order is a function of the seed: replay it
+    s.step, s.skipped_steps = saved.step, saved.skipped_steps
+    s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
+    s.window = type(s.window)(**saved.window)
+    s.metrics_lines = checkpoint.metrics_lines(resume_from)
+    s.resumed_from = resume_from
     return s
+
+
+def open_metrics(s: Session, out_dir: Path):
+    """metrics.jsonl as of the checkpoint the run resumes from (empty for a new run), open for appending: a
+    resumed run continues it without repeating a step. Logs where the run starts."""
+    if s.resumed_from is not None:
+        log(f"resuming from {s.resumed_from} (step {s.step} of {s.steps})")
+    elif s.replaces:
+        log(f"starting over (resume={s.cfg.resume}): the {len(s.replaces)} checkpoints in "
+            f"{checkpoint.root(out_dir)} are replaced by this run's first one")
+    cache.atomic_write_bytes(out_dir / "metrics.jsonl", "".join(s.metrics_lines).encode())
+    return open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
 
 
 def checkpoint_state(s: Session) -> checkpoint.TrainerState:
@@ -494,16 +519,9 @@ def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> TrainR
     log(f"reference: {'cached in ' + cfg.ref_cache_dir if s.ref is not None else 'live (adapter disabled), costs a forward'}")
     log(f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
         f"{s.micro_batch} x {s.grad_accum} pairs ({len(s.pairs)} pairs in the data)")
-    if s.resumed_from is not None:
-        log(f"resuming from {s.resumed_from} (step {s.step} of {s.steps})")
-    elif s.replaces:
-        log(f"starting over (resume={cfg.resume}): the {len(s.replaces)} checkpoints in "
-            f"{checkpoint.root(out_dir)} are replaced by this run's first one")
-    # metrics.jsonl as of the checkpoint: a resumed run continues it without repeating steps
-    cache.atomic_write_bytes(out_dir / "metrics.jsonl", "".join(s.metrics_lines).encode())
     last = json.loads(s.metrics_lines[-1]) if s.metrics_lines else {}
     bar = tqdm(total=s.steps, initial=s.step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
-    with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as metrics_file:
+    with open_metrics(s, out_dir) as metrics_file:
         while s.step < s.steps:
             stats, grad_norm, lr, dt = timed(s, optimizer_step)
             if not guards.nonfinite(stats.sums["loss"]):

@@ -252,3 +252,28 @@ def test_lora_conflicts_name_only_keys_the_user_set():
                                    adapter, linear) == {}
     got = adapters.lora_conflicts(build_config({"lora_target_modules": "all-linear"}), adapter, linear)
     assert got == {"lora_target_modules": ("all-linear", "q_proj,v_proj")}
+
+
+def test_sft_resumes_from_its_checkpoint_to_the_same_adapter(tmp_path, rows64, capsys):
+    """A crash between two checkpoints (its aftermath made by hand: the later checkpoint and the final adapter
+    removed, the crashed run's extra metrics lines left): rerunning resumes from checkpoint-4 and ends with an
+    uninterrupted run's adapter, bit for bit, and its metrics lines."""
+    kw = dict(dataset=str(rows64), max_steps=8, save_steps=4, save_total_limit=0, lora_dropout=0.1)
+    whole = tiny_cfg(tmp_path / "whole", **kw)
+    sft.run(whole, progress=False)
+    crashed = tiny_cfg(tmp_path / "crashed", **kw)
+    sft.run(crashed, progress=False)
+    out = tmp_path / "crashed" / "out"
+    shutil.rmtree(out / "checkpoints" / "checkpoint-8")
+    (out / "adapter_model.safetensors").unlink()
+    capsys.readouterr()
+    result = sft.run(crashed, progress=False)
+    assert f"resuming from {out / 'checkpoints' / 'checkpoint-4'} (step 4 of 8)" in capsys.readouterr().err
+    assert result.metrics["step"] == 8
+    want, got = load_file(str(tmp_path / "whole" / "out" / "adapter_model.safetensors")), load_file(
+        str(out / "adapter_model.safetensors"))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    timing = ("step_time_s", "tokens_per_s")
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+    assert [r["step"] for r in lines(out / "metrics.jsonl")] == list(range(1, 9))
+    assert strip(lines(out / "metrics.jsonl")) == strip(lines(tmp_path / "whole" / "out" / "metrics.jsonl"))
