@@ -81,12 +81,9 @@ def setup(cfg: Config, progress: bool = True) -> train.Session:
     return train.resume_or_start(s, resume_from, saved)
 
 
-def sft_step(s: train.Session) -> tuple[SFTStats, float, float]:
-    """One optimizer step over the next pairs_per_step rows, by micro-batches. Returns (stats, grad_norm before
-    clipping, learning rate used)."""
-    lr = s.sched.get_last_lr()[0]
-    batches = [data.collate_completions(items, s.pad_id)
-               for items in train.split(train.take(s.stream, s.pairs_per_step), s.micro_batch)]
+def sft_backward(s: train.Session, items: list) -> SFTStats:
+    """Forward+backward of one optimizer step's rows, by micro-batches of s.micro_batch; gradients accumulate."""
+    batches = [data.collate_completions(chunk, s.pad_id) for chunk in train.split(items, s.micro_batch)]
     # The step's loss is the mean over all its completion tokens (as TRL), so each micro-batch's sum is divided by
     # the step's total, known before the first backward. Position t-1 predicts token t: mask[:, 1:] counts.
     n_targets = sum(int(b.completion_mask[:, 1:].sum()) for b in batches)
@@ -99,6 +96,14 @@ def sft_step(s: train.Session) -> tuple[SFTStats, float, float]:
         stats.nll -= out.logps.detach().sum().item()
         stats.targets += int(out.n_tokens.sum())
         stats.tokens += batch.num_tokens
+    return stats
+
+
+def sft_step(s: train.Session) -> tuple[SFTStats, float, float]:
+    """One optimizer step over the next pairs_per_step rows (out-of-memory halves the micro-batch, as in train).
+    Returns (stats, grad_norm before clipping, learning rate used)."""
+    lr = s.sched.get_last_lr()[0]
+    stats = train.backward_with_backoff(s, train.take(s.stream, s.pairs_per_step), sft_backward)
     return stats, train.apply_gradients(s, stats.means()["loss"]), lr
 
 

@@ -392,12 +392,17 @@ def checkpoint_state(s: Session) -> checkpoint.TrainerState:
                                    window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg))
 
 
-def backward_with_backoff(s: Session, pairs: list[data.TokenizedPair]) -> StepStats:
-    """train_step over `pairs` split into micro-batches; on out-of-memory, halve the micro-batch (the
-    accumulation doubles: the same pairs, the same update) and retry, down to 1 pair."""
+def dpo_backward(s: Session, pairs: list[data.TokenizedPair]) -> StepStats:
+    return train_step(s.model, s.cfg, split(pairs, s.micro_batch), s.ref, s.pad_id, s.resolved)
+
+
+def backward_with_backoff(s: Session, pairs: list, backward=dpo_backward):
+    """backward(s, pairs): forward+backward of one optimizer step's pairs (or SFT rows) split into micro-batches of
+    s.micro_batch. On out-of-memory, halve the micro-batch (the accumulation doubles: the same pairs, the same
+    update) and retry, down to 1 pair."""
     while True:
         try:
-            return train_step(s.model, s.cfg, split(pairs, s.micro_batch), s.ref, s.pad_id, s.resolved)
+            return backward(s, pairs)
         except Exception as e:
             if not devices.is_out_of_memory(e):
                 raise

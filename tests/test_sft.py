@@ -277,3 +277,24 @@ def test_sft_resumes_from_its_checkpoint_to_the_same_adapter(tmp_path, rows64, c
     strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
     assert [r["step"] for r in lines(out / "metrics.jsonl")] == list(range(1, 9))
     assert strip(lines(out / "metrics.jsonl")) == strip(lines(tmp_path / "whole" / "out" / "metrics.jsonl"))
+
+
+def test_sft_out_of_memory_halves_the_micro_batch(tmp_path, rows64, capsys):
+    """CUDA out-of-memory cannot happen on this CPU: a forward pre-hook on the backbone raises
+    torch.OutOfMemoryError for batches above 4 rows. The step is retried as 2 x 4 with the gradient 1 x 8 gives."""
+    cfg = tiny_cfg(tmp_path, dataset=str(rows64))
+    grads = []
+    for limit in (None, 4):
+        s = sft.setup(cfg, progress=False)
+        if limit is not None:
+            def too_big(module, args, kwargs):
+                if kwargs["input_ids"].shape[0] > limit:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+            s.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
+        stats = train.backward_with_backoff(s, train.take(s.stream, s.pairs_per_step), sft.sft_backward)
+        grads.append((s.micro_batch, s.grad_accum, stats.targets, [p.grad.clone() for p in s.params]))
+    (b1, a1, t1, g1), (b2, a2, t2, g2) = grads
+    assert (b1, a1, b2, a2) == (8, 1, 4, 2) and t1 == t2 > 0
+    assert "retrying with per_device_train_batch_size=4 gradient_accumulation_steps=2" in capsys.readouterr().err
+    assert any(g.abs().sum() > 0 for g in g1)
+    assert all(torch.allclose(x, y, atol=1e-7, rtol=1e-4) for x, y in zip(g1, g2))
