@@ -1094,6 +1094,11 @@ def main(argv: list[str]) -> int:
     if args.steps < 1:
         raise UserError("--steps K needs K >= 1")
     cfg = load_config(args.recipe, args.overrides)
+    if cfg.sft_adapter or Path(cfg.model_name_or_path).is_dir():
+        from lowmem_dpo import adapters, models
+
+        # an SFT adapter train continues: plan with its rank and target modules, as train does
+        cfg = adapters.planned_lora(cfg, models.model_source(cfg.model_name_or_path, cfg.sft_adapter))
     budget = parse_size(args.budget) if args.budget else default_budget(planned_device(cfg))
     arch = load_arch(cfg.model_name_or_path)
     if args.measure and not args.slice and is_arch_only(cfg.model_name_or_path):

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_DATA, write_jsonl
+from conftest import REPO, TINY_DATA, write_jsonl
 from safetensors.torch import load_file, save_file
 
 from lowmem_dpo import adapters, cache, data, devices, inputs, precompute, sft, train
@@ -298,3 +298,18 @@ def test_sft_out_of_memory_halves_the_micro_batch(tmp_path, rows64, capsys):
     assert "retrying with per_device_train_batch_size=4 gradient_accumulation_steps=2" in capsys.readouterr().err
     assert any(g.abs().sum() > 0 for g in g1)
     assert all(torch.allclose(x, y, atol=1e-7, rtol=1e-4) for x, y in zip(g1, g2))
+
+
+def test_plan_cli_plans_with_the_continued_adapters_rank(tmp_path, sft_dir):
+    """python -m lowmem_dpo.plan on a recipe naming an SFT adapter: the LoRA terms are the adapter's (r=4), not
+    the recipe's lora_r, as train uses them."""
+    from lowmem_dpo import plan
+
+    out = tmp_path / "plan.json"
+    args = [str(REPO / "recipes" / "tiny-dpo-after-sft.yaml"), f"model_name_or_path={sft_dir}", "lora_r=32",
+            "--budget", "1GiB", "--json", str(out)]
+    assert run_cli(plan.main, args, "plan", "") == 0
+    assert json.loads(out.read_text())["setup"]["lora_r"] == 4
+    args[2] = "adapter_mode=new_on_merged"  # a fresh adapter: the recipe's rank
+    assert run_cli(plan.main, args + ["lora_r=32"], "plan", "") == 0
+    assert json.loads(out.read_text())["setup"]["lora_r"] == 32
