@@ -406,14 +406,20 @@ def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: i
     completion:   the hidden states of the M = n_seq*completion predicting positions that logps.py gathers
                   (the LM head's input, kept by its checkpointed chunks): M*H*s.
     mask:         transformers' boolean padding mask, n_seq*T^2 bytes.
+    int8_inputs:  8bit with checkpointing: LLM.int8's autograd function keeps its input on its context object,
+                  out of checkpointing's reach, so every layer keeps the inputs of its quantized Linears: the
+                  attention's normed input, o_proj's input, the MLP's normed input and down_proj's input,
+                  L*NT*(2H + q_dim + I)*s (without checkpointing they are among the layers' saved activations).
     """
     s = DTYPE_BYTES[setup.dtype]
     nt = n_seq * seq_len
+    int8_kept = setup.quantization == "8bit" and setup.gradient_checkpointing
     return {
         "layer_inputs": arch.layers * nt * arch.hidden * s if setup.gradient_checkpointing else 0,
         "final_norm": nt * arch.hidden * 4,
         "completion": n_seq * completion * arch.hidden * s,
         "mask": n_seq * seq_len * seq_len,
+        "int8_inputs": arch.layers * nt * (2 * arch.hidden + arch.q_dim + arch.intermediate) * s if int8_kept else 0,
     }
 
 

@@ -96,6 +96,8 @@ CASES = [  # model, max_length, pairs per micro-batch, dtype, checkpointing, qua
     ("llama-25m", 128, 2, "bfloat16", "true", "none"),
     ("llama-25m", 128, 2, "bfloat16", "false", "4bit"),
     ("llama-25m", 128, 2, "bfloat16", "true", "4bit"),
+    ("llama-25m", 128, 2, "float32", "false", "8bit"),
+    ("llama-25m", 128, 2, "bfloat16", "true", "8bit"),
 ]
 
 
