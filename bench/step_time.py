@@ -126,12 +126,12 @@ def synchronize(device: str) -> None:
 
 def summarize(times: list[float], tokens: list[int], cpu_times: list[float]) -> dict:
     return {
-        "median_s": round(statistics.median(times), 4),
-        "min_s": round(min(times), 4),
-        "max_s": round(max(times), 4),
-        "mean_s": round(statistics.fmean(times), 4),
+        "median_step_s": round(statistics.median(times), 4),
+        "min_step_s": round(min(times), 4),
+        "max_step_s": round(max(times), 4),
+        "mean_step_s": round(statistics.fmean(times), 4),
         "timed_steps": len(times),
-        "all_s": [round(t, 4) for t in times],
+        "all_step_s": [round(t, 4) for t in times],
         "tokens_per_step_median": statistics.median(tokens),
         # throughput over the timed steps: non-padding tokens (chosen + rejected sequences) / seconds
         "tokens_per_s": round(sum(tokens) / sum(times), 1),
@@ -200,7 +200,7 @@ def bench_precompute(cfg, device: str, reuse: bool) -> dict:
         "rows_per_s": manifest.get("rows_per_s"),
         "wall_s": round(wall, 3),
         "rows_per_s_wall": round(rows / wall, 3) if wall > 0 and rebuilt else None,
-        "peak_memory": pm.result,
+        "peak_memory": pm.result, "peak_mem_bytes": pm.result.get("peak_bytes"),
     }
 
 
@@ -237,7 +237,7 @@ def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str, flop_step
         "warmup_s": [round(t, 4) for t in times[:warmup]],
         **summarize(times[warmup:], tokens[warmup:], cpu_times[warmup:]),
         "loss_first_last": [round(losses[0], 6), round(losses[-1], 6)],
-        "peak_memory": pm.result,
+        "peak_memory": pm.result, "peak_mem_bytes": pm.result.get("peak_bytes"),
     }
     if flop_steps:  # after the timed steps and outside the memory phase: the counter slows steps down
         out["flops"], ok = guarded("FLOP count", device,
@@ -245,7 +245,7 @@ def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str, flop_step
     if flop_steps and ok:
         # a median step: counted FLOPs per token x the timed steps' median tokens per step / median step seconds
         out["flops"]["achieved_flop_per_s"] = round(out["flops"]["flops_per_token"] * out["tokens_per_step_median"]
-                                                    / out["median_s"])
+                                                    / out["median_step_s"])
     del session, params
     return out
 
@@ -358,7 +358,7 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict) -> dict
         "warmup_s": [round(t, 4) for t in timer.times[:warmup]],
         **summarize(timer.times[warmup:], per_step[warmup:len(timer.times)], timer.cpu_times[warmup:]),
         "train_loss": round(float(result.training_loss), 6),
-        "peak_memory": pm.result,
+        "peak_memory": pm.result, "peak_mem_bytes": pm.result.get("peak_bytes"),
     }
     del trainer
     return out
@@ -414,15 +414,15 @@ def bench_device(device: str, args) -> dict:
         _release_freed_memory()
     log(f"[{device}] ours: {args.warmup} warm-up + {args.steps} timed steps")
     out["ours"] = bench_ours(cfg, device, args.steps, args.warmup, args.recipe, args.flop_steps)
-    log(f"[{device}] ours: median step {out['ours']['median_s']} s, {out['ours']['tokens_per_s']} tokens/s")
+    log(f"[{device}] ours: median step {out['ours']['median_step_s']} s, {out['ours']['tokens_per_s']} tokens/s")
     _release_freed_memory()
     if args.vs_trl:
         log(f"[{device}] TRL DPOTrainer: {args.warmup} warm-up + {args.steps} timed steps")
         out["trl"], ok = guarded("TRL", device, lambda: bench_trl(cfg, device, args.steps, args.warmup,
                                                                     args.trl_sets))
         if ok:
-            log(f"[{device}] TRL: median step {out['trl']['median_s']} s, {out['trl']['tokens_per_s']} tokens/s")
-            ratio = out["ours"]["median_s"] / out["trl"]["median_s"]
+            log(f"[{device}] TRL: median step {out['trl']['median_step_s']} s, {out['trl']['tokens_per_s']} tokens/s")
+            ratio = out["ours"]["median_step_s"] / out["trl"]["median_step_s"]
             out["ratio_median_step"] = round(ratio, 4)
             out["target_ratio"] = TARGET_RATIO
             out["meets_target"] = ratio <= TARGET_RATIO
@@ -566,7 +566,7 @@ def markdown(report: dict) -> str:
             pm = s["peak_memory"]
             wall = f"{pre['rows_per_s_wall']} wall" if pre["rebuilt"] else "cache reused: an earlier build's"
             pre_col = (f"{pre['rows_per_s']} ({wall})" if name == "ours" else "-")
-            lines.append(f"| {dev} | {label} | {s['median_s']:.3f} | {s['min_s']:.3f} | {s['max_s']:.3f} | "
+            lines.append(f"| {dev} | {label} | {s['median_step_s']:.3f} | {s['min_step_s']:.3f} | {s['max_step_s']:.3f} | "
                          f"{s['tokens_per_s']:,.0f} | {_mib(pm['peak_bytes'])} ({_mib(pm['peak_delta_bytes'])}) | "
                          f"{pre_col} |")
         if "ratio_median_step" in r:
@@ -650,9 +650,9 @@ def plot(report: dict, path: Path) -> str | None:
             if not s or "error" in s:
                 continue
             labels.append(f"{dev}\n{label}")
-            medians.append(s["median_s"])
-            lows.append(s["median_s"] - s["min_s"])
-            highs.append(s["max_s"] - s["median_s"])
+            medians.append(s["median_step_s"])
+            lows.append(s["median_step_s"] - s["min_step_s"])
+            highs.append(s["max_step_s"] - s["median_step_s"])
             colors.append(color)
     if not medians:
         return "no numbers to plot"
