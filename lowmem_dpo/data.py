@@ -289,10 +289,6 @@ def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUI
     return ds
 
 
-def is_conversational(row: dict) -> bool:
-    return isinstance(row["prompt"], list)
-
-
 def _common_prefix_length(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
