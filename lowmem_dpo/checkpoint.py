@@ -89,6 +89,13 @@ def _fsync_tree(folder: Path) -> None:
         os.close(fd)
 
 
+def resume_note(output_dir: str | Path) -> str:
+    """What a rerun after a failed write continues from: the newest complete checkpoint, or nothing."""
+    newest = complete(output_dir)
+    return (f"The run resumes from {newest[-1][1].name} (step {newest[-1][0]}), which is intact."
+            if newest else "No checkpoint was written yet.")
+
+
 def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics_lines: list[str],
          keep: int, replaces: list[Path] = ()) -> Path:
     """Write checkpoint-{state.step} atomically, then remove `replaces` (an earlier run's checkpoints, when
@@ -97,9 +104,7 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
     folder = root(output_dir)
     final = folder / f"checkpoint-{state.step}"
     need = size_bytes(model, opt)
-    newest = complete(output_dir)
-    then = (f"The run resumes from {newest[-1][1].name} (step {newest[-1][0]}), which is intact."
-            if newest else "No checkpoint was written yet.")
+    then = resume_note(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob(".checkpoint-*"):  # a write a kill interrupted: never a checkpoint, only litter
         shutil.rmtree(stale, ignore_errors=True)

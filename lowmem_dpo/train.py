@@ -471,8 +471,7 @@ def save_final(s: Session, out_dir: Path) -> None:
         raise UserError(f"not saving: {len(bad)} LoRA weights are not finite (first: {bad[0]}); "
                         + last_checkpoint_note(s))
     need = sum(p.numel() * p.element_size() for p in s.params) + (1 << 20)
-    then = "The training itself is in " + (last_checkpoint_note(s).replace("the last checkpoint, ", "", 1)
-                                           if checkpoint.complete(s.cfg.output_dir) else "memory only, lost")
+    then = checkpoint.resume_note(s.cfg.output_dir)
     cache.ensure_free_space(out_dir, need, "the adapter", then)
     try:
         save_adapter(s.model, out_dir)

@@ -172,6 +172,21 @@ def test_full_disk_while_checkpointing_exits_2_and_keeps_the_last_checkpoint(bui
     assert [p.name for p in checkpoint.root(out).iterdir()] == ["checkpoint-5"]
 
 
+def test_full_disk_at_the_final_adapter_points_to_the_final_checkpoint(built, tmp_path, monkeypatch, capsys):
+    """The disk fills up after the last checkpoint, as the adapter is written (simulated: ENOSPC from the
+    save): exit 2, and the message says the rerun resumes from that checkpoint."""
+    def full(model, out_dir):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(train, "save_adapter", full)
+    out = tmp_path / "out"
+    assert run_cli(train.main, [str(built), f"output_dir={out}", "max_steps=5"], "train", "") == 2
+    err = capsys.readouterr().err
+    assert "disk full while writing the adapter in" in err and "Traceback" not in err
+    assert "The run resumes from checkpoint-5 (step 5), which is intact." in err
+    assert [s for s, _ in checkpoint.complete(out)] == [5]
+
+
 def test_not_enough_free_space_is_refused_before_writing(built, tmp_path, monkeypatch, capsys):
     """The check before the write, against what shutil.disk_usage reports (simulated: 1 KiB free)."""
     monkeypatch.setattr(cache, "free_bytes", lambda folder: 1024)
