@@ -546,13 +546,10 @@ def markdown(report: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for dev, r in report["devices"].items():
-        if not r.get("available"):
-            lines.append(f"| {dev} | not available | - | - | - | - | - | - |")
-            notes.append(f"{dev}: {r.get('reason')}")
-            continue
-        if "error" in r:
-            lines.append(f"| {dev} | failed | - | - | - | - | - | - |")
-            notes.append(f"{dev}: {r['error']}")
+        if not r.get("available") or "error" in r:
+            status, why = ("not available", r.get("reason")) if not r.get("available") else ("failed", r["error"])
+            lines.append(f"| {dev} | {status} | - | - | - | - | - | - |")
+            notes.append(f"{dev}: {why}")
             continue
         pre = r["precompute"]
         for name, label in (("ours", "lowmem_dpo (cached ref)"), ("trl", "TRL DPOTrainer")):
