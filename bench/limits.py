@@ -8,7 +8,7 @@
    inference mode and autocast). Rows/s ours / rows/s bare; the goal is >= 0.9.
 2. `matmul_peak`: dense `torch.mm` FLOP/s of square matrices (and one matmul of the model's own MLP shape) in
    bfloat16 and float32 on the same threads, median over repeats.
-3. `train_step_flops`: the FLOPs of `train.optimizer_step` counted by `torch.utils.flop_counter.FlopCounterMode`
+3. `train_step_flops`: the FLOPs of `loop.optimizer_step` counted by `torch.utils.flop_counter.FlopCounterMode`
    (matmuls and attention, forward and backward as they run; no elementwise ops), which step_time.py turns into
    achieved FLOP/s and a ratio to the matmul peak in the step's dtype.
 """
@@ -185,25 +185,25 @@ def count_flops(fn):
 def _replay(session, warmup: int) -> None:
     """Rebuild the session's pair stream from the seed, as train.setup builds it, and skip the warm-up steps'
     pairs: the next steps see the batches of the first timed steps again."""
-    from lowmem_dpo import train
+    from lowmem_dpo import loop
 
-    session.stream = train.pair_stream(session.pairs, session.cfg.seed)
-    train.take(session.stream, warmup * session.pairs_per_step)
+    session.stream = loop.pair_stream(session.pairs, session.cfg.seed)
+    loop.take(session.stream, warmup * session.pairs_per_step)
 
 
 def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True) -> dict:
-    """FLOPs of `count` more `train.optimizer_step` calls on `session`, replaying the batches of the first timed
+    """FLOPs of `count` more `loop.optimizer_step` calls on `session`, replaying the batches of the first timed
     steps. Call after the timed steps (the counted steps train the adapter further; the counter slows them down).
 
     With `back_to_back`: the same `count` batches are replayed once more without the counter, each step timed
     and followed by one timing of the largest square matmul of `square_sizes` in the step's dtype, so each step's FLOP/s is set against
     matmul FLOP/s measured seconds apart (`back_to_back`: robust to load that changes over the run)."""
-    from lowmem_dpo import devices, train
+    from lowmem_dpo import devices, loop
 
     _replay(session, warmup)
     flops, tokens, by_op = [], [], {}
     for _ in range(count):
-        (stats, _, _), n, ops = count_flops(lambda: train.optimizer_step(session))
+        (stats, _, _), n, ops = count_flops(lambda: loop.optimizer_step(session))
         flops.append(n)
         tokens.append(stats.tokens)
         for op, v in ops.items():
@@ -218,7 +218,7 @@ def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True
         for n in flops:
             _sync(device)
             t0 = time.perf_counter()
-            train.optimizer_step(session)
+            loop.optimizer_step(session)
             _sync(device)
             ratios.append(n / (time.perf_counter() - t0) / timer())
         paired = {"matmul": {"m": size, "k": size, "n": size, "dtype": devices.dtype_name(session.resolved.dtype)},
@@ -226,7 +226,7 @@ def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True
                         "ratio_median": round(statistics.median(ratios), 4)}
     return {
         "counted_steps": count,
-        "method": "torch.utils.flop_counter.FlopCounterMode around train.optimizer_step (forward, backward "
+        "method": "torch.utils.flop_counter.FlopCounterMode around loop.optimizer_step (forward, backward "
                   "including recomputation, optimizer): matmuls (mm/addmm/bmm) and attention (SDPA forward and "
                   "backward, full T x T product) only; elementwise, norms, softmax of the loss and AdamW are "
                   "not counted",

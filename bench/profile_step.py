@@ -3,8 +3,8 @@
     python bench/profile_step.py RECIPE.yaml [key=value ...] [--steps 5] [--warmup 2] [--profile 2]
 
 Sets up exactly as `python -m lowmem_dpo.train` does (`train.setup`, which needs the recipe's reference
-cache: run precompute first) and times `train.optimizer_step`. `--profile K` profiles K more steps and prints
-the ops by self CPU time.
+cache: run precompute first) and times `loop.optimizer_step`, the step train takes. `--profile K` profiles K more
+steps and prints the ops by self CPU time.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=25, help="rows of the op table")
     args = ap.parse_args(argv)
 
-    from lowmem_dpo import devices, train
+    from lowmem_dpo import devices, loop, train
     from lowmem_dpo.config import load_config
 
     cfg = load_config(args.recipe, args.overrides)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     def step() -> float:
         devices.synchronize(session.resolved.device)
         t0 = time.perf_counter()
-        train.optimizer_step(session)
+        loop.optimizer_step(session)
         devices.synchronize(session.resolved.device)
         return time.perf_counter() - t0
 

@@ -17,8 +17,8 @@ import dataclasses
 
 import torch
 
-from lowmem_dpo.cli import UserError, log
 from lowmem_dpo.config import Config
+from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.models import ModelSource, target_names
 
 

@@ -29,16 +29,13 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import cache
-from lowmem_dpo.cli import UserError
+from lowmem_dpo import files
+from lowmem_dpo.config import RESUMABLE
+from lowmem_dpo.errors import UserError
 
 FOLDER = "checkpoints"
 STATE = "trainer_state.json"
 _NAME = re.compile(r"checkpoint-(\d+)")
-# Config keys that may change between a run and its resumption without changing the numbers it computes.
-RESUMABLE_CHANGES = frozenset({"output_dir", "ref_cache_dir", "logging_steps", "save_steps", "save_total_limit",
-                               "resume", "memory_budget", "precompute_batch_size", "cache_shard_rows",
-                               "early_stop_on_divergence", "max_nonfinite_steps", "strict"})
 
 
 @dataclass
@@ -48,7 +45,8 @@ class TrainerState:
     micro_batch: int  # the split in use (out-of-memory back-off may have halved it)
     grad_accum: int
     skipped_steps: int  # updates skipped for a non-finite loss or gradient
-    window: dict  # train.StepStats since the last logged line, so the next line is what it would have been
+    window: dict  # the metric window since the last logged line (loop.Session.window), so the next line is what
+    #               it would have been
     config: dict  # the run's Config as a dict
 
 
@@ -78,17 +76,6 @@ def size_bytes(model, opt) -> int:
     return adapter + state + (64 << 10)
 
 
-def _fsync_tree(folder: Path) -> None:
-    for p in folder.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def resume_note(output_dir: str | Path) -> str:
     """What a rerun after a failed write continues from: the newest complete checkpoint, or nothing."""
     newest = complete(output_dir)
@@ -108,7 +95,7 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob(".checkpoint-*"):  # a write a kill interrupted: never a checkpoint, only litter
         shutil.rmtree(stale, ignore_errors=True)
-    cache.ensure_free_space(folder, need, f"checkpoint-{state.step}", then)
+    files.ensure_free_space(folder, need, f"checkpoint-{state.step}", then)
     tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{state.step}-", dir=folder))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -122,14 +109,14 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
         (tmp / STATE).write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n", encoding="utf-8")
         for p in tmp.iterdir():
             os.chmod(p, 0o644)
-        _fsync_tree(tmp)
+        files.fsync_tree(tmp)
         if final.exists():  # a checkpoint of the same step from an earlier attempt: the new one replaces it
             shutil.rmtree(final)
         os.replace(tmp, final)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if cache.is_disk_full(e):
-            raise cache.disk_full_error(folder, f"checkpoint-{state.step}", need, then) from None
+        if files.is_disk_full(e):
+            raise files.disk_full_error(folder, f"checkpoint-{state.step}", need, then) from None
         raise
     for old in replaces:
         if old != final:
@@ -163,8 +150,8 @@ def find(output_dir: str | Path, resume: str) -> Path | None:
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
-    """Config keys whose values differ from the checkpoint's, except those that do not change the numbers."""
-    keys = (set(saved) | set(current)) - RESUMABLE_CHANGES
+    """Config keys whose values differ from the checkpoint's, except those declared resumable (config.py)."""
+    keys = (set(saved) | set(current)) - RESUMABLE
     return sorted(k for k in keys if saved.get(k) != current.get(k))
 
 

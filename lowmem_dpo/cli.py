@@ -1,22 +1,17 @@
-"""Command-line plumbing: user errors (exit code 2, one message, no traceback), --help, log lines."""
+"""The `python -m lowmem_dpo.STAGE` entry point: --help, exit codes, no traceback for user errors."""
 
 from __future__ import annotations
 
 import sys
 from typing import Callable
 
-EXIT_USAGE = 2
-
-
-class UserError(Exception):
-    """Bad input: say what, where, and what to do. Never shown with a traceback."""
+from lowmem_dpo.config import help_text
+from lowmem_dpo.errors import EXIT_USAGE, UserError
 
 
 def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, stage: str, doc: str) -> int:
     """Shared entry point of the `python -m lowmem_dpo.STAGE` commands: --help, exit codes, no tracebacks for
     user errors."""
-    from lowmem_dpo.config import help_text
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         try:
@@ -44,10 +39,3 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
     except KeyboardInterrupt:
         print(f"lowmem_dpo.{stage}: interrupted; finished shards/checkpoints are kept.", file=sys.stderr)
         return 130
-
-
-def log(msg: str) -> None:
-    """One line to stderr that does not break a running progress bar."""
-    from tqdm.auto import tqdm
-
-    tqdm.write(msg, file=sys.stderr)

@@ -22,20 +22,28 @@ from typing import ClassVar, Literal, Optional
 
 import yaml
 
-from lowmem_dpo.cli import UserError
+from lowmem_dpo.errors import UserError
+from lowmem_dpo.units import parse_size
 
 
 class ConfigError(UserError):
     """A recipe or override the user must fix. Entry points print it and exit with code 2."""
 
 
-def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, cache_key=False):
-    """A config field with its one-line doc and validation bounds.
+def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, reference=None,
+       resumable=False):
+    """A config field with its one-line doc, validation bounds, and what a change of its value changes.
 
-    `cache_key=True` marks fields that change the reference log-probs, so they enter the cache fingerprint.
+    reference: the key changes the reference log-probs, so it enters the cache fingerprint (and train refuses a
+      cache built at another value): "value" by its value (cache_settings), "files" by the content of the files
+      it names (inputs.fingerprint_components: model weights, tokenizer, adapter, dataset). None: it does not.
+    resumable: the key may change between a run and its resumption from a checkpoint: it changes neither the
+      numbers the run computes nor the data it sees (output places, logging, saving, guards). Any other key
+      changed is refused on resume (checkpoint.config_changes).
     """
+    assert not (reference and resumable), "a key that changes the reference changes the numbers"
     meta = {"doc": doc, "choices": choices, "min": min, "max": max, "min_exclusive": min_exclusive,
-            "cache_key": cache_key}
+            "reference": reference, "resumable": resumable}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -47,16 +55,19 @@ class Config:
     model_name_or_path: str = _f("lowmem_dpo:tiny-llama", "Base model: a local folder, a hub name (online), or "
                                  "a built-in `lowmem_dpo:tiny-llama` / `lowmem_dpo:llama-25m` built on first use; or "
                                  "a PEFT LoRA adapter folder (e.g. the SFT stage's output_dir), whose "
-                                 "adapter_config.json names the base.")
+                                 "adapter_config.json names the base.", reference="files")
     sft_adapter: Optional[str] = _f(None, "A PEFT LoRA adapter folder from an SFT stage, on model_name_or_path (a "
                                     "base): the reference is base + adapter (its files enter the cache "
-                                    "fingerprint) and train continues it (adapter_mode).")
+                                    "fingerprint) and train continues it (adapter_mode).", reference="files")
     dataset: str = _f("data/tiny-prefs.jsonl", "Preference rows {prompt, chosen, rejected}: a .jsonl/.json/"
-                      ".parquet/.csv file, a datasets save_to_disk folder, or a hub dataset name (online).")
-    dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders).")
-    output_dir: str = _f("runs/tiny", "Where train writes config.yaml, metrics.jsonl and the final LoRA adapter.")
+                      ".parquet/.csv file, a datasets save_to_disk folder, or a hub dataset name (online).",
+                      reference="files")
+    dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders).",
+                            reference="files")
+    output_dir: str = _f("runs/tiny", "Where train writes config.yaml, metrics.jsonl and the final LoRA adapter.",
+                         resumable=True)
     ref_cache_dir: str = _f("runs/tiny-ref-cache", "Where precompute writes the reference log-prob cache and "
-                            "where train reads it.")
+                            "where train reads it.", resumable=True)
     # -- precision and device ------------------------------------------------------------------------------------
     device: str = _f("auto", "auto picks cuda when torch sees a GPU, else mps (Apple) when present, else cpu.",
                      choices=("auto", "cpu", "cuda", "mps"))
@@ -70,26 +81,26 @@ class Config:
     ref_quantization: Optional[str] = _f(None, "Quantization of the reference in precompute (none|8bit|4bit); null: "
                                          "the same as quantization. E.g. none with a 4bit policy computes the "
                                          "reference at full precision.", choices=("none", "8bit", "4bit"),
-                                         cache_key=True)
+                                         reference="value")
     ref_dtype: Optional[str] = _f(None, "Dtype of the reference in precompute (auto|float32|bfloat16|float16); "
                                   "null: the same as dtype.", choices=("auto", "float32", "bfloat16", "float16"),
-                                  cache_key=True)
+                                  reference="value")
     gradient_checkpointing: str = _f("auto", "Recompute activations in backward: saves activation memory, costs "
                                      "~30% more compute. auto: on for CUDA <= 24 GiB and mps, off for larger "
                                      "GPUs and CPUs (README, Devices).",
                                      choices=("auto", "true", "false"))
     memory_budget: Optional[str] = _f(None, "Memory train plans for, e.g. 12GiB: with gradient_checkpointing=auto, "
                                       "train turns checkpointing on when the planner predicts the run needs it. "
-                                      "null: the device's memory (GPU total, or physical RAM on a CPU).")
+                                      "null: the device's memory (GPU total, or physical RAM on a CPU).", resumable=True)
     # -- tokenization (these change the reference numbers) -----------------------------------------------------
     max_length: int = _f(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
                          "prompt alone reaches it are dropped. Activation memory grows linearly with it.",
-                         min=2, cache_key=True)
+                         min=2, reference="value")
     max_prompt_length: Optional[int] = _f(None, "If set, the prompt is first cut from the left to this many tokens.",
-                                          min=1, cache_key=True)
+                                          min=1, reference="value")
     strict: bool = _f(False, "Refuse the data instead of skipping unusable rows (an empty value, chosen identical to "
                       "rejected, a prompt alone reaching max_length); README, Data checks. Not a cache key: it only "
-                      "turns skips into errors, the rows kept are the same.")
+                      "turns skips into errors, the rows kept are the same.", resumable=True)
     # -- DPO loss ------------------------------------------------------------------------------------------------
     beta: float = _f(0.1, "DPO temperature: strength of the pull towards the reference.", min=0.0,
                      min_exclusive=True)
@@ -123,26 +134,29 @@ class Config:
                            "into an unquantized base and trains a fresh adapter from the lora_* keys.",
                            choices=("continue", "new_on_merged"))
     # -- logging and saving --------------------------------------------------------------------------------------
-    logging_steps: int = _f(10, "Log every this many optimizer steps (and at step 1 and the last step).", min=1)
+    logging_steps: int = _f(10, "Log every this many optimizer steps (and at step 1 and the last step).", min=1,
+                           resumable=True)
     save_steps: int = _f(50, "Checkpoint every this many optimizer steps into output_dir/checkpoints/checkpoint-"
                          "STEP (adapter, optimizer, scheduler, RNG, data position, metrics; ~3x the adapter's size);"
-                         " 0 never.", min=0)
+                         " 0 never.", min=0, resumable=True)
     save_total_limit: int = _f(2, "Checkpoints to keep (the newest); older ones are removed once a new one is "
-                               "complete. 0 keeps all.", min=0)
+                               "complete. 0 keeps all.", min=0, resumable=True)
     resume: str = _f("auto", "auto: continue from the newest complete checkpoint in output_dir/checkpoints if there "
                      "is one (rerun the same command after a crash); never: start over; or the path of a "
-                     "checkpoint-STEP folder.")
+                     "checkpoint-STEP folder.", resumable=True)
     # -- guards ----------------------------------------------------------------------------------------------------
     max_nonfinite_steps: int = _f(3, "A non-finite loss or gradient skips that update; this many in a row stop the "
-                                  "run as diverged (the last checkpoint stays).", min=1)
+                                  "run as diverged (the last checkpoint stays).", min=1,
+                                  resumable=True)
     early_stop_on_divergence: bool = _f(False, "Stop (exit 2, last checkpoint kept) when the DPO warning signs show: "
                                         "reward margin exploding, loss collapsing towards 0 early, chosen "
-                                        "log-probs falling fast. Off: they are only logged as warnings.")
+                                        "log-probs falling fast. Off: they are only logged as warnings.",
+                                        resumable=True)
     # -- precompute ----------------------------------------------------------------------------------------------
     precompute_batch_size: int = _f(8, "Pairs per reference forward in precompute (no grads: can exceed the "
-                                    "training batch).", min=1)
+                                    "training batch).", min=1, resumable=True)
     cache_shard_rows: int = _f(1024, "Rows per cache shard; a killed precompute resumes from its last shard.",
-                               min=1)
+                               min=1, resumable=True)
     ref_source: str = _f("cache", "cache: reference log-probs from ref_cache_dir (no reference forward). live: "
                          "recompute them each step with the adapter disabled (for verification; costs a forward).",
                          choices=("cache", "live"))
@@ -168,8 +182,6 @@ class Config:
             problems.append(f"label_smoothing={self.label_smoothing}: loss_type=robust needs it below 0.5 "
                             "(it divides by 1 - 2*label_smoothing)")
         if self.memory_budget is not None:
-            from lowmem_dpo.plan import parse_size
-
             try:
                 parse_size(self.memory_budget, "memory_budget")
             except UserError as e:
@@ -360,10 +372,21 @@ def help_text(stage: str, command_doc: str) -> str:
     return "\n".join(lines)
 
 
+def keys_where(**meta) -> frozenset[str]:
+    """The Config keys whose field metadata has these values, e.g. keys_where(resumable=True)."""
+    return frozenset(f.name for f in dataclasses.fields(Config)
+                     if all(f.metadata[k] == v for k, v in meta.items()))
+
+
+# Keys that may change between a run and its resumption (checkpoint.config_changes); declared per field.
+RESUMABLE = keys_where(resumable=True)
+
+
 def cache_settings(cfg: Config) -> dict:
-    """The config values the reference log-probs depend on (beyond model, tokenizer and data content), with
-    ref_quantization and ref_dtype resolved from quantization and dtype when null. The fingerprint goes one step
-    further and resolves a dtype of auto for the device (inputs.fingerprint_components)."""
-    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config) if f.metadata["cache_key"]}
+    """The values of the keys declared reference="value": what the reference log-probs depend on besides the
+    content of the model, adapter, tokenizer and data files (reference="files"). ref_quantization and ref_dtype
+    are resolved from quantization and dtype when null; the fingerprint resolves a dtype of auto for the device
+    too (inputs.fingerprint_components)."""
+    out = {name: getattr(cfg, name) for name in sorted(keys_where(reference="value"))}
     out.update(ref_quantization=cfg.reference_quantization, ref_dtype=cfg.reference_dtype)
     return out

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lowmem_dpo.cli import UserError
-
-GiB = 1 << 30
+from lowmem_dpo.errors import UserError
+from lowmem_dpo.units import GiB
 
 # Optimizer names (as transformers' `optim`): torch's AdamW, or bitsandbytes' paged 8-bit AdamW, whose two
 # states take 2 bytes/param instead of 8 and whose pages move to CPU RAM when the GPU runs out, instead of OOM.
@@ -249,46 +248,7 @@ def peak_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-# -- CPU offload of whole decoder layers --------------------------------------------------------------------------
-# Modules of a Llama-style CausalLM besides its decoder layers; they stay on the device (rotary_emb holds only
-# a buffer, listed so the map covers every module that owns tensors).
-OFFLOAD_RESIDENT = ("model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head")
-
-
-def layers_on_device(layers: int, layer_bytes: int, other_bytes: int, budget: int,
-                     buffer_bytes: int | None = None) -> int:
-    """How many leading decoder layers fit `budget` next to `other_bytes` (everything on the device that is not
-    a decoder layer's weights: embeddings, norm, LM head, activations, LoRA and optimizer state, overhead).
-
-    All `layers` fit when other + layers*layer_bytes <= budget. Otherwise n layers stay when
-    other + n*layer_bytes + buffer_bytes <= budget: the buffer (default one layer) is the device copy each
-    offloaded layer streams through; it is larger than a resident layer when the resident ones are quantized
-    and the offloaded ones are not (bitsandbytes quantizes on the GPU only). The same rule as plan._offload.
-    0 when not even one layer fits beside the buffer."""
-    if layers < 0 or layer_bytes <= 0:
-        raise ValueError(f"layers={layers}, layer_bytes={layer_bytes}: expected layers >= 0 and layer_bytes > 0")
-    if other_bytes + layers * layer_bytes <= budget:
-        return layers
-    buffer_bytes = layer_bytes if buffer_bytes is None else buffer_bytes
-    return max(0, min(layers - 1, (budget - other_bytes - buffer_bytes) // layer_bytes))
-
-
-def offload_device_map(layers: int, layer_bytes: int, other_bytes: int, budget: int, device: int | str = 0,
-                       layers_prefix: str = "model.layers",
-                       resident: tuple[str, ...] = OFFLOAD_RESIDENT,
-                       buffer_bytes: int | None = None) -> dict[str, int | str]:
-    """An accelerate/transformers device_map: the `resident` modules and the leading layers that fit
-    (layers_on_device) on `device`, the rest on "cpu" (kept in CPU RAM, copied to the device for each forward
-    by accelerate's hooks). Keys in model order: embeddings, layers, then norm and head."""
-    n = layers_on_device(layers, layer_bytes, other_bytes, budget, buffer_bytes)
-    first = [m for m in resident if m.endswith("embed_tokens")]
-    rest = [m for m in resident if m not in first]
-    out: dict[str, int | str] = dict.fromkeys(first, device)
-    out.update({f"{layers_prefix}.{i}": device if i < n else "cpu" for i in range(layers)})
-    out.update(dict.fromkeys(rest, device))
-    return out
-
-
+# -- CPU offload: the device_map's placement (the maps themselves: memory/search.py) ---------------------------
 def offloaded_layers(device_map: dict | None) -> list[str]:
     """The device_map's entries that live off the execution device: "cpu" and "disk" ones when the map names
     an accelerator, only "disk" ones when the CPU itself computes (as accelerate's dispatch decides)."""

@@ -1,5 +1,5 @@
 """What every stage reads: the model folder, the tokenizer, the tokenized data, and the cache fingerprint of
-those inputs. Shared by precompute and train so both tokenize and fingerprint the same way."""
+those inputs. Shared by precompute, preflight and train so they tokenize and fingerprint the same way."""
 
 from __future__ import annotations
 
@@ -7,8 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowmem_dpo import cache, data, models
-from lowmem_dpo.config import Config
+from lowmem_dpo.config import Config, cache_settings
 from lowmem_dpo.devices import Resolved, dtype_name
+from lowmem_dpo.files import files_digest
+
+# cache_settings key -> its name in the fingerprint (the manifest's "components"), where the two differ: the
+# cache has always called the reference's resolved precision "dtype" and "quantization".
+COMPONENT_NAMES = {"ref_dtype": "dtype", "ref_quantization": "quantization"}
 
 
 @dataclass
@@ -19,33 +24,38 @@ class Inputs:
     fingerprint: dict  # components; cache.fingerprint_digest() of it keys the cache
 
 
-def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, adapter_path: Path | None = None,
-                           tokenizer_path: Path | None = None) -> dict:
-    """Everything the reference log-probs depend on, and nothing they don't (no training knobs).
-
-    With an SFT adapter (`adapter_path`) the reference is base + adapter, so the adapter's files are in it;
-    adapter_mode is not (the reference is base + adapter in both modes, see adapters.py).
-
-    `dtype` and `quantization` are the reference's resolved settings (ref_dtype and ref_quantization, which
-    default to dtype and quantization), not the policy's: a cache computed unquantized serves a 4-bit policy."""
+def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, tokenizer_path: Path) -> dict:
+    """The fingerprint of the keys declared reference="files" (model_name_or_path, sft_adapter, dataset,
+    dataset_split), by the content of the files they name: the base's weights and config, the SFT adapter's files
+    (the reference is base + adapter; adapter_mode is not in it, see adapters.py), the tokenizer's files, and the
+    dataset's bytes (a hub dataset: `datasets`' own content fingerprint)."""
     files = data.data_files(cfg.dataset)
     if files:
         root = Path(cfg.dataset) if Path(cfg.dataset).is_dir() else None
-        dataset = {"files": cache.files_digest(files, root), "split": cfg.dataset_split if root else None}
-    else:  # hub dataset: datasets' own content fingerprint
+        dataset = {"files": files_digest(files, root), "split": cfg.dataset_split if root else None}
+    else:
         dataset = {"hub": cfg.dataset, "split": cfg.dataset_split,
                    "fingerprint": data.load_rows(cfg.dataset, cfg.dataset_split)._fingerprint}
     return {
-        "format": cache.FORMAT_VERSION,
-        "model": cache.files_digest(models.weight_files(model_path)),
-        "adapter": None if adapter_path is None else cache.files_digest(models.adapter_files(adapter_path)),
-        "tokenizer": cache.files_digest(models.tokenizer_files(tokenizer_path or model_path)),
+        "model": files_digest(models.weight_files(model_path)),
+        "adapter": None if adapter_path is None else files_digest(models.adapter_files(adapter_path)),
+        "tokenizer": files_digest(models.tokenizer_files(tokenizer_path)),
         "dataset": dataset,
-        "max_length": cfg.max_length,
-        "max_prompt_length": cfg.max_prompt_length,
-        "dtype": dtype_name(resolved.ref_dtype),
-        "quantization": resolved.ref_quantization,
     }
+
+
+def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, adapter_path: Path | None = None,
+                           tokenizer_path: Path | None = None) -> dict:
+    """Everything the reference log-probs depend on, and nothing they don't: the keys Config declares
+    reference="files" by content (file_components) and those declared reference="value" by value
+    (config.cache_settings). `dtype` and `quantization` are the reference's resolved settings (ref_dtype and
+    ref_quantization, which default to dtype and quantization; a dtype of auto as the device resolves it), not
+    the policy's: a cache computed unquantized serves a 4-bit policy. With an SFT adapter (`adapter_path`) the
+    reference is base + adapter; the tokenizer is read from `tokenizer_path` (default: the model folder)."""
+    values = {COMPONENT_NAMES.get(k, k): v for k, v in cache_settings(cfg).items()}
+    values.update(dtype=dtype_name(resolved.ref_dtype), quantization=resolved.ref_quantization)
+    return {"format": cache.FORMAT_VERSION, **file_components(cfg, model_path, adapter_path, tokenizer_path or model_path),
+            **values}
 
 
 def prepare(cfg: Config, resolved: Resolved) -> Inputs:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo.cli import UserError
+from lowmem_dpo.devices import import_bitsandbytes, offloaded_layers
+from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.tiny import BUILTIN_PREFIX, ensure_builtin
+from lowmem_dpo.units import fmt
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 # What CPU->GPU copies of pageable memory reach on PCIe 4.0 x16 in practice; for the offload log's estimate.
@@ -248,9 +250,6 @@ def offloaded_bytes(model: torch.nn.Module, names: list[str]) -> int:
 
 def offload_message(model: torch.nn.Module, device_map: dict) -> str | None:
     """The log line for a model loaded with layers off the device, or None when nothing is offloaded."""
-    from lowmem_dpo.devices import offloaded_layers
-    from lowmem_dpo.plan import fmt
-
     off = offloaded_layers(device_map)
     if not off:
         return None
@@ -305,14 +304,9 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
     forward and drop them after. Log-probs are the same; steps are slower (the log says how much moves)."""
     from transformers import AutoModelForCausalLM
 
-    from lowmem_dpo.cli import log
-    from lowmem_dpo.devices import offloaded_layers
-
     kwargs = {}
     if quantization != "none":
         import logging
-
-        from lowmem_dpo.devices import import_bitsandbytes
 
         import_bitsandbytes(f"quantization={quantization}")
         # LLM.int8 logs a warning on every matmul whose input is not float16 (it casts by design): noise.

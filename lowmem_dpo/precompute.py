@@ -3,8 +3,9 @@
     python -m lowmem_dpo.precompute recipes/tiny-cpu.yaml [key=value ...]
 
 Re-running on a valid cache is a quick no-op (the fingerprint is computed from remembered file digests, no
-model load). Both end with the preflight report (lowmem_dpo.preflight), printed and saved beside the manifest. A killed run resumes from its last finished shard. The manifest is written last, atomically, so
-a previous cache stays usable until the new one is complete.
+model load). Both end with the preflight report (lowmem_dpo.preflight), printed and saved beside the manifest.
+A killed run resumes from its last finished shard. The manifest is written last, atomically, so a previous cache
+stays usable until the new one is complete.
 """
 
 from __future__ import annotations
@@ -12,14 +13,20 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, cache, data, devices, inputs, preflight
-from lowmem_dpo.cli import log, run_cli
+from lowmem_dpo import adapters, cache, data, devices, files, inputs, models, preflight
+from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
+from lowmem_dpo.errors import log
 from lowmem_dpo.logps import completion_logps
+from lowmem_dpo.memory import search
+from lowmem_dpo.memory.setup import run_budget, setup_from_config
+
+KEPT = "Finished shards are kept: the rerun resumes after them."
 
 
 def shard_plan(pairs: list[data.TokenizedPair], shard_rows: int) -> list[list[data.TokenizedPair]]:
@@ -52,89 +59,73 @@ def offload_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> d
     """On CUDA, when the planner predicts the reference does not fit memory_budget (default: the card's
     memory), a device_map that streams the trailing decoder layers from CPU RAM through the GPU (no gradients
     here, so only their weights move); None otherwise, and always on a CPU or mps."""
-    from lowmem_dpo import plan
-
     if resolved.device.type != "cuda":
         return None
-    budget = plan.run_budget(cfg, "cuda")
-    arch = plan.arch_of_run(model_path, "no CPU offload")
+    budget = run_budget(cfg, "cuda")
+    arch = search.arch_of_run(model_path, "no CPU offload")
     if arch is None:
         return None
-    return plan.offload_map(arch, plan.setup_from_config(cfg, budget), budget, "precompute",
-                            resolved.device.index or 0)
+    return search.offload_map(arch, setup_from_config(cfg, budget), budget, "precompute", resolved.device.index or 0)
 
 
-def rebuild_command(cfg: Config, recipe: str | None) -> str:
-    return f"python -m lowmem_dpo.precompute {recipe or 'RECIPE.yaml'} ref_cache_dir={cfg.ref_cache_dir}"
+@dataclass
+class Build:
+    """One build of the cache: its shards of rows, where they go, and which of them an earlier, killed build
+    of the same fingerprint already finished."""
+
+    shard_dir: Path
+    shards: list[list[data.TokenizedPair]]
+    names: list[str]
+    done: list[bool]
+
+    @property
+    def done_rows(self) -> int:
+        return sum(len(s) for s, d in zip(self.shards, self.done) if d)
 
 
-def run(cfg: Config, progress: bool = True) -> Path:
-    """Build (or confirm) the cache for `cfg`; returns the cache folder."""
-    from tqdm.auto import tqdm
-
-    from lowmem_dpo.models import load_model
-
-    resolved = devices.resolve(cfg)
-    ins = inputs.prepare(cfg, resolved)
-    cache_dir = Path(cfg.ref_cache_dir)
-    fp = cache.fingerprint_digest(ins.fingerprint)
-    manifest = cache.read_manifest(cache_dir)
-    if manifest is not None and manifest.get("fingerprint") == fp:
-        # The rows a cache holds do not depend on strict; a strict run still refuses data it would skip.
-        data.check_skips(data.manifest_skips(manifest), manifest["num_rows"], manifest["num_pairs"],
-                         cfg.dataset, cfg.max_length, cfg.strict)
-        log(f"reference cache {cache_dir} is up to date ({manifest['num_rows']} rows, fingerprint {fp[:12]})")
-        report(cache_dir)
-        return cache_dir
-    if resolved.ref_quantization != "none":  # fail before tokenizing, not after
-        devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
-    log(ins.source.description)
-
-    tok = inputs.tokenized(cfg, ins.tokenizer, progress)  # bad data stops here, before anything is written
-    shards = shard_plan(tok.pairs, cfg.cache_shard_rows)
-    shard_dir = cache_dir / f"shards-{fp[:16]}"
+def start_build(cfg: Config, pairs: list[data.TokenizedPair], fp: str) -> Build:
+    """The shard folder of fingerprint `fp`, its build.json, and the shards already finished there."""
+    shards = shard_plan(pairs, cfg.cache_shard_rows)
+    shard_dir = Path(cfg.ref_cache_dir) / f"shards-{fp[:16]}"
     build = {"fingerprint": fp, "shard_rows": cfg.cache_shard_rows, "num_shards": len(shards)}
     info = shard_dir / "build.json"
     if info.is_file() and json.loads(info.read_text()) != build:
         shutil.rmtree(shard_dir)  # a different split of the same rows: start this build over
-    if not (shard_dir / "build.json").is_file():
-        cache.atomic_write_json(shard_dir / "build.json", build)
+    if not info.is_file():
+        files.atomic_write_json(info, build)
     names = [f"shard-{k:05d}.safetensors" for k in range(len(shards))]
-    done = [(shard_dir / n).is_file() for n in names]
-    done_rows = sum(len(s) for s, d in zip(shards, done) if d)
-    if any(done):
-        log(f"resuming: {sum(done)} of {len(shards)} shards already finished ({done_rows} rows)")
+    b = Build(shard_dir, shards, names, [(shard_dir / n).is_file() for n in names])
+    if any(b.done):
+        log(f"resuming: {sum(b.done)} of {len(shards)} shards already finished ({b.done_rows} rows)")
+    return b
 
-    # rows (int64) + chosen, rejected (float32) + two token counts (int32) per row, a header per shard
-    need = (len(tok.pairs) - done_rows) * 24 + len(shards) * 4096 + (1 << 20)
-    cache.ensure_free_space(cache_dir, need, "the reference cache",
-                            "Finished shards are kept: the rerun resumes after them." if any(done) else
-                            "Nothing was written; an existing cache there is untouched.")
-    quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
-    log(f"precompute: {len(tok.pairs)} rows on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
-        f"{quantized}, batch {cfg.precompute_batch_size}, into {shard_dir}")
-    model = load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization,
-                       device_map=offload_plan(cfg, resolved, ins.model_path))
-    model = adapters.reference_model(model, ins.source)  # base + the SFT adapter, when there is one
-    pad_id = data.pad_token_id(ins.tokenizer)
-    t0 = time.perf_counter()
-    bar = tqdm(total=len(tok.pairs), initial=done_rows, desc="precompute", unit="row", disable=not progress,
+
+def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad_id: int, need: int,
+                   progress: bool) -> int:
+    """Compute and write every shard the build lacks; returns the rows computed."""
+    from tqdm.auto import tqdm
+
+    total = sum(len(s) for s in b.shards)
+    bar = tqdm(total=total, initial=b.done_rows, desc="precompute", unit="row", disable=not progress,
                dynamic_ncols=True)
-    for shard, name, finished in zip(shards, names, done):
+    for shard, name, finished in zip(b.shards, b.names, b.done):
         if finished:
             continue
         tensors = shard_logps(model, shard, cfg.precompute_batch_size, pad_id, resolved, bar)
         try:
-            cache.atomic_save_tensors(shard_dir / name, tensors)
+            files.atomic_save_tensors(b.shard_dir / name, tensors)
         except OSError as e:
-            if cache.is_disk_full(e):
-                raise cache.disk_full_error(shard_dir, name, need, "Finished shards are kept: the rerun "
+            if files.is_disk_full(e):
+                raise files.disk_full_error(b.shard_dir, name, need, "Finished shards are kept: the rerun "
                                             "resumes after them; an existing cache there is untouched.") from None
             raise
     bar.close()
-    elapsed = time.perf_counter() - t0
-    computed = len(tok.pairs) - done_rows
+    return total - b.done_rows
 
+
+def write_manifest(cache_dir: Path, b: Build, ins: inputs.Inputs, fp: str, tok: data.TokenizedData,
+                   computed: int, elapsed: float) -> None:
+    """The manifest, last and atomically: from now on the cache is this build; older builds' shards go."""
     manifest = {
         "format": cache.FORMAT_VERSION,
         "fingerprint": fp,
@@ -144,15 +135,57 @@ def run(cfg: Config, progress: bool = True) -> Path:
         "dropped_rows": tok.dropped,
         "skipped": tok.skipped,
         "truncated": {part: len(rows) for part, rows in tok.truncated.items()},
-        "shard_dir": shard_dir.name,
-        "shards": names,
+        "shard_dir": b.shard_dir.name,
+        "shards": b.names,
         "rows_per_s": round(computed / elapsed, 3) if elapsed > 0 and computed else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    cache.atomic_write_json(cache_dir / cache.MANIFEST, manifest)
+    files.atomic_write_json(cache_dir / cache.MANIFEST, manifest)
     for old in cache_dir.glob("shards-*"):  # the new manifest is in place: older builds are unreachable
-        if old.name != shard_dir.name:
+        if old.name != b.shard_dir.name:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def up_to_date(cfg: Config, cache_dir: Path, fp: str) -> bool:
+    """Whether the cache already holds this fingerprint (a strict run still refuses data it would skip)."""
+    manifest = cache.read_manifest(cache_dir)
+    if manifest is None or manifest.get("fingerprint") != fp:
+        return False
+    # The rows a cache holds do not depend on strict; a strict run still refuses data it would skip.
+    data.check_skips(data.manifest_skips(manifest), manifest["num_rows"], manifest["num_pairs"],
+                     cfg.dataset, cfg.max_length, cfg.strict)
+    log(f"reference cache {cache_dir} is up to date ({manifest['num_rows']} rows, fingerprint {fp[:12]})")
+    return True
+
+
+def run(cfg: Config, progress: bool = True) -> Path:
+    """Build (or confirm) the cache for `cfg`; returns the cache folder."""
+    resolved = devices.resolve(cfg)
+    ins = inputs.prepare(cfg, resolved)
+    cache_dir = Path(cfg.ref_cache_dir)
+    fp = cache.fingerprint_digest(ins.fingerprint)
+    if up_to_date(cfg, cache_dir, fp):
+        report(cache_dir)
+        return cache_dir
+    if resolved.ref_quantization != "none":  # fail before tokenizing, not after
+        devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
+    log(ins.source.description)
+    tok = inputs.tokenized(cfg, ins.tokenizer, progress)  # bad data stops here, before anything is written
+    b = start_build(cfg, tok.pairs, fp)
+    # rows (int64) + chosen, rejected (float32) + two token counts (int32) per row, a header per shard
+    need = (len(tok.pairs) - b.done_rows) * 24 + len(b.shards) * 4096 + (1 << 20)
+    files.ensure_free_space(cache_dir, need, "the reference cache", KEPT if any(b.done) else
+                            "Nothing was written; an existing cache there is untouched.")
+    quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
+    log(f"precompute: {len(tok.pairs)} rows on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
+        f"{quantized}, batch {cfg.precompute_batch_size}, into {b.shard_dir}")
+    model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization,
+                              device_map=offload_plan(cfg, resolved, ins.model_path))
+    model = adapters.reference_model(model, ins.source)  # base + the SFT adapter, when there is one
+    t0 = time.perf_counter()
+    computed = compute_shards(model, b, cfg, resolved, data.pad_token_id(ins.tokenizer), need, progress)
+    elapsed = time.perf_counter() - t0
+    write_manifest(cache_dir, b, ins, fp, tok, computed, elapsed)
     log(f"wrote reference cache {cache_dir}: {len(tok.pairs)} rows, fingerprint {fp[:12]}"
         + (f", {computed / elapsed:.1f} rows/s" if elapsed > 0 and computed else ""))
     report(cache_dir)

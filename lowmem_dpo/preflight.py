@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import cache, data
-from lowmem_dpo.cli import log, run_cli
+from lowmem_dpo import cache, data, devices, files, inputs
+from lowmem_dpo.cli import run_cli
+from lowmem_dpo.config import load_config
+from lowmem_dpo.errors import log
 
 REPORT = "preflight.json"
 QUANTILES = {"p5": 0.05, "p25": 0.25, "p50": 0.5, "p75": 0.75, "p95": 0.95}
@@ -126,7 +128,7 @@ def refresh(cache_dir: Path) -> dict:
         old = None
     if old != rep:
         try:
-            cache.atomic_write_json(path, rep)
+            files.atomic_write_json(path, rep)
         except OSError as e:  # a read-only cache folder still serves train; the report is printed anyway
             log(f"warning: could not save the preflight report to {path}: {e}")
     return rep
@@ -134,17 +136,12 @@ def refresh(cache_dir: Path) -> dict:
 
 def run(cfg, recipe: str | None = None) -> dict:
     """The report of the cache that matches cfg (refused, with the rebuild command, when it does not)."""
-    from lowmem_dpo import devices, inputs
-    from lowmem_dpo.precompute import rebuild_command
-
     ins = inputs.prepare(cfg, devices.resolve(cfg))
-    cache.check_fingerprint(Path(cfg.ref_cache_dir), ins.fingerprint, rebuild_command(cfg, recipe))
+    cache.check_fingerprint(Path(cfg.ref_cache_dir), ins.fingerprint, cache.rebuild_command(cfg, recipe))
     return refresh(Path(cfg.ref_cache_dir))
 
 
 def main(argv: list[str]) -> int:
-    from lowmem_dpo.config import load_config
-
     cfg = load_config(argv[0], argv[1:])
     rep = run(cfg, recipe=argv[0])
     print("\n".join(summary_lines(rep)))

@@ -19,6 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lowmem_dpo.errors import UserError
+from lowmem_dpo.files import home
+
 BUILTIN_PREFIX = "lowmem_dpo:"
 VERSION = 1
 # name -> Llama sizes. llama-25m: 8 x (4*512^2 attn + 3*512*1376 mlp) + 2*1024*512 embeddings = 25.3M params.
@@ -39,10 +42,6 @@ NOUNS = ["lamp", "chair", "phone", "garden", "bread", "movie", "river", "hotel",
          "window", "market"]
 GOOD = ["great", "lovely", "bright", "warm", "clean", "friendly", "useful", "calm", "solid", "sweet"]
 BAD = ["awful", "broken", "dull", "cold", "dirty", "rude", "useless", "noisy", "weak", "sour"]
-
-
-def home() -> Path:
-    return Path(os.environ.get("LOWMEM_DPO_HOME", Path.home() / ".cache" / "lowmem_dpo"))
 
 
 def preference_rows(n: int = 384, seed: int = 0) -> list[dict]:
@@ -112,8 +111,6 @@ def ensure_builtin(spec: str) -> Path:
     """Path of a built-in model folder, built atomically on first use."""
     name = spec[len(BUILTIN_PREFIX):]
     if name not in BUILTINS:
-        from lowmem_dpo.cli import UserError
-
         raise UserError(f"model_name_or_path={spec!r}: unknown built-in model; built-ins are "
                         + ", ".join(BUILTIN_PREFIX + n for n in BUILTINS))
     target = home() / "models" / f"{name}-v{VERSION}"

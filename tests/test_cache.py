@@ -10,8 +10,8 @@ import torch
 from conftest import REPO, TINY_DATA, write_jsonl
 from safetensors.torch import load_file
 
-from lowmem_dpo import cache, data, precompute
-from lowmem_dpo.cli import UserError
+from lowmem_dpo import cache, data, files, precompute
+from lowmem_dpo.errors import UserError
 from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.models import load_model
 
@@ -82,7 +82,7 @@ def test_killed_precompute_resumes_from_last_shard(make_cfg, monkeypatch):
     """A kill is simulated by raising from the shard writer after two shards (a real SIGKILL cannot be timed
     on a run this short). The rerun computes only the missing shards and ends equal to a clean build."""
     cfg = make_cfg(cache_shard_rows=64, ref_cache_dir=str(make_cfg().ref_cache_dir) + "-killed")
-    real_save = cache.atomic_save_tensors
+    real_save = files.atomic_save_tensors
     calls = {"n": 0}
 
     def dying_save(path, tensors):
@@ -91,7 +91,7 @@ def test_killed_precompute_resumes_from_last_shard(make_cfg, monkeypatch):
         calls["n"] += 1
         real_save(path, tensors)
 
-    monkeypatch.setattr(cache, "atomic_save_tensors", dying_save)
+    monkeypatch.setattr(files, "atomic_save_tensors", dying_save)
     with pytest.raises(KeyboardInterrupt):
         precompute.run(cfg, progress=False)
     assert cache.read_manifest(cfg.ref_cache_dir) is None
@@ -100,7 +100,7 @@ def test_killed_precompute_resumes_from_last_shard(make_cfg, monkeypatch):
     assert not list(shard_dir.glob(".*.tmp"))  # no half-written shard left behind
     first = {p.name: load_file(p) for p in shard_dir.glob("shard-*.safetensors")}
 
-    monkeypatch.setattr(cache, "atomic_save_tensors", real_save)
+    monkeypatch.setattr(files, "atomic_save_tensors", real_save)
     computed = []
     real_shard_logps = precompute.shard_logps
     monkeypatch.setattr(precompute, "shard_logps", lambda m, pairs, *a: computed.append(len(pairs)) or
@@ -119,27 +119,27 @@ def test_killed_precompute_resumes_from_last_shard(make_cfg, monkeypatch):
 def test_file_digests_are_remembered_by_path_size_mtime(tmp_path):
     f = tmp_path / "weights.bin"
     f.write_bytes(b"abc" * 1000)
-    real = cache.file_digests([f])[0]
-    store = cache._digest_store()
+    real = files.file_digests([f])[0]
+    store = files._digest_store()
     memo = json.loads(store.read_text())
     key = next(k for k in memo if k.startswith(str(f.resolve())))
     memo[key] = "remembered"
     store.write_text(json.dumps(memo))
-    assert cache.file_digests([f]) == ["remembered"]  # not re-read
+    assert files.file_digests([f]) == ["remembered"]  # not re-read
     f.write_bytes(b"abd" * 1000)  # new content, new mtime: hashed again
-    assert cache.file_digests([f])[0] not in ("remembered", real)
+    assert files.file_digests([f])[0] not in ("remembered", real)
 
 
 def test_atomic_write_leaves_old_file_on_failure(tmp_path, monkeypatch):
     """A full disk is simulated by making fsync fail mid-write (it cannot be produced here on demand)."""
     target = tmp_path / "m.json"
-    cache.atomic_write_json(target, {"ok": 1})
+    files.atomic_write_json(target, {"ok": 1})
 
     def full_disk(fd):
         raise OSError(28, "No space left on device (simulated)")
 
-    monkeypatch.setattr(cache.os, "fsync", full_disk)
+    monkeypatch.setattr(files.os, "fsync", full_disk)
     with pytest.raises(OSError, match="No space"):
-        cache.atomic_write_json(target, {"new": 2})
+        files.atomic_write_json(target, {"new": 2})
     assert json.loads(target.read_text()) == {"ok": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # no temp file left behind

@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowmem_dpo.config import FIELDS, Config, ConfigError, build_config, cache_settings, load_config
+from lowmem_dpo.config import (
+    FIELDS,
+    Config,
+    ConfigError,
+    build_config,
+    cache_settings,
+    keys_where,
+    load_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,3 +148,51 @@ def test_bare_yaml_bool_for_a_choice_key(tmp_path):
     assert load_config(recipe).gradient_checkpointing == "true"
     recipe.write_text("gradient_checkpointing: false\n")
     assert load_config(recipe).gradient_checkpointing == "false"
+
+
+# One alternative value per key, each valid beside make_cfg's recipe with the reference's settings pinned: a new
+# key must be added here, and with it the test below checks what its field declares.
+ALTERNATIVES = {
+    "model_name_or_path": "lowmem_dpo:llama-25m", "sft_adapter": "runs/some-sft", "dataset": "other.jsonl",
+    "dataset_split": "test", "output_dir": "elsewhere", "ref_cache_dir": "elsewhere-cache", "device": "auto",
+    "dtype": "bfloat16", "quantization": "4bit", "ref_quantization": "4bit", "ref_dtype": "bfloat16",
+    "gradient_checkpointing": "true", "memory_budget": "12GiB", "max_length": 48, "max_prompt_length": 16,
+    "strict": True, "beta": 0.2, "loss_type": "ipo", "label_smoothing": 0.1, "learning_rate": 1e-3,
+    "lr_scheduler_type": "cosine", "warmup_steps": 2, "weight_decay": 0.01, "max_grad_norm": None,
+    "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 5, "num_train_epochs": 2.0,
+    "seed": 1, "lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.1, "lora_target_modules": ["q_proj"],
+    "adapter_mode": "new_on_merged", "logging_steps": 5, "save_steps": 10, "save_total_limit": 3,
+    "resume": "never", "max_nonfinite_steps": 5, "early_stop_on_divergence": True, "precompute_batch_size": 4,
+    "cache_shard_rows": 64, "ref_source": "live",
+}
+
+
+def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
+    """The fingerprint and the resume check read only the fields' declarations: a key declared
+    reference="value" changes the cache fingerprint and no other key does (with ref_dtype and ref_quantization
+    pinned, dtype and quantization are the policy's alone; "files" keys enter by content, tested in test_cache
+    and test_sft); a key declared resumable may change on resume and every other key is refused. It fails when
+    the fingerprint or the resume check decides a key by a list of its own."""
+    from dataclasses import asdict
+
+    from lowmem_dpo import checkpoint, devices, inputs
+
+    def fingerprint(cfg):
+        return inputs.fingerprint_components(cfg, devices.resolve(cfg), tiny_path)
+
+    pinned = {"ref_dtype": "float32", "ref_quantization": "none"}
+    base = make_cfg(**pinned)
+    assert set(ALTERNATIVES) == set(FIELDS)
+    for key, value in ALTERNATIVES.items():
+        cfg = make_cfg(**{**pinned, key: value})
+        assert getattr(cfg, key) != getattr(base, key), key
+        meta = FIELDS[key].metadata
+        if meta["reference"] != "files":
+            assert (fingerprint(cfg) != fingerprint(base)) == (meta["reference"] == "value"), key
+        assert checkpoint.config_changes(asdict(base), asdict(cfg)) == ([] if meta["resumable"] else [key]), key
+    # What the declarations say today: output places, logging, saving, guards and precompute's batching resume.
+    assert keys_where(resumable=True) == {"output_dir", "ref_cache_dir", "logging_steps", "save_steps",
+                                          "save_total_limit", "resume", "memory_budget", "precompute_batch_size",
+                                          "cache_shard_rows", "early_stop_on_divergence", "max_nonfinite_steps",
+                                          "strict"}
+    assert keys_where(reference="files") == {"model_name_or_path", "sft_adapter", "dataset", "dataset_split"}

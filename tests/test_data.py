@@ -6,7 +6,7 @@ import pytest
 from conftest import TINY_DATA, write_jsonl
 
 from lowmem_dpo import data
-from lowmem_dpo.cli import UserError
+from lowmem_dpo.errors import UserError
 
 ROWS = [
     {"prompt": "Write a positive review of the lamp.\n", "chosen": "The lamp is great.", "rejected": "The lamp is dull."},

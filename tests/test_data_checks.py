@@ -8,7 +8,8 @@ import torch
 from conftest import REPO, TINY_DATA, write_jsonl
 
 from lowmem_dpo import cache, data, precompute, train
-from lowmem_dpo.cli import UserError, run_cli
+from lowmem_dpo.cli import run_cli
+from lowmem_dpo.errors import UserError
 
 GOOD = json.dumps({"prompt": "Write a positive review of the lamp.\n", "chosen": "The lamp is great.",
                    "rejected": "The lamp is dull."})

@@ -1,20 +1,128 @@
-"""Every module imports on a CPU-only machine, and every stage answers --help."""
+"""Every module imports on a CPU-only machine, every stage answers --help, and the package keeps its shape:
+imports run one way (no cycle, counting imports inside functions), the measuring harness sits on top, and
+modules and functions stay small enough to read in one sitting."""
 
+import ast
 import importlib
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import lowmem_dpo
 
-MODULES = [m.name for m in pkgutil.iter_modules(lowmem_dpo.__path__, "lowmem_dpo.")]
+PACKAGE = Path(lowmem_dpo.__file__).parent
+MODULES = sorted(m.name for m in pkgutil.walk_packages(lowmem_dpo.__path__, "lowmem_dpo."))
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+LOOPS = {"lowmem_dpo.config._coerce": "one branch per declared type"}  # allowed over MAX_FUNCTION_LINES
+
+
+def module_file(name: str) -> Path:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def imported_modules(name: str) -> set[str]:
+    """The package's modules `name` imports, at module level or inside functions alike."""
+    tree = ast.parse(module_file(name).read_text(encoding="utf-8"))
+    is_package = module_file(name).name == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against this module's package
+                parts = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            candidates = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for c in candidates:
+            while c and c not in MODULES and c != "lowmem_dpo":
+                c = c.rpartition(".")[0]
+            if c in MODULES and c != name and not name.startswith(c + "."):
+                found.add(c)
+    return found
+
+
+GRAPH = {name: imported_modules(name) for name in MODULES}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, each as the path that closes it (depth-first search)."""
+    found, state, stack = [], {}, []
+
+    def visit(v):
+        state[v] = "open"
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == "open":
+                found.append(stack[stack.index(w):] + [w])
+            elif w not in state:
+                visit(w)
+        stack.pop()
+        state[v] = "done"
+
+    for v in sorted(graph):
+        if v not in state:
+            visit(v)
+    return found
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_imports(name):
     importlib.import_module(name)
+
+
+def test_cycle_finder_finds_a_cycle():
+    """The check below can fail: a hand-made graph with one cycle, through an import inside a function."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_run_one_way():
+    assert GRAPH["lowmem_dpo.train"] >= {"lowmem_dpo.loop", "lowmem_dpo.policy"}  # the graph sees real imports
+    assert cycles(GRAPH) == []
+
+
+def test_ground_floor_imports_nothing_above_it():
+    ground = {"lowmem_dpo.errors", "lowmem_dpo.units", "lowmem_dpo.files", "lowmem_dpo.config"}
+    for name in ground:
+        assert GRAPH[name] <= ground, (name, GRAPH[name] - ground)
+    pure = {"lowmem_dpo.logps", "lowmem_dpo.loss", "lowmem_dpo.guards"}
+    for name in pure:
+        assert GRAPH[name] == set(), name
+
+
+def test_only_the_plan_cli_imports_the_measuring_harness():
+    """measure.py runs the stages; nothing below the CLI may depend on it."""
+    assert GRAPH["lowmem_dpo.measure"] >= {"lowmem_dpo.precompute", "lowmem_dpo.train"}
+    assert [n for n, deps in GRAPH.items() if "lowmem_dpo.measure" in deps] == ["lowmem_dpo.plan"]
+
+
+def test_nothing_imports_a_stage_but_the_harness_and_the_clis():
+    stages = {"lowmem_dpo.precompute", "lowmem_dpo.preflight", "lowmem_dpo.train", "lowmem_dpo.sft"}
+    top = {"lowmem_dpo.measure", "lowmem_dpo.plan", "lowmem_dpo.precompute"}  # precompute prints preflight's report
+    for name, deps in GRAPH.items():
+        if name not in top:
+            assert not deps & stages, (name, deps & stages)
+
+
+def test_modules_and_functions_stay_small():
+    long_modules = {n: len(module_file(n).read_text().splitlines()) for n in MODULES}
+    assert {n: k for n, k in long_modules.items() if k > MAX_MODULE_LINES} == {}
+    long_functions = {}
+    for name in MODULES:
+        for node in ast.walk(ast.parse(module_file(name).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES and f"{name}.{node.name}" not in LOOPS:
+                    long_functions[f"{name}.{node.name}"] = lines
+    assert long_functions == {}
 
 
 @pytest.mark.parametrize("stage", ["precompute", "train", "preflight", "sft"])

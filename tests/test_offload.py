@@ -8,9 +8,15 @@ import math
 import pytest
 import torch
 
-from lowmem_dpo import data, devices, plan
+from lowmem_dpo import data, devices, policy
 from lowmem_dpo.logps import completion_logps
+from lowmem_dpo.memory import search
+from lowmem_dpo.memory.arch import load_arch
+from lowmem_dpo.memory.model import layer_weight_bytes, predict, streamed_layer_bytes
+from lowmem_dpo.memory.search import _offload, offload_map
+from lowmem_dpo.memory.setup import setup_from_config
 from lowmem_dpo.models import load_model
+from lowmem_dpo.units import fmt
 
 MiB = 1 << 20
 
@@ -26,7 +32,7 @@ MiB = 1 << 20
     (0, 10, 5, 4, 0),
 ])
 def test_layers_on_device(layers, layer, other, budget, want):
-    assert devices.layers_on_device(layers, layer, other, budget) == want
+    assert search.layers_on_device(layers, layer, other, budget) == want
 
 
 @pytest.mark.parametrize("buffer, want", [
@@ -37,66 +43,66 @@ def test_layers_on_device(layers, layer, other, budget, want):
 ])
 def test_layers_on_device_with_a_larger_stream_buffer(buffer, want):
     """Quantized resident layers (10 bytes) with an unquantized offloaded one streaming through `buffer`."""
-    assert devices.layers_on_device(4, 10, 20, 59, buffer) == want
+    assert search.layers_on_device(4, 10, 20, 59, buffer) == want
 
 
 def test_quantized_offload_streams_unquantized_layers(make_cfg):
     """4-bit Mistral on a tiny budget: each layer moved saves its 4-bit bytes, while the CPU holds (and the GPU
     streams) it in bf16, as bitsandbytes leaves CPU-mapped modules unquantized."""
-    arch = plan.load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
+    arch = load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
     cfg = make_cfg(model_name_or_path="lowmem_dpo:arch/mistral-7b-v0.1", device="cuda", dtype="bfloat16",
                    quantization="4bit", gradient_checkpointing="true", max_length=512, per_device_train_batch_size=1)
     budget = 4 * devices.GiB
-    setup = plan.setup_from_config(cfg, budget)
-    q4, bf16 = plan.layer_weight_bytes(arch, "bfloat16", "4bit"), plan.layer_weight_bytes(arch, "bfloat16", "none")
-    assert plan.streamed_layer_bytes(arch, "bfloat16", "4bit") == bf16 > 3 * q4
-    peak = plan.predict(arch, setup).train.peak_bytes
-    k, cpu_bytes = plan._offload(peak, budget, q4, arch.layers, bf16)
+    setup = setup_from_config(cfg, budget)
+    q4, bf16 = layer_weight_bytes(arch, "bfloat16", "4bit"), layer_weight_bytes(arch, "bfloat16", "none")
+    assert streamed_layer_bytes(arch, "bfloat16", "4bit") == bf16 > 3 * q4
+    peak = predict(arch, setup).train.peak_bytes
+    k, cpu_bytes = _offload(peak, budget, q4, arch.layers, bf16)
     assert k > 0 and cpu_bytes == k * bf16
     assert peak - k * q4 + bf16 <= budget < peak - (k - 1) * q4 + bf16  # the fewest layers that fit
-    device_map = plan.offload_map(arch, setup, budget, "train")
+    device_map = offload_map(arch, setup, budget, "train")
     assert len(devices.offloaded_layers(device_map)) == k
 
 
 def test_offload_device_map_keeps_head_and_leading_layers():
-    got = devices.offload_device_map(4, 10, 20, 59)
+    got = search.offload_device_map(4, 10, 20, 59)
     assert got == {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 0, "model.layers.2": "cpu",
                    "model.layers.3": "cpu", "model.rotary_emb": 0, "model.norm": 0, "lm_head": 0}
     assert list(got)[0] == "model.embed_tokens" and list(got)[-1] == "lm_head"
     assert devices.offloaded_layers(got) == ["model.layers.2", "model.layers.3"]
-    everything = devices.offload_device_map(2, 10, 0, 1000, device="cuda:1")
+    everything = search.offload_device_map(2, 10, 0, 1000, device="cuda:1")
     assert set(everything.values()) == {"cuda:1"} and devices.offloaded_layers(everything) == []
 
 
 @pytest.mark.parametrize("budget_gib", [4, 4.5, 5])
 def test_offload_map_moves_the_planners_k_layers(make_cfg, budget_gib):
-    """Mistral-7B in bf16 on a small card: the map offloads exactly the layers plan._offload counts."""
-    arch = plan.load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
+    """Mistral-7B in bf16 on a small card: the map offloads exactly the layers _offload counts."""
+    arch = load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
     budget = int(budget_gib * devices.GiB)
     cfg = make_cfg(model_name_or_path="lowmem_dpo:arch/mistral-7b-v0.1", device="cuda", dtype="bfloat16",
                    precompute_batch_size=1, max_length=512)
-    setup = plan.setup_from_config(cfg, budget)
-    pred = plan.predict(arch, setup)
-    per_layer = plan.layer_weight_bytes(arch, setup.ref_dtype, setup.ref_quantization)
-    k, _ = plan._offload(pred.precompute.peak_bytes, budget, per_layer, arch.layers)
-    device_map = plan.offload_map(arch, setup, budget, "precompute")
+    setup = setup_from_config(cfg, budget)
+    pred = predict(arch, setup)
+    per_layer = layer_weight_bytes(arch, setup.ref_dtype, setup.ref_quantization)
+    k, _ = _offload(pred.precompute.peak_bytes, budget, per_layer, arch.layers)
+    device_map = offload_map(arch, setup, budget, "precompute")
     assert k > 0
     assert len(devices.offloaded_layers(device_map)) == k
     assert device_map["lm_head"] == 0 and device_map["model.layers.0"] == 0
 
 
 def test_offload_map_none_when_it_fits(make_cfg):
-    arch = plan.load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
+    arch = load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
     cfg = make_cfg(model_name_or_path="lowmem_dpo:arch/mistral-7b-v0.1", device="cuda", dtype="bfloat16")
     budget = 80 * devices.GiB
-    assert plan.offload_map(arch, plan.setup_from_config(cfg, budget), budget, "precompute") is None
+    assert offload_map(arch, setup_from_config(cfg, budget), budget, "precompute") is None
 
 
 # -- the mechanism, on a CPU -------------------------------------------------------------------------------------
 def one_layer_on_disk():
     """The tiny model (2 layers) with its last layer kept on disk: what a CUDA map's "cpu" entries do, with the
     CPU as the execution device (weights on the meta device, copied in by a hook for each forward)."""
-    m = {k: "cpu" for k in devices.offload_device_map(2, 1, 0, 100)}  # the map's keys cover the whole model
+    m = {k: "cpu" for k in search.offload_device_map(2, 1, 0, 100)}  # the map's keys cover the whole model
     m["model.layers.1"] = "disk"  # (with 2 layers the rule never offloads: one layer + its buffer = both)
     return m
 
@@ -177,15 +183,15 @@ def test_lora_on_an_offloaded_layer_trains_like_a_resident_one(tiny_path, tokeni
 
 
 def test_train_steps_with_an_offloaded_layer(make_cfg, tiny_path, tokenizer, tmp_path, capsys):
-    """train.setup_model with a device_map, then a real train_step (live reference: the adapter switched off)
+    """policy.setup_model with a device_map, then a real train_step (live reference: the adapter switched off)
     and optimizer steps: finite loss, and every LoRA weight moves, the offloaded layer's too."""
     from lowmem_dpo import train
 
     cfg = make_cfg(gradient_checkpointing="true", learning_rate=1e-2, ref_source="live")
     resolved = devices.resolve(cfg)
-    model = train.setup_model(cfg, resolved, tiny_path, one_layer_on_disk(), tmp_path / "offload")
+    model = policy.setup_model(cfg, resolved, tiny_path, one_layer_on_disk(), tmp_path / "offload")
     assert "the LoRA weights of 7 adapted modules on offloaded layers stay on cpu" in capsys.readouterr().err
-    opt, _, params = train.setup_optimizer(cfg, model, 1, resolved)
+    opt, _, params = policy.setup_optimizer(cfg, model, 1, resolved)
     before = [p.detach().clone() for p in params]
     for _ in range(2):  # B starts at zero, so A gets a gradient from the second step on
         stats = train.train_step(model, cfg, [some_pairs(tokenizer, 4)], None, 0, resolved)
@@ -208,20 +214,19 @@ def test_offload_message_says_what_moves_and_what_it_costs(tiny_path):
     from lowmem_dpo.models import PCIE_BYTES_PER_S, offload_message, offloaded_bytes
 
     model = load_model(tiny_path, torch.device("cpu"), torch.float32)
-    device_map = {k: 0 for k in devices.offload_device_map(2, 1, 0, 100)}
+    device_map = {k: 0 for k in search.offload_device_map(2, 1, 0, 100)}
     device_map["model.layers.1"] = "cpu"
     moved = sum(p.numel() * 4 for p in model.model.layers[1].parameters())
     assert offloaded_bytes(model, ["model.layers.1"]) == moved
     msg = offload_message(model, device_map)
-    assert msg.startswith(f"offload: 1 of 2 decoder layers ({plan.fmt(moved)}) in CPU RAM; ")
+    assert msg.startswith(f"offload: 1 of 2 decoder layers ({fmt(moved)}) in CPU RAM; ")
     assert f"~{moved / PCIE_BYTES_PER_S:.2f} s per forward at 12 GB/s" in msg
     assert offload_message(model, {k: 0 for k in device_map}) is None
 
 
 def test_train_plans_offload_on_cuda_when_the_recipe_does_not_fit(make_cfg, capsys):
-    """train.apply_plan for a 4-bit Mistral on a 4 GiB card (planned here, no GPU needed): it returns the
+    """policy.apply_plan for a 4-bit Mistral on a 4 GiB card (planned here, no GPU needed): it returns the
     planner's device_map for the run as configured and turns checkpointing on, which offload needs."""
-    from lowmem_dpo import train
     from lowmem_dpo.models import resolve_model_path
 
     cfg = make_cfg(model_name_or_path="lowmem_dpo:arch/mistral-7b-v0.1", device="cuda", dtype="bfloat16",
@@ -229,11 +234,11 @@ def test_train_plans_offload_on_cuda_when_the_recipe_does_not_fit(make_cfg, caps
                    per_device_train_batch_size=1, memory_budget="4GiB")
     cuda = devices.Resolved(torch.device("cuda"), "cuda-12gb-bf16", torch.bfloat16, False, devices.ADAMW_TORCH,
                             quantization="4bit")
-    arch = plan.load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
-    device_map = train.apply_plan(cfg, cuda, "lowmem_dpo:arch/mistral-7b-v0.1")  # the planner reads config.json
-    setup = dataclasses.replace(plan.setup_from_config(cfg, 4 * devices.GiB), gradient_checkpointing=True)
-    want = plan.offload_map(arch, setup, 4 * devices.GiB, "train")
+    arch = load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
+    device_map = policy.apply_plan(cfg, cuda, "lowmem_dpo:arch/mistral-7b-v0.1")  # the planner reads config.json
+    setup = dataclasses.replace(setup_from_config(cfg, 4 * devices.GiB), gradient_checkpointing=True)
+    want = offload_map(arch, setup, 4 * devices.GiB, "train")
     assert device_map == want and 0 < len(devices.offloaded_layers(device_map)) < arch.layers
     assert cuda.gradient_checkpointing and any("CPU offload" in r for r in cuda.reasons)
     cpu = devices.resolve(make_cfg(memory_budget="1KiB"))
-    assert train.apply_plan(make_cfg(memory_budget="1KiB"), cpu, resolve_model_path("lowmem_dpo:tiny-llama")) is None
+    assert policy.apply_plan(make_cfg(memory_budget="1KiB"), cpu, resolve_model_path("lowmem_dpo:tiny-llama")) is None

@@ -12,12 +12,30 @@ import sys
 import pytest
 import torch
 
-from lowmem_dpo import plan
-from lowmem_dpo.cli import UserError
 from lowmem_dpo.config import build_config, load_config
+from lowmem_dpo.errors import UserError
+from lowmem_dpo.measure import PeakMeter, at_measured_shapes, measure
+from lowmem_dpo.memory.arch import (
+    ARCH_PREFIX,
+    ARCHS_DIR,
+    LORA_MODULES,
+    arch_from_config,
+    load_arch,
+    shipped_archs,
+)
+from lowmem_dpo.memory.model import (
+    base_weight_bytes,
+    layer_weight_bytes,
+    linear_weight_bytes,
+    logits_train_bytes,
+    predict,
+    predict_train,
+)
+from lowmem_dpo.memory.search import choose
+from lowmem_dpo.memory.setup import Setup, setup_from_config
+from lowmem_dpo.units import GiB, MiB, parse_size
 
-REPO = plan.ARCHS_DIR.parents[1]
-GiB = plan.GiB
+REPO = ARCHS_DIR.parents[1]
 
 
 # -- architectures -----------------------------------------------------------------------------------------------
@@ -27,46 +45,46 @@ GiB = plan.GiB
     ("Qwen/Qwen2.5-7B", 7.6156e9),
 ])
 def test_shipped_architectures_have_the_published_sizes(spec, params):
-    arch = plan.load_arch(spec)
+    arch = load_arch(spec)
     assert arch.params() == pytest.approx(params, rel=1e-3)
 
 
 def test_arch_matches_the_model_transformers_builds():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for name in plan.shipped_archs():
-        config = AutoConfig.from_pretrained(plan.ARCHS_DIR / name)
+    for name in shipped_archs():
+        config = AutoConfig.from_pretrained(ARCHS_DIR / name)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        assert plan.load_arch(plan.ARCH_PREFIX + name).params() == sum(p.numel() for p in model.parameters()), name
+        assert load_arch(ARCH_PREFIX + name).params() == sum(p.numel() for p in model.parameters()), name
 
 
 def test_arch_files_are_package_data():
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
     patterns = cfg["options.package_data"]["lowmem_dpo"].split()
-    files = [str(p.relative_to(plan.ARCHS_DIR.parent)) for p in plan.ARCHS_DIR.glob("*/config.json")]
+    files = [str(p.relative_to(ARCHS_DIR.parent)) for p in ARCHS_DIR.glob("*/config.json")]
     assert len(files) == 3 and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files)
 
 
 def test_unknown_arch_is_a_user_error():
     with pytest.raises(UserError, match="no shipped architecture 'gpt-9'.*lowmem_dpo:arch/mistral-7b-v0.1"):
-        plan.load_arch("lowmem_dpo:arch/gpt-9")
+        load_arch("lowmem_dpo:arch/gpt-9")
 
 
 def test_builtin_weights_match_the_formula(tiny_path):
     from lowmem_dpo.models import load_model
 
     model = load_model(tiny_path, torch.device("cpu"), torch.float32)
-    arch = plan.load_arch("lowmem_dpo:tiny-llama")
-    assert sum(plan.base_weight_bytes(arch, "float32", "none").values()) == sum(
+    arch = load_arch("lowmem_dpo:tiny-llama")
+    assert sum(base_weight_bytes(arch, "float32", "none").values()) == sum(
         p.numel() * 4 for p in model.parameters())
 
 
 def test_nf4_bytes_per_param():
     n = 4096 * 14336
-    assert plan.linear_weight_bytes(4096, 14336, "4bit", 2) / n == pytest.approx(0.516, abs=0.001)
-    assert plan.linear_weight_bytes(4096, 14336, "8bit", 2) / n == pytest.approx(1.0003, abs=0.001)
+    assert linear_weight_bytes(4096, 14336, "4bit", 2) / n == pytest.approx(0.516, abs=0.001)
+    assert linear_weight_bytes(4096, 14336, "8bit", 2) / n == pytest.approx(1.0003, abs=0.001)
 
 
 # -- predicted vs measured (CPU, PeakMeter) ----------------------------------------------------------------------
@@ -82,9 +100,9 @@ def long_rows(tmp_path_factory):
 
 
 def measured_vs_predicted(cfg, steps=2):
-    measured = plan.measure(cfg, steps)
-    setup = plan.at_measured_shapes(plan.setup_from_config(cfg), measured)
-    pred = plan.predict(plan.load_arch(cfg.model_name_or_path), setup)
+    measured = measure(cfg, steps)
+    setup = at_measured_shapes(setup_from_config(cfg), measured)
+    pred = predict(load_arch(cfg.model_name_or_path), setup)
     return {stage: (getattr(pred, stage).tensor_peak_bytes, measured[stage]["measured_peak_bytes"])
             for stage in ("train", "precompute")}
 
@@ -133,18 +151,18 @@ def test_chunked_lm_head_is_bounded_at_7b_vocabularies(vocab, n_seq, seq_len):
     attention[0, -8:] = 0  # padding: the mask transformers builds, as in real batches
     completion = attention.clone()
     completion[:, :prompt] = 0
-    with plan.PeakMeter("cpu") as meter:
+    with PeakMeter("cpu") as meter:
         completion_logps(model, ids, attention, completion).logps.sum().backward()
     measured = meter.peak_bytes - meter.entry_bytes
 
-    arch = plan.arch_from_config(model.config.to_dict(), "test", "test")
-    setup = plan.Setup(device="cpu", kind="cpu", dtype="float32", quantization="none", ref_dtype="float32",
+    arch = arch_from_config(model.config.to_dict(), "test", "test")
+    setup = Setup(device="cpu", kind="cpu", dtype="float32", quantization="none", ref_dtype="float32",
                        ref_quantization="none", gradient_checkpointing=False, optimizer="adamw_torch",
                        micro_batch=n_seq // 2, grad_accum=1, precompute_batch=1, max_length=seq_len, lora_r=8,
-                       lora_targets=plan.LORA_MODULES, completion_tokens=seq_len - prompt)
-    pred = plan.predict_train(arch, setup)
+                       lora_targets=LORA_MODULES, completion_tokens=seq_len - prompt)
+    pred = predict_train(arch, setup)
     logits = pred.breakdown["peak_phase"]
-    assert logits == plan.logits_train_bytes(arch, n_seq * (seq_len - prompt)) == 4 * ((1 << 24) // vocab) * vocab * 4
+    assert logits == logits_train_bytes(arch, n_seq * (seq_len - prompt)) == 4 * ((1 << 24) // vocab) * vocab * 4
     predicted = pred.breakdown["activations"] + logits + pred.breakdown["lora_grads"]
     assert predicted == pytest.approx(measured, rel=0.2)
     assert measured - pred.breakdown["activations"] == pytest.approx(logits, rel=0.2)
@@ -156,57 +174,57 @@ def mistral_setup(**changes):
     cfg = load_config(None, ["model_name_or_path=mistralai/Mistral-7B-v0.1", "device=cuda", "dtype=bfloat16",
                              "max_length=1024", "per_device_train_batch_size=8", "gradient_accumulation_steps=2",
                              "gradient_checkpointing=false", "lora_r=16"])
-    return dataclasses.replace(plan.setup_from_config(cfg, 12 * GiB), **changes)
+    return dataclasses.replace(setup_from_config(cfg, 12 * GiB), **changes)
 
 
 def test_search_order_keeps_the_effective_batch():
-    arch = plan.load_arch("mistralai/Mistral-7B-v0.1")
-    chosen = plan.choose(arch, mistral_setup(), 12 * GiB)
+    arch = load_arch("mistralai/Mistral-7B-v0.1")
+    chosen = choose(arch, mistral_setup(), 12 * GiB)
     assert chosen.fits and chosen.offload_bytes == 0
     assert list(chosen.overrides)[:2] == ["gradient_checkpointing", "quantization"]
     assert chosen.overrides["quantization"] == "4bit" and chosen.setup.ref_quantization == "4bit"
     s = chosen.setup
     assert s.micro_batch * s.grad_accum == 16 and s.micro_batch < 8
-    assert chosen.prediction.train.peak_bytes <= 12 * GiB < plan.predict(arch, mistral_setup()).train.peak_bytes
+    assert chosen.prediction.train.peak_bytes <= 12 * GiB < predict(arch, mistral_setup()).train.peak_bytes
     # one halving less would not fit: the search stops at the first setup that does
     bigger = dataclasses.replace(s, micro_batch=s.micro_batch * 2, grad_accum=s.grad_accum // 2)
-    assert plan.predict(arch, bigger).train.peak_bytes > 12 * GiB
+    assert predict(arch, bigger).train.peak_bytes > 12 * GiB
 
 
 def test_offload_of_whole_layers_when_nothing_else_fits():
-    arch = plan.load_arch("mistralai/Mistral-7B-v0.1")
-    chosen = plan.choose(arch, mistral_setup(), 4 * GiB)
-    streamed = plan.layer_weight_bytes(arch, "bfloat16", "none")  # CPU-mapped layers stay unquantized
+    arch = load_arch("mistralai/Mistral-7B-v0.1")
+    chosen = choose(arch, mistral_setup(), 4 * GiB)
+    streamed = layer_weight_bytes(arch, "bfloat16", "none")  # CPU-mapped layers stay unquantized
     assert chosen.setup.micro_batch == 1 and chosen.offload_layers > 0
     assert chosen.offload_bytes == chosen.offload_layers * streamed
     assert chosen.fits
-    hopeless = plan.choose(arch, mistral_setup(), 1 * GiB)
+    hopeless = choose(arch, mistral_setup(), 1 * GiB)
     assert not hopeless.fits
 
 
 def test_fitting_recipe_is_left_alone():
-    arch = plan.load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
+    arch = load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
     setup = mistral_setup(quantization="4bit", ref_quantization="4bit", gradient_checkpointing=True, micro_batch=1)
-    chosen = plan.choose(arch, setup, 12 * GiB)
+    chosen = choose(arch, setup, 12 * GiB)
     assert chosen.fits and chosen.overrides == {} and chosen.setup == setup
 
 
 @pytest.mark.parametrize("recipe", ["mistral-7b-qlora-12gb.yaml", "llama3.1-8b-qlora-12gb.yaml"])
 def test_12gb_recipes_plan_at_most_10_gib(recipe):
     cfg = load_config(REPO / "recipes" / recipe)
-    pred = plan.predict(plan.load_arch(cfg.model_name_or_path), cfg, budget=12 * GiB)
+    pred = predict(load_arch(cfg.model_name_or_path), cfg, budget=12 * GiB)
     assert pred.setup.kind == "cuda-12gb-bf16" and pred.setup.quantization == "4bit"
     assert pred.train.peak_bytes <= 10 * GiB and pred.precompute.peak_bytes <= 10 * GiB
     # the LM head term is a few chunks, not batch * seq * vocab * 4
-    assert pred.train.phases["logits"] <= 256 * plan.MiB
+    assert pred.train.phases["logits"] <= 256 * MiB
 
 
 def test_parse_size():
-    assert plan.parse_size("12GiB") == 12 * GiB
-    assert plan.parse_size("11.5GB") == 11_500_000_000
-    assert plan.parse_size("512 MiB") == 512 * plan.MiB
+    assert parse_size("12GiB") == 12 * GiB
+    assert parse_size("11.5GB") == 11_500_000_000
+    assert parse_size("512 MiB") == 512 * MiB
     with pytest.raises(UserError, match="--budget 'lots'"):
-        plan.parse_size("lots")
+        parse_size("lots")
 
 
 # -- CLI -------------------------------------------------------------------------------------------------------

@@ -12,9 +12,10 @@ import pytest
 import torch
 from conftest import TINY_DATA, write_jsonl
 
-from lowmem_dpo import cache, data, devices, models, precompute, train
-from lowmem_dpo.cli import UserError, run_cli
+from lowmem_dpo import cache, data, devices, loop, models, policy, precompute, train
+from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import load_config
+from lowmem_dpo.errors import UserError
 
 LN2 = math.log(2)
 
@@ -59,8 +60,8 @@ def test_every_lora_parameter_gets_a_gradient(small, quantization, checkpointing
     checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in s.model.modules())
     assert checkpointed == (checkpointing == "true")
 
-    train.optimizer_step(s)
-    train.train_step(s.model, cfg, [train.take(s.stream, s.micro_batch)], None, s.pad_id, s.resolved)
+    loop.optimizer_step(s)
+    train.train_step(s.model, cfg, [loop.take(s.stream, s.micro_batch)], None, s.pad_id, s.resolved)
     lora = {n: p for n, p in s.model.named_parameters() if p.requires_grad}
     assert len(lora) == 2 * len(adapted) and all("lora_A" in n or "lora_B" in n for n in lora)
     assert [n for n, p in lora.items() if p.grad is None] == []
@@ -72,7 +73,7 @@ def test_quantized_base_casts_nothing_to_float32(small, tiny_path):
     the LoRA weights are float32."""
     cfg = small(quantization="4bit", dtype="bfloat16")
     resolved = devices.resolve(cfg)
-    model = train.setup_model(cfg, resolved, tiny_path)
+    model = policy.setup_model(cfg, resolved, tiny_path)
     kind = quantized_layer_type("4bit")
     quantized = {id(m.weight) for m in model.modules() if isinstance(m, kind)}
     for name, p in model.named_parameters():
@@ -206,12 +207,12 @@ def test_optimizer_follows_the_device_rule():
     cfg = load_config(None, ["device=cpu", "learning_rate=1e-2"])
     resolved = devices.resolve(cfg)
     model = torch.nn.Linear(128, 64)  # 8192 weights: above bitsandbytes' 4096-element minimum for 8-bit state
-    opt, _, _ = train.setup_optimizer(cfg, model, 10, resolved)
+    opt, _, _ = policy.setup_optimizer(cfg, model, 10, resolved)
     assert type(opt) is torch.optim.AdamW  # CPU: torch AdamW
 
     import bitsandbytes as bnb
 
-    opt, sched, params = train.setup_optimizer(cfg, model, 10, replace(resolved, optimizer=devices.PAGED_ADAMW_8BIT))
+    opt, sched, params = policy.setup_optimizer(cfg, model, 10, replace(resolved, optimizer=devices.PAGED_ADAMW_8BIT))
     assert isinstance(opt, bnb.optim.PagedAdamW8bit)
     before = model.weight.detach().clone()
     model(torch.randn(4, 128)).square().sum().backward()

@@ -20,9 +20,10 @@ import yaml
 from conftest import REPO, TINY_DATA
 from safetensors.torch import load_file, save_file
 
-from lowmem_dpo import cache, checkpoint, guards, precompute, train
-from lowmem_dpo.cli import UserError, run_cli
+from lowmem_dpo import cache, checkpoint, files, guards, loop, precompute, train
+from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import build_config
+from lowmem_dpo.errors import UserError
 
 # lora_dropout > 0: the resumed run must restore the RNG too, not only the weights and the optimizer.
 RUN = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", dtype="float32",
@@ -127,10 +128,10 @@ def test_an_interrupted_checkpoint_write_leaves_no_checkpoint(built, tmp_path, m
     s = train.setup(build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o")}),
                     progress=False)
     for _ in range(5):
-        train.optimizer_step(s)
-    checkpoint.save(s.cfg.output_dir, train.checkpoint_state(s), s.model, s.opt, s.sched, [], 2)
+        loop.optimizer_step(s)
+    checkpoint.save(s.cfg.output_dir, loop.checkpoint_state(s), s.model, s.opt, s.sched, [], 2)
     for _ in range(5):
-        train.optimizer_step(s)
+        loop.optimizer_step(s)
     real_save = torch.save
 
     def crash(obj, path, *a, **k):
@@ -140,13 +141,13 @@ def test_an_interrupted_checkpoint_write_leaves_no_checkpoint(built, tmp_path, m
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(s.cfg.output_dir, train.checkpoint_state(s), s.model, s.opt, s.sched, [], 2)
+        checkpoint.save(s.cfg.output_dir, loop.checkpoint_state(s), s.model, s.opt, s.sched, [], 2)
     root = checkpoint.root(s.cfg.output_dir)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-5"]  # the temp folder is gone too
     assert checkpoint.read_state(root / "checkpoint-5").step == 5
     monkeypatch.setattr(torch, "save", real_save)
     (root / ".checkpoint-10-leftover").mkdir()  # what a real kill -9 would leave
-    checkpoint.save(s.cfg.output_dir, train.checkpoint_state(s), s.model, s.opt, s.sched, [], 2)
+    checkpoint.save(s.cfg.output_dir, loop.checkpoint_state(s), s.model, s.opt, s.sched, [], 2)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-10", "checkpoint-5"]
 
 
@@ -178,7 +179,7 @@ def test_full_disk_at_the_final_adapter_points_to_the_final_checkpoint(built, tm
     def full(model, out_dir):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(train, "save_adapter", full)
+    monkeypatch.setattr(loop, "save_adapter", full)
     out = tmp_path / "out"
     assert run_cli(train.main, [str(built), f"output_dir={out}", "max_steps=5"], "train", "") == 2
     err = capsys.readouterr().err
@@ -189,7 +190,7 @@ def test_full_disk_at_the_final_adapter_points_to_the_final_checkpoint(built, tm
 
 def test_not_enough_free_space_is_refused_before_writing(built, tmp_path, monkeypatch, capsys):
     """The check before the write, against what shutil.disk_usage reports (simulated: 1 KiB free)."""
-    monkeypatch.setattr(cache, "free_bytes", lambda folder: 1024)
+    monkeypatch.setattr(files, "free_bytes", lambda folder: 1024)
     out = tmp_path / "out"
     assert run_cli(train.main, [str(built), f"output_dir={out}", "max_steps=5"], "train", "") == 2
     err = capsys.readouterr().err
@@ -240,13 +241,13 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(built, tmp_path):
     s = train.setup(build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o"),
                                   "max_nonfinite_steps": 3}), progress=False)
     before = [p.detach().clone() for p in s.params]
-    s.ref.chosen[:] = float("nan")
+    s.objective.ref.chosen[:] = float("nan")
     for _ in range(2):
-        train.optimizer_step(s)
+        loop.optimizer_step(s)
     assert s.skipped_steps == 2 and s.step == 2
     assert all(torch.equal(b, p) for b, p in zip(before, s.params))
     with pytest.raises(UserError, match="diverged: 3 steps in a row with a non-finite loss or gradient"):
-        train.optimizer_step(s)
+        loop.optimizer_step(s)
     assert all(torch.equal(b, p) for b, p in zip(before, s.params))
 
 
@@ -264,12 +265,12 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_
                 if kwargs["input_ids"].shape[0] > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
             s.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
-        pairs = train.take(s.stream, s.pairs_per_step)
+        pairs = loop.take(s.stream, s.pairs_per_step)
         if limit == 1:
             with pytest.raises(UserError, match="out of memory at step 1 with 1 pair per micro-batch"):
-                train.backward_with_backoff(s, pairs)
+                loop.backward_with_backoff(s, pairs)
             continue
-        stats = train.backward_with_backoff(s, pairs)
+        stats = loop.backward_with_backoff(s, pairs)
         results.append((s, stats, [p.grad.clone() for p in s.params]))
     (plain, plain_stats, plain_grads), (halved, halved_stats, halved_grads) = results
     assert (plain.micro_batch, plain.grad_accum) == (4, 1)

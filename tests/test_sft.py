@@ -9,9 +9,10 @@ import torch
 from conftest import REPO, TINY_DATA, write_jsonl
 from safetensors.torch import load_file, save_file
 
-from lowmem_dpo import adapters, cache, data, devices, inputs, precompute, sft, train
-from lowmem_dpo.cli import UserError, run_cli
+from lowmem_dpo import adapters, cache, data, devices, inputs, loop, policy, precompute, sft, train
+from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import build_config
+from lowmem_dpo.errors import UserError
 from lowmem_dpo.models import load_model, model_source
 
 
@@ -71,7 +72,7 @@ def test_sft_writes_a_peft_adapter_and_its_loss_is_completion_only(sft_dir, tiny
     # Step 1's loss is the base model's mean -log p over the completion tokens of the first micro-batch.
     cfg = tiny_cfg(sft_dir.parent)
     items = data.tokenize_completions(data.load_rows(str(rows64)), tokenizer, 64, None, progress=False).pairs
-    first = train.take(train.pair_stream(items, cfg.seed), cfg.per_device_train_batch_size)
+    first = loop.take(loop.pair_stream(items, cfg.seed), cfg.per_device_train_batch_size)
     base = load_model(tiny_path, torch.device("cpu"), torch.float32)
     pairs = [data.TokenizedPair(c.row, c.prompt_ids, c.completion_ids, c.completion_ids) for c in first]
     nll = -logps_by_hand(base, pairs)[:, 0].sum().item() / sum(len(c.completion_ids) for c in first)
@@ -150,7 +151,7 @@ def test_continue_on_a_quantized_base_with_checkpointing(sft_dir, tmp_path, rows
                    gradient_checkpointing="true", max_steps=1)
     precompute.run(cfg, progress=False)
     s = train.setup(cfg, progress=False)
-    stats = train.train_step(s.model, cfg, [train.take(s.stream, s.micro_batch)], s.ref, s.pad_id, s.resolved)
+    stats = train.train_step(s.model, cfg, [loop.take(s.stream, s.micro_batch)], s.objective.ref, s.pad_id, s.resolved)
     assert stats.means()["loss"] == pytest.approx(math.log(2), abs=2e-3)
     lora = {n: p for n, p in s.model.named_parameters() if p.requires_grad}
     assert len(lora) == 28 and all("lora_" in n for n in lora)  # 14 adapted layers x (A, B)
@@ -208,7 +209,7 @@ def test_an_adapter_on_a_model_that_carries_one_is_refused(sft_dir, tiny_path, t
     lora_layers = sum("lora_A" in n for n, _ in carrying.named_modules())
     cfg = tiny_cfg(tmp_path)
     with pytest.raises(UserError, match="already carries a LoRA adapter"):
-        train.new_adapter(cfg, carrying)
+        policy.new_adapter(cfg, carrying)
     with pytest.raises(UserError, match="already carries a LoRA adapter"):
         adapters.continue_adapter(carrying, cfg, model_source(str(sft_dir)))
     assert sum("lora_A" in n for n, _ in carrying.named_modules()) == lora_layers  # nothing stacked
@@ -291,7 +292,7 @@ def test_sft_out_of_memory_halves_the_micro_batch(tmp_path, rows64, capsys):
                 if kwargs["input_ids"].shape[0] > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
             s.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
-        stats = train.backward_with_backoff(s, train.take(s.stream, s.pairs_per_step), sft.sft_backward)
+        stats = loop.backward_with_backoff(s, loop.take(s.stream, s.pairs_per_step))
         grads.append((s.micro_batch, s.grad_accum, stats.targets, [p.grad.clone() for p in s.params]))
     (b1, a1, t1, g1), (b2, a2, t2, g2) = grads
     assert (b1, a1, b2, a2) == (8, 1, 4, 2) and t1 == t2 > 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lowmem_dpo import data, precompute, train
+from lowmem_dpo import data, loop, policy, precompute, train
 from lowmem_dpo.config import build_config
 from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.models import load_model
@@ -103,20 +103,20 @@ def test_adapter_round_trips_through_peft(make_cfg, tiny_path, tokenizer):
 def test_lr_schedule(kind, expected):
     """3 warmup steps: (s+1)/4; then 4 decay steps over progress (s-3)/4."""
     cfg = build_config({"warmup_steps": 3, "lr_scheduler_type": kind})
-    got = [train.get_lr(s, cfg, 7) for s in range(8)]
+    got = [policy.get_lr(s, cfg, 7) for s in range(8)]
     assert got == pytest.approx(expected)
 
 
 def test_pair_stream_covers_each_epoch_once_and_splits_in_order():
     pairs = [data.TokenizedPair(i, [1], [2], [3]) for i in range(10)]
-    stream = train.pair_stream(pairs, seed=1)
-    epoch = [p.row for p in train.take(stream, 10)]
+    stream = loop.pair_stream(pairs, seed=1)
+    epoch = [p.row for p in loop.take(stream, 10)]
     assert sorted(epoch) == list(range(10))
-    second = [p.row for p in train.take(stream, 10)]
+    second = [p.row for p in loop.take(stream, 10)]
     assert sorted(second) == list(range(10)) and second != epoch  # a fresh permutation each epoch
-    again = train.pair_stream(pairs, seed=1)
-    assert [p.row for p in train.take(again, 10)] == epoch  # a function of the seed
-    assert train.split(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    again = loop.pair_stream(pairs, seed=1)
+    assert [p.row for p in loop.take(again, 10)] == epoch  # a function of the seed
+    assert loop.split(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 def test_demo_recipe_learns(tmp_path):
@@ -150,15 +150,16 @@ def test_auto_checkpointing_comes_from_the_planner(make_cfg):
     roomy = make_cfg(max_steps=1, gradient_checkpointing="auto")
     precompute.run(roomy, progress=False)
     assert train.setup(roomy, progress=False).resolved.gradient_checkpointing is False
-    from lowmem_dpo import plan
+    from lowmem_dpo.memory.arch import load_arch
+    from lowmem_dpo.memory.model import predict
 
-    arch = plan.load_arch("lowmem_dpo:tiny-llama")
-    no_ckpt = plan.predict(arch, roomy).train.peak_bytes
-    with_ckpt = plan.predict(arch, make_cfg(gradient_checkpointing="true")).train.peak_bytes
+    arch = load_arch("lowmem_dpo:tiny-llama")
+    no_ckpt = predict(arch, roomy).train.peak_bytes
+    with_ckpt = predict(arch, make_cfg(gradient_checkpointing="true")).train.peak_bytes
     assert with_ckpt < no_ckpt
     tight = make_cfg(max_steps=1, gradient_checkpointing="auto", memory_budget=str((no_ckpt + with_ckpt) // 2))
     s = train.setup(tight, progress=False)
     assert s.resolved.gradient_checkpointing is True
     assert any("planner" in r for r in s.resolved.reasons)
-    stats, grad_norm, _ = train.optimizer_step(s)
+    stats, grad_norm, _ = loop.optimizer_step(s)
     assert stats.means()["loss"] == pytest.approx(math.log(2), abs=1e-5) and grad_norm > 0

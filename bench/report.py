@@ -1,0 +1,160 @@
+"""bench/step_time.py's report: the Markdown tables and the bar plot of a run's JSON."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f}"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Command: `{report['command']}`", "",
+             f"Machine: {report['machine']['cpu']}, {report['machine']['cpu_affinity']} usable cores, "
+             f"torch {report['machine']['torch']} ({report['machine']['torch_threads']} threads), "
+             f"transformers {report['machine']['transformers']}, peft {report['machine']['peft']}, "
+             f"trl {report['machine']['trl']}", "",
+             "| device | implementation | median step s | min s | max s | tokens/s | peak mem MiB (delta) | "
+             "precompute rows/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    notes = []
+    for dev, r in report["devices"].items():
+        if not r.get("available") or "error" in r:
+            status, why = ("not available", r.get("reason")) if not r.get("available") else ("failed", r["error"])
+            lines.append(f"| {dev} | {status} | - | - | - | - | - | - |")
+            notes.append(f"{dev}: {why}")
+            continue
+        pre = r["precompute"]
+        for name, label in (("ours", "lowmem_dpo (cached ref)"), ("trl", "TRL DPOTrainer")):
+            s = r.get(name)
+            if s is None:
+                continue
+            if "error" in s:
+                lines.append(f"| {dev} | {label} | failed | | | | | |")
+                notes.append(f"{dev} {label}: {s['error']}")
+                continue
+            pm = s["peak_memory"]
+            wall = f"{pre['rows_per_s_wall']} wall" if pre["rebuilt"] else "cache reused: an earlier build's"
+            pre_col = (f"{pre['rows_per_s']} ({wall})" if name == "ours" else "-")
+            lines.append(f"| {dev} | {label} | {s['median_step_s']:.3f} | {s['min_step_s']:.3f} | {s['max_step_s']:.3f} | "
+                         f"{s['tokens_per_s']:,.0f} | {_mib(pm['peak_bytes'])} ({_mib(pm['peak_delta_bytes'])}) | "
+                         f"{pre_col} |")
+        if "ratio_median_step" in r:
+            verdict = "meets" if r["meets_target"] else "MISSES"
+            notes.append(f"{dev}: ours / TRL median step = {r['ratio_median_step']:.3f} ({verdict} the <= "
+                         f"{r['target_ratio']} target)")
+    lines.append("")
+    lines += [f"- {n}" for n in notes]
+    return "\n".join(lines + limits_table(report)) + "\n"
+
+
+def _g(flops) -> str:
+    return "-" if flops is None else f"{flops / 1e9:,.0f}"
+
+
+def limits_table(report: dict) -> list[str]:
+    """Precompute against a bare forward, and the train step's counted FLOP/s against the matmul peak."""
+    lines = ["", "| device | precompute rows/s (shard_logps) | bare forward rows/s | precompute / bare (goal >= 0.9) "
+             "| step GFLOP (counted) | step GFLOP/s | matmul GFLOP/s bf16 / fp32 | step / matmul (dtype) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = 0
+    for dev, r in report["devices"].items():
+        vs, step, peak = r.get("precompute_vs_bare_forward"), r.get("train_step_vs_matmul_peak"), r.get("matmul_peak")
+        if not (vs or step):
+            continue
+        rows += 1
+        if vs and "error" in vs:
+            pre = "failed | - | -"
+        else:
+            pre = (f"{vs['ours_rows_per_s']:.1f} | {vs['bare_rows_per_s']:.1f} | {vs['ratio']:.2f}" if vs
+                   else "- | - | -")
+        if step:
+            flops = r["ours"]["flops"]
+            per_step = statistics.median(flops["flops_per_step"])
+            ratio = "-" if step["ratio"] is None else f"{step['ratio']:.2f} ({step['dtype']})"
+            if step.get("ratio_back_to_back") is not None:
+                ratio += f"; back to back {step['ratio_back_to_back']:.2f}"
+            mm = f"{_g(peak['bfloat16']['peak_flop_per_s'])} / {_g(peak['float32']['peak_flop_per_s'])}"
+            train = f"{_g(per_step)} | {_g(step['achieved_flop_per_s'])} | {mm} | {ratio}"
+        else:
+            train = "- | - | - | -"
+        lines.append(f"| {dev} | {pre} | {train} |")
+    if not rows:
+        return []
+    return lines + ["", "- precompute / bare: rows/s of precompute.shard_logps over precompute's batches against a "
+                    "bare `model(input_ids, attention_mask).logits` of the same model on the same batches "
+                    "(medians of repeats, timed back to back).",
+                    "- step GFLOP: FlopCounterMode over loop.optimizer_step (matmuls and attention only); "
+                    "step GFLOP/s = counted FLOPs per token x median tokens per step / median step s; matmul GFLOP/s: the "
+                    "fastest median of torch.mm over square and model-shaped matrices; back to back: the "
+                    "counted steps timed again, each followed by one square-matmul timing (median of the "
+                    "per-step ratios)."]
+
+
+def limits_bars(report: dict) -> list[tuple[str, float]]:
+    """(label, ratio) for the plot's second panel: precompute / bare forward and step / matmul peak per device."""
+    bars = []
+    for dev, r in report["devices"].items():
+        if "ratio" in r.get("precompute_vs_bare_forward", {}):
+            bars.append((f"{dev}\nprecompute /\nbare forward", r["precompute_vs_bare_forward"]["ratio"]))
+        step = r.get("train_step_vs_matmul_peak")
+        if step and step["ratio"] is not None:
+            bars.append((f"{dev}\nstep FLOP/s /\n{step['dtype']} matmul", step["ratio"]))
+    return bars
+
+
+def plot(report: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, medians, lows, highs, colors = [], [], [], [], []
+    for dev, r in report["devices"].items():
+        if not r.get("available") or "error" in r:
+            continue
+        for name, label, color in (("ours", "lowmem_dpo", "tab:blue"), ("trl", "TRL DPOTrainer", "tab:orange")):
+            s = r.get(name)
+            if not s or "error" in s:
+                continue
+            labels.append(f"{dev}\n{label}")
+            medians.append(s["median_step_s"])
+            lows.append(s["median_step_s"] - s["min_step_s"])
+            highs.append(s["max_step_s"] - s["median_step_s"])
+            colors.append(color)
+    if not medians:
+        return "no numbers to plot"
+    limit_bars = limits_bars(report)
+    width = 1.8 + 1.6 * len(medians)
+    if limit_bars:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(width + 1.8 + 1.6 * len(limit_bars), 4.5),
+                                      gridspec_kw={"width_ratios": [len(medians), len(limit_bars)]})
+        names, values = zip(*limit_bars)
+        ax2.bar(range(len(values)), values, color="tab:green")
+        ax2.set_xticks(range(len(values)), names, fontsize=8)
+        ax2.axhline(0.9, color="gray", linestyle="--", linewidth=1)
+        ax2.set_ylabel("ratio to the limit")
+        ax2.set_title("against the machine\n(dashed: precompute goal 0.9)")
+        for i, v in enumerate(values):
+            ax2.text(i, v / 2, f"{v:.2f}", ha="center", va="center", color="white", fontweight="bold")
+    else:
+        fig, ax = plt.subplots(figsize=(width, 4))
+    ax.bar(range(len(medians)), medians, yerr=[lows, highs], capsize=6, color=colors)
+    ax.set_xticks(range(len(medians)), labels)
+    ax.set_ylabel("median optimizer step (s); bars: min..max")
+    title = "DPO+LoRA step time"
+    ratios = [f"{d}: ours/TRL = {r['ratio_median_step']:.2f}" for d, r in report["devices"].items()
+              if "ratio_median_step" in r]
+    if ratios:
+        title += "\n" + ", ".join(ratios)
+    ax.set_title(title)
+    for i, m in enumerate(medians):
+        ax.text(i, m / 2, f"{m:.2f} s", ha="center", va="center", color="white", fontweight="bold")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

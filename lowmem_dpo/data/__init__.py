@@ -1,0 +1,26 @@
+"""Preference data, from the file to the forward pass:
+
+    rows.py    load rows through `datasets`, after checking a local file's structure (file:line errors)
+    encode.py  tokenize as TRL 1.16 does; skip (and count) the rows DPO cannot use
+    batch.py   collate chosen and rejected of a micro-batch into one right-padded forward
+
+The stages use the names below; each lives in the module that says so.
+"""
+
+from lowmem_dpo.data.batch import Batch, collate, collate_completions, pad_token_id
+from lowmem_dpo.data.encode import (
+                                    SKIPS,
+                                    TRUNCATIONS,
+                                    TokenizedCompletion,
+                                    TokenizedData,
+                                    TokenizedPair,
+                                    check_skips,
+                                    manifest_skips,
+                                    tokenize_completions,
+                                    tokenize_rows,
+)
+from lowmem_dpo.data.rows import REQUIRED, data_files, load_rows
+
+__all__ = ["Batch", "collate", "collate_completions", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
+           "TokenizedData", "TokenizedPair", "check_skips", "manifest_skips", "tokenize_completions", "tokenize_rows",
+           "REQUIRED", "data_files", "load_rows"]

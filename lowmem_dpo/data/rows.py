@@ -1,0 +1,221 @@
+"""Preference (and SFT) rows: read a file, a save_to_disk folder or a hub dataset through `datasets`, after
+checking a local file's structure ourselves, because `datasets`' errors carry no line numbers.
+
+Structural problems refuse the data with a UserError naming the file and the line (JSON Lines) or row (README,
+"Data checks"): no rows, bytes that are not UTF-8, a line that is not a JSON object, a row without prompt,
+chosen or rejected, a value that is neither text (or null) nor a list of {role, content} messages, text mixed
+with conversations. Well-formed rows that DPO cannot use are encode.py's business (SKIPS).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+from lowmem_dpo.errors import UserError
+
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+REQUIRED = ("prompt", "chosen", "rejected")
+
+
+def data_files(spec: str) -> list[Path]:
+    """The local files whose bytes define the dataset's content (for the cache fingerprint); [] for hub data."""
+    path = Path(spec)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return []
+
+
+# -- checks on the raw file, before `datasets` (whose errors carry no line numbers) ---------------------------
+def _decoded_lines(path: Path, spec: str) -> Iterator[tuple[int, str]]:
+    """(line number from 1, text) of a file read as UTF-8 (a leading byte-order mark dropped); bytes that are
+    not UTF-8 are a UserError naming the line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                near = raw[max(0, e.start - 30):e.start].decode("utf-8", "replace").strip()
+                raise UserError(f"dataset {spec!r} line {n}: not UTF-8 text (byte {raw[e.start]:#04x} at byte "
+                                f"{e.start + 1} of the line, after {near!r}); re-save the file as UTF-8") from None
+            yield n, (text.lstrip("\ufeff") if n == 1 else text)
+
+
+def _what(value) -> str:
+    """What a JSON value is, for messages."""
+    if isinstance(value, list):
+        return "a list, but not of {role, content} messages"
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "text", dict: "an object",
+             type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _value_kind(value) -> str | None:
+    """'text', 'conversation' (a list of {role, content} messages), None for null, 'invalid' otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                       and isinstance(m.get("content"), str) for m in value):
+        return "conversation"
+    return "invalid"
+
+
+def row_kind(row: dict, kind: str | None, required: tuple[str, ...] = REQUIRED) -> str | None:
+    """The kind of the row's `required` values, 'text' or 'conversation' (`kind`, the kind of the rows before
+    it, when they are all null); ValueError saying what is wrong for a structural problem. Rows may not mix the
+    two kinds."""
+    missing = [k for k in required if k not in row]
+    if missing:
+        raise ValueError(f"lacks {', '.join(missing)} (has {', '.join(map(str, row)) or 'no keys'}); every row "
+                         f"needs {', '.join(required)}")
+    kinds = set()
+    for key in required:
+        k = _value_kind(row[key])
+        if k == "invalid":
+            raise ValueError(f"{key} is {_what(row[key])} ({json.dumps(row[key], default=str)[:60]}); expected "
+                             "text, or a list of {role, content} messages")
+        if k is not None:
+            kinds.add(k)
+    if len(kinds) > 1:
+        raise ValueError(f"mixes text and conversations; {', '.join(required)} must all be text or all be lists "
+                         "of {role, content} messages")
+    mine = kinds.pop() if kinds else None
+    if kind is not None and mine is not None and mine != kind:
+        raise ValueError(f"is a {mine} row but the rows before it are {kind} rows; use one format for every row")
+    return mine or kind
+
+
+def _check_rows(rows: Iterator[tuple[str, object]], spec: str, required: tuple[str, ...]) -> None:
+    """Structural checks of (location, parsed JSON value) rows; UserError at the first problem."""
+    kind, count = None, 0
+    for where, row in rows:
+        if not isinstance(row, dict):
+            what = "a list" if isinstance(row, list) else _what(row)
+            raise UserError(f"dataset {spec!r} {where}: {what}, not an object with {', '.join(required)}")
+        try:
+            kind = row_kind(row, kind, required)
+        except ValueError as e:
+            raise UserError(f"dataset {spec!r} {where}: {e}") from None
+        count += 1
+    if count == 0:
+        raise UserError(f"dataset {spec!r} has no rows: it needs objects with {', '.join(required)}")
+
+
+def _json_lines(lines: Iterator[tuple[int, str]], spec: str,
+                required: tuple[str, ...]) -> Iterator[tuple[str, object]]:
+    for n, line in lines:
+        if not line.strip():
+            continue  # blank lines are allowed (datasets skips them too)
+        try:
+            yield f"line {n}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"dataset {spec!r} line {n}: not JSON ({e.msg} at column {e.colno}): "
+                            f"{line.strip()[:60]!r}; each line must be one JSON object with "
+                            f"{', '.join(required)}") from None
+
+
+def check_file(path: Path, spec: str, required: tuple[str, ...] = REQUIRED) -> None:
+    """Streamed checks of a local file before `datasets` reads it: UTF-8 (.jsonl, .json, .csv) and, for JSON,
+    one object per line (or a list of objects) with well-formed `required` values."""
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        for _ in _decoded_lines(path, spec):
+            pass
+        return
+    if suffix not in (".jsonl", ".json"):
+        return
+    lines = _decoded_lines(path, spec)
+    head = []
+    for n, line in lines:
+        head.append((n, line))
+        if line.strip():
+            break
+    first = head[-1][1].lstrip() if head else ""
+    try:
+        one_line = json.loads(first) if first else None
+    except json.JSONDecodeError:
+        one_line = None
+    if first.startswith("[") or (suffix == ".json" and first.startswith("{") and not isinstance(one_line, dict)):
+        # a JSON list of rows, or one object over several lines (datasets reads columns from it via pandas)
+        text = "".join(t for _, t in head) + "".join(t for _, t in lines)
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"dataset {spec!r} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno}); "
+                            "use one JSON object per line, or one list of objects") from None
+        if isinstance(whole, list):
+            _check_rows(((f"row {i}", row) for i, row in enumerate(whole)), spec, required)
+        return  # one object: datasets reads it as columns, checked once loaded
+    _check_rows(_json_lines(itertools.chain(head, lines), spec, required), spec, required)
+
+
+def row_locator(spec: str, num_rows: int) -> Callable[[int], str]:
+    """row -> "row R at line L" for a JSON Lines file with num_rows rows, else "row R". The file is read again
+    only on the first call (messages only)."""
+    lines: list[int] | None = None
+
+    def where(row: int) -> str:
+        nonlocal lines
+        if lines is None:
+            lines = []
+            path = Path(spec)
+            if path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
+                found = [(n, t) for n, t in _decoded_lines(path, spec) if t.strip()]
+                if len(found) == num_rows and found[0][1].lstrip().startswith("{"):
+                    lines = [n for n, _ in found]
+        return f"row {row} at line {lines[row]}" if lines else f"row {row}"
+
+    return where
+
+
+def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUIRED):
+    """A `datasets.Dataset` of preference rows (or rows with the `required` columns) from a local file, a
+    save_to_disk folder or a hub name."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(spec)
+    try:
+        if path.is_file():
+            builder = FILE_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise UserError(f"dataset {spec!r}: unsupported file type {path.suffix!r}; use "
+                                + ", ".join(FILE_BUILDERS))
+            if path.stat().st_size == 0:
+                raise UserError(f"dataset {spec!r} is empty: it needs rows with prompt, chosen and rejected")
+            check_file(path, spec, required)
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+        elif path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise UserError(f"dataset {spec!r} has splits {list(ds)}; set dataset_split to one of them")
+                ds = ds[split]
+        elif spec.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS or path.parent.exists() \
+                and str(path.parent) not in (".", ""):
+            raise UserError(f"dataset {spec!r} not found: give the path of a .jsonl/.json/.parquet/.csv file or "
+                            "a datasets save_to_disk folder")
+        else:
+            try:
+                ds = datasets.load_dataset(spec, split=split)
+            except Exception as e:
+                raise UserError(f"dataset {spec!r} is not a local file or folder, and loading it from the hub "
+                                f"failed ({type(e).__name__}); save it locally and pass the path") from None
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types for unreadable data: report, no traceback
+        raise UserError(f"dataset {spec!r} could not be read: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                        " (check that the file matches its extension)") from None
+    missing = [k for k in required if k not in ds.column_names]
+    if missing:
+        raise UserError(f"dataset {spec!r} lacks column(s) {', '.join(missing)} (has {', '.join(ds.column_names)});"
+                        f" each row needs {', '.join(required)}")
+    if len(ds) == 0:
+        raise UserError(f"dataset {spec!r} has no rows")
+    return ds

@@ -1,0 +1,18 @@
+"""The ground floor of every message: `UserError` (bad input: exit code 2, one line, no traceback) and `log`."""
+
+from __future__ import annotations
+
+import sys
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """Bad input: say what, where, and what to do. Never shown with a traceback."""
+
+
+def log(msg: str) -> None:
+    """One line to stderr that does not break a running progress bar."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(msg, file=sys.stderr)

@@ -1,0 +1,363 @@
+"""The one training loop, for DPO (train.py) and SFT (sft.py).
+
+It owns what the two share: the session state (step, the data stream, the micro-batch split, the metric window),
+micro-batching with the out-of-memory back-off, the update with its non-finite guard, the metric lines, the
+checkpoints and resuming from them, and the final save. A stage supplies only what differs, as an `Objective`:
+what a data item is (in `Session.pairs`), and how a step's items become a loss, its gradients and its metrics.
+
+    s = Session(...)                      # built by the stage's setup: model, optimizer, items, objective
+    s = resume_or_start(s, *find_resume(cfg))
+    run(s)                                # optimizer_step until s.steps; log, checkpoint, save
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from lowmem_dpo import checkpoint, devices, files, guards
+from lowmem_dpo.config import Config
+from lowmem_dpo.errors import UserError, log
+
+
+class Stats(Protocol):
+    """Sums over the micro-batches of one step, or over the steps of a log line's window (a dataclass: a
+    checkpoint stores it with dataclasses.asdict)."""
+
+    tokens: int  # tokens in the forward passes (for tokens_per_s)
+
+    def add(self, other) -> None: ...
+    def means(self) -> dict[str, float]: ...  # the metric line's values; "loss" is the step's mean loss
+
+    @property
+    def empty(self) -> bool: ...  # nothing added (every step since the last line was skipped)
+
+
+class Objective(Protocol):
+    """What a training stage plugs into the loop."""
+
+    name: str  # the stage: the progress bar's label
+
+    def new_stats(self) -> Stats: ...
+
+    def backward(self, s: "Session", items: list) -> Stats:
+        """Forward + backward of one optimizer step's items in micro-batches of s.micro_batch (split()); the
+        gradients accumulate in s.params, scaled so the step's loss is its mean whatever the split."""
+
+    def warning_signs(self, s: "Session", step: int) -> list[str]:
+        """Signs the run is going wrong, from s.window at a logged step (guards.py); [] for none."""
+
+    def postfix(self, line: dict) -> dict[str, str]:
+        """The progress bar's numbers from a metrics line."""
+
+    def intro(self, s: "Session") -> list[str]:
+        """The log lines that open the run: what is trained, on what."""
+
+    def summary(self, line: dict) -> str:
+        """The final metrics line for the closing log line: ': loss ...', or '' when it has none."""
+
+
+# -- the data stream ---------------------------------------------------------------------------------------------
+def pair_stream(items: list, seed: int):
+    """Endless stream of data items: each epoch a fresh seeded permutation. Each optimizer step takes its items
+    from here, so a step's items do not depend on how they are split into micro-batches, and a resumed run skips
+    exactly the items it consumed."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        for i in torch.randperm(len(items), generator=g).tolist():
+            yield items[i]
+
+
+def take(stream, n: int) -> list:
+    return [next(stream) for _ in range(n)]
+
+
+def split(items: list, micro_batch: int) -> list[list]:
+    """The micro-batches of one optimizer step, in order."""
+    return [items[i:i + micro_batch] for i in range(0, len(items), micro_batch)]
+
+
+# -- the session -------------------------------------------------------------------------------------------------
+@dataclass
+class Session:
+    """Everything one training run holds: built by a stage's setup, advanced by `optimizer_step`."""
+
+    cfg: Config
+    resolved: devices.Resolved
+    model: object  # PeftModel
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    params: list  # the trainable LoRA parameters
+    pairs: list  # the data items: preference pairs (train) or SFT rows (sft)
+    pad_id: int
+    steps: int  # optimizer steps this run takes in all (a resumed run included)
+    objective: Objective
+    stream: object = None  # pair_stream() generator, positioned after the items already trained on
+    micro_batch: int = 0  # items per forward; the out-of-memory back-off halves it
+    grad_accum: int = 0  # micro-batches per optimizer step; doubled with each halving
+    step: int = 0  # optimizer steps finished
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient, in all
+    nonfinite_in_a_row: int = 0
+    window: Stats = None  # stats since the last logged line
+    metrics_lines: list[str] = field(default_factory=list)  # metrics.jsonl so far
+    resumed_from: Path | None = None
+    replaces: list[Path] = field(default_factory=list)  # an earlier run's checkpoints, removed at the first save
+
+    def __post_init__(self):  # a new run: the data from its start, the recipe's split, an empty window
+        if self.stream is None:
+            self.stream = pair_stream(self.pairs, self.cfg.seed)
+        self.micro_batch = self.micro_batch or self.cfg.per_device_train_batch_size
+        self.grad_accum = self.grad_accum or self.cfg.gradient_accumulation_steps
+        if self.window is None:
+            self.window = self.objective.new_stats()
+
+    @property
+    def pairs_per_step(self) -> int:
+        return self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps
+
+
+# -- resume ------------------------------------------------------------------------------------------------------
+def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | None]:
+    """The checkpoint this run continues from (resume=auto: the newest in output_dir; resume=PATH) and its
+    state, refused when it was written with settings that change the numbers; (None, None) to start over."""
+    resume_from = checkpoint.find(cfg.output_dir, cfg.resume)
+    if resume_from is None:
+        return None, None
+    saved = checkpoint.read_state(resume_from)
+    changed = checkpoint.config_changes(saved.config, dataclasses.asdict(cfg))
+    if changed:
+        raise UserError(f"{resume_from} was written by a run with other settings ("
+                        + ", ".join(f"{k}: {saved.config.get(k)!r} -> {getattr(cfg, k, None)!r}" for k in changed)
+                        + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
+                        " are replaced as the new run saves)")
+    return resume_from, saved
+
+
+def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.TrainerState | None) -> Session:
+    """Put a freshly set-up session where checkpoint `resume_from` left off (weights, optimizer, schedule, RNG,
+    data position, batch split, the metrics so far); or, starting over, note the old checkpoints it replaces."""
+    if saved is None:
+        s.replaces = [p for _, p in checkpoint.complete(s.cfg.output_dir)]
+        return s
+    checkpoint.restore(resume_from, s.model, s.opt, s.sched)
+    take(s.stream, saved.pairs_seen)  # the data order is a function of the seed: replay it
+    s.step, s.skipped_steps = saved.step, saved.skipped_steps
+    s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
+    s.window = type(s.window)(**saved.window)
+    s.metrics_lines = checkpoint.metrics_lines(resume_from)
+    s.resumed_from = resume_from
+    return s
+
+
+def checkpoint_state(s: Session) -> checkpoint.TrainerState:
+    return checkpoint.TrainerState(step=s.step, pairs_seen=s.step * s.pairs_per_step, micro_batch=s.micro_batch,
+                                   grad_accum=s.grad_accum, skipped_steps=s.skipped_steps,
+                                   window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg))
+
+
+def last_checkpoint_note(s: Session) -> str:
+    found = checkpoint.complete(s.cfg.output_dir)
+    return (f"the last checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact" if found
+            else "no checkpoint was written (save_steps)")
+
+
+# -- one optimizer step ------------------------------------------------------------------------------------------
+def backward_with_backoff(s: Session, items: list):
+    """The objective's forward+backward of one optimizer step's items, split into micro-batches of
+    s.micro_batch. On out-of-memory, halve the micro-batch (the accumulation doubles: the same items, the same
+    update) and retry, down to 1 item."""
+    while True:
+        try:
+            return s.objective.backward(s, items)
+        except Exception as e:
+            if not devices.is_out_of_memory(e):
+                raise
+            s.opt.zero_grad(set_to_none=True)  # drop the partial step's gradients
+            del e  # its traceback holds the failed step's tensors
+            devices.release_memory(s.resolved.device)
+            if s.micro_batch == 1:
+                raise UserError(f"out of memory at step {s.step + 1} with 1 pair per micro-batch; lower max_length, "
+                                "or set quantization=4bit / gradient_checkpointing=true (python -m "
+                                "lowmem_dpo.plan RECIPE.yaml shows what fits)") from None
+            s.micro_batch = max(1, s.micro_batch // 2)
+            s.grad_accum = math.ceil(len(items) / s.micro_batch)
+            log(f"out of memory at step {s.step + 1}: retrying with per_device_train_batch_size={s.micro_batch} "
+                f"gradient_accumulation_steps={s.grad_accum} (the same {len(items)} pairs per step)")
+
+
+def apply_gradients(s: Session, loss: float) -> float:
+    """The update after a step's backward: clip; AdamW unless `loss` (the step's mean) or the gradient norm is
+    non-finite; schedule; zero the gradients. Returns the gradient norm before clipping."""
+    max_norm = s.cfg.max_grad_norm if s.cfg.max_grad_norm is not None else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.params, max_norm).item()
+    s.step += 1
+    if guards.nonfinite(loss, grad_norm):
+        s.skipped_steps += 1
+        s.nonfinite_in_a_row += 1
+        log(f"warning: step {s.step}: non-finite loss ({loss:.4g}) or gradient "
+            f"norm ({grad_norm:.4g}); update skipped ({s.nonfinite_in_a_row} in a row)")
+        if s.nonfinite_in_a_row >= s.cfg.max_nonfinite_steps:
+            raise UserError(f"diverged: {s.nonfinite_in_a_row} steps in a row with a non-finite loss or gradient "
+                            f"(up to step {s.step}); the weights were not updated by them and "
+                            + last_checkpoint_note(s) + "; lower learning_rate or check the data and the cache")
+    else:
+        s.nonfinite_in_a_row = 0
+        s.opt.step()
+    s.sched.step()
+    s.opt.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def optimizer_step(s: Session) -> tuple[Stats, float, float]:
+    """One optimizer step over the next pairs_per_step items: forward+backward by micro-batches, clip, AdamW,
+    schedule. A non-finite loss or gradient skips the update (the schedule still advances);
+    max_nonfinite_steps in a row stop the run. Returns (stats, grad_norm before clipping, learning rate)."""
+    items = take(s.stream, s.pairs_per_step)
+    lr = s.sched.get_last_lr()[0]
+    stats = backward_with_backoff(s, items)
+    return stats, apply_gradients(s, stats.means()["loss"]), lr
+
+
+def timed(s: Session) -> tuple:
+    """optimizer_step's (stats, grad_norm, lr) and its wall seconds, the device synchronized before and after."""
+    devices.synchronize(s.resolved.device)
+    t0 = time.perf_counter()
+    stats, grad_norm, lr = optimizer_step(s)
+    devices.synchronize(s.resolved.device)
+    return stats, grad_norm, lr, time.perf_counter() - t0
+
+
+# -- output ------------------------------------------------------------------------------------------------------
+def start_output(s: Session) -> Path:
+    """output_dir with the resolved config.yaml; the resolved choices in the log."""
+    out_dir = Path(s.cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resolved_note = "".join(f"# resolved {r}\n" for r in s.resolved.reasons)
+    files.atomic_write_bytes(out_dir / "config.yaml", (s.cfg.to_yaml() + resolved_note).encode())
+    for reason in s.resolved.reasons:
+        log(f"resolved {reason}")
+    return out_dir
+
+
+def open_metrics(s: Session, out_dir: Path):
+    """metrics.jsonl as of the checkpoint the run resumes from (empty for a new run), open for appending: a
+    resumed run continues it without repeating a step. Logs where the run starts."""
+    if s.resumed_from is not None:
+        log(f"resuming from {s.resumed_from} (step {s.step} of {s.steps})")
+    elif s.replaces:
+        log(f"starting over (resume={s.cfg.resume}): the {len(s.replaces)} checkpoints in "
+            f"{checkpoint.root(out_dir)} are replaced by this run's first one")
+    files.atomic_write_bytes(out_dir / "metrics.jsonl", "".join(s.metrics_lines).encode())
+    return open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+
+def log_line(s: Session, stats: Stats, grad_norm: float, lr: float, dt: float) -> dict:
+    """The metrics.jsonl line for this step: the window's means (null when every step since the last line was
+    skipped as non-finite), the step's gradient norm, learning rate and timing."""
+    means = dict.fromkeys(s.window.means()) if s.window.empty else s.window.means()
+    line = {"step": s.step, **{k: None if v is None else round(v, 6) for k, v in means.items()},
+            "grad_norm": round(grad_norm, 6) if math.isfinite(grad_norm) else None,
+            "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3)}
+    peak = devices.peak_memory_bytes(s.resolved.device)
+    if peak is not None:
+        line["peak_mem_bytes"] = peak
+    return line
+
+
+def save_adapter(model, out_dir: Path) -> None:
+    """PEFT adapter files into out_dir, each replaced atomically (a crash leaves the old file or the new one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out_dir))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for f in sorted(tmp.iterdir()):
+            os.chmod(f, 0o644)
+            os.replace(f, out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_final(s: Session, out_dir: Path) -> None:
+    """The adapter into output_dir, refusing non-finite weights and a disk without room for it."""
+    bad = [n for n, p in s.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    if bad:
+        raise UserError(f"not saving: {len(bad)} LoRA weights are not finite (first: {bad[0]}); "
+                        + last_checkpoint_note(s))
+    need = sum(p.numel() * p.element_size() for p in s.params) + (1 << 20)
+    then = checkpoint.resume_note(s.cfg.output_dir)
+    files.ensure_free_space(out_dir, need, "the adapter", then)
+    try:
+        save_adapter(s.model, out_dir)
+    except OSError as e:
+        if files.is_disk_full(e):
+            raise files.disk_full_error(out_dir, "the adapter", need, then) from None
+        raise
+
+
+# -- the loop ----------------------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    metrics: dict  # the last logged line of metrics.jsonl
+    model: object  # the PEFT model as trained (in memory)
+
+
+def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float, dt: float, bar) -> dict:
+    """Write the metrics line of the step just taken, start a new window, and warn (or stop, with
+    early_stop_on_divergence) on the objective's warning signs."""
+    line = log_line(s, stats, grad_norm, lr, dt)
+    s.metrics_lines.append(json.dumps(line) + "\n")
+    metrics_file.write(s.metrics_lines[-1])
+    metrics_file.flush()
+    signs = []
+    if not s.window.empty:  # else every step since the last line was skipped (already warned)
+        bar.set_postfix(s.objective.postfix(line))
+        signs = s.objective.warning_signs(s, s.step)
+    s.window = s.objective.new_stats()
+    for sign in signs:
+        log(f"warning: step {s.step}: {sign}")
+    if signs and s.cfg.early_stop_on_divergence:
+        raise UserError(f"stopped at step {s.step} (early_stop_on_divergence=true): {signs[0]}; "
+                        + last_checkpoint_note(s))
+    return line
+
+
+def run(s: Session, progress: bool = True) -> TrainResult:
+    """Optimizer steps until s.steps: a metrics line at step 1, every logging_steps and the last step; a
+    checkpoint every save_steps and at the last step; then the adapter into output_dir."""
+    from tqdm.auto import tqdm
+
+    cfg = s.cfg
+    out_dir = start_output(s)
+    for line in s.objective.intro(s):
+        log(line)
+    last = json.loads(s.metrics_lines[-1]) if s.metrics_lines else {}
+    bar = tqdm(total=s.steps, initial=s.step, desc=s.objective.name, unit="step", disable=not progress,
+               dynamic_ncols=True)
+    with open_metrics(s, out_dir) as metrics_file:
+        while s.step < s.steps:  # the loop
+            stats, grad_norm, lr, dt = timed(s)
+            if not guards.nonfinite(stats.means()["loss"]):
+                s.window.add(stats)
+            bar.update(1)
+            if s.step == 1 or s.step % cfg.logging_steps == 0 or s.step == s.steps:
+                last = log_step(s, metrics_file, stats, grad_norm, lr, dt, bar)
+            if cfg.save_steps and (s.step % cfg.save_steps == 0 or s.step == s.steps):
+                checkpoint.save(out_dir, checkpoint_state(s), s.model, s.opt, s.sched, s.metrics_lines,
+                                cfg.save_total_limit, s.replaces)
+                s.replaces = []
+    bar.close()
+    if s.skipped_steps:
+        log(f"note: {s.skipped_steps} updates were skipped for a non-finite loss or gradient")
+    save_final(s, out_dir)
+    log(f"saved adapter to {out_dir} (step {s.steps}{s.objective.summary(last)})")
+    return TrainResult(last, s.model)

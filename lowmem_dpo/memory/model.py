@@ -1,0 +1,353 @@
+"""The memory model: peak bytes of precompute and of a train step, term by term, as pure functions of an
+architecture (arch.Arch) and a setup (setup.Setup). Each formula says what it counts and how it was measured;
+search.py chooses knobs with them, and `python -m lowmem_dpo.plan --measure` checks them against measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lowmem_dpo.devices import ADAMW_TORCH, PAGED_ADAMW_8BIT
+from lowmem_dpo.logps import CHUNK_ELEMENTS
+from lowmem_dpo.memory.arch import LORA_MODULES, Arch
+from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup, setup_from_config
+from lowmem_dpo.units import MiB
+
+# bitsandbytes NF4: 64 weights per quantization block; double quantization stores each block's absmax as 1 byte,
+# with one float32 absmax per 256 blocks.
+NF4_BLOCK = 64
+NF4_BLOCK2 = 256
+# bitsandbytes' 8-bit optimizers keep 32-bit state for tensors under this many elements (min_8bit_size).
+BNB_MIN_8BIT_SIZE = 4096
+BNB_OPT_BLOCK = 256
+# Estimates for CUDA only (nothing here measures them): the CUDA context with cuBLAS/cuDNN handles, which
+# torch.cuda.max_memory_allocated does not count, and the caching allocator's fragmentation (reserved - allocated).
+CUDA_CONTEXT_BYTES = 512 * MiB
+CUDA_FRAGMENTATION = 0.05
+
+
+# -- formulas: weights and LoRA state ----------------------------------------------------------------------------
+def linear_weight_bytes(in_features: int, out_features: int, quantization: str, s: int) -> int:
+    """One frozen Linear weight (n = in*out elements), s = bytes of the dtype.
+
+    none: n*s.
+    4bit (bitsandbytes NF4, double quantization): n/2 packed 4-bit + n/64 uint8 block absmax + 4*n/(64*256)
+      float32 second-level absmax + 1 KiB of code tables (~0.516 bytes/param).
+    8bit (LLM.int8): n int8 + 4*out float32 row scales.
+    """
+    n = in_features * out_features
+    if quantization == "4bit":
+        blocks = math.ceil(n / NF4_BLOCK)
+        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NF4_BLOCK2) + 4 * (256 + 16 + 1)
+    if quantization == "8bit":
+        return n + 4 * out_features
+    return n * s
+
+
+def base_weight_bytes(arch: Arch, dtype: str, quantization: str) -> dict[str, int]:
+    """The frozen base: decoder Linears (quantized when asked), and in the dtype, always: embeddings, the LM head
+    (transformers never quantizes it; 0 when tied), norms and biases."""
+    s = DTYPE_BYTES[dtype]
+    linears = sum(linear_weight_bytes(i, o, quantization, s) for i, o in arch.linears().values())
+    return {
+        "linears": arch.layers * linears,
+        "embeddings": arch.vocab * arch.hidden * s,
+        "lm_head": 0 if arch.tie_word_embeddings else arch.vocab * arch.hidden * s,
+        "norms_biases": ((2 * arch.layers + 1) * arch.hidden + arch.layers * arch.bias_params()) * s,
+    }
+
+
+def layer_weight_bytes(arch: Arch, dtype: str, quantization: str) -> int:
+    """One decoder layer's weights: the unit CPU offload moves."""
+    s = DTYPE_BYTES[dtype]
+    return (sum(linear_weight_bytes(i, o, quantization, s) for i, o in arch.linears().values())
+            + (2 * arch.hidden + arch.bias_params()) * s)
+
+
+def lora_shapes(arch: Arch, targets: tuple[str, ...], r: int) -> list[int]:
+    """Element counts of every LoRA matrix: A is (r, in), B is (out, r), per adapted Linear per layer."""
+    out = []
+    for name, (i, o) in arch.linears().items():
+        if name in targets:
+            out += [r * i, o * r] * arch.layers
+    return out
+
+
+def optimizer_state_bytes(shapes: list[int], optimizer: str) -> int:
+    """AdamW's two moments per LoRA parameter.
+
+    adamw_torch: 2 float32 states = 8 bytes/param (+ a 4-byte step per tensor).
+    paged_adamw_8bit (bitsandbytes, blockwise): tensors of >= 4096 elements keep 2 uint8 states (2 bytes/param)
+      + a float32 absmax per 256-element block per state + two 256-entry float32 quantile maps; smaller tensors
+      keep 32-bit state (8 bytes/param). Paged: allocated as CUDA unified memory, which moves to CPU RAM under
+      pressure instead of failing (and which torch's allocator statistics do not see).
+    """
+    total = 0
+    for n in shapes:
+        if optimizer == PAGED_ADAMW_8BIT and n >= BNB_MIN_8BIT_SIZE:
+            total += 2 * n + 2 * 4 * math.ceil(n / BNB_OPT_BLOCK) + 2 * 256 * 4
+        else:
+            total += 8 * n + 4
+    return total
+
+
+# -- formulas: activations ---------------------------------------------------------------------------------------
+def layer_saved_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> dict[str, int]:
+    """Bytes one decoder layer keeps for backward in train, for n_seq sequences of seq_len tokens (NT tokens),
+    s = bytes of the dtype. What autograd saves in transformers' Llama/Mistral/Qwen2 layer with peft LoRA on a
+    frozen base (measured term by term with saved-tensor hooks):
+
+    norms:        2 RMSNorms keep their float32 input (a float32 copy when s=2): 2*H*4*NT, + 2*4*NT rsqrt.
+    lora_inputs:  every adapted Linear's LoRA A keeps its input (the frozen base Linear keeps nothing). With s=4,
+                  the Linears reading one tensor share it: H (q/k/v) + H (gate/up) + I (down)
+                  (o_proj reads the attention output, kept anyway); with s=2 (autocast) peft casts each input to
+                  float32 and autocast casts it back, so each keeps its own s-byte copy: sum of in_features * s.
+                  Times NT. lora_dropout > 0: each keeps its own copy (the dropped-out input, 4 bytes; with
+                  autocast its s-byte cast) and the dropout mask of its float32 input: 1 byte (bool) on CUDA, 4
+                  bytes on a CPU (there dropout multiplies by a float noise tensor).
+    lora_mids:    each LoRA B keeps A's output: r per adapted Linear, in s (autocast) or 4 bytes, times NT.
+    attention:    SDPA keeps q, k, v, its output and its float32 logsumexp: ((2*q_dim + 2*kv)*s + 4*heads)*NT,
+                  kv = q_dim with grouped kv heads (with padding, transformers repeats them to every head instead of
+                  using SDPA's GQA), else kv_dim; and the padding mask made an s-byte additive mask, n_seq*T^2*s.
+    mlp:          SiLU keeps gate, the product keeps act and up: 3*I*s*NT.
+    """
+    s = DTYPE_BYTES[setup.dtype]
+    nt = n_seq * seq_len
+    lin = arch.linears()
+    adapted = [m for m in LORA_MODULES if m in setup.lora_targets]
+    mid_bytes = s if setup.autocast else 4
+    if setup.lora_dropout > 0:
+        mask = 1 if setup.device == "cuda" else 4
+        inputs = sum(lin[m][0] for m in adapted) * ((s if setup.autocast else 4) + mask)
+    elif setup.autocast:
+        inputs = sum(lin[m][0] for m in adapted) * s
+    else:
+        shared = (arch.hidden if {"q_proj", "k_proj", "v_proj"} & set(adapted) else 0) \
+            + (arch.hidden if {"gate_proj", "up_proj"} & set(adapted) else 0) \
+            + (arch.intermediate if "down_proj" in adapted else 0)
+        inputs = shared * s
+    kv = arch.q_dim if arch.kv_heads < arch.heads else arch.kv_dim
+    return {
+        "norms": nt * (2 * arch.hidden * 4 + 2 * 4),
+        "lora_inputs": nt * inputs,
+        "lora_mids": nt * setup.lora_r * len(adapted) * mid_bytes,
+        "attention": nt * ((2 * arch.q_dim + 2 * kv) * s + 4 * arch.heads) + n_seq * seq_len * seq_len * s,
+        "mlp": nt * 3 * arch.intermediate * s,
+    }
+
+
+def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: int) -> dict[str, int]:
+    """What train keeps for backward across the whole forward, beyond the decoder layers' own:
+
+    layer_inputs: with gradient checkpointing, each layer keeps only its input: L*H*s*NT.
+    final_norm:   the last RMSNorm's float32 input: H*4*NT.
+    completion:   the hidden states of the M = n_seq*completion predicting positions that logps.py gathers
+                  (the LM head's input, kept by its checkpointed chunks): M*H*s.
+    mask:         transformers' boolean padding mask, n_seq*T^2 bytes.
+    int8_inputs:  8bit with checkpointing: LLM.int8's autograd function keeps its input on its context object,
+                  out of checkpointing's reach, so every layer keeps the inputs of its quantized Linears: the
+                  attention's normed input, o_proj's input, the MLP's normed input and down_proj's input,
+                  L*NT*(2H + q_dim + I)*s (without checkpointing they are among the layers' saved activations).
+    """
+    s = DTYPE_BYTES[setup.dtype]
+    nt = n_seq * seq_len
+    int8_kept = setup.quantization == "8bit" and setup.gradient_checkpointing
+    return {
+        "layer_inputs": arch.layers * nt * arch.hidden * s if setup.gradient_checkpointing else 0,
+        "final_norm": nt * arch.hidden * 4,
+        "completion": n_seq * completion * arch.hidden * s,
+        "mask": n_seq * seq_len * seq_len,
+        "int8_inputs": arch.layers * nt * (2 * arch.hidden + arch.q_dim + arch.intermediate) * s if int8_kept else 0,
+    }
+
+
+def dequant_bytes(arch: Arch, quantization: str, s: int) -> int:
+    """A quantized Linear runs by dequantizing its weight: the largest one's weight in the compute dtype (n*s)
+    plus its float32 block absmax (4*n/64) exist for the duration of one matmul (forward, and again in
+    backward). 8bit: the dequantized weight, n*s, in backward (the forward multiplies in int8: int8_buffers)."""
+    n = max(i * o for i, o in arch.linears().values())
+    if quantization == "4bit":
+        return n * s + 4 * math.ceil(n / NF4_BLOCK)
+    if quantization == "8bit":
+        return n * s
+    return 0
+
+
+def int8_buffers(arch: Arch, quantization: str, nt: int) -> int:
+    """LLM.int8's forward of one Linear (8bit only): the int8 copy of its (NT, in) input, and three 4-byte
+    (NT, out) tensors: the int32 accumulator, its float32 dequantized copy and the float32 outlier product:
+    NT*(in + 12*out) for the largest such Linear (gate/up_proj, in=H, out=I). Fitted to CPU measurements of
+    precompute (tiny-llama and llama-25m, float32: within 1%; bfloat16: -5%..-15%); bitsandbytes' CUDA
+    kernels differ."""
+    if quantization != "8bit":
+        return 0
+    return nt * max(i + 12 * o for i, o in arch.linears().values())
+
+
+def layer_working_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> int:
+    """Transient bytes at a layer's peak in train, beyond what is kept (measured: the MLP, in forward or backward),
+    the larger of two moments:
+    LoRA path: a float32 (N,T,I) tensor (the gradient flowing into the MLP's product; with autocast, also peft's
+      float32 cast of down_proj's input), an (N,T,I) s-byte gradient with autocast, and an (N,T,H) s-byte
+      gradient: NT*(4*I + (s*I if autocast) + s*H);
+    quantized base Linear: its dequantized weight (dequant_bytes) with the (N,T,I) and (N,T,H) s-byte gradients
+      around its matmul: NT*(s*I + s*H) + dequant;
+    8bit forward (recomputed in backward with checkpointing): the (N,T,H) input and LLM.int8's buffers."""
+    s = DTYPE_BYTES[setup.dtype]
+    nt = n_seq * seq_len
+    lora_path = nt * (4 * arch.intermediate + (s * arch.intermediate if setup.autocast else 0) + s * arch.hidden)
+    dequant = dequant_bytes(arch, setup.quantization, s)
+    int8_forward = nt * s * arch.hidden + int8_buffers(arch, setup.quantization, nt)
+    return max(lora_path, (nt * s * (arch.intermediate + arch.hidden) + dequant) if dequant else 0, int8_forward)
+
+
+def chunk_tokens(arch: Arch, completion_positions: int) -> int:
+    """Rows of one LM-head chunk in logps.completion_logps: CHUNK_ELEMENTS // V, at most the M positions."""
+    return max(1, min(completion_positions, CHUNK_ELEMENTS // arch.vocab))
+
+
+def logits_train_bytes(arch: Arch, completion_positions: int) -> int:
+    """The LM head in train (logps.py): only the M completion positions, in chunks of c = min(M, 2^24 // V) rows,
+    each checkpointed. Nothing (c, V)-sized is kept; at the peak (one chunk's backward: LogsumexpBackward) four
+    float32 (c, V) tensors live: the recomputed logits, logits - logsumexp, its exp, and the gradient.
+    4 * c * V * 4 bytes, at most 256 MiB whatever the batch, sequence length or vocabulary (never N*T*V*4)."""
+    return 4 * chunk_tokens(arch, completion_positions) * arch.vocab * 4
+
+
+def logits_inference_bytes(arch: Arch, completion_positions: int) -> int:
+    """The LM head under inference_mode (precompute): one chunk's float32 logits and logsumexp's exp(logits - max)
+    (computed in place), 2 * c * V * 4 (the s-byte logits before the float32 cast are gone by then)."""
+    return 2 * chunk_tokens(arch, completion_positions) * arch.vocab * 4
+
+
+def precompute_layer_bytes(arch: Arch, n_seq: int, seq_len: int, s: int, quantization: str) -> int:
+    """One layer's working set under inference_mode (nothing is kept between layers), the largest of:
+    MLP product: the embedding output, the layer input, the residual and the norm output (4*H), SiLU(gate), up
+      and their product (3*I): NT*(4H + 3I)*s (measured: the peak for these architectures unquantized);
+    up_proj of a quantized base: 4*H, SiLU(gate) and up's output (2*I), and the dequantized weight (4bit) or
+      LLM.int8's buffers (8bit, int8_buffers): NT*(4H + 2I)*s + that (measured: the peak with 4-bit and 8-bit);
+    attention: NT*(4H + 3*q_dim + 2*kv_dim)*s + the boolean and the s-byte additive masks, n_seq*T^2*(1 + s)
+      (+ dequant)."""
+    nt = n_seq * seq_len
+    # forward only: 8bit multiplies in int8 (its buffers), 4bit dequantizes the weight
+    dequant = int8_buffers(arch, quantization, nt) if quantization == "8bit" else dequant_bytes(arch, quantization, s)
+    mlp = nt * (4 * arch.hidden + 3 * arch.intermediate) * s
+    up_proj = (nt * (4 * arch.hidden + 2 * arch.intermediate) * s + dequant) if dequant else 0
+    attn = nt * (4 * arch.hidden + 3 * arch.q_dim + 2 * arch.kv_dim) * s + n_seq * seq_len * seq_len * (1 + s)
+    return max(mlp, up_proj, attn + dequant)
+
+
+def framework_overhead(device: str, tensor_peak: int) -> int:
+    """Memory the device needs beyond live tensors. CUDA: the context (~512 MiB, not counted by torch) and the
+    caching allocator's fragmentation (~5% of the tensor peak): estimates. CPU and mps: 0 (the planner and
+    --measure count tensor memory; Python and the libraries' own RSS are not in the budget)."""
+    if device == "cuda":
+        return CUDA_CONTEXT_BYTES + int(CUDA_FRAGMENTATION * tensor_peak)
+    return 0
+
+
+# -- prediction --------------------------------------------------------------------------------------------------
+@dataclass
+class StagePrediction:
+    """Predicted peak of one stage. `breakdown` adds up to `peak_bytes`; `phases` shows both candidates for
+    the transient peak (the larger one is `breakdown["peak_phase"]`)."""
+
+    breakdown: dict[str, int]
+    phases: dict[str, int]
+    details: dict[str, int]
+    tensor_peak_bytes: int  # live tensor bytes: what --measure measures
+    peak_bytes: int  # + framework overhead: what must fit the budget
+    shapes: dict[str, int]
+
+    def to_json(self, budget: int, offload: int = 0) -> dict:
+        return {"peak_bytes": self.peak_bytes, "tensor_peak_bytes": self.tensor_peak_bytes,
+                "fits": self.peak_bytes <= budget, "offload_bytes": offload, "breakdown": self.breakdown,
+                "phases": self.phases, "details": self.details, "shapes": self.shapes}
+
+
+@dataclass
+class Prediction:
+    train: StagePrediction
+    precompute: StagePrediction
+    setup: Setup
+
+
+def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
+    """Peak of one optimizer step: weights + LoRA state + what the forward keeps + the larger transient phase.
+
+    no checkpointing:  kept = L layers' saved activations + kept_bytes; phase = max(layer working set, logits).
+    checkpointing:     kept = layer inputs + kept_bytes; phase = max(one recomputed layer's saved activations +
+                       its working set, logits) (the logits' backward runs before any layer is recomputed).
+    The optimizer step itself (activations freed by then) adds 2 float32 copies of the LoRA params for
+    torch's foreach AdamW on CUDA; it counts only if larger than the backward peak.
+    """
+    seq_len, completion = setup.shapes("train")
+    n_seq = 2 * setup.micro_batch
+    m = n_seq * completion
+    weights = base_weight_bytes(arch, setup.dtype, setup.quantization)
+    shapes = lora_shapes(arch, setup.lora_targets, setup.lora_r)
+    n_lora = sum(shapes)
+    layer = layer_saved_bytes(arch, setup, n_seq, seq_len)
+    kept = kept_bytes(arch, setup, n_seq, seq_len, completion)
+    layer_total = sum(layer.values())
+    activations = sum(kept.values()) + (0 if setup.gradient_checkpointing else arch.layers * layer_total)
+    layer_phase = layer_working_bytes(arch, setup, n_seq, seq_len) + (
+        layer_total if setup.gradient_checkpointing else 0)
+    logits_phase = logits_train_bytes(arch, m)
+    breakdown = {
+        "base_weights": sum(weights.values()),
+        "lora_params": 4 * n_lora,
+        "lora_grads": 4 * n_lora,
+        "optimizer_state": optimizer_state_bytes(shapes, setup.optimizer),
+        "activations": activations,
+        "peak_phase": max(layer_phase, logits_phase),
+    }
+    if setup.device == "cuda" and setup.optimizer == ADAMW_TORCH:
+        opt_step = 2 * 4 * n_lora  # foreach AdamW temporaries, when the activations are gone
+        excess = opt_step - (breakdown["activations"] + breakdown["peak_phase"])
+        if excess > 0:
+            breakdown["peak_phase"] += excess
+    tensor_peak = sum(breakdown.values())
+    overhead = framework_overhead(setup.device, tensor_peak)
+    breakdown["framework_overhead"] = overhead
+    details = {**{f"weights.{k}": v for k, v in weights.items()}, **{f"layer.{k}": v for k, v in layer.items()},
+               **{f"kept.{k}": v for k, v in kept.items()}, "lora_param_count": n_lora}
+    return StagePrediction(breakdown, {"layer": layer_phase, "logits": logits_phase}, details, tensor_peak,
+                           tensor_peak + overhead,
+                           {"sequences": n_seq, "seq_len": seq_len, "completion_tokens": completion})
+
+
+def predict_precompute(arch: Arch, setup: Setup) -> StagePrediction:
+    """Peak of one precompute forward under inference_mode (nothing kept between layers): weights of the
+    reference + the larger of one layer's working set and the LM head phase (the final hidden states, the
+    gathered completion positions and one chunk's logits)."""
+    s = DTYPE_BYTES[setup.ref_dtype]
+    seq_len, completion = setup.shapes("precompute")
+    n_seq = 2 * setup.precompute_batch
+    m = n_seq * completion
+    weights = base_weight_bytes(arch, setup.ref_dtype, setup.ref_quantization)
+    layer_phase = precompute_layer_bytes(arch, n_seq, seq_len, s, setup.ref_quantization)
+    logits_phase = (n_seq * seq_len + m) * arch.hidden * s + logits_inference_bytes(arch, m)
+    breakdown = {"base_weights": sum(weights.values()), "lora_params": 0, "lora_grads": 0, "optimizer_state": 0,
+                 "activations": 0, "peak_phase": max(layer_phase, logits_phase)}
+    tensor_peak = sum(breakdown.values())
+    overhead = framework_overhead(setup.device, tensor_peak)
+    breakdown["framework_overhead"] = overhead
+    return StagePrediction(breakdown, {"layer": layer_phase, "logits": logits_phase},
+                           {f"weights.{k}": v for k, v in weights.items()}, tensor_peak, tensor_peak + overhead,
+                           {"sequences": n_seq, "seq_len": seq_len, "completion_tokens": completion})
+
+
+def predict(arch: Arch, cfg_like, budget: int | None = None) -> Prediction:
+    """Predicted peaks of train and precompute. `cfg_like`: a Setup, or a Config (resolved through the device
+    rules; `budget` picks the memory tier of a GPU this machine lacks)."""
+    setup = cfg_like if isinstance(cfg_like, Setup) else setup_from_config(cfg_like, budget)
+    return Prediction(predict_train(arch, setup), predict_precompute(arch, setup), setup)
+
+
+def streamed_layer_bytes(arch: Arch, dtype: str, quantization: str) -> int:
+    """One offloaded decoder layer's weights as they sit in CPU RAM and stream through the device: bitsandbytes
+    quantizes on the GPU only, so with 4bit/8bit the layers a device_map puts on the CPU stay unquantized, in
+    `dtype` (transformers' llm_int8_enable_fp32_cpu_offload)."""
+    return layer_weight_bytes(arch, dtype, "none")

@@ -1,0 +1,116 @@
+"""What a run is, for the memory model: a Config resolved through the device rules (devices.RULES) into the
+knobs a prediction depends on, and the memory budget it must fit."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from lowmem_dpo import devices
+from lowmem_dpo.errors import UserError
+from lowmem_dpo.memory.arch import LORA_MODULES
+from lowmem_dpo.units import parse_size
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The resolved knobs a prediction depends on (a Config plus the device rule's choices)."""
+
+    device: str  # cuda | cpu | mps
+    kind: str  # the devices.RULES key
+    dtype: str  # the policy's weights and compute (also the compute dtype of a quantized base)
+    quantization: str  # the policy's base: none | 8bit | 4bit
+    ref_dtype: str  # the reference's, in precompute
+    ref_quantization: str
+    gradient_checkpointing: bool
+    optimizer: str  # devices.ADAMW_TORCH | devices.PAGED_ADAMW_8BIT
+    micro_batch: int  # preference pairs per micro-batch: 2x sequences per forward
+    grad_accum: int
+    precompute_batch: int  # pairs per precompute forward
+    max_length: int
+    lora_r: int
+    lora_targets: tuple[str, ...]  # names from LORA_MODULES
+    lora_dropout: float = 0.0
+    seq_len: int | None = None  # padded tokens per sequence; None: max_length (the worst case)
+    completion_tokens: int | None = None  # completion tokens per sequence; None: seq_len - 1 (the worst case)
+    precompute_seq_len: int | None = None
+    precompute_completion_tokens: int | None = None
+
+    @property
+    def autocast(self) -> bool:
+        """train and precompute autocast the forward to a 16-bit dtype (devices.autocast)."""
+        return DTYPE_BYTES[self.dtype] == 2
+
+    def shapes(self, stage: str) -> tuple[int, int]:
+        """(T, completion tokens per sequence) for `stage`."""
+        if stage == "precompute":
+            t = self.precompute_seq_len or self.max_length
+            return t, self.precompute_completion_tokens or t - 1
+        t = self.seq_len or self.max_length
+        return t, self.completion_tokens or t - 1
+
+
+def lora_targets(names: list[str]) -> tuple[str, ...]:
+    if names == ["all-linear"]:
+        return LORA_MODULES
+    unknown = [n for n in names if n.split(".")[-1] not in LORA_MODULES]
+    if unknown:
+        raise UserError(f"lora_target_modules={names}: the planner knows the Llama-style names "
+                        f"{', '.join(LORA_MODULES)} and all-linear, not {', '.join(unknown)}")
+    return tuple(m for m in LORA_MODULES if m in {n.split(".")[-1] for n in names})
+
+
+def device_kind_for(device: str, budget: int | None) -> str:
+    """The devices.RULES key a run on `device` resolves to. A GPU this machine has is asked; one it lacks is
+    assumed bf16-capable, with the memory tier of the budget."""
+    if device == "cuda":
+        if torch.cuda.is_available():
+            return devices.device_kind(torch.device("cuda"))
+        if budget is None:
+            raise UserError("device=cuda but no GPU here to read its memory from: pass --budget, e.g. 12GiB")
+        return f"cuda-{devices.memory_tier(budget)}-bf16"
+    return devices.device_kind(torch.device(device))
+
+
+def planned_device(cfg) -> str:
+    if cfg.device != "auto":
+        return cfg.device
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def setup_from_config(cfg, budget: int | None = None) -> Setup:
+    """Resolve a Config through the device rules (devices.RULES) the way train and precompute do, for the
+    device the recipe names (cuda plans for a GPU even on a machine without one)."""
+    device = planned_device(cfg)
+    kind = device_kind_for(device, budget)
+    rule = devices.RULES[kind]
+    dtype = rule.dtype if cfg.dtype == "auto" else cfg.dtype
+    ref_dtype = cfg.reference_dtype
+    ref_dtype = rule.dtype if ref_dtype == "auto" else ref_dtype
+    ckpt = rule.gradient_checkpointing if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing == "true"
+    return Setup(device=device, kind=kind, dtype=dtype, quantization=cfg.quantization, ref_dtype=ref_dtype,
+                 ref_quantization=cfg.reference_quantization, gradient_checkpointing=ckpt, optimizer=rule.optimizer,
+                 micro_batch=cfg.per_device_train_batch_size, grad_accum=cfg.gradient_accumulation_steps,
+                 precompute_batch=cfg.precompute_batch_size, max_length=cfg.max_length, lora_r=cfg.lora_r,
+                 lora_targets=lora_targets(cfg.lora_target_modules), lora_dropout=cfg.lora_dropout)
+
+
+def run_budget(cfg, device: str) -> int:
+    """The budget train and precompute plan for: memory_budget, or the device's memory."""
+    if cfg.memory_budget is not None:
+        return parse_size(cfg.memory_budget, "memory_budget")
+    return default_budget(device)
+
+
+def default_budget(device: str) -> int:
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("device=cuda but no GPU here to read its memory from: pass --budget, e.g. 12GiB")
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
