@@ -28,11 +28,6 @@ def _sync(device: torch.device) -> None:
 
 
 # -- 1. precompute against a bare forward -------------------------------------------------------------------------
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-
 def precompute_vs_bare_forward(cfg, repeats: int) -> dict:
     """Rows/s of `precompute.shard_logps` and of a bare forward over precompute's batches, timed batch by batch
     back to back (the order alternates between repeats), after one untimed batch of each."""
@@ -53,7 +48,7 @@ def precompute_vs_bare_forward(cfg, repeats: int) -> dict:
     device = resolved.device
 
     def ours(k: int) -> None:
-        precompute.shard_logps(model, batches[k], bs, pad_id, resolved, _NoBar())
+        precompute.shard_logps(model, batches[k], bs, pad_id, resolved)
 
     @torch.inference_mode()
     def bare(k: int) -> None:

@@ -69,10 +69,6 @@ def required_settings(cfg, device: str, steps: int) -> dict:
     }
 
 
-def lora_targets(cfg):
-    return "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
-
-
 def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict) -> dict:
     import transformers
     import trl
@@ -84,6 +80,7 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict) -> dict
 
     model_path = models.resolve_model_path(cfg.model_name_or_path)
     required = required_settings(cfg, device, warmup + steps)
+    timer, trainer_class = step_timer(device), counting_trainer()  # trl's modules load here, before the phase
     with PeakMemory(device) as pm:
         t_setup = time.perf_counter()
         rows = data.load_rows(cfg.dataset, cfg.dataset_split)
@@ -91,8 +88,7 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict) -> dict
         defaults = DPOConfig(output_dir=required["output_dir"], use_cpu=required["use_cpu"], report_to="none")
         args = DPOConfig(**{**required, **trl_sets})
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=lora_targets(cfg), task_type="CAUSAL_LM")
-        timer, trainer_class = step_timer(device), counting_trainer()
+                          target_modules=cfg.peft_target_modules, task_type="CAUSAL_LM")
         trainer = trainer_class(model=str(model_path), args=args, train_dataset=rows, processing_class=tokenizer,
                                 peft_config=lora, callbacks=[timer])
         trainer.remove_callback(PrinterCallback)  # keep stdout for the table (logging itself still happens)
@@ -109,7 +105,7 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict) -> dict
         "settings": {k: jsonable(v) for k, v in effective.items()},
         "set_beyond_required": changed,
         "lora": {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
-                 "target_modules": lora_targets(cfg)},
+                 "target_modules": cfg.peft_target_modules},
         "reference": "live forward with the adapter disabled (TRL default for a PEFT model, no precompute)",
         "weights_dtype": str(next(trainer.model.parameters()).dtype).removeprefix("torch."),
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

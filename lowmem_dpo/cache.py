@@ -100,9 +100,9 @@ def check_fingerprint(cache_dir: Path, components: dict, rebuild_cmd: str) -> di
         raise UserError(f"no reference cache in {str(cache_dir)!r}; build it with: {rebuild_cmd}")
     if manifest.get("fingerprint") == fingerprint_digest(components):
         return manifest
-    changed = changed_components(manifest.get("components", {}), components)
-    detail = ", ".join(f"{k} ({_short(manifest['components'].get(k))} -> {_short(components.get(k))})"
-                       for k in changed)
+    old = manifest.get("components", {})
+    detail = ", ".join(f"{k} ({_short(old.get(k))} -> {_short(components.get(k))})"
+                       for k in changed_components(old, components))
     raise UserError(f"the reference cache in {str(cache_dir)!r} was built for other inputs: {detail or 'format'} "
                     f"changed. Rebuild it with: {rebuild_cmd}")
 

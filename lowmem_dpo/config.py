@@ -191,6 +191,11 @@ class Config:
         return problems
 
     @property
+    def peft_target_modules(self) -> str | list[str]:
+        """lora_target_modules as peft's LoraConfig takes them: the string all-linear, or the list of names."""
+        return "all-linear" if self.lora_target_modules == ["all-linear"] else self.lora_target_modules
+
+    @property
     def reference_quantization(self) -> str:
         """The reference's quantization: ref_quantization, or quantization when it is null."""
         return self.quantization if self.ref_quantization is None else self.ref_quantization

@@ -1,8 +1,9 @@
 """Signs that a DPO run is going wrong, from the metrics train logs: pure functions, numbers in, messages out.
 
-Train logs each sign as a warning at the logging step where it shows; with early_stop_on_divergence=true it
-stops there (exit 2, the last checkpoint kept). Non-finite losses and gradients are handled in train itself
-(the update is skipped; max_nonfinite_steps in a row stop the run).
+Train (its DPO objective, through loop.py) logs each sign as a warning at the logging step where it shows; with
+early_stop_on_divergence=true it stops there (exit 2, the last checkpoint kept). Non-finite losses and gradients
+are handled in the loop's update (loop.apply_gradients: the update is skipped; max_nonfinite_steps in a row stop
+the run).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from lowmem_dpo.files import files_digest
 # cache_settings key -> its name in the fingerprint (the manifest's "components"), where the two differ: the
 # cache has always called the reference's resolved precision "dtype" and "quantization".
 COMPONENT_NAMES = {"ref_dtype": "dtype", "ref_quantization": "quantization"}
+# The keys declared reference="files" (config.py), each read by file_components: a new one needs a line there.
+FILE_KEYS = frozenset({"model_name_or_path", "sft_adapter", "dataset", "dataset_split"})
 
 
 @dataclass
@@ -52,10 +54,10 @@ def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, ad
     ref_quantization, which default to dtype and quantization; a dtype of auto as the device resolves it), not
     the policy's: a cache computed unquantized serves a 4-bit policy. With an SFT adapter (`adapter_path`) the
     reference is base + adapter; the tokenizer is read from `tokenizer_path` (default: the model folder)."""
-    values = {COMPONENT_NAMES.get(k, k): v for k, v in cache_settings(cfg).items()}
-    values.update(dtype=dtype_name(resolved.ref_dtype), quantization=resolved.ref_quantization)
-    return {"format": cache.FORMAT_VERSION, **file_components(cfg, model_path, adapter_path, tokenizer_path or model_path),
-            **values}
+    values = {**cache_settings(cfg), "ref_dtype": dtype_name(resolved.ref_dtype),  # auto: as the device resolves it
+              "ref_quantization": resolved.ref_quantization}
+    files = file_components(cfg, model_path, adapter_path, tokenizer_path or model_path)
+    return {"format": cache.FORMAT_VERSION, **files, **{COMPONENT_NAMES.get(k, k): v for k, v in values.items()}}
 
 
 def prepare(cfg: Config, resolved: Resolved) -> Inputs:

@@ -54,8 +54,8 @@ class Objective(Protocol):
         """Forward + backward of one optimizer step's items in micro-batches of s.micro_batch (split()); the
         gradients accumulate in s.params, scaled so the step's loss is its mean whatever the split."""
 
-    def warning_signs(self, s: "Session", step: int) -> list[str]:
-        """Signs the run is going wrong, from s.window at a logged step (guards.py); [] for none."""
+    def warning_signs(self, s: "Session") -> list[str]:
+        """Signs the run is going wrong, from s.window at the logged step s.step (guards.py); [] for none."""
 
     def postfix(self, line: dict) -> dict[str, str]:
         """The progress bar's numbers from a metrics line."""
@@ -64,7 +64,7 @@ class Objective(Protocol):
         """The log lines that open the run: what is trained, on what."""
 
     def summary(self, line: dict) -> str:
-        """The final metrics line for the closing log line: ': loss ...', or '' when it has none."""
+        """The last metrics line as the closing log line shows it (': loss ...'), or '' when it has none."""
 
 
 # -- the data stream ---------------------------------------------------------------------------------------------
@@ -320,8 +320,8 @@ def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float
     metrics_file.flush()
     signs = []
     if not s.window.empty:  # else every step since the last line was skipped (already warned)
-        bar.set_postfix(s.objective.postfix(line))
-        signs = s.objective.warning_signs(s, s.step)
+        bar.set_postfix(**s.objective.postfix(line))
+        signs = s.objective.warning_signs(s)
     s.window = s.objective.new_stats()
     for sign in signs:
         log(f"warning: step {s.step}: {sign}")

@@ -150,20 +150,15 @@ def _longest_rows(cfg: Config, tokenizer, n: int, out: Path) -> Path:
     return out
 
 
-class _NoBar:
-    def update(self, n):
-        pass
-
-
-def _measure_precompute(cfg: Config, mcfg: Config, ins: inputs.Inputs, resolved: devices.Resolved):
+def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Resolved):
     """(PeakMeter, pairs) of precompute.shard_logps over one batch of the longest rows, the reference loaded as
     precompute loads it."""
     tok = inputs.tokenized(mcfg, ins.tokenizer, progress=False)
-    batch_pairs = precompute.shard_plan(tok.pairs, len(tok.pairs))[0][:cfg.precompute_batch_size]
+    batch_pairs = precompute.shard_plan(tok.pairs, len(tok.pairs))[0][:mcfg.precompute_batch_size]
     model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
     with PeakMeter(resolved.device) as meter:
-        precompute.shard_logps(model, batch_pairs, cfg.precompute_batch_size, data.pad_token_id(ins.tokenizer),
-                               resolved, _NoBar())
+        precompute.shard_logps(model, batch_pairs, mcfg.precompute_batch_size, data.pad_token_id(ins.tokenizer),
+                               resolved)
     del model
     gc.collect()
     return meter, batch_pairs
@@ -208,7 +203,7 @@ def measure(cfg: Config, steps: int = 2) -> dict:
         subset = _longest_rows(cfg, ins.tokenizer, rows, tmp / "rows.jsonl")
         mcfg = dataclasses.replace(cfg, dataset=str(subset), dataset_split="train", ref_cache_dir=str(tmp / "cache"),
                                    output_dir=str(tmp / "out"), max_steps=steps, save_steps=0)
-        pre, batch_pairs = _measure_precompute(cfg, mcfg, ins, resolved)
+        pre, batch_pairs = _measure_precompute(mcfg, ins, resolved)
         tr, seen = _measure_train(mcfg, steps)
     pre_t, pre_m = _pair_shape(batch_pairs)
     n_pre = 2 * len(batch_pairs)

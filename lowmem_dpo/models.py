@@ -299,7 +299,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
     prepare_model_for_kbit_training would cast them to float32: +0.5 GB on a 7B model with a 32k
     vocabulary, +2.2 GB with 152k); the LoRA weights peft adds are float32.
 
-    device_map (CPU offload, devices.offload_device_map): modules mapped to "cpu" (or "disk", under
+    device_map (CPU offload, memory.search.offload_device_map): modules mapped to "cpu" (or "disk", under
     `offload_folder`) stay off `device`; accelerate's hooks copy each one's weights to the device for its
     forward and drop them after. Log-probs are the same; steps are slower (the log says how much moves)."""
     from transformers import AutoModelForCausalLM

@@ -26,7 +26,7 @@ options:
   --json OUT     write {"train", "precompute", "plan", "budget_bytes", ...} to OUT.
   --measure      run real steps on this machine with the recipe as given (precompute's forward on its longest
                  batch, then train.setup and --steps optimizer steps) and report measured_peak_bytes beside the
-                 prediction. Peak = live tensor memory, see PeakMeter: the same thing the prediction counts.
+                 prediction. Peak = live tensor memory (measure.PeakMeter): the same thing the prediction counts.
   --slice N      with --measure: measure a model with the recipe's architecture (layer sizes, vocabulary) cut to N
                  decoder layers and random weights, against the prediction for N layers: checks a 7B-width model
                  on a small machine.

@@ -27,15 +27,13 @@ def new_adapter(cfg: Config, base):
     from peft import LoraConfig, get_peft_model
 
     adapters.check_no_adapter(base, "a fresh LoRA adapter")
-    targets = cfg.lora_target_modules
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules="all-linear" if targets == ["all-linear"] else targets,
-                      task_type="CAUSAL_LM")
+                      target_modules=cfg.peft_target_modules, task_type="CAUSAL_LM")
     torch.manual_seed(cfg.seed)  # LoRA A init
     try:
         return get_peft_model(base, lora)
     except ValueError as e:
-        raise UserError(f"lora_target_modules={targets}: {e}") from None
+        raise UserError(f"lora_target_modules={cfg.lora_target_modules}: {e}") from None
 
 
 def enable_checkpointing(base) -> None:

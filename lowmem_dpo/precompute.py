@@ -26,8 +26,6 @@ from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 
-KEPT = "Finished shards are kept: the rerun resumes after them."
-
 
 def shard_plan(pairs: list[data.TokenizedPair], shard_rows: int) -> list[list[data.TokenizedPair]]:
     """Rows sorted by length (longest first: an OOM shows at once, and batches carry little padding), then cut
@@ -38,7 +36,9 @@ def shard_plan(pairs: list[data.TokenizedPair], shard_rows: int) -> list[list[da
 
 @torch.inference_mode()
 def shard_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id: int,
-                resolved: devices.Resolved, bar) -> dict:
+                resolved: devices.Resolved, bar=None) -> dict:
+    """Reference log-prob sums and completion token counts of `pairs`, by batches: the tensors of one shard.
+    `bar` (a progress bar) advances by the rows of each batch."""
     out = {"rows": [], "chosen": [], "rejected": [], "chosen_tokens": [], "rejected_tokens": []}
     for i in range(0, len(pairs), batch_size):
         batch = data.collate(pairs[i:i + batch_size], pad_id).to(resolved.device)
@@ -51,7 +51,8 @@ def shard_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id:
         out["rejected"].append(rejected.logps.cpu())
         out["chosen_tokens"].append(chosen.n_tokens.cpu().int())
         out["rejected_tokens"].append(rejected.n_tokens.cpu().int())
-        bar.update(len(batch.rows))
+        if bar is not None:
+            bar.update(len(batch.rows))
     return {k: torch.cat(v) for k, v in out.items()}
 
 
@@ -174,7 +175,8 @@ def run(cfg: Config, progress: bool = True) -> Path:
     b = start_build(cfg, tok.pairs, fp)
     # rows (int64) + chosen, rejected (float32) + two token counts (int32) per row, a header per shard
     need = (len(tok.pairs) - b.done_rows) * 24 + len(b.shards) * 4096 + (1 << 20)
-    files.ensure_free_space(cache_dir, need, "the reference cache", KEPT if any(b.done) else
+    files.ensure_free_space(cache_dir, need, "the reference cache",
+                            "Finished shards are kept: the rerun resumes after them." if any(b.done) else
                             "Nothing was written; an existing cache there is untouched.")
     quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
     log(f"precompute: {len(tok.pairs)} rows on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"

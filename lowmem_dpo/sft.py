@@ -77,7 +77,7 @@ class SFT:
     def backward(self, s: loop.Session, items: list) -> SFTStats:
         return sft_backward(s, items)
 
-    def warning_signs(self, s: loop.Session, step: int) -> list[str]:
+    def warning_signs(self, s: loop.Session) -> list[str]:
         return []  # DPO's signs (guards.py) read rewards an SFT step has not
 
     def postfix(self, line: dict) -> dict[str, str]:

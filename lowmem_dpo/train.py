@@ -110,9 +110,9 @@ class DPO:
     def backward(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> StepStats:
         return train_step(s.model, s.cfg, loop.split(pairs, s.micro_batch), self.ref, s.pad_id, s.resolved)
 
-    def warning_signs(self, s: loop.Session, step: int) -> list[str]:
+    def warning_signs(self, s: loop.Session) -> list[str]:
         w = s.window
-        return guards.warning_signs(w.means(), step, s.steps, s.cfg.beta, w.chosen_tokens / w.pairs)
+        return guards.warning_signs(w.means(), s.step, s.steps, s.cfg.beta, w.chosen_tokens / w.pairs)
 
     def postfix(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}", "acc": f"{line['rewards/accuracies']:.2f}",
