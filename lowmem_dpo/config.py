@@ -2,9 +2,9 @@
 
     python -m lowmem_dpo.train RECIPE.yaml learning_rate=1e-4 max_prompt_length=null
 
-Values are coerced by the declared type of the field, never by YAML's guess: `1e-4` is a float for a float
-field (YAML 1.1 would read it as a string), `null`/`None`/`none` is None for an Optional field (never the
-string "None"), `1.5` for an int field is an error. Every problem in a recipe is collected and reported at
+Values are coerced by the declared type of the field (coerce.py), never by YAML's guess: `1e-4` is a float for
+a float field (YAML 1.1 would read it as a string), `null`/`None`/`none` is None for an Optional field (never
+the string "None"), `1.5` for an int field is an error. Every problem in a recipe is collected and reported at
 once, as a `ConfigError` that the stage entry points turn into exit code 2 and one message.
 """
 
@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Optional
 
 import yaml
 
-from lowmem_dpo.errors import UserError
+from lowmem_dpo.coerce import check_bounds, coerce, describe
+from lowmem_dpo.errors import ConfigError, UserError
 from lowmem_dpo.units import parse_size
-
-
-class ConfigError(UserError):
-    """A recipe or override the user must fix. Entry points print it and exit with code 2."""
 
 
 def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, reference=None,
@@ -211,96 +206,6 @@ class Config:
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _HINTS = typing.get_type_hints(Config)
-_NULLS = {"null", "none", "~", ""}
-
-
-def _describe(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return f"{_describe(inner[0])} or null"
-    if origin is Literal:
-        return "|".join(map(str, typing.get_args(tp)))
-    if tp is list:
-        return "list of str"
-    return tp.__name__
-
-
-def _coerce(name: str, raw, tp):
-    """Turn a YAML value or an override string into the field's declared type, or raise ConfigError."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        choices = FIELDS[name].metadata["choices"] or ()
-        is_choice = isinstance(raw, str) and raw.strip() in choices  # ref_quantization=none: the choice, not null
-        if raw is None or (not is_choice and isinstance(raw, str) and raw.strip().lower() in _NULLS):
-            return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        return _coerce(name, raw, inner)
-    if raw is None or (tp in (int, float, bool) and isinstance(raw, str) and raw.strip().lower() in _NULLS):
-        raise ConfigError(f"{name}=null: expected {_describe(tp)}, and this key cannot be null")
-    if tp is bool:
-        if isinstance(raw, bool):
-            return raw
-        s = str(raw).strip().lower()
-        if s in ("true", "yes", "1", "on"):
-            return True
-        if s in ("false", "no", "0", "off"):
-            return False
-        raise ConfigError(f"{name}={raw!r}: expected true or false")
-    if tp is int:
-        if isinstance(raw, bool):
-            raise ConfigError(f"{name}={raw!r}: expected an integer")
-        if isinstance(raw, int):
-            return raw
-        if isinstance(raw, float):
-            raise ConfigError(f"{name}={raw!r}: expected an integer, got a fraction")
-        try:
-            return int(str(raw).strip().replace("_", ""))
-        except ValueError:
-            try:
-                float(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r}: expected an integer") from None
-            raise ConfigError(f"{name}={raw}: expected an integer, got a fraction") from None
-    if tp is float:
-        if isinstance(raw, bool):
-            raise ConfigError(f"{name}={raw!r}: expected a number")
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name}={raw!r}: expected a number such as 1e-4") from None
-        if not math.isfinite(value):
-            raise ConfigError(f"{name}={raw!r}: expected a finite number")
-        return value
-    if tp is list:
-        if isinstance(raw, str):
-            items = [s.strip() for s in raw.strip().strip("[]").split(",")]
-        elif isinstance(raw, (list, tuple)):
-            items = [str(s).strip() for s in raw]
-        else:
-            raise ConfigError(f"{name}={raw!r}: expected a list of names or a comma-separated string")
-        return [s for s in items if s]
-    if tp is str:
-        if isinstance(raw, bool):  # YAML reads a bare `true` as a bool: keep the choice's spelling
-            return str(raw).lower()
-        if isinstance(raw, (dict, list)):
-            raise ConfigError(f"{name}={raw!r}: expected a string")
-        return str(raw)
-    raise AssertionError(f"unhandled config type {tp} for {name}")
-
-
-def _check_bounds(name: str, value) -> None:
-    meta = FIELDS[name].metadata
-    if value is None:
-        return
-    if meta["choices"] is not None and value not in meta["choices"]:
-        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(meta['choices'])}")
-    lo, hi = meta["min"], meta["max"]
-    if lo is not None and (value < lo or (meta["min_exclusive"] and value == lo)):
-        op = ">" if meta["min_exclusive"] else ">="
-        raise ConfigError(f"{name}={value!r}: out of range, expected {op} {lo}")
-    if hi is not None and value > hi:
-        raise ConfigError(f"{name}={value!r}: out of range, expected <= {hi}")
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:
@@ -327,8 +232,8 @@ def build_config(values: dict, sources: dict | None = None) -> Config:
             problems.append(f"{key}: unknown key{where}; {hint}")
             continue
         try:
-            value = _coerce(key, raw, _HINTS[key])
-            _check_bounds(key, value)
+            value = coerce(key, raw, _HINTS[key], FIELDS[key].metadata["choices"] or ())
+            check_bounds(key, value, FIELDS[key].metadata)
             kwargs[key] = value
         except ConfigError as e:
             problems.append(f"{e}{where}")
@@ -371,7 +276,7 @@ def help_text(stage: str, command_doc: str) -> str:
              "keys (type, default: doc):"]
     for f in dataclasses.fields(Config):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name} ({_describe(_HINTS[f.name])}, default {yaml.safe_dump(default).strip()!s}"
+        lines.append(f"  {f.name} ({describe(_HINTS[f.name])}, default {yaml.safe_dump(default).strip()!s}"
                      f"{' ; choices ' + '|'.join(f.metadata['choices']) if f.metadata['choices'] else ''}): "
                      f"{f.metadata['doc']}")
     return "\n".join(lines)

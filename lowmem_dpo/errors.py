@@ -1,4 +1,5 @@
-"""The ground floor of every message: `UserError` (bad input: exit code 2, one line, no traceback) and `log`."""
+"""The ground floor of every message: `UserError` (bad input: exit code 2, one line, no traceback), `ConfigError`
+(a recipe to fix) and `log`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ EXIT_USAGE = 2
 
 class UserError(Exception):
     """Bad input: say what, where, and what to do. Never shown with a traceback."""
+
+
+class ConfigError(UserError):
+    """A recipe or override the user must fix (config.py, coerce.py). Entry points print it and exit with code 2."""
 
 
 def log(msg: str) -> None:

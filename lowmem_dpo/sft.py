@@ -6,13 +6,15 @@ The loss is the mean negative log-likelihood of the completion tokens only (prom
 nothing), as TRL's SFTTrainer with completion_only_loss: rows with `prompt`/`completion` (TRL's prompt-completion
 format, text or conversations), or preference rows, whose `prompt`/`chosen` are used. Text completions get the
 EOS token appended. Model loading, quantization, device rules, gradient checkpointing, optimizer and schedule are
-train's (same keys, policy.py), so stage A fits where stage B fits; so is the loop (loop.py): this module supplies
-only what an SFT item is and how a micro-batch becomes its loss (`SFT`).
+train's (same keys), so stage A fits where stage B fits.
 
 Writes to output_dir: config.yaml (resolved), metrics.jsonl (step, loss, grad_norm, learning_rate, step_time_s,
 tokens_per_s), and a standard PEFT adapter (adapter_config.json, adapter_model.safetensors) whose
 base_model_name_or_path names the base, so `model_name_or_path=OUTPUT_DIR` points a DPO recipe at base + adapter.
 """
+
+# Train's policy setup (policy.py) and loop (loop.py) run stage A too: this module supplies only what an SFT
+# item is and how a micro-batch becomes its loss and metrics (`SFT`).
 
 from __future__ import annotations
 

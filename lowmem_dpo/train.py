@@ -6,11 +6,11 @@
 Writes to output_dir: config.yaml (resolved), metrics.jsonl (one JSON object per logged step, TRL key names),
 and the final PEFT adapter (adapter_config.json, adapter_model.safetensors). When model_name_or_path (or
 sft_adapter) names an SFT LoRA adapter, that adapter is the one trained (adapters.py).
-
-This module is DPO's part of a run: what a data item is (a preference pair) and how a micro-batch becomes the
-DPO loss and its metrics (`DPO`). The loop itself (micro-batches, out-of-memory back-off, non-finite guard,
-metrics, checkpoints, resume, the final save) is loop.py's, shared with sft.py.
 """
+
+# This module is DPO's part of a run: what a data item is (a preference pair) and how a micro-batch becomes the
+# DPO loss and its metrics (`DPO`). The loop itself (micro-batches, out-of-memory back-off, non-finite guard,
+# metrics, checkpoints, resume, the final save) is loop.py's, shared with sft.py.
 
 from __future__ import annotations
 
