@@ -5,8 +5,8 @@ micro-batching with the out-of-memory back-off, the update with its non-finite g
 checkpoints and resuming from them, and the final save. A stage supplies only what differs, as an `Objective`:
 what a data item is (in `Session.pairs`), and how a step's items become a loss, its gradients and its metrics.
 
-    s = Session(...)                      # built by the stage's setup: model, optimizer, items, objective
-    s = resume_or_start(s, *find_resume(cfg))
+    resume = find_resume(cfg)             # before anything heavy: a changed setting fails fast
+    s = start(cfg, resolved, model, items, pad_id, objective, resume)   # optimizer, schedule, checkpoint state
     run(s)                                # optimizer_step until s.steps; log, checkpoint, save
 """
 
@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from lowmem_dpo import checkpoint, devices, files, guards
+from lowmem_dpo import checkpoint, devices, files, guards, policy
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
 
@@ -157,6 +157,16 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
     s.metrics_lines = checkpoint.metrics_lines(resume_from)
     s.resumed_from = resume_from
     return s
+
+
+def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: int, objective: Objective,
+          resume: tuple[Path | None, checkpoint.TrainerState | None]) -> Session:
+    """The session of a stage's set-up model: its optimizer and schedule over the run's steps, at checkpoint
+    `resume` (find_resume's pair) or at the start."""
+    steps = policy.total_steps(cfg, len(items))
+    opt, sched, params = policy.setup_optimizer(cfg, model, steps, resolved)
+    return resume_or_start(Session(cfg, resolved, model, opt, sched, params, items, pad_id, steps, objective),
+                           *resume)
 
 
 def checkpoint_state(s: Session) -> checkpoint.TrainerState:

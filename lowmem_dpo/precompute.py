@@ -152,7 +152,6 @@ def up_to_date(cfg: Config, cache_dir: Path, fp: str) -> bool:
     manifest = cache.read_manifest(cache_dir)
     if manifest is None or manifest.get("fingerprint") != fp:
         return False
-    # The rows a cache holds do not depend on strict; a strict run still refuses data it would skip.
     data.check_skips(data.manifest_skips(manifest), manifest["num_rows"], manifest["num_pairs"],
                      cfg.dataset, cfg.max_length, cfg.strict)
     log(f"reference cache {cache_dir} is up to date ({manifest['num_rows']} rows, fingerprint {fp[:12]})")

@@ -50,24 +50,6 @@ class SFTStats:
         return self.targets == 0
 
 
-def sft_backward(s: loop.Session, items: list[data.TokenizedCompletion]) -> SFTStats:
-    """Forward+backward of one optimizer step's rows, by micro-batches of s.micro_batch; gradients accumulate."""
-    batches = [data.collate_completions(chunk, s.pad_id) for chunk in loop.split(items, s.micro_batch)]
-    # The step's loss is the mean over all its completion tokens (as TRL), so each micro-batch's sum is divided by
-    # the step's total, known before the first backward. Position t-1 predicts token t: mask[:, 1:] counts.
-    n_targets = sum(int(b.completion_mask[:, 1:].sum()) for b in batches)
-    stats = SFTStats()
-    for batch in batches:
-        batch = batch.to(s.resolved.device)
-        with devices.autocast(s.resolved.device, s.resolved.dtype):
-            out = completion_logps(s.model, batch.input_ids, batch.attention_mask, batch.completion_mask)  # (B,)
-        (-out.logps.sum() / max(1, n_targets)).backward()
-        stats.nll -= out.logps.detach().sum().item()
-        stats.targets += int(out.n_tokens.sum())
-        stats.tokens += batch.num_tokens
-    return stats
-
-
 class SFT:
     """SFT's part of the loop (loop.Objective): prompt/completion rows, the completion tokens' mean NLL."""
 
@@ -76,8 +58,24 @@ class SFT:
     def new_stats(self) -> SFTStats:
         return SFTStats()
 
-    def backward(self, s: loop.Session, items: list) -> SFTStats:
-        return sft_backward(s, items)
+    def backward(self, s: loop.Session, items: list[data.TokenizedCompletion]) -> SFTStats:
+        """Forward+backward of one optimizer step's rows, by micro-batches of s.micro_batch; gradients
+        accumulate."""
+        batches = [data.collate_completions(chunk, s.pad_id) for chunk in loop.split(items, s.micro_batch)]
+        # The step's loss is the mean over all its completion tokens (as TRL), so each micro-batch's sum is divided
+        # by the step's total, known before the first backward. Position t-1 predicts token t: mask[:, 1:] counts.
+        n_targets = sum(int(b.completion_mask[:, 1:].sum()) for b in batches)
+        stats = SFTStats()
+        for batch in batches:
+            batch = batch.to(s.resolved.device)
+            with devices.autocast(s.resolved.device, s.resolved.dtype):
+                out = completion_logps(s.model, batch.input_ids, batch.attention_mask,
+                                       batch.completion_mask)  # (B,) sums
+            (-out.logps.sum() / max(1, n_targets)).backward()
+            stats.nll -= out.logps.detach().sum().item()
+            stats.targets += int(out.n_tokens.sum())
+            stats.tokens += batch.num_tokens
+        return stats
 
     def warning_signs(self, s: loop.Session) -> list[str]:
         return []  # DPO's signs (guards.py) read rewards an SFT step has not
@@ -108,7 +106,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     resolved = devices.resolve(cfg)
     source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)
     adapters.check_mode(cfg, source, resolved.quantization, reference=False)
-    resume_from, saved = loop.find_resume(cfg)
+    resume = loop.find_resume(cfg)
     # The planner plans a DPO step: 2 x per_device_train_batch_size sequences, twice an SFT step's.
     device_map = policy.apply_plan(adapters.planned_lora(cfg, source), resolved, source.base_path)
     policy.check_bitsandbytes(resolved)
@@ -120,10 +118,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     model = policy.setup_model(cfg, resolved, source.base_path, device_map, source=source)
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
-    steps = policy.total_steps(cfg, len(tok.pairs))
-    opt, sched, params = policy.setup_optimizer(cfg, model, steps, resolved)
-    s = loop.Session(cfg, resolved, model, opt, sched, params, tok.pairs, data.pad_token_id(tokenizer), steps, SFT())
-    return loop.resume_or_start(s, resume_from, saved)
+    return loop.start(cfg, resolved, model, tok.pairs, data.pad_token_id(tokenizer), SFT(), resume)
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

@@ -137,7 +137,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
     adapters.check_mode(cfg, ins.source, resolved.quantization)
-    resume_from, saved = loop.find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast
+    resume = loop.find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast
     device_map = policy.apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
     ref = None
@@ -151,11 +151,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     if ref is not None:
         cache.check_rows(ref, [p.row for p in tok.pairs], cache_dir)
     model = policy.setup_model(cfg, resolved, ins.model_path, device_map, source=ins.source)
-    steps = policy.total_steps(cfg, len(tok.pairs))
-    opt, sched, params = policy.setup_optimizer(cfg, model, steps, resolved)
-    s = loop.Session(cfg, resolved, model, opt, sched, params, tok.pairs, data.pad_token_id(ins.tokenizer), steps,
-                     DPO(ref))
-    return loop.resume_or_start(s, resume_from, saved)
+    return loop.start(cfg, resolved, model, tok.pairs, data.pad_token_id(ins.tokenizer), DPO(ref), resume)
 
 
 def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.TrainResult:
