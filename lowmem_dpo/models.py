@@ -265,9 +265,10 @@ def offload_message(model: torch.nn.Module, device_map: dict) -> str | None:
             f"the device{cost}: expect slower steps")
 
 
-def place_offloaded_adapters(model: torch.nn.Module, device: torch.device) -> list[str]:
-    """Give the LoRA weights of offloaded layers real storage on `device`, freshly initialised; returns the
-    names of the LoRA layers placed.
+def place_offloaded_adapters(model: torch.nn.Module, device: torch.device, init: bool = True) -> list[str]:
+    """Give the LoRA weights of offloaded layers real storage on `device`, freshly initialised (init=False: storage
+    only, for a loaded adapter whose saved weights go in next: adapters.load_adapter); returns the names of the
+    LoRA layers placed.
 
     peft puts a new adapter on its base layer's device, and accelerate keeps an offloaded layer's weights on
     the meta device between forwards, so those adapters would have no storage and backward would fail there.
@@ -285,7 +286,8 @@ def place_offloaded_adapters(model: torch.nn.Module, device: torch.device) -> li
                 continue
             module.lora_A[adapter].to_empty(device=device)
             module.lora_B[adapter].to_empty(device=device)
-            module.reset_lora_parameters(adapter, model.peft_config[adapter].init_lora_weights)
+            if init:
+                module.reset_lora_parameters(adapter, model.peft_config[adapter].init_lora_weights)
             placed.append(name)
     return placed
 
