@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, cache, data, devices, files, inputs, models, preflight
+from lowmem_dpo import adapters, cache, data, devices, files, headcheck, inputs, models, preflight
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.errors import log
@@ -183,8 +183,11 @@ def run(cfg: Config, progress: bool = True) -> Path:
     model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization,
                               device_map=offload_plan(cfg, resolved, ins.model_path))
     model = adapters.reference_model(model, ins.source)  # base + the SFT adapter, when there is one
+    pad_id = data.pad_token_id(ins.tokenizer)
+    headcheck.verify(model, data.collate(tok.pairs[:1], pad_id).to(resolved.device), resolved.device,
+                     resolved.ref_dtype)  # an architecture logps.HEADS does not know: its own forward agrees
     t0 = time.perf_counter()
-    computed = compute_shards(model, b, cfg, resolved, data.pad_token_id(ins.tokenizer), need, progress)
+    computed = compute_shards(model, b, cfg, resolved, pad_id, need, progress)
     elapsed = time.perf_counter() - t0
     write_manifest(cache_dir, b, ins, fp, tok, computed, elapsed)
     log(f"wrote reference cache {cache_dir}: {len(tok.pairs)} rows, fingerprint {fp[:12]}"

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowmem_dpo import adapters, data, devices, loop, models, policy
+from lowmem_dpo import adapters, data, devices, headcheck, loop, models, policy
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.errors import log
@@ -118,7 +118,10 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     model = policy.setup_model(cfg, resolved, source.base_path, device_map, source=source)
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
-    return loop.start(cfg, resolved, model, tok.pairs, data.pad_token_id(tokenizer), SFT(), resume)
+    pad_id = data.pad_token_id(tokenizer)
+    headcheck.verify(model, data.collate_completions(tok.pairs[:2], pad_id).to(resolved.device), resolved.device,
+                     resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
+    return loop.start(cfg, resolved, model, tok.pairs, pad_id, SFT(), resume)
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

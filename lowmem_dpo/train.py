@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, cache, data, devices, guards, inputs, loop, policy
+from lowmem_dpo import adapters, cache, data, devices, guards, headcheck, inputs, loop, policy
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.errors import log
@@ -151,7 +151,10 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     if ref is not None:
         cache.check_rows(ref, [p.row for p in tok.pairs], cache_dir)
     model = policy.setup_model(cfg, resolved, ins.model_path, device_map, source=ins.source)
-    return loop.start(cfg, resolved, model, tok.pairs, data.pad_token_id(ins.tokenizer), DPO(ref), resume)
+    pad_id = data.pad_token_id(ins.tokenizer)
+    headcheck.verify(model, data.collate(tok.pairs[:1], pad_id).to(resolved.device), resolved.device,
+                     resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
+    return loop.start(cfg, resolved, model, tok.pairs, pad_id, DPO(ref), resume)
 
 
 def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.TrainResult:
