@@ -4,12 +4,21 @@ Train (its DPO objective, through loop.py) logs each sign as a warning at the lo
 early_stop_on_divergence=true it stops there (exit 2, the last checkpoint kept). Non-finite losses and gradients
 are handled in the loop's update (loop.apply_gradients: the update is skipped; max_nonfinite_steps in a row stop
 the run).
+
+The margin and early-loss limits depend on the loss (loss.py): `LOSS_LIMITS` holds one row per loss type and
+`thresholds` turns a run's beta, label smoothing and tokens per pair into the numbers.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
+
+# The reward margin beta * Delta at which the sigmoid loss -log s(beta * Delta) is 0.05 (ln(1 / (e^0.05 - 1)) =
+# 2.97): the pairs are separated. The early-loss limit of a loss is its value there.
+SEPARATED = -math.log(math.expm1(0.05))
+_SEPARATED_WHY = "the loss is already ~0; growth now only pushes log-probs apart"
 
 
 @dataclass(frozen=True)
@@ -18,13 +27,59 @@ class Thresholds:
     # 5e-5: the pairs are separated, and further growth comes from pushing the two log-probs apart, the road
     # to a policy that repeats itself.
     margin: float = 10.0
+    margin_why: str = _SEPARATED_WHY
     # The loss below this within the first `early_fraction` of the steps: the data is too easy, or the
-    # reference does not match the policy's start (e.g. a base-model reference for an SFT policy).
-    early_loss: float = 0.05
+    # reference does not match the policy's start (e.g. a base-model reference for an SFT policy). None: no
+    # such sign (a loss whose optimum is 0 reaches it by design).
+    early_loss: float | None = 0.05
     early_fraction: float = 0.2
     # Chosen log-probs this many nats per token below the reference's (each chosen token e^-0.5 = 0.61 times as
     # likely): DPO is lowering both completions, the known failure where chosen falls with rejected.
     chosen_drop_per_token: float = 0.5
+
+
+@dataclass(frozen=True)
+class LossLimits:
+    """One loss type's margin and early-loss limits, from the run's numbers."""
+
+    margin: Callable[[float, float], float]  # (beta, chosen tokens per pair) -> limit on rewards/margins
+    margin_why: str  # what a margin above it means ({tokens}: the chosen tokens per pair)
+    early_loss: Callable[[float], float] | None  # label_smoothing -> limit on the loss; None: no early-loss sign
+
+
+def robust_loss(margin: float, label_smoothing: float) -> float:
+    """rDPO's loss (loss.py) at reward margin beta * Delta = `margin`, as a float."""
+    e = label_smoothing
+    log_s = -math.log1p(math.exp(-margin))  # log sigmoid(margin)
+    log_s_neg = -math.log1p(math.exp(margin))  # log sigmoid(-margin)
+    return (-(1 - e) * log_s + e * log_s_neg) / (1 - 2 * e)
+
+
+LOSS_LIMITS = {
+    # sigmoid: as the module's numbers always were. With label smoothing e its loss never goes below the
+    # binary entropy H(e) (>= 0.056 for e >= 0.01), so the early sign only shows without it.
+    "sigmoid": LossLimits(lambda beta, n: 10.0, _SEPARATED_WHY, lambda e: 0.05),
+    # robust: the sigmoid's limits; its loss falls below 0 with label smoothing, so the early limit is its value
+    # at the margin where the sigmoid loss is 0.05 (0.05 itself at e = 0; the loss falls monotonically).
+    "robust": LossLimits(lambda beta, n: 10.0, _SEPARATED_WHY, lambda e: robust_loss(SEPARATED, e)),
+    # hinge max(0, 1 - beta Delta): 0 with no gradient once a pair's margin reaches 1, by design, so a low loss
+    # is no sign; a mean margin 10 times that 1 did not come from the loss.
+    "hinge": LossLimits(lambda beta, n: 10.0, "10x the margin of 1 where the hinge loss is 0 and stops pulling; "
+                        "growth now only pushes log-probs apart", None),
+    # ipo (r_c/n_c - r_r/n_r - 1/(2 beta))^2: the optimum is a per-token margin of 1/(2 beta), i.e.
+    # rewards/margins = beta * n / (2 beta) = n/2 over n tokens; at twice it (n) the loss is back to its value
+    # at the start, (1/(2 beta))^2. Its loss is 0 at the optimum it is meant to reach: no early sign.
+    "ipo": LossLimits(lambda beta, n: n, "twice IPO's optimum of 1/(2 beta) nats per token over {tokens:.0f} "
+                      "chosen tokens: the loss is back above its value at the start", None),
+}
+
+
+def thresholds(loss_type: str, beta: float, label_smoothing: float, tokens_per_pair: float) -> Thresholds:
+    """The warning-sign limits of a run with this loss, beta, label smoothing and mean chosen tokens per pair."""
+    limits = LOSS_LIMITS[loss_type]
+    return Thresholds(margin=limits.margin(beta, tokens_per_pair),
+                      margin_why=limits.margin_why.format(tokens=tokens_per_pair),
+                      early_loss=None if limits.early_loss is None else limits.early_loss(label_smoothing))
 
 
 def nonfinite(*values: float) -> bool:
@@ -34,14 +89,15 @@ def nonfinite(*values: float) -> bool:
 def warning_signs(means: dict, step: int, total_steps: int, beta: float, chosen_tokens_per_pair: float,
                   t: Thresholds = Thresholds()) -> list[str]:
     """The warning signs that `means` (one logged line's rewards/*, loss) show at optimizer step `step` of
-    `total_steps`, each as a message with its numbers; [] when none."""
+    `total_steps`, each as a message with its numbers; [] when none. `t`: thresholds() of the run's loss (the
+    default is the sigmoid loss's)."""
     signs = []
     margin = means["rewards/margins"]
     if margin > t.margin:
-        signs.append(f"reward margin exploding: rewards/margins {margin:.2f} > {t.margin:g} (the loss is already "
-                     "~0; growth now only pushes log-probs apart)")
-    if step <= t.early_fraction * total_steps and means["loss"] < t.early_loss:
-        signs.append(f"loss collapsing early: {means['loss']:.4f} < {t.early_loss:g} at step {step} of "
+        signs.append(f"reward margin exploding: rewards/margins {margin:.2f} > {t.margin:g} ({t.margin_why})")
+    early = t.early_loss is not None and step <= t.early_fraction * total_steps
+    if early and means["loss"] < t.early_loss:
+        signs.append(f"loss collapsing early: {means['loss']:.4f} < {t.early_loss:.4g} at step {step} of "
                      f"{total_steps} (data too easy, or a reference that is not the policy's start, e.g. the base "
                      "model for an SFT policy)")
     if beta > 0 and chosen_tokens_per_pair > 0:

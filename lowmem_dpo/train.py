@@ -111,8 +111,10 @@ class DPO:
         return train_step(s.model, s.cfg, loop.split(pairs, s.micro_batch), self.ref, s.pad_id, s.resolved)
 
     def warning_signs(self, s: loop.Session) -> list[str]:
-        w = s.window
-        return guards.warning_signs(w.means(), s.step, s.steps, s.cfg.beta, w.chosen_tokens / w.pairs)
+        w, cfg = s.window, s.cfg
+        tokens = w.chosen_tokens / w.pairs
+        return guards.warning_signs(w.means(), s.step, s.steps, cfg.beta, tokens,
+                                    guards.thresholds(cfg.loss_type, cfg.beta, cfg.label_smoothing, tokens))
 
     def postfix(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}", "acc": f"{line['rewards/accuracies']:.2f}",
