@@ -125,12 +125,47 @@ def changed_components(old: dict, new: dict) -> list[str]:
     return [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
-def check_rows(ref: RefCache, rows: list[int], cache_dir: Path) -> None:
-    """Refuse a cache that lacks (or holds NaN for) a row the run trains on."""
-    index = torch.tensor(rows)
-    if len(ref.chosen) <= int(index.max()) or not torch.isfinite(ref.chosen[index]).all():
-        raise UserError(f"the reference cache in {str(cache_dir)!r} lacks rows this run trains on; rebuild it "
-                        "with python -m lowmem_dpo.precompute")
+def completion_tokens(prompt_ids: list[int], completion_ids: list[int]) -> int:
+    """The completion tokens logps.completion_logps counts for a sequence: each is predicted by the token before
+    it, so a completion with no prompt before it loses its first token."""
+    return len(completion_ids) - (1 if completion_ids and not prompt_ids else 0)
+
+
+def check_rows(ref: RefCache, pairs: list, cache_dir: Path, rebuild_cmd: str) -> None:
+    """Refuse a cache that does not serve the pairs (data.TokenizedPair) this run trains on: a row it lacks, a
+    chosen or rejected log-prob that is not finite, or completion token counts other than this run's
+    tokenization gives (a tokenizer or tokenizers/transformers library change since precompute: the fingerprint
+    holds the tokenizer's files, not the library). Each names the first rows and how to rebuild."""
+    # The fingerprint matched, so precompute would call this cache up to date: the rebuild starts from nothing.
+    redo = f"remove it and rebuild it: rm -r {cache_dir} && {rebuild_cmd}"
+    where = f"the reference cache in {str(cache_dir)!r}"
+    rows = torch.tensor([p.row for p in pairs])  # (P,)
+    if int(rows.max()) >= len(ref.chosen):
+        raise UserError(f"{where} holds {len(ref.chosen)} rows; this run trains on rows up to {int(rows.max())}; "
+                        + redo)
+    finite = torch.isfinite(ref.chosen[rows]) & torch.isfinite(ref.rejected[rows])  # (P,)
+    if not finite.all():
+        raise UserError(f"{where} has no finite chosen and rejected reference log-probs for "
+                        f"{int((~finite).sum())} of the rows this run trains on (rows {_first(rows[~finite])}); "
+                        + redo)
+    cached = torch.stack([ref.chosen_tokens[rows], ref.rejected_tokens[rows]], 1)  # (P, 2)
+    counts = [(completion_tokens(p.prompt_ids, p.chosen_ids), completion_tokens(p.prompt_ids, p.rejected_ids))
+              for p in pairs]
+    now = torch.tensor(counts, dtype=cached.dtype)  # (P, 2)
+    differ = (cached != now).any(1)  # (P,)
+    if differ.any():
+        i = int(differ.nonzero()[0])
+        raise UserError(f"{where} counts other completion tokens than this run's tokenization for "
+                        f"{int(differ.sum())} rows (rows {_first(rows[differ])}; row {int(rows[i])}: chosen "
+                        f"{int(cached[i, 0])}, rejected {int(cached[i, 1])} cached, {int(now[i, 0])} and "
+                        f"{int(now[i, 1])} now): the tokenizer or the tokenizers/transformers library changed "
+                        f"since precompute; {redo}")
+
+
+def _first(rows: torch.Tensor, n: int = 5) -> str:
+    """The first n row indices, for messages."""
+    shown = ", ".join(str(r) for r in sorted(rows.tolist())[:n])
+    return shown + (", ..." if len(rows) > n else "")
 
 
 def _short(v) -> str:

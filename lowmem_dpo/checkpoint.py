@@ -9,7 +9,8 @@ Layout, one folder per checkpoint, under output_dir/checkpoints/:
     checkpoint-STEP/rng.pt                                            torch's CPU (and CUDA) RNG states
     checkpoint-STEP/metrics.jsonl                                     metrics.jsonl as it was at STEP
     checkpoint-STEP/trainer_state.json                                step, position in the data order, batch
-                                                                      split, the run's config
+                                                                      split, the run's config and the digests
+                                                                      of its inputs
 
 A checkpoint is complete or absent: it is written into a hidden temporary folder beside the others, every file
 fsynced, and renamed to checkpoint-STEP in one step. Older ones beyond save_total_limit are removed only after
@@ -30,8 +31,8 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo import files
-from lowmem_dpo.config import RESUMABLE
-from lowmem_dpo.errors import UserError
+from lowmem_dpo.config import RESUMABLE, RUN_LENGTH
+from lowmem_dpo.errors import UserError, log
 
 FOLDER = "checkpoints"
 STATE = "trainer_state.json"
@@ -48,6 +49,9 @@ class TrainerState:
     window: dict  # the metric window since the last logged line (loop.Session.window), so the next line is what
     #               it would have been
     config: dict  # the run's Config as a dict
+    # What the run trains on (inputs.run_inputs: data, model and adapter weights, tokenizer, tokenization,
+    # reference cache), compared on resume; None in checkpoints written before it was recorded.
+    inputs: dict | None = None
 
 
 def root(output_dir: str | Path) -> Path:
@@ -150,9 +154,34 @@ def find(output_dir: str | Path, resume: str) -> Path | None:
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
-    """Config keys whose values differ from the checkpoint's, except those declared resumable (config.py)."""
-    keys = (set(saved) | set(current)) - RESUMABLE
+    """Config keys whose values differ from the checkpoint's, except those declared resumable (config.py): those
+    that change nothing the run computes, and those that set its length (RUN_LENGTH)."""
+    keys = (set(saved) | set(current)) - RESUMABLE - RUN_LENGTH
     return sorted(k for k in keys if saved.get(k) != current.get(k))
+
+
+def input_changes(saved: dict, current: dict) -> list[str]:
+    """The inputs (inputs.run_inputs' names) whose digests differ from the checkpoint's, in the record's order."""
+    return [k for k in [*saved, *(k for k in current if k not in saved)] if saved.get(k) != current.get(k)]
+
+
+def check_inputs(resume: tuple[Path | None, TrainerState | None], current: dict) -> None:
+    """Refuse to continue checkpoint `resume` (loop.find_resume's pair) on other inputs than it was trained on:
+    `current` (inputs.run_inputs) against its record, exit 2 naming what changed. A checkpoint written before
+    inputs were recorded is continued with a warning (its settings are still checked)."""
+    resume_from, saved = resume
+    if saved is None:
+        return
+    if saved.inputs is None:
+        log(f"warning: {resume_from} does not record its inputs (written by an older lowmem_dpo): resuming "
+            f"without checking that its {', '.join(current)} are the ones it trained on; pass resume=never to "
+            "start over if they changed (this run's checkpoints record them)")
+        return
+    changed = input_changes(saved.inputs, current)
+    if changed:
+        raise UserError(f"{resume_from} was trained on other inputs: {', '.join(changed)} changed since; the run "
+                        "cannot continue on them. Pass resume=never to start over (the old checkpoints are "
+                        "replaced as the new run saves), or restore them to resume")
 
 
 def restore(path: Path, model, opt, sched) -> None:

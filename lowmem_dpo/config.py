@@ -33,8 +33,10 @@ def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fal
       cache built at another value): "value" by its value (cache_settings), "files" by the content of the files
       it names (inputs.fingerprint_components: model weights, tokenizer, adapter, dataset). None: it does not.
     resumable: the key may change between a run and its resumption from a checkpoint: it changes neither the
-      numbers the run computes nor the data it sees (output places, logging, saving, guards). Any other key
-      changed is refused on resume (checkpoint.config_changes).
+      numbers the run computes nor the data it sees (output places, logging, saving, guards). "length": the key
+      sets how long the run is (max_steps, num_train_epochs): changing it continues the run, the schedule
+      following the new total (loop.resume_or_start). Any other key changed is refused on resume
+      (checkpoint.config_changes).
     """
     assert not (reference and resumable), "a key that changes the reference changes the numbers"
     meta = {"doc": doc, "choices": choices, "min": min, "max": max, "min_exclusive": min_exclusive,
@@ -113,8 +115,10 @@ class Config:
     per_device_train_batch_size: int = _f(4, "Preference pairs per micro-batch (2x sequences in the forward). "
                                           "Activation memory grows linearly with it.", min=1)
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step (memory-free batch growth).", min=1)
-    max_steps: int = _f(-1, "Optimizer steps to run; -1 runs num_train_epochs.", min=-1)
-    num_train_epochs: float = _f(1.0, "Passes over the data when max_steps is -1.", min=0.0, min_exclusive=True)
+    max_steps: int = _f(-1, "Optimizer steps to run; -1 runs num_train_epochs. Raising it continues a finished or "
+                        "interrupted run from its last checkpoint.", min=-1, resumable="length")
+    num_train_epochs: float = _f(1.0, "Passes over the data when max_steps is -1 (raising it continues the run, as "
+                                 "max_steps).", min=0.0, min_exclusive=True, resumable="length")
     seed: int = _f(42, "Seed for LoRA init and data order.", min=0)
     # -- LoRA ----------------------------------------------------------------------------------------------------
     lora_r: int = _f(8, "LoRA rank. Trainable params (and their grads + 2 AdamW states) grow linearly with it.",
@@ -290,6 +294,8 @@ def keys_where(**meta) -> frozenset[str]:
 
 # Keys that may change between a run and its resumption (checkpoint.config_changes); declared per field.
 RESUMABLE = keys_where(resumable=True)
+# Keys that set the run's length: changed on resume, the run continues to the new total (loop.resume_or_start).
+RUN_LENGTH = keys_where(resumable="length")
 
 
 def cache_settings(cfg: Config) -> dict:

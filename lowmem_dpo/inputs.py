@@ -3,6 +3,8 @@ those inputs. Shared by precompute, preflight and train so they tokenize and fin
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,18 +28,19 @@ class Inputs:
     fingerprint: dict  # components; cache.fingerprint_digest() of it keys the cache
 
 
-def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, tokenizer_path: Path) -> dict:
+def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, tokenizer_path: Path,
+                    rows=None) -> dict:
     """The fingerprint of the keys declared reference="files" (model_name_or_path, sft_adapter, dataset,
     dataset_split), by the content of the files they name: the base's weights and config, the SFT adapter's files
     (the reference is base + adapter; adapter_mode is not in it, see adapters.py), the tokenizer's files, and the
-    dataset's bytes (a hub dataset: `datasets`' own content fingerprint)."""
+    dataset's bytes (a hub dataset: `datasets`' own content fingerprint, of `rows` when they are loaded)."""
     files = data.data_files(cfg.dataset)
     if files:
         root = Path(cfg.dataset) if Path(cfg.dataset).is_dir() else None
         dataset = {"files": files_digest(files, root), "split": cfg.dataset_split if root else None}
     else:
-        dataset = {"hub": cfg.dataset, "split": cfg.dataset_split,
-                   "fingerprint": data.load_rows(cfg.dataset, cfg.dataset_split)._fingerprint}
+        rows = rows if rows is not None else data.load_rows(cfg.dataset, cfg.dataset_split)
+        dataset = {"hub": cfg.dataset, "split": cfg.dataset_split, "fingerprint": rows._fingerprint}
     return {
         "model": files_digest(models.weight_files(model_path)),
         "adapter": None if adapter_path is None else files_digest(models.adapter_files(adapter_path)),
@@ -71,3 +74,22 @@ def tokenized(cfg: Config, tokenizer, progress: bool = True) -> data.TokenizedDa
     rows = data.load_rows(cfg.dataset, cfg.dataset_split)
     return data.tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=cfg.dataset,
                               progress=progress, strict=cfg.strict)
+
+
+def tokens_digest(items: list) -> str:
+    """One digest over tokenized items (data.TokenizedPair or TokenizedCompletion): each one's row and token ids.
+    It changes with the tokenizer's files, the tokenizers/transformers library, max_length and the data."""
+    h = hashlib.sha256()
+    for item in items:
+        for value in vars(item).values():  # row, then the id lists, in field order
+            ids = value if isinstance(value, list) else [value]
+            h.update(array("q", [len(ids), *ids]).tobytes())
+    return h.hexdigest()
+
+
+def run_inputs(files: dict, items: list) -> dict:
+    """What a training run trains on, by digest, under the names a refused resume gives (checkpoint.check_inputs):
+    `files` is file_components' (or fingerprint_components') dict, `items` the tokenized data. Train adds its
+    "reference cache"."""
+    return {"data": files["dataset"], "model weights": files["model"], "adapter weights": files["adapter"],
+            "tokenizer": files["tokenizer"], "tokenization": tokens_digest(items)}

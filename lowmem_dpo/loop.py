@@ -6,7 +6,8 @@ checkpoints and resuming from them, and the final save. A stage supplies only wh
 what a data item is (in `Session.pairs`), and how a step's items become a loss, its gradients and its metrics.
 
     resume = find_resume(cfg)             # before anything heavy: a changed setting fails fast
-    s = start(cfg, resolved, model, items, pad_id, objective, resume)   # optimizer, schedule, checkpoint state
+    checkpoint.check_inputs(resume, ins)  # ins = inputs.run_inputs(...): changed data or weights fail fast too
+    s = start(cfg, resolved, model, items, pad_id, objective, resume, ins)  # optimizer, schedule, checkpoint state
     run(s)                                # optimizer_step until s.steps; log, checkpoint, save
 """
 
@@ -26,7 +27,7 @@ from typing import Protocol
 import torch
 
 from lowmem_dpo import checkpoint, devices, files, guards, policy
-from lowmem_dpo.config import Config
+from lowmem_dpo.config import RUN_LENGTH, Config
 from lowmem_dpo.errors import UserError, log
 
 
@@ -110,6 +111,7 @@ class Session:
     nonfinite_in_a_row: int = 0
     window: Stats = None  # stats since the last logged line
     metrics_lines: list[str] = field(default_factory=list)  # metrics.jsonl so far
+    inputs: dict = field(default_factory=dict)  # what the run trains on (inputs.run_inputs), in each checkpoint
     resumed_from: Path | None = None
     replaces: list[Path] = field(default_factory=list)  # an earlier run's checkpoints, removed at the first save
 
@@ -143,6 +145,25 @@ def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | Non
     return resume_from, saved
 
 
+def follow_run_length(s: Session, resume_from: Path, saved: checkpoint.TrainerState) -> None:
+    """Checkpoint `resume_from` written with another max_steps or num_train_epochs: the run continues from its
+    step to the new total (a total below that step is refused), at the learning rate the new schedule gives
+    there."""
+    changed = {k: saved.config.get(k) for k in sorted(RUN_LENGTH) if saved.config.get(k) != getattr(s.cfg, k)}
+    if not changed:
+        return
+    what = ", ".join(f"{k} {old} -> {getattr(s.cfg, k)}" for k, old in changed.items())
+    if s.steps < saved.step:
+        raise UserError(f"{what}: the run would end at step {s.steps}, before {resume_from}'s step {saved.step}; "
+                        "raise it to continue, or pass resume=never to start over")
+    # The restored learning rates are the old schedule's at this step; the scheduler's lambda is over s.steps.
+    lrs = [base * f(s.sched.last_epoch) for base, f in zip(s.sched.base_lrs, s.sched.lr_lambdas)]
+    for group, lr in zip(s.opt.param_groups, lrs):
+        group["lr"] = lr
+    s.sched._last_lr = lrs  # what get_last_lr() reads: the learning rate the next step logs
+    log(f"{what}: continuing from step {saved.step} of {s.steps}, the schedule follows the new total")
+
+
 def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.TrainerState | None) -> Session:
     """Put a freshly set-up session where checkpoint `resume_from` left off (weights, optimizer, schedule, RNG,
     data position, batch split, the metrics so far); or, starting over, note the old checkpoints it replaces."""
@@ -150,6 +171,7 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
         s.replaces = [p for _, p in checkpoint.complete(s.cfg.output_dir)]
         return s
     checkpoint.restore(resume_from, s.model, s.opt, s.sched)
+    follow_run_length(s, resume_from, saved)
     take(s.stream, saved.pairs_seen)  # the data order is a function of the seed: replay it
     s.step, s.skipped_steps = saved.step, saved.skipped_steps
     s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
@@ -160,19 +182,20 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
 
 
 def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: int, objective: Objective,
-          resume: tuple[Path | None, checkpoint.TrainerState | None]) -> Session:
+          resume: tuple[Path | None, checkpoint.TrainerState | None], inputs: dict | None = None) -> Session:
     """The session of a stage's set-up model: its optimizer and schedule over the run's steps, at checkpoint
-    `resume` (find_resume's pair) or at the start."""
+    `resume` (find_resume's pair, its inputs already checked against `inputs`) or at the start."""
     steps = policy.total_steps(cfg, len(items))
     opt, sched, params = policy.setup_optimizer(cfg, model, steps, resolved)
-    return resume_or_start(Session(cfg, resolved, model, opt, sched, params, items, pad_id, steps, objective),
-                           *resume)
+    s = Session(cfg, resolved, model, opt, sched, params, items, pad_id, steps, objective, inputs=inputs or {})
+    return resume_or_start(s, *resume)
 
 
 def checkpoint_state(s: Session) -> checkpoint.TrainerState:
     return checkpoint.TrainerState(step=s.step, pairs_seen=s.step * s.pairs_per_step, micro_batch=s.micro_batch,
                                    grad_accum=s.grad_accum, skipped_steps=s.skipped_steps,
-                                   window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg))
+                                   window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg),
+                                   inputs=s.inputs)
 
 
 def last_checkpoint_note(s: Session) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowmem_dpo import adapters, data, devices, headcheck, loop, models, policy
+from lowmem_dpo import adapters, checkpoint, data, devices, headcheck, inputs, loop, models, policy
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.errors import log
@@ -115,13 +115,16 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     rows = data.load_rows(cfg.dataset, cfg.dataset_split, required=("prompt",))
     tok = data.tokenize_completions(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=cfg.dataset,
                                     progress=progress, strict=cfg.strict)  # logs the rows it skips
+    files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, rows)
+    trains_on = inputs.run_inputs(files, tok.pairs)  # no reference cache in SFT
+    checkpoint.check_inputs(resume, trains_on)  # before the model loads: changed inputs are refused in seconds
     model = policy.setup_model(cfg, resolved, source.base_path, device_map, source=source)
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
     pad_id = data.pad_token_id(tokenizer)
     headcheck.verify(model, data.collate_completions(tok.pairs[:2], pad_id).to(resolved.device), resolved.device,
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-    return loop.start(cfg, resolved, model, tok.pairs, pad_id, SFT(), resume)
+    return loop.start(cfg, resolved, model, tok.pairs, pad_id, SFT(), resume, trains_on)
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, cache, data, devices, guards, headcheck, inputs, loop, policy
+from lowmem_dpo import adapters, cache, checkpoint, data, devices, guards, headcheck, inputs, loop, policy
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.errors import log
@@ -151,12 +151,15 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     log(ins.source.description)
     tok = inputs.tokenized(cfg, ins.tokenizer, progress)  # logs the rows it skips
     if ref is not None:
-        cache.check_rows(ref, [p.row for p in tok.pairs], cache_dir)
+        cache.check_rows(ref, tok.pairs, cache_dir, cache.rebuild_command(cfg, recipe))
+    trains_on = {**inputs.run_inputs(ins.fingerprint, tok.pairs),
+                 "reference cache": None if ref is None else ref.manifest["fingerprint"]}
+    checkpoint.check_inputs(resume, trains_on)  # before the model loads: changed inputs are refused in seconds
     model = policy.setup_model(cfg, resolved, ins.model_path, device_map, source=ins.source)
     pad_id = data.pad_token_id(ins.tokenizer)
     headcheck.verify(model, data.collate(tok.pairs[:1], pad_id).to(resolved.device), resolved.device,
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-    return loop.start(cfg, resolved, model, tok.pairs, pad_id, DPO(ref), resume)
+    return loop.start(cfg, resolved, model, tok.pairs, pad_id, DPO(ref), resume, trains_on)
 
 
 def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.TrainResult:

@@ -195,4 +195,5 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
                                           "save_total_limit", "resume", "memory_budget", "precompute_batch_size",
                                           "cache_shard_rows", "early_stop_on_divergence", "max_nonfinite_steps",
                                           "strict"}
+    assert keys_where(resumable="length") == {"max_steps", "num_train_epochs"}  # the run continues to the new total
     assert keys_where(reference="files") == inputs.FILE_KEYS  # each has its digest in inputs.file_components

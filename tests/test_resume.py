@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, TINY_DATA
+from conftest import REPO, TINY_DATA, write_jsonl
 from safetensors.torch import load_file, save_file
 
 from lowmem_dpo import cache, checkpoint, files, guards, loop, precompute, train
@@ -342,3 +342,146 @@ def test_a_run_of_nonfinite_losses_logs_nulls_and_stops_as_diverged(built, tmp_p
     lines = metrics(out)
     assert [m["step"] for m in lines] == [1, 2] and all(m["loss"] is None for m in lines)
     assert not (out / "adapter_model.safetensors").exists() and checkpoint.complete(out) == []
+
+
+# -- resume checks what the run trains on ------------------------------------------------------------------------
+def _train(path: Path, out: Path, *args: str) -> int:
+    return run_cli(train.main, [str(path), f"output_dir={out}", *args], "train", "")
+
+
+def _precompute(path: Path) -> int:
+    return run_cli(precompute.main, [str(path)], "precompute", "")
+
+
+def _first_rows(n: int) -> list[dict]:
+    return [json.loads(line) for line in TINY_DATA.read_text().splitlines()[:n]]
+
+
+def test_resume_refused_on_swapped_data_until_resume_never(tmp_path, capsys):
+    """The issue's case: chosen and rejected swapped in the data and the cache rebuilt for it. The rerun refuses
+    the checkpoint (exit 2) naming the data and what follows from it, nothing is touched; resume=never starts
+    over on the swapped data, and its checkpoints record the new inputs."""
+    rows = _first_rows(32)
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    path = recipe(tmp_path, dataset=str(prefs), max_steps=5)
+    out = tmp_path / "out"
+    assert _precompute(path) == 0 and _train(path, out) == 0
+    before, recorded = metrics(out), checkpoint.read_state(out / "checkpoints" / "checkpoint-5").inputs
+    assert list(recorded) == ["data", "model weights", "adapter weights", "tokenizer", "tokenization",
+                              "reference cache"]
+    write_jsonl(prefs, [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in rows])
+    assert _precompute(path) == 0
+    capsys.readouterr()
+    assert _train(path, out) == 2
+    err = capsys.readouterr().err
+    assert (f"{out / 'checkpoints' / 'checkpoint-5'} was trained on other inputs: data, tokenization, reference "
+            "cache changed since") in err
+    assert "Pass resume=never to start over" in err and "Traceback" not in err
+    assert metrics(out) == before
+    assert _train(path, out, "resume=never") == 0
+    assert "starting over (resume=never)" in capsys.readouterr().err
+    after = checkpoint.read_state(out / "checkpoints" / "checkpoint-5").inputs
+    assert [k for k in recorded if recorded[k] != after[k]] == ["data", "tokenization", "reference cache"]
+    # the new run's step 1 scored the swapped pairs: its chosen log-prob is the old run's rejected one
+    assert metrics(out)[0]["logps/chosen"] == pytest.approx(before[0]["logps/rejected"], rel=1e-5)
+
+
+def test_raising_max_steps_continues_a_finished_run_on_the_new_schedule(built, tmp_path, capsys):
+    """A finished run (final adapter saved) rerun with max_steps 20 -> 40 continues from checkpoint-20: the
+    metrics lines continue after step 20, and from there the learning rate is the linear schedule over 40 steps
+    (3e-3 * (1 - k / 40) for the step after k), not the finished one's (0 after 20). A total below the
+    checkpoint's step is refused."""
+    out = tmp_path / "out"
+    assert _train(built, out, "max_steps=20") == 0
+    finished, adapter20 = metrics(out), adapter(out)
+    capsys.readouterr()
+    assert _train(built, out, "max_steps=40") == 0
+    err = capsys.readouterr().err
+    assert "max_steps 20 -> 40: continuing from step 20 of 40, the schedule follows the new total" in err
+    assert f"resuming from {out / 'checkpoints' / 'checkpoint-20'} (step 20 of 40)" in err
+    lines = metrics(out)
+    assert lines[:len(finished)] == finished
+    assert [m["step"] for m in lines] == [1, *range(3, 20, 3), 20, *range(21, 40, 3), 40]
+    for m in lines:  # linear decay from learning_rate=3e-3, no warmup; step s runs at the value after s - 1 steps
+        total = 20 if m["step"] <= 20 else 40
+        assert m["learning_rate"] == pytest.approx(3e-3 * (1 - (m["step"] - 1) / total), rel=1e-9), m["step"]
+    assert [s for s, _ in checkpoint.complete(out)] == [35, 40]
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    assert not torch.equal(adapter(out)[key], adapter20[key])
+    assert _train(built, out, "max_steps=30") == 2
+    assert ("max_steps 40 -> 30: the run would end at step 30, before "
+            f"{out / 'checkpoints' / 'checkpoint-40'}'s step 40") in capsys.readouterr().err
+
+
+def test_raising_num_train_epochs_continues_the_run(tmp_path, capsys):
+    """32 pairs, 4 per step: half an epoch is 4 steps; one epoch continues it to 8."""
+    path = recipe(tmp_path, dataset=str(write_jsonl(tmp_path / "prefs.jsonl", _first_rows(32))), max_steps=-1,
+                  num_train_epochs=0.5)
+    out = tmp_path / "out"
+    assert _precompute(path) == 0 and _train(path, out) == 0
+    capsys.readouterr()
+    assert _train(path, out, "num_train_epochs=1") == 0
+    assert ("num_train_epochs 0.5 -> 1.0: continuing from step 4 of 8, the schedule follows the new total"
+            in capsys.readouterr().err)
+    assert [m["step"] for m in metrics(out)] == [1, 3, 4, 6, 8]
+
+
+def test_a_checkpoint_without_its_inputs_resumes_with_a_warning(built, tmp_path, capsys):
+    """A checkpoint written before inputs were recorded (its trainer_state.json without them): resumed, with a
+    warning that its inputs are not checked."""
+    out = tmp_path / "out"
+    assert _train(built, out, "max_steps=5") == 0
+    state_file = out / "checkpoints" / "checkpoint-5" / checkpoint.STATE
+    state = json.loads(state_file.read_text())
+    del state["inputs"]
+    state_file.write_text(json.dumps(state))
+    capsys.readouterr()
+    assert _train(built, out, "max_steps=5") == 0
+    err = capsys.readouterr().err
+    assert "checkpoint-5 does not record its inputs (written by an older lowmem_dpo): resuming without checking that" \
+        " its data, model weights, adapter weights, tokenizer, tokenization, reference cache are" in err
+
+
+def _edit_shard(cache_dir: Path, edit) -> int:
+    """Apply edit(tensors, i) to the shard row i of the first trained row (finite, in the first shard), saved
+    back with safetensors; returns that row's index in the dataset."""
+    manifest = cache.read_manifest(cache_dir)
+    path = cache_dir / manifest["shard_dir"] / manifest["shards"][0]
+    tensors = load_file(str(path))
+    i = int(torch.isfinite(tensors["chosen"]).nonzero()[0])
+    edit(tensors, i)
+    save_file(tensors, str(path))
+    return int(tensors["rows"][i])
+
+
+def test_cached_token_counts_other_than_train_tokenization_are_refused(built, tmp_path, capsys):
+    """A tokenizer library that splits one completion into one more token than the library precompute ran
+    under (simulated: that row's cached chosen token count raised by 1 in its shard; the tokenizer files, and so
+    the fingerprint, stay as a library upgrade leaves them). Train stops with exit 2 before the model loads,
+    naming the row and the rebuild."""
+    counts = {}
+
+    def one_more(t, i):
+        counts.update(chosen=int(t["chosen_tokens"][i]), rejected=int(t["rejected_tokens"][i]))
+        t["chosen_tokens"][i] += 1
+
+    row = _edit_shard(tmp_path / "cache", one_more)
+    out = tmp_path / "out"
+    assert _train(built, out) == 2
+    err = capsys.readouterr().err
+    assert (f"counts other completion tokens than this run's tokenization for 1 rows (rows {row}; row {row}: chosen "
+            f"{counts['chosen'] + 1}, rejected {counts['rejected']} cached, {counts['chosen']} and "
+            f"{counts['rejected']} now): the tokenizer or the tokenizers/transformers library changed since "
+            "precompute") in err
+    assert f"rm -r {tmp_path / 'cache'} && python -m lowmem_dpo.precompute {built}" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_a_nonfinite_reference_logp_is_refused(built, tmp_path, capsys):
+    """A NaN written into one trained row's rejected log-prob in a real cache shard: exit 2 at load, naming it."""
+    row = _edit_shard(tmp_path / "cache", lambda t, i: t["rejected"].__setitem__(i, float("nan")))
+    assert _train(built, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert (f"has no finite chosen and rejected reference log-probs for 1 of the rows this run trains on "
+            f"(rows {row}); remove it and rebuild it") in err
+    assert "Traceback" not in err

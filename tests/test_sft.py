@@ -10,6 +10,7 @@ from conftest import REPO, TINY_DATA, write_jsonl
 from safetensors.torch import load_file, save_file
 
 from lowmem_dpo import adapters, cache, data, devices, inputs, loop, policy, precompute, sft, train
+from lowmem_dpo.checkpoint import read_state
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import build_config
 from lowmem_dpo.errors import UserError
@@ -314,3 +315,21 @@ def test_plan_cli_plans_with_the_continued_adapters_rank(tmp_path, sft_dir):
     args[2] = "adapter_mode=new_on_merged"  # a fresh adapter: the recipe's rank
     assert run_cli(plan.main, args + ["lora_r=32"], "plan", "") == 0
     assert json.loads(out.read_text())["setup"]["lora_r"] == 32
+
+
+def test_sft_checkpoints_record_its_inputs_and_resume_checks_them(tmp_path, rows64, capsys):
+    """SFT's checkpoints record what it trains on (no reference cache: SFT has none): raising max_steps continues
+    the run, and a changed completion in the data is refused on resume, naming the data and its tokenization."""
+    rows = data.load_rows(str(rows64)).to_list()
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    cfg = tiny_cfg(tmp_path, dataset=str(prefs), max_steps=2, save_steps=2)
+    sft.run(cfg, progress=False)
+    state = read_state(tmp_path / "out" / "checkpoints" / "checkpoint-2")
+    assert list(state.inputs) == ["data", "model weights", "adapter weights", "tokenizer", "tokenization"]
+    capsys.readouterr()
+    assert sft.run(tiny_cfg(tmp_path, dataset=str(prefs), max_steps=4, save_steps=2), progress=False).metrics[
+        "step"] == 4
+    assert "max_steps 2 -> 4: continuing from step 2 of 4" in capsys.readouterr().err
+    write_jsonl(prefs, [{**rows[0], "chosen": rows[0]["chosen"] + " Indeed."}, *rows[1:]])
+    with pytest.raises(UserError, match="checkpoint-4 was trained on other inputs: data, tokenization changed since"):
+        sft.setup(tiny_cfg(tmp_path, dataset=str(prefs), max_steps=4, save_steps=2), progress=False)
