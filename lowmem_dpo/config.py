@@ -126,8 +126,10 @@ class Config:
     lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0.0, min_exclusive=True)
     lora_dropout: float = _f(0.0, "Dropout on the LoRA input. The base model's own dropout is always off, as "
                              "in TRL.", min=0.0, max=1.0)
-    lora_target_modules: list = _f(["all-linear"], "Module names to adapt, a list or comma-separated; "
-                                   "all-linear = every linear layer but the LM head.")
+    lora_target_modules: list = _f(["all-linear"], "Module names to adapt, a list or comma-separated (matched "
+                                   "as name suffixes, e.g. q_proj, c_attn, lm_head); all-linear = every linear "
+                                   "layer but the LM head; one regex (e.g. '.*\\.(q|v)_proj') is matched against "
+                                   "full module names, as peft does.")
     adapter_mode: str = _f("continue", "With an SFT adapter: continue trains that adapter (its own rank, alpha and "
                            "target modules; the lora_* keys but lora_dropout are ignored); new_on_merged merges it "
                            "into an unquantized base and trains a fresh adapter from the lora_* keys.",
@@ -191,8 +193,13 @@ class Config:
 
     @property
     def peft_target_modules(self) -> str | list[str]:
-        """lora_target_modules as peft's LoraConfig takes them: the string all-linear, or the list of names."""
-        return "all-linear" if self.lora_target_modules == ["all-linear"] else self.lora_target_modules
+        """lora_target_modules as peft's LoraConfig takes them: the string all-linear; one entry with regex
+        characters, as a string (peft matches it against each module's full name); else the list of names
+        (peft matches each as a name suffix)."""
+        targets = self.lora_target_modules
+        if targets == ["all-linear"] or (len(targets) == 1 and REGEX_CHARS.intersection(targets[0])):
+            return targets[0]
+        return targets
 
     @property
     def reference_quantization(self) -> str:
@@ -209,6 +216,8 @@ class Config:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+# A lora_target_modules entry with one of these is a regex ('.' alone is not: self_attn.q_proj is a name).
+REGEX_CHARS = frozenset("*+?[](){}|^$\\")
 _HINTS = typing.get_type_hints(Config)
 
 

@@ -62,7 +62,8 @@ def describe_setup(s: Setup, stage: str) -> str:
                 f"T={s.shapes('precompute')[0]}")
     return (f"{s.dtype}, quantization {s.quantization}, checkpointing {'on' if s.gradient_checkpointing else 'off'}, "
             f"micro-batch {s.micro_batch} pairs x {s.grad_accum} accumulation, T={s.shapes('train')[0]}, "
-            f"LoRA r={s.lora_r} on {len(s.lora_targets)} modules, {s.optimizer}")
+            f"LoRA r={s.lora_r} on {s.lora_targets if isinstance(s.lora_targets, str) else ','.join(s.lora_targets)}, "
+            f"{s.optimizer}")
 
 
 def table(columns: list[tuple[str, StagePrediction]], budget: int, measured: list[int | None] | None = None) -> str:

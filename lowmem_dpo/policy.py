@@ -114,7 +114,11 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> dic
     arch = search.arch_of_run(model_path, "using the device rule's choices")
     if arch is None:
         return None
-    chosen = search.choose(arch, cfg, budget)
+    try:
+        chosen = search.choose(arch, cfg, budget)
+    except UserError as e:  # the planner never blocks a run: it advises
+        log(f"note: no memory plan for this run ({e}); using the device rule's choices")
+        return None
     peak = chosen.prediction.train.peak_bytes
     overrides = dict(chosen.overrides)
     if cfg.gradient_checkpointing == "auto" and overrides.pop("gradient_checkpointing", None) == "true":

@@ -61,3 +61,19 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def build_tiny_model(config_class: str, kwargs: dict, out: Path, tokenizer) -> Path:
+    """A seeded tiny model of a transformers config class (e.g. "GPT2Config") with the tiny tokenizer's vocabulary
+    and special tokens, saved with its tokenizer as a local model folder."""
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_class)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                                 eos_token_id=tokenizer.eos_token_id,
+                                                 pad_token_id=tokenizer.pad_token_id, **kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -18,8 +18,7 @@ from lowmem_dpo.measure import PeakMeter, at_measured_shapes, measure
 from lowmem_dpo.memory.arch import (
     ARCH_PREFIX,
     ARCHS_DIR,
-    LORA_MODULES,
-    arch_from_config,
+    arch_from_model,
     load_arch,
     shipped_archs,
 )
@@ -145,6 +144,7 @@ def test_chunked_lm_head_is_bounded_at_7b_vocabularies(vocab, n_seq, seq_len):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
     model.requires_grad_(False)
+    arch = arch_from_model(model, "test")
     model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
     ids = torch.randint(0, vocab, (n_seq, seq_len))
     attention = torch.ones(n_seq, seq_len, dtype=torch.long)
@@ -155,11 +155,10 @@ def test_chunked_lm_head_is_bounded_at_7b_vocabularies(vocab, n_seq, seq_len):
         completion_logps(model, ids, attention, completion).logps.sum().backward()
     measured = meter.peak_bytes - meter.entry_bytes
 
-    arch = arch_from_config(model.config.to_dict(), "test", "test")
     setup = Setup(device="cpu", kind="cpu", dtype="float32", quantization="none", ref_dtype="float32",
                        ref_quantization="none", gradient_checkpointing=False, optimizer="adamw_torch",
                        micro_batch=n_seq // 2, grad_accum=1, precompute_batch=1, max_length=seq_len, lora_r=8,
-                       lora_targets=LORA_MODULES, completion_tokens=seq_len - prompt)
+                       lora_targets="all-linear", completion_tokens=seq_len - prompt)
     pred = predict_train(arch, setup)
     logits = pred.breakdown["peak_phase"]
     assert logits == logits_train_bytes(arch, n_seq * (seq_len - prompt)) == 4 * ((1 << 24) // vocab) * vocab * 4

@@ -1,4 +1,7 @@
-"""A decoder's numbers for the memory model: hidden size, layers, heads, vocabulary, from a config.json alone.
+"""A decoder's numbers for the memory model: its layers' real Linear shapes, parameter counts, heads and
+vocabulary, read from the model transformers builds from a config.json on the meta device (no weights, any
+architecture transformers has whose layers are alike and hold their weights in Linear layers), and what a LoRA
+target spec adapts in it.
 
 No weights are loaded. The config.json comes from a local model folder, a built-in model (lowmem_dpo:tiny-llama,
 lowmem_dpo:llama-25m), a shipped architecture-only file, lowmem_dpo:arch/NAME (mistral-7b-v0.1, llama-3.1-8b,
@@ -9,6 +12,7 @@ their -Instruct variants), or the hub (a few KB, online).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,25 +34,52 @@ HUB_ARCHS = {
     "qwen/qwen2.5-7b": "qwen2.5-7b",
     "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
 }
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The last name of an attention block's output projection, in the families transformers ships (Llama o_proj,
+# GPT-2 c_proj, GPT-NeoX dense, ...): its input is the attention output, which attention keeps anyway.
+OUT_PROJ_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "wo", "o", "out", "proj", "attn_out")
+# A decoder layer whose Linear weights hold less than this share of its parameters is not one the memory model
+# describes (e.g. mixture-of-experts layers keep their experts as fused parameters): it is refused, not guessed.
+MIN_LINEAR_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One Linear (or GPT-2 Conv1D) of a decoder layer, named relative to the layer (e.g. self_attn.q_proj)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+    role: str  # attn_in (q/k/v, fused or not) | attn_out | mlp_in (gate/up, fc) | mlp_out (down) | other
 
 
 @dataclass(frozen=True)
 class Arch:
-    """The numbers of a Llama-style decoder (q/k/v/o attention, gate/up/down MLP, RMSNorm) the planner needs."""
+    """A decoder as the planner needs it, read from the model transformers builds on the meta device (no weights):
+    one decoder layer's Linear layers and parameter count, the parameters outside the layers, and the attention
+    numbers. Every decoder layer is the same (checked when read)."""
 
     name: str
     model_type: str
     hidden: int  # H
-    intermediate: int  # I
     layers: int  # L
     heads: int  # attention heads
     kv_heads: int  # key/value heads (GQA when below heads)
     head_dim: int
     vocab: int  # V
     tie_word_embeddings: bool
-    qkv_bias: bool = False
-    mlp_bias: bool = False
+    layer_linears: tuple[Linear, ...]
+    layer_params: int  # every parameter of one layer: the Linears' weights, their biases, norms
+    outer_params: int  # parameters outside the layers and the (untied) LM head: embeddings, final norm
+    norms_per_layer: int = 2
+    norm_kind: str = "rms"  # rms | layer
+    activation: str = "silu"  # the config's hidden_act (activation_function for GPT-2)
+    layers_prefix: str = "model.layers"  # the ModuleList holding the decoder layers
+    lm_head: str = "lm_head"
+    # modules outside the layers owning tensors, before and after the layer stack: what a CPU-offload device_map
+    # keeps on the device
+    resident: tuple[tuple[str, ...], tuple[str, ...]] = (("model.embed_tokens",),
+                                                         ("model.rotary_emb", "model.norm", "lm_head"))
 
     @property
     def q_dim(self) -> int:
@@ -58,21 +89,30 @@ class Arch:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def role(self, role: str) -> list[Linear]:
+        return [m for m in self.layer_linears if m.role == role]
+
+    @property
+    def intermediate(self) -> int:
+        """I: the MLP's inner width, the input of its down projection."""
+        return max((m.in_features for m in self.role("mlp_out")), default=4 * self.hidden)
+
+    @property
+    def gated_mlp(self) -> bool:
+        """SwiGLU-style (gate and up, separate or fused: 2*I out of the MLP input) rather than fc -> act -> proj."""
+        return sum(m.out_features for m in self.role("mlp_in")) == 2 * self.intermediate
+
     def linears(self) -> dict[str, tuple[int, int]]:
         """One decoder layer's Linear layers: name -> (in_features, out_features)."""
-        h, i = self.hidden, self.intermediate
-        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return {m.name: (m.in_features, m.out_features) for m in self.layer_linears}
 
     def params(self) -> int:
-        per_layer = sum(a * b for a, b in self.linears().values()) + 2 * self.hidden + self.bias_params()
         head = 0 if self.tie_word_embeddings else self.vocab * self.hidden
-        return self.vocab * self.hidden + head + self.layers * per_layer + self.hidden
+        return self.outer_params + head + self.layers * self.layer_params
 
-    def bias_params(self) -> int:
-        """Bias elements of one layer (Qwen2: q/k/v have biases)."""
-        qkv = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
-        return qkv + (2 * self.intermediate + self.hidden if self.mlp_bias else 0)
+    def layer_extra_params(self) -> int:
+        """One layer's parameters beside its Linear weights: norms and biases (kept in the dtype when quantized)."""
+        return self.layer_params - sum(m.in_features * m.out_features for m in self.layer_linears)
 
     def with_layers(self, layers: int) -> "Arch":
         return dataclasses.replace(self, name=f"{self.name} (first {layers} layers)", layers=layers)
@@ -83,25 +123,108 @@ class Arch:
         return (f"{self.name}: {self.model_type}, {self.layers} layers, hidden {self.hidden}, intermediate "
                 f"{self.intermediate}, heads {self.heads}/{self.kv_heads} kv, vocab {self.vocab}, {size} params")
 
+    def module_names(self) -> list[tuple[str, Linear | None]]:
+        """Every Linear's full name in the model (with its layer's Linear; None for the LM head)."""
+        out = [(f"{self.layers_prefix}.{i}.{m.name}", m) for i in range(self.layers) for m in self.layer_linears]
+        return out + [(self.lm_head, None)]
 
-def arch_from_config(config: dict, name: str, where: str) -> Arch:
-    """Arch from a transformers config.json mapping; `where` names the file in error messages."""
-    if "text_config" in config and "hidden_size" not in config:
-        config = config["text_config"]
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                           "vocab_size") if not isinstance(config.get(k), int)]
-    if missing:
-        raise UserError(f"{where}: no integer {', '.join(missing)}; the planner needs a Llama-style decoder config "
-                        "(hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, vocab_size)")
-    heads = config["num_attention_heads"]
-    model_type = str(config.get("model_type", "unknown"))
-    return Arch(name=name, model_type=model_type, hidden=config["hidden_size"],
-                intermediate=config["intermediate_size"], layers=config["num_hidden_layers"], heads=heads,
-                kv_heads=config.get("num_key_value_heads") or heads,
-                head_dim=config.get("head_dim") or config["hidden_size"] // heads, vocab=config["vocab_size"],
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-                mlp_bias=bool(config.get("mlp_bias", False)))
+
+def _linear_shape(module) -> tuple[int, int] | None:
+    """(in, out) of an nn.Linear or a transformers Conv1D (GPT-2: weight stored (in, out)), else None."""
+    import torch
+
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return module.weight.shape[0], module.nf
+    return None
+
+
+def _decoder_layers(model) -> tuple[str, list]:
+    """(prefix, layers): the ModuleList holding the most parameters, the decoder's layer stack."""
+    import torch
+
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        raise UserError("no decoder layer stack (ModuleList) found")
+    name, layers = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+    return name, list(layers)
+
+
+def _roles(layer, hidden: int) -> tuple[Linear, ...]:
+    """The layer's Linears with their role in the layer, from where they sit (an attention block or not) and
+    their shapes: in an attention block, the output projection (by name, else the last Linear writing H) reads
+    the attention output and the others the normed input; elsewhere, the Linears reading H feed the MLP's
+    inner width and the one writing H from a wider input is the down projection."""
+    found = [(n, m, _linear_shape(m)) for n, m in layer.named_modules()]
+    found = [(n, m, sh) for n, m, sh in found if sh is not None]
+    attn = [(n, m, sh) for n, m, sh in found if any(k in n.split(".")[0].lower() for k in ("attn", "attention"))]
+    out_proj = next((n for n, _, sh in attn if n.split(".")[-1] in OUT_PROJ_NAMES and sh[1] == hidden), None)
+    if out_proj is None and attn:
+        out_proj = next((n for n, _, sh in reversed(attn) if sh[1] == hidden), None)
+    attn_names = {n for n, _, _ in attn}
+    out = []
+    for n, m, (i, o) in found:
+        if n in attn_names:
+            role = "attn_out" if n == out_proj else "attn_in"
+        elif i == hidden:
+            role = "mlp_in"
+        elif o == hidden:
+            role = "mlp_out"
+        else:
+            role = "other"
+        out.append(Linear(n, i, o, getattr(m, "bias", None) is not None, role))
+    return tuple(out)
+
+
+def _signature(layer) -> list[tuple]:
+    return [(n, tuple(p.shape)) for n, p in layer.named_parameters()]
+
+
+def arch_from_model(model, name: str) -> Arch:
+    """Arch of a transformers CausalLM (instantiated on the meta device: only names and shapes are read).
+    UserError when the model is not one the memory model describes."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden, vocab = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not all(isinstance(v, int) for v in (hidden, vocab, heads)):
+        raise UserError(f"{config.model_type}: no integer hidden_size, vocab_size or num_attention_heads")
+    prefix, layers = _decoder_layers(model)
+    first = _signature(layers[0])
+    if any(_signature(layer) != first for layer in layers[1:]):
+        raise UserError(f"{config.model_type}: its decoder layers differ from each other")
+    linears = _roles(layers[0], hidden)
+    layer_params = sum(p.numel() for p in layers[0].parameters())
+    if sum(m.in_features * m.out_features for m in linears) < MIN_LINEAR_SHARE * layer_params:
+        raise UserError(f"{config.model_type}: its layers keep most weights outside Linear layers (e.g. fused "
+                        "experts), which the memory model does not describe")
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    head_name = next((n for n, m in model.named_modules() if m is head), "lm_head")
+    total = sum(p.numel() for p in model.parameters())  # tied weights count once
+    outer = total - len(layers) * layer_params - (0 if tied or head is None else head.weight.numel())
+    norms = [type(m).__name__.lower() for m in layers[0].modules() if "norm" in type(m).__name__.lower()]
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return Arch(name=name, model_type=str(config.model_type), hidden=hidden, layers=len(layers), heads=heads,
+                kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=vocab,
+                tie_word_embeddings=tied, layer_linears=linears, layer_params=layer_params, outer_params=outer,
+                norms_per_layer=len(norms), norm_kind="rms" if all("rms" in n for n in norms) else "layer",
+                activation=str(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+                               or getattr(config, "activation_function", "")),
+                layers_prefix=prefix, lm_head=head_name, resident=_resident(model, prefix))
+
+
+def _resident(model, prefix: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The modules outside the layer stack that own tensors themselves (embeddings, rotary buffers, final norm,
+    LM head), split into those before the stack and those after it, in model order."""
+    before, after, seen_stack = [], [], False
+    for n, m in model.named_modules():
+        if n == prefix or n.startswith(prefix + "."):
+            seen_stack = True
+            continue
+        if n and (any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))):
+            (after if seen_stack else before).append(n)
+    return tuple(before), tuple(after)
 
 
 def shipped_archs() -> list[str]:
@@ -133,15 +256,66 @@ def arch_config_path(spec: str) -> Path:
                         f"could be fetched ({type(e).__name__}); pass a folder holding its config.json") from None
 
 
+@functools.lru_cache(maxsize=16)
 def load_arch(spec: str) -> Arch:
+    """The Arch of model_name_or_path: its config.json, instantiated by transformers on the meta device."""
     path = arch_config_path(spec)
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: not a readable config.json ({type(e).__name__}: {e})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return arch_from_config(config, spec, str(path))
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path.parent)
+        with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:
+        raise UserError(f"{path}: transformers cannot build a causal LM from it ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    return arch_from_model(model, spec)
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """The Linears a LoRA target spec adapts: in each decoder layer (names relative to the layer), and the LM head."""
+
+    per_layer: tuple[tuple[str, ...], ...]
+    lm_head: bool
+
+    def shapes(self, arch: Arch) -> list[tuple[int, int]]:
+        """(in, out) of every adapted Linear in the model."""
+        lin = arch.linears()
+        out = [lin[n] for names in self.per_layer for n in names]
+        return out + ([(arch.hidden, arch.vocab)] if self.lm_head else [])
+
+    @property
+    def count(self) -> int:
+        return sum(len(n) for n in self.per_layer) + self.lm_head
+
+
+@functools.lru_cache(maxsize=64)
+def adapted(arch: Arch, targets: str | tuple[str, ...]) -> Adapted:
+    """What peft adapts for `targets` (as LoraConfig takes them: a list of names matched as name suffixes, one
+    regex matched against the full name, or all-linear: every Linear but the LM head), matched by peft's own
+    check_target_module_exists on the model's module names. UserError when nothing matches."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    names = arch.module_names()
+    if targets == "all-linear":
+        hit = [n for n, m in names if m is not None]
+    else:
+        config = LoraConfig(target_modules=targets if isinstance(targets, str) else list(targets))
+        hit = [n for n, _ in names if check_target_module_exists(config, n)]
+    hit = set(hit)
+    if not hit:
+        raise UserError(f"lora_target_modules={targets!r} matches no Linear of {arch.model_type} (its layer "
+                        f"Linears: {', '.join(arch.linears())}; LM head: {arch.lm_head})")
+    per_layer = tuple(tuple(m.name for m in arch.layer_linears if f"{arch.layers_prefix}.{i}.{m.name}" in hit)
+                      for i in range(arch.layers))
+    return Adapted(per_layer, arch.lm_head in hit)
 
 
 def is_arch_only(spec: str) -> bool:

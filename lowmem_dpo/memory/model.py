@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from lowmem_dpo.devices import ADAMW_TORCH, PAGED_ADAMW_8BIT
 from lowmem_dpo.logps import CHUNK_ELEMENTS
-from lowmem_dpo.memory.arch import LORA_MODULES, Arch
+from lowmem_dpo.memory.arch import Arch, adapted
 from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup, setup_from_config
 from lowmem_dpo.units import MiB
 
@@ -46,15 +46,16 @@ def linear_weight_bytes(in_features: int, out_features: int, quantization: str, 
 
 
 def base_weight_bytes(arch: Arch, dtype: str, quantization: str) -> dict[str, int]:
-    """The frozen base: decoder Linears (quantized when asked), and in the dtype, always: embeddings, the LM head
-    (transformers never quantizes it; 0 when tied), norms and biases."""
+    """The frozen base: decoder Linears (quantized when asked), and in the dtype, always: everything outside the
+    layers (embeddings, position embeddings, the final norm), the LM head (transformers never quantizes it; 0
+    when tied), the layers' norms and biases."""
     s = DTYPE_BYTES[dtype]
     linears = sum(linear_weight_bytes(i, o, quantization, s) for i, o in arch.linears().values())
     return {
         "linears": arch.layers * linears,
-        "embeddings": arch.vocab * arch.hidden * s,
+        "embeddings": arch.outer_params * s,
         "lm_head": 0 if arch.tie_word_embeddings else arch.vocab * arch.hidden * s,
-        "norms_biases": ((2 * arch.layers + 1) * arch.hidden + arch.layers * arch.bias_params()) * s,
+        "norms_biases": arch.layers * arch.layer_extra_params() * s,
     }
 
 
@@ -62,16 +63,13 @@ def layer_weight_bytes(arch: Arch, dtype: str, quantization: str) -> int:
     """One decoder layer's weights: the unit CPU offload moves."""
     s = DTYPE_BYTES[dtype]
     return (sum(linear_weight_bytes(i, o, quantization, s) for i, o in arch.linears().values())
-            + (2 * arch.hidden + arch.bias_params()) * s)
+            + arch.layer_extra_params() * s)
 
 
-def lora_shapes(arch: Arch, targets: tuple[str, ...], r: int) -> list[int]:
-    """Element counts of every LoRA matrix: A is (r, in), B is (out, r), per adapted Linear per layer."""
-    out = []
-    for name, (i, o) in arch.linears().items():
-        if name in targets:
-            out += [r * i, o * r] * arch.layers
-    return out
+def lora_shapes(arch: Arch, targets: str | tuple[str, ...], r: int) -> list[int]:
+    """Element counts of every LoRA matrix: A is (r, in), B is (out, r), per adapted Linear (arch.adapted: what
+    peft adapts for `targets`, the LM head included)."""
+    return [n for i, o in adapted(arch, targets).shapes(arch) for n in (r * i, o * r)]
 
 
 def optimizer_state_bytes(shapes: list[int], optimizer: str) -> int:
@@ -93,48 +91,69 @@ def optimizer_state_bytes(shapes: list[int], optimizer: str) -> int:
 
 
 # -- formulas: activations ---------------------------------------------------------------------------------------
-def layer_saved_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> dict[str, int]:
+def layer_saved_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int,
+                      names: tuple[str, ...] | None = None) -> dict[str, int]:
     """Bytes one decoder layer keeps for backward in train, for n_seq sequences of seq_len tokens (NT tokens),
-    s = bytes of the dtype. What autograd saves in transformers' Llama/Mistral/Qwen2 layer with peft LoRA on a
-    frozen base (measured term by term with saved-tensor hooks):
+    s = bytes of the dtype, with LoRA on the layer's Linears `names` (default: the most adapted layer's). What
+    autograd saves in a transformers decoder layer with peft LoRA on a frozen base (measured term by term with
+    saved-tensor hooks on Llama/Mistral/Qwen2; the roles of arch.Linear carry it to other layouts):
 
-    norms:        2 RMSNorms keep their float32 input (a float32 copy when s=2): 2*H*4*NT, + 2*4*NT rsqrt.
+    norms:        each norm keeps its float32 input (a float32 copy when s=2) and per-token statistics: RMSNorm
+                  H*4 + 4 (rsqrt), LayerNorm H*4 + 8 (mean, rstd), times the layer's norms, times NT.
     lora_inputs:  every adapted Linear's LoRA A keeps its input (the frozen base Linear keeps nothing). With s=4,
-                  the Linears reading one tensor share it: H (q/k/v) + H (gate/up) + I (down)
-                  (o_proj reads the attention output, kept anyway); with s=2 (autocast) peft casts each input to
-                  float32 and autocast casts it back, so each keeps its own s-byte copy: sum of in_features * s.
-                  Times NT. lora_dropout > 0: each keeps its own copy (the dropped-out input, 4 bytes; with
-                  autocast its s-byte cast) and the dropout mask of its float32 input: 1 byte (bool) on CUDA, 4
-                  bytes on a CPU (there dropout multiplies by a float noise tensor).
+                  the Linears reading one tensor share it: H (q/k/v or a fused qkv) + H (gate/up, or fc) + I
+                  (down) (the attention's output projection reads the attention output, kept anyway); with s=2
+                  (autocast) peft casts each input to float32 and autocast casts it back, so each keeps its own
+                  s-byte copy: sum of in_features * s. Times NT. lora_dropout > 0: each keeps its own copy (the
+                  dropped-out input, 4 bytes; with autocast its s-byte cast) and the dropout mask of its float32
+                  input: 1 byte (bool) on CUDA, 4 bytes on a CPU (there dropout multiplies by a float noise tensor).
     lora_mids:    each LoRA B keeps A's output: r per adapted Linear, in s (autocast) or 4 bytes, times NT.
     attention:    SDPA keeps q, k, v, its output and its float32 logsumexp: ((2*q_dim + 2*kv)*s + 4*heads)*NT,
                   kv = q_dim with grouped kv heads (with padding, transformers repeats them to every head instead of
                   using SDPA's GQA), else kv_dim; and the padding mask made an s-byte additive mask, n_seq*T^2*s.
-    mlp:          SiLU keeps gate, the product keeps act and up: 3*I*s*NT.
+    mlp:          gated (SwiGLU): SiLU keeps gate, the product keeps act and up: 3*I*s*NT. Not gated (fc -> act ->
+                  proj): the activation keeps its input, and its output is kept for the projection's LoRA when
+                  that is adapted (lora_inputs), 1*I*s*NT; a tanh-GELU written in Python ops (GPT-2's gelu_new)
+                  keeps three more I-wide tensors (its tanh, the halved input and 1 + tanh): 4*I*s*NT.
     """
     s = DTYPE_BYTES[setup.dtype]
     nt = n_seq * seq_len
-    lin = arch.linears()
-    adapted = [m for m in LORA_MODULES if m in setup.lora_targets]
+    if names is None:
+        names = max(adapted(arch, setup.lora_targets).per_layer, key=len)
+    by_name = {m.name: m for m in arch.layer_linears}
+    ad = [by_name[n] for n in names]
     mid_bytes = s if setup.autocast else 4
     if setup.lora_dropout > 0:
         mask = 1 if setup.device == "cuda" else 4
-        inputs = sum(lin[m][0] for m in adapted) * ((s if setup.autocast else 4) + mask)
+        inputs = sum(m.in_features for m in ad) * ((s if setup.autocast else 4) + mask)
     elif setup.autocast:
-        inputs = sum(lin[m][0] for m in adapted) * s
+        inputs = sum(m.in_features for m in ad) * s
     else:
-        shared = (arch.hidden if {"q_proj", "k_proj", "v_proj"} & set(adapted) else 0) \
-            + (arch.hidden if {"gate_proj", "up_proj"} & set(adapted) else 0) \
-            + (arch.intermediate if "down_proj" in adapted else 0)
-        inputs = shared * s
+        inputs = _distinct_inputs(arch, ad) * s
     kv = arch.q_dim if arch.kv_heads < arch.heads else arch.kv_dim
     return {
-        "norms": nt * (2 * arch.hidden * 4 + 2 * 4),
+        "norms": nt * arch.norms_per_layer * (arch.hidden * 4 + (4 if arch.norm_kind == "rms" else 8)),
         "lora_inputs": nt * inputs,
-        "lora_mids": nt * setup.lora_r * len(adapted) * mid_bytes,
+        "lora_mids": nt * setup.lora_r * len(ad) * mid_bytes,
         "attention": nt * ((2 * arch.q_dim + 2 * kv) * s + 4 * arch.heads) + n_seq * seq_len * seq_len * s,
-        "mlp": nt * 3 * arch.intermediate * s,
+        "mlp": nt * _mlp_saved_widths(arch) * arch.intermediate * s,
     }
+
+
+def _mlp_saved_widths(arch: Arch) -> int:
+    """I-wide tensors the MLP's activation keeps (layer_saved_bytes' mlp)."""
+    if arch.gated_mlp:
+        return 3
+    return 4 if arch.activation == "gelu_new" else 1
+
+
+def _distinct_inputs(arch: Arch, linears) -> int:
+    """Summed width of the distinct tensors `linears` read: H for the attention's input projections (q/k/v share
+    the normed input), H for the MLP's (gate/up or fc), and each other Linear's own input; the attention output
+    projection's input is the attention output, kept by attention anyway (0)."""
+    roles = {m.role for m in linears}
+    return ((arch.hidden if "attn_in" in roles else 0) + (arch.hidden if "mlp_in" in roles else 0)
+            + sum(m.in_features for m in linears if m.role in ("mlp_out", "other")))
 
 
 def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: int) -> dict[str, int]:
@@ -148,7 +167,8 @@ def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: i
     int8_inputs:  8bit with checkpointing: LLM.int8's autograd function keeps its input on its context object,
                   out of checkpointing's reach, so every layer keeps the inputs of its quantized Linears: the
                   attention's normed input, o_proj's input, the MLP's normed input and down_proj's input,
-                  L*NT*(2H + q_dim + I)*s (without checkpointing they are among the layers' saved activations).
+                  L*NT*(2H + q_dim + I)*s for Llama (without checkpointing they are among the layers' saved
+                  activations).
     """
     s = DTYPE_BYTES[setup.dtype]
     nt = n_seq * seq_len
@@ -158,8 +178,14 @@ def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: i
         "final_norm": nt * arch.hidden * 4,
         "completion": n_seq * completion * arch.hidden * s,
         "mask": n_seq * seq_len * seq_len,
-        "int8_inputs": arch.layers * nt * (2 * arch.hidden + arch.q_dim + arch.intermediate) * s if int8_kept else 0,
+        "int8_inputs": arch.layers * nt * _quantized_inputs(arch) * s if int8_kept else 0,
     }
+
+
+def _quantized_inputs(arch: Arch) -> int:
+    """Summed width of the distinct inputs of a layer's quantized Linears (all of them), the attention output
+    projection's included."""
+    return _distinct_inputs(arch, arch.layer_linears) + sum(m.in_features for m in arch.role("attn_out"))
 
 
 def dequant_bytes(arch: Arch, quantization: str, s: int) -> int:
@@ -207,12 +233,13 @@ def chunk_tokens(arch: Arch, completion_positions: int) -> int:
     return max(1, min(completion_positions, CHUNK_ELEMENTS // arch.vocab))
 
 
-def logits_train_bytes(arch: Arch, completion_positions: int) -> int:
+def logits_train_bytes(arch: Arch, completion_positions: int, lora_head: bool = False) -> int:
     """The LM head in train (logps.py): only the M completion positions, in chunks of c = min(M, 2^24 // V) rows,
     each checkpointed. Nothing (c, V)-sized is kept; at the peak (one chunk's backward: LogsumexpBackward) four
     float32 (c, V) tensors live: the recomputed logits, logits - logsumexp, its exp, and the gradient.
-    4 * c * V * 4 bytes, at most 256 MiB whatever the batch, sequence length or vocabulary (never N*T*V*4)."""
-    return 4 * chunk_tokens(arch, completion_positions) * arch.vocab * 4
+    4 * c * V * 4 bytes, at most 256 MiB whatever the batch, sequence length or vocabulary (never N*T*V*4).
+    LoRA on the LM head adds its B output, one more (c, V) tensor (counted as float32)."""
+    return (5 if lora_head else 4) * chunk_tokens(arch, completion_positions) * arch.vocab * 4
 
 
 def logits_inference_bytes(arch: Arch, completion_positions: int) -> int:
@@ -225,15 +252,20 @@ def precompute_layer_bytes(arch: Arch, n_seq: int, seq_len: int, s: int, quantiz
     """One layer's working set under inference_mode (nothing is kept between layers), the largest of:
     MLP product: the embedding output, the layer input, the residual and the norm output (4*H), SiLU(gate), up
       and their product (3*I): NT*(4H + 3I)*s (measured: the peak for these architectures unquantized);
-    up_proj of a quantized base: 4*H, SiLU(gate) and up's output (2*I), and the dequantized weight (4bit) or
+    (not gated: fc's output and the activation's, 2*I; 4*I for gelu_new's Python ops);
+    up_proj of a quantized base: 4*H, SiLU(gate) and up's output (2*I; 1*I not gated), and the dequantized
+      weight (4bit) or
       LLM.int8's buffers (8bit, int8_buffers): NT*(4H + 2I)*s + that (measured: the peak with 4-bit and 8-bit);
     attention: NT*(4H + 3*q_dim + 2*kv_dim)*s + the boolean and the s-byte additive masks, n_seq*T^2*(1 + s)
       (+ dequant)."""
     nt = n_seq * seq_len
     # forward only: 8bit multiplies in int8 (its buffers), 4bit dequantizes the weight
     dequant = int8_buffers(arch, quantization, nt) if quantization == "8bit" else dequant_bytes(arch, quantization, s)
-    mlp = nt * (4 * arch.hidden + 3 * arch.intermediate) * s
-    up_proj = (nt * (4 * arch.hidden + 2 * arch.intermediate) * s + dequant) if dequant else 0
+    # I-wide tensors alive at the MLP's product (gated) or activation (fc's output and the activation's; a
+    # Python-op tanh-GELU, GPT-2's gelu_new, holds two more temporaries: measured)
+    inner = 3 if arch.gated_mlp else (4 if arch.activation == "gelu_new" else 2)
+    mlp = nt * (4 * arch.hidden + inner * arch.intermediate) * s
+    up_proj = (nt * (4 * arch.hidden + (inner - 1) * arch.intermediate) * s + dequant) if dequant else 0
     attn = nt * (4 * arch.hidden + 3 * arch.q_dim + 2 * arch.kv_dim) * s + n_seq * seq_len * seq_len * (1 + s)
     return max(mlp, up_proj, attn + dequant)
 
@@ -288,13 +320,16 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     weights = base_weight_bytes(arch, setup.dtype, setup.quantization)
     shapes = lora_shapes(arch, setup.lora_targets, setup.lora_r)
     n_lora = sum(shapes)
-    layer = layer_saved_bytes(arch, setup, n_seq, seq_len)
+    ad = adapted(arch, setup.lora_targets)
+    saved = {names: sum(layer_saved_bytes(arch, setup, n_seq, seq_len, names).values()) for names in set(ad.per_layer)}
+    layer = layer_saved_bytes(arch, setup, n_seq, seq_len, max(saved, key=saved.get))  # the largest layer's terms
     kept = kept_bytes(arch, setup, n_seq, seq_len, completion)
-    layer_total = sum(layer.values())
-    activations = sum(kept.values()) + (0 if setup.gradient_checkpointing else arch.layers * layer_total)
+    layer_total = max(saved.values())
+    all_layers = sum(saved[names] for names in ad.per_layer)
+    activations = sum(kept.values()) + (0 if setup.gradient_checkpointing else all_layers)
     layer_phase = layer_working_bytes(arch, setup, n_seq, seq_len) + (
         layer_total if setup.gradient_checkpointing else 0)
-    logits_phase = logits_train_bytes(arch, m)
+    logits_phase = logits_train_bytes(arch, m, lora_head=ad.lm_head)
     breakdown = {
         "base_weights": sum(weights.values()),
         "lora_params": 4 * n_lora,

@@ -79,9 +79,9 @@ def stage_offload(arch: Arch, setup: Setup, pred: Prediction, stage: str, budget
     return Offload(k, per_layer, streamed, peak - k * per_layer + streamed if k else peak)
 
 
-# Modules of a Llama-style CausalLM besides its decoder layers; they stay on the device (rotary_emb holds only
-# a buffer, listed so the map covers every module that owns tensors).
-OFFLOAD_RESIDENT = ("model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head")
+# A Llama-style CausalLM's modules besides its decoder layers, before and after them (rotary_emb holds only a
+# buffer, listed so the map covers every module that owns tensors); arch.Arch.resident has any model's.
+OFFLOAD_RESIDENT = (("model.embed_tokens",), ("model.rotary_emb", "model.norm", "lm_head"))
 
 
 def layers_on_device(layers: int, layer_bytes: int, other_bytes: int, budget: int,
@@ -104,14 +104,14 @@ def layers_on_device(layers: int, layer_bytes: int, other_bytes: int, budget: in
 
 def offload_device_map(layers: int, layer_bytes: int, other_bytes: int, budget: int, device: int | str = 0,
                        layers_prefix: str = "model.layers",
-                       resident: tuple[str, ...] = OFFLOAD_RESIDENT,
+                       resident: tuple[tuple[str, ...], tuple[str, ...]] = OFFLOAD_RESIDENT,
                        buffer_bytes: int | None = None) -> dict[str, int | str]:
-    """An accelerate/transformers device_map: the `resident` modules and the leading layers that fit
-    (layers_on_device) on `device`, the rest on "cpu" (kept in CPU RAM, copied to the device for each forward
-    by accelerate's hooks). Keys in model order: embeddings, layers, then norm and head."""
+    """An accelerate/transformers device_map: the `resident` modules (those before the layer stack, those after)
+    and the leading layers that fit (layers_on_device) on `device`, the rest on "cpu" (kept in CPU RAM, copied to
+    the device for each forward by accelerate's hooks). Keys in model order: embeddings, layers, then norm and
+    head."""
     n = layers_on_device(layers, layer_bytes, other_bytes, budget, buffer_bytes)
-    first = [m for m in resident if m.endswith("embed_tokens")]
-    rest = [m for m in resident if m not in first]
+    first, rest = resident
     out: dict[str, int | str] = dict.fromkeys(first, device)
     out.update({f"{layers_prefix}.{i}": device if i < n else "cpu" for i in range(layers)})
     out.update(dict.fromkeys(rest, device))
@@ -129,6 +129,7 @@ def offload_map(arch: Arch, setup: Setup, budget: int, stage: str, device: int |
         return None
     peak = getattr(pred, stage).peak_bytes
     return offload_device_map(arch.layers, off.layer_bytes, peak - arch.layers * off.layer_bytes, budget, device,
+                              layers_prefix=arch.layers_prefix, resident=arch.resident,
                               buffer_bytes=off.streamed_bytes)
 
 

@@ -10,7 +10,6 @@ import torch
 
 from lowmem_dpo import devices
 from lowmem_dpo.errors import UserError
-from lowmem_dpo.memory.arch import LORA_MODULES
 from lowmem_dpo.units import parse_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -33,7 +32,7 @@ class Setup:
     precompute_batch: int  # pairs per precompute forward
     max_length: int
     lora_r: int
-    lora_targets: tuple[str, ...]  # names from LORA_MODULES
+    lora_targets: str | tuple[str, ...]  # as peft takes them: names, one regex, or all-linear (arch.adapted)
     lora_dropout: float = 0.0
     seq_len: int | None = None  # padded tokens per sequence; None: max_length (the worst case)
     completion_tokens: int | None = None  # completion tokens per sequence; None: seq_len - 1 (the worst case)
@@ -54,14 +53,10 @@ class Setup:
         return t, self.completion_tokens or t - 1
 
 
-def lora_targets(names: list[str]) -> tuple[str, ...]:
-    if names == ["all-linear"]:
-        return LORA_MODULES
-    unknown = [n for n in names if n.split(".")[-1] not in LORA_MODULES]
-    if unknown:
-        raise UserError(f"lora_target_modules={names}: the planner knows the Llama-style names "
-                        f"{', '.join(LORA_MODULES)} and all-linear, not {', '.join(unknown)}")
-    return tuple(m for m in LORA_MODULES if m in {n.split(".")[-1] for n in names})
+def lora_targets(cfg) -> str | tuple[str, ...]:
+    """lora_target_modules as peft takes them (Config.peft_target_modules), hashable."""
+    spec = cfg.peft_target_modules
+    return spec if isinstance(spec, str) else tuple(spec)
 
 
 def device_kind_for(device: str, budget: int | None) -> str:
@@ -98,7 +93,7 @@ def setup_from_config(cfg, budget: int | None = None) -> Setup:
                  ref_quantization=cfg.reference_quantization, gradient_checkpointing=ckpt, optimizer=rule.optimizer,
                  micro_batch=cfg.per_device_train_batch_size, grad_accum=cfg.gradient_accumulation_steps,
                  precompute_batch=cfg.precompute_batch_size, max_length=cfg.max_length, lora_r=cfg.lora_r,
-                 lora_targets=lora_targets(cfg.lora_target_modules), lora_dropout=cfg.lora_dropout)
+                 lora_targets=lora_targets(cfg), lora_dropout=cfg.lora_dropout)
 
 
 def run_budget(cfg, device: str) -> int:
