@@ -94,6 +94,7 @@ def test_a_target_that_matches_nothing_is_named(model_dir):
 @pytest.mark.parametrize("name, dtype, ckpt, quant, targets", [
     ("gpt2", "float32", "false", "none", "c_attn,lm_head"),
     ("phi3", "bfloat16", "true", "4bit", "all-linear"),
+    ("gemma2", "float32", "false", "none", "all-linear"),  # eager attention, softcapped head
 ])
 def test_prediction_within_20_percent_of_measured(name, dtype, ckpt, quant, targets, model_dir, tmp_path):
     from conftest import TINY_DATA

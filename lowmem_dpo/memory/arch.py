@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowmem_dpo.errors import UserError
+from lowmem_dpo.logps import head_of
 from lowmem_dpo.models import resolve_model_path
 from lowmem_dpo.tiny import BUILTIN_PREFIX
 
@@ -74,6 +75,9 @@ class Arch:
     norms_per_layer: int = 2
     norm_kind: str = "rms"  # rms | layer
     activation: str = "silu"  # the config's hidden_act (activation_function for GPT-2)
+    softcapped_head: bool = False  # the LM head's logits are softcapped (logps.Head: Gemma2)
+    eager_attention: bool = False  # transformers picks eager attention, not SDPA (Gemma2: softcapped scores)
+    attention_softcap: bool = False
     layers_prefix: str = "model.layers"  # the ModuleList holding the decoder layers
     lm_head: str = "lm_head"
     # modules outside the layers owning tensors, before and after the layer stack: what a CPU-offload device_map
@@ -211,7 +215,10 @@ def arch_from_model(model, name: str) -> Arch:
                 norms_per_layer=len(norms), norm_kind="rms" if all("rms" in n for n in norms) else "layer",
                 activation=str(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
                                or getattr(config, "activation_function", "")),
-                layers_prefix=prefix, lm_head=head_name, resident=_resident(model, prefix))
+                layers_prefix=prefix, lm_head=head_name, resident=_resident(model, prefix),
+                softcapped_head=bool(head_of(model.config)[0].softcap),
+                eager_attention=getattr(config, "_attn_implementation", None) == "eager",
+                attention_softcap=bool(getattr(config, "attn_logit_softcapping", None)))
 
 
 def _resident(model, prefix: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -135,9 +135,19 @@ def layer_saved_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int,
         "norms": nt * arch.norms_per_layer * (arch.hidden * 4 + (4 if arch.norm_kind == "rms" else 8)),
         "lora_inputs": nt * inputs,
         "lora_mids": nt * setup.lora_r * len(ad) * mid_bytes,
-        "attention": nt * ((2 * arch.q_dim + 2 * kv) * s + 4 * arch.heads) + n_seq * seq_len * seq_len * s,
+        "attention": nt * ((2 * arch.q_dim + 2 * kv) * s + 4 * arch.heads) + n_seq * seq_len * seq_len * s
+        + n_seq * arch.heads * seq_len * seq_len * _eager_saved(arch, s),
         "mlp": nt * _mlp_saved_widths(arch) * arch.intermediate * s,
     }
+
+
+def _eager_saved(arch: Arch, s: int) -> int:
+    """Bytes per (sequence, head, query, key) that eager attention (transformers' matmul-softmax-matmul, used
+    where SDPA cannot do the model's attention: Gemma2's logit softcapping) keeps for backward: softmax's float32
+    output, its cast back to s bytes (when s = 2), and with softcapping tanh's output. 0 with SDPA."""
+    if not arch.eager_attention:
+        return 0
+    return 4 + (s if s == 2 else 0) + (s if arch.attention_softcap else 0)
 
 
 def _mlp_saved_widths(arch: Arch) -> int:
@@ -238,14 +248,17 @@ def logits_train_bytes(arch: Arch, completion_positions: int, lora_head: bool = 
     each checkpointed. Nothing (c, V)-sized is kept; at the peak (one chunk's backward: LogsumexpBackward) four
     float32 (c, V) tensors live: the recomputed logits, logits - logsumexp, its exp, and the gradient.
     4 * c * V * 4 bytes, at most 256 MiB whatever the batch, sequence length or vocabulary (never N*T*V*4).
-    LoRA on the LM head adds its B output, one more (c, V) tensor (counted as float32)."""
-    return (5 if lora_head else 4) * chunk_tokens(arch, completion_positions) * arch.vocab * 4
+    LoRA on the LM head adds its B output, one more (c, V) tensor (counted as float32); a softcapped head
+    (Gemma2: logps.Head) one more, tanh's output, kept for its backward."""
+    n = 4 + lora_head + arch.softcapped_head
+    return n * chunk_tokens(arch, completion_positions) * arch.vocab * 4
 
 
 def logits_inference_bytes(arch: Arch, completion_positions: int) -> int:
     """The LM head under inference_mode (precompute): one chunk's float32 logits and logsumexp's exp(logits - max)
-    (computed in place), 2 * c * V * 4 (the s-byte logits before the float32 cast are gone by then)."""
-    return 2 * chunk_tokens(arch, completion_positions) * arch.vocab * 4
+    (computed in place), 2 * c * V * 4 (the s-byte logits before the float32 cast are gone by then); a
+    softcapped head one more (tanh's input and output live together)."""
+    return (2 + arch.softcapped_head) * chunk_tokens(arch, completion_positions) * arch.vocab * 4
 
 
 def precompute_layer_bytes(arch: Arch, n_seq: int, seq_len: int, s: int, quantization: str) -> int:
@@ -267,6 +280,8 @@ def precompute_layer_bytes(arch: Arch, n_seq: int, seq_len: int, s: int, quantiz
     mlp = nt * (4 * arch.hidden + inner * arch.intermediate) * s
     up_proj = (nt * (4 * arch.hidden + (inner - 1) * arch.intermediate) * s + dequant) if dequant else 0
     attn = nt * (4 * arch.hidden + 3 * arch.q_dim + 2 * arch.kv_dim) * s + n_seq * seq_len * seq_len * (1 + s)
+    if arch.eager_attention:  # the scores and softmax's float32 output (+ its s-byte cast when s = 2): 8 bytes
+        attn += n_seq * arch.heads * seq_len * seq_len * (s + 4 + (s if s == 2 else 0))
     return max(mlp, up_proj, attn + dequant)
 
 
