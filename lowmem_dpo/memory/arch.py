@@ -106,6 +106,19 @@ class Arch:
         """SwiGLU-style (gate and up, separate or fused: 2*I out of the MLP input) rather than fc -> act -> proj."""
         return sum(m.out_features for m in self.role("mlp_in")) == 2 * self.intermediate
 
+    def distinct_inputs(self, linears) -> int:
+        """Summed width of the distinct tensors `linears` read: H for the attention's input projections (q/k/v
+        share the normed input), H for the MLP's (gate/up or fc), and each other Linear's own input; the
+        attention output projection's input is the attention output, kept by attention anyway (0)."""
+        roles = {m.role for m in linears}
+        return ((self.hidden if "attn_in" in roles else 0) + (self.hidden if "mlp_in" in roles else 0)
+                + sum(m.in_features for m in linears if m.role in ("mlp_out", "other")))
+
+    def quantized_inputs(self) -> int:
+        """Summed width of the distinct inputs of all of a layer's Linears, the attention output projection's
+        included (what LLM.int8 keeps per layer)."""
+        return self.distinct_inputs(self.layer_linears) + sum(m.in_features for m in self.role("attn_out"))
+
     def linears(self) -> dict[str, tuple[int, int]]:
         """One decoder layer's Linear layers: name -> (in_features, out_features)."""
         return {m.name: (m.in_features, m.out_features) for m in self.layer_linears}

@@ -129,7 +129,7 @@ def layer_saved_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int,
     elif setup.autocast:
         inputs = sum(m.in_features for m in ad) * s
     else:
-        inputs = _distinct_inputs(arch, ad) * s
+        inputs = arch.distinct_inputs(ad) * s
     kv = arch.q_dim if arch.kv_heads < arch.heads else arch.kv_dim
     return {
         "norms": nt * arch.norms_per_layer * (arch.hidden * 4 + (4 if arch.norm_kind == "rms" else 8)),
@@ -157,15 +157,6 @@ def _mlp_saved_widths(arch: Arch) -> int:
     return 4 if arch.activation == "gelu_new" else 1
 
 
-def _distinct_inputs(arch: Arch, linears) -> int:
-    """Summed width of the distinct tensors `linears` read: H for the attention's input projections (q/k/v share
-    the normed input), H for the MLP's (gate/up or fc), and each other Linear's own input; the attention output
-    projection's input is the attention output, kept by attention anyway (0)."""
-    roles = {m.role for m in linears}
-    return ((arch.hidden if "attn_in" in roles else 0) + (arch.hidden if "mlp_in" in roles else 0)
-            + sum(m.in_features for m in linears if m.role in ("mlp_out", "other")))
-
-
 def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: int) -> dict[str, int]:
     """What train keeps for backward across the whole forward, beyond the decoder layers' own:
 
@@ -188,14 +179,8 @@ def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: i
         "final_norm": nt * arch.hidden * 4,
         "completion": n_seq * completion * arch.hidden * s,
         "mask": n_seq * seq_len * seq_len,
-        "int8_inputs": arch.layers * nt * _quantized_inputs(arch) * s if int8_kept else 0,
+        "int8_inputs": arch.layers * nt * arch.quantized_inputs() * s if int8_kept else 0,
     }
-
-
-def _quantized_inputs(arch: Arch) -> int:
-    """Summed width of the distinct inputs of a layer's quantized Linears (all of them), the attention output
-    projection's included."""
-    return _distinct_inputs(arch, arch.layer_linears) + sum(m.in_features for m in arch.role("attn_out"))
 
 
 def dequant_bytes(arch: Arch, quantization: str, s: int) -> int:
