@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import build_tiny_model
 
 from lowmem_dpo import cache, data, logps, precompute, sft, train
 from lowmem_dpo.errors import UserError
@@ -39,17 +40,7 @@ TRANSFORMED = {"gemma2", "granite", "cohere", "falcon_h1", "hyperclovax"}
 
 def build(name: str, out, tokenizer):
     """A seeded tiny model of ARCHS[name] with the tiny tokenizer, saved as a local model folder."""
-    import transformers
-
-    cls, kwargs = ARCHS[name]
-    config = getattr(transformers, cls)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                        **kwargs)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return build_tiny_model(*ARCHS[name], out, tokenizer)
 
 
 @pytest.fixture(scope="module")
