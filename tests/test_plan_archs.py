@@ -153,3 +153,20 @@ def test_a_model_the_planner_cannot_describe_still_trains(make_cfg, tmp_path, to
     train.run(cfg)
     assert (Path(cfg.output_dir) / "adapter_model.safetensors").is_file()
     assert "no memory plan for this model" in capsys.readouterr().err
+
+
+def test_a_hybrid_layer_is_not_planned_as_a_transformer_layer():
+    """Falcon-H1's layers hold a Mamba mixer (in_proj, out_proj) beside the gated MLP: read as Linears reading H,
+    it would count as MLP input (its SwiGLU taken for an fc MLP) and its own activations would be left out. The
+    planner refuses it, so train falls back to the device rule instead of planning with a wrong number."""
+    from transformers import AutoModelForCausalLM, FalconH1Config
+
+    from lowmem_dpo.memory.arch import arch_from_model
+
+    config = FalconH1Config(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=96,
+                            mamba_n_heads=4, mamba_d_head=24, mamba_d_state=8, mamba_n_groups=1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UserError, match=r"falcon_h1: its layers hold Linear layers in feed_forward, mamba beside"):
+        arch_from_model(model, "falcon-h1")

@@ -215,6 +215,12 @@ def arch_from_model(model, name: str) -> Arch:
     if sum(m.in_features * m.out_features for m in linears) < MIN_LINEAR_SHARE * layer_params:
         raise UserError(f"{config.model_type}: its layers keep most weights outside Linear layers (e.g. fused "
                         "experts), which the memory model does not describe")
+    # Outside attention, one MLP: a block (mlp, ffn, feed_forward) or Linears on the layer itself (OPT's fc1/fc2).
+    blocks = {m.name.split(".")[0] if "." in m.name else "" for m in linears if not m.role.startswith("attn")}
+    if len(blocks) > 1:
+        raise UserError(f"{config.model_type}: its layers hold Linear layers in {', '.join(sorted(blocks))} beside "
+                        "the attention (e.g. a Mamba mixer beside the MLP), which the memory model does not "
+                        "describe")
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     head_name = next((n for n, m in model.named_modules() if m is head), "lm_head")
