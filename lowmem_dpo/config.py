@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,8 +129,8 @@ class Config:
                              "in TRL.", min=0.0, max=1.0)
     lora_target_modules: list = _f(["all-linear"], "Module names to adapt, a list or comma-separated (matched "
                                    "as name suffixes, e.g. q_proj, c_attn, lm_head); all-linear = every linear "
-                                   "layer but the LM head; one regex (e.g. '.*\\.(q|v)_proj') is matched against "
-                                   "full module names, as peft does.")
+                                   "layer but the LM head; a regex (e.g. '.*\\.(q|v)_proj'), as the only entry, is "
+                                   "matched against full module names, as peft does.")
     adapter_mode: str = _f("continue", "With an SFT adapter: continue trains that adapter (its own rank, alpha and "
                            "target modules; the lora_* keys but lora_dropout are ignored); new_on_merged merges it "
                            "into an unquantized base and trains a fresh adapter from the lora_* keys.",
@@ -189,6 +190,16 @@ class Config:
                 problems.append(str(e))
         if not self.lora_target_modules:
             problems.append("lora_target_modules is empty: name at least one module or use all-linear")
+        regexes = [t for t in self.lora_target_modules if REGEX_CHARS.intersection(t)]
+        if len(self.lora_target_modules) > 1 and regexes:  # peft would take it as a name and match nothing
+            problems.append(f"lora_target_modules={self.lora_target_modules}: {regexes[0]!r} is a regex, which "
+                            "must be the only entry (peft matches one regex against full module names); write "
+                            "one regex for all of them, e.g. '.*\\.(q|v)_proj', or list plain names")
+        elif regexes:
+            try:
+                re.compile(regexes[0])
+            except re.error as e:
+                problems.append(f"lora_target_modules={regexes[0]!r} is not a valid regex ({e})")
         return problems
 
     @property

@@ -65,6 +65,8 @@ def test_comma_separated_list():
     ("quantization=2bit", "quantization='2bit': expected one of none, 8bit, 4bit"),
     ("ref_dtype=float8", "ref_dtype='float8': expected one of auto, float32, bfloat16, float16"),
     ("max_prompt_length=64", "must be below max_length"),
+    ("lora_target_modules=(q_proj", "lora_target_modules='(q_proj' is not a valid regex (missing ), unterminated"),
+    ("lora_target_modules=(q|k)_proj,v_proj", "'(q|k)_proj' is a regex, which must be the only entry"),
 ])
 def test_errors_name_key_value_and_expectation(override, fragment):
     args = [override, "max_length=64"] if "max_prompt_length" in override else [override]
