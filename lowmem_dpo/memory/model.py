@@ -251,9 +251,9 @@ def precompute_layer_bytes(arch: Arch, n_seq: int, seq_len: int, s: int, quantiz
     MLP product: the embedding output, the layer input, the residual and the norm output (4*H), SiLU(gate), up
       and their product (3*I): NT*(4H + 3I)*s (measured: the peak for these architectures unquantized);
     (not gated: fc's output and the activation's, 2*I; 4*I for gelu_new's Python ops);
-    up_proj of a quantized base: 4*H, SiLU(gate) and up's output (2*I; 1*I not gated), and the dequantized
-      weight (4bit) or
-      LLM.int8's buffers (8bit, int8_buffers): NT*(4H + 2I)*s + that (measured: the peak with 4-bit and 8-bit);
+    up_proj of a quantized base: 4*H, SiLU(gate) and up's output (2*I; not gated 1*I, 3*I with gelu_new), and
+      the dequantized weight (4bit) or LLM.int8's buffers (8bit, int8_buffers): NT*(4H + 2I)*s + that
+      (measured: the peak with 4-bit and 8-bit);
     attention: NT*(4H + 3*q_dim + 2*kv_dim)*s + the boolean and the s-byte additive masks, n_seq*T^2*(1 + s)
       (+ dequant)."""
     nt = n_seq * seq_len
