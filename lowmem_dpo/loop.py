@@ -145,23 +145,43 @@ def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | Non
     return resume_from, saved
 
 
+def _length_changes(cfg: Config, saved: checkpoint.TrainerState) -> str:
+    return ", ".join(f"{k} {saved.config.get(k)} -> {getattr(cfg, k)}" for k in sorted(RUN_LENGTH)
+                     if saved.config.get(k) != getattr(cfg, k))
+
+
+def _old_total(cfg: Config, saved: checkpoint.TrainerState, n_items: int) -> int:
+    """The total steps of the run that wrote `saved`, over the same items."""
+    old = dataclasses.replace(cfg, **{k: saved.config[k] for k in RUN_LENGTH if k in saved.config})
+    return policy.total_steps(old, n_items)
+
+
+def check_run_length(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerState | None], n_items: int) -> None:
+    """Before the model loads: a raised max_steps or num_train_epochs continues a run, a total below the
+    checkpoint's step is refused."""
+    resume_from, saved = resume
+    steps = policy.total_steps(cfg, n_items)
+    if saved is not None and steps < saved.step:
+        raise UserError(f"{_length_changes(cfg, saved)}: the run would end at step {steps}, before "
+                        f"{resume_from}'s step {saved.step}; raise it to continue, or pass resume=never to start "
+                        "over")
+
+
 def follow_run_length(s: Session, resume_from: Path, saved: checkpoint.TrainerState) -> None:
-    """Checkpoint `resume_from` written with another max_steps or num_train_epochs: the run continues from its
-    step to the new total (a total below that step is refused), at the learning rate the new schedule gives
-    there."""
-    changed = {k: saved.config.get(k) for k in sorted(RUN_LENGTH) if saved.config.get(k) != getattr(s.cfg, k)}
-    if not changed:
+    """Checkpoint `resume_from` written with another max_steps or num_train_epochs (check_run_length: not past
+    the new total): the run continues from its step to the new total, at the learning rate the new schedule
+    gives there."""
+    old_total = _old_total(s.cfg, saved, len(s.pairs))
+    if old_total == s.steps:
         return
-    what = ", ".join(f"{k} {old} -> {getattr(s.cfg, k)}" for k, old in changed.items())
-    if s.steps < saved.step:
-        raise UserError(f"{what}: the run would end at step {s.steps}, before {resume_from}'s step {saved.step}; "
-                        "raise it to continue, or pass resume=never to start over")
+    what = _length_changes(s.cfg, saved)
     # The restored learning rates are the old schedule's at this step; the scheduler's lambda is over s.steps.
     lrs = [base * f(s.sched.last_epoch) for base, f in zip(s.sched.base_lrs, s.sched.lr_lambdas)]
     for group, lr in zip(s.opt.param_groups, lrs):
         group["lr"] = lr
     s.sched._last_lr = lrs  # what get_last_lr() reads: the learning rate the next step logs
-    log(f"{what}: continuing from step {saved.step} of {s.steps}, the schedule follows the new total")
+    log(f"{what}: continuing from step {saved.step} of {s.steps} (was {old_total}), the schedule follows the "
+        "new total")
 
 
 def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.TrainerState | None) -> Session:

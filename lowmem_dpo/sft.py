@@ -118,6 +118,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, rows)
     trains_on = inputs.run_inputs(files, tok.pairs)  # no reference cache in SFT
     checkpoint.check_inputs(resume, trains_on)  # before the model loads: changed inputs are refused in seconds
+    loop.check_run_length(cfg, resume, len(tok.pairs))
     model = policy.setup_model(cfg, resolved, source.base_path, device_map, source=source)
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)

@@ -155,6 +155,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     trains_on = {**inputs.run_inputs(ins.fingerprint, tok.pairs),
                  "reference cache": None if ref is None else ref.manifest["fingerprint"]}
     checkpoint.check_inputs(resume, trains_on)  # before the model loads: changed inputs are refused in seconds
+    loop.check_run_length(cfg, resume, len(tok.pairs))
     model = policy.setup_model(cfg, resolved, ins.model_path, device_map, source=ins.source)
     pad_id = data.pad_token_id(ins.tokenizer)
     headcheck.verify(model, data.collate(tok.pairs[:1], pad_id).to(resolved.device), resolved.device,

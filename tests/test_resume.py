@@ -397,7 +397,7 @@ def test_raising_max_steps_continues_a_finished_run_on_the_new_schedule(built, t
     capsys.readouterr()
     assert _train(built, out, "max_steps=40") == 0
     err = capsys.readouterr().err
-    assert "max_steps 20 -> 40: continuing from step 20 of 40, the schedule follows the new total" in err
+    assert "max_steps 20 -> 40: continuing from step 20 of 40 (was 20), the schedule follows the new total" in err
     assert f"resuming from {out / 'checkpoints' / 'checkpoint-20'} (step 20 of 40)" in err
     lines = metrics(out)
     assert lines[:len(finished)] == finished
@@ -421,7 +421,7 @@ def test_raising_num_train_epochs_continues_the_run(tmp_path, capsys):
     assert _precompute(path) == 0 and _train(path, out) == 0
     capsys.readouterr()
     assert _train(path, out, "num_train_epochs=1") == 0
-    assert ("num_train_epochs 0.5 -> 1.0: continuing from step 4 of 8, the schedule follows the new total"
+    assert ("num_train_epochs 0.5 -> 1.0: continuing from step 4 of 8 (was 4), the schedule follows the new total"
             in capsys.readouterr().err)
     assert [m["step"] for m in metrics(out)] == [1, 3, 4, 6, 8]
 
