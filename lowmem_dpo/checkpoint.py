@@ -166,7 +166,7 @@ def input_changes(saved: dict, current: dict) -> list[str]:
 
 
 def check_inputs(resume: tuple[Path | None, TrainerState | None], current: dict) -> None:
-    """Refuse to continue checkpoint `resume` (loop.find_resume's pair) on other inputs than it was trained on:
+    """Refuse to continue checkpoint `resume` (resuming.find_resume's pair) on other inputs than it was trained on:
     `current` (inputs.run_inputs) against its record, exit 2 naming what changed. A checkpoint written before
     inputs were recorded is continued with a warning (its settings are still checked)."""
     resume_from, saved = resume

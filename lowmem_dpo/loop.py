@@ -5,8 +5,9 @@ micro-batching with the out-of-memory back-off, the update with its non-finite g
 checkpoints and resuming from them, and the final save. A stage supplies only what differs, as an `Objective`:
 what a data item is (in `Session.pairs`), and how a step's items become a loss, its gradients and its metrics.
 
-    resume = find_resume(cfg)             # before anything heavy: a changed setting fails fast
+    resume = resuming.find_resume(cfg)    # before anything heavy: a changed setting fails fast
     checkpoint.check_inputs(resume, ins)  # ins = inputs.run_inputs(...): changed data or weights fail fast too
+    resuming.check_run_length(cfg, resume, len(items))  # a total below the checkpoint's step too
     s = start(cfg, resolved, model, items, pad_id, objective, resume, ins)  # optimizer, schedule, checkpoint state
     run(s)                                # optimizer_step until s.steps; log, checkpoint, save
 """
@@ -26,8 +27,8 @@ from typing import Protocol
 
 import torch
 
-from lowmem_dpo import checkpoint, devices, files, guards, policy
-from lowmem_dpo.config import RUN_LENGTH, Config
+from lowmem_dpo import checkpoint, devices, files, guards, policy, resuming
+from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
 
 
@@ -129,61 +130,6 @@ class Session:
 
 
 # -- resume ------------------------------------------------------------------------------------------------------
-def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | None]:
-    """The checkpoint this run continues from (resume=auto: the newest in output_dir; resume=PATH) and its
-    state, refused when it was written with settings that change the numbers; (None, None) to start over."""
-    resume_from = checkpoint.find(cfg.output_dir, cfg.resume)
-    if resume_from is None:
-        return None, None
-    saved = checkpoint.read_state(resume_from)
-    changed = checkpoint.config_changes(saved.config, dataclasses.asdict(cfg))
-    if changed:
-        raise UserError(f"{resume_from} was written by a run with other settings ("
-                        + ", ".join(f"{k}: {saved.config.get(k)!r} -> {getattr(cfg, k, None)!r}" for k in changed)
-                        + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
-                        " are replaced as the new run saves)")
-    return resume_from, saved
-
-
-def _length_changes(cfg: Config, saved: checkpoint.TrainerState) -> str:
-    return ", ".join(f"{k} {saved.config.get(k)} -> {getattr(cfg, k)}" for k in sorted(RUN_LENGTH)
-                     if saved.config.get(k) != getattr(cfg, k))
-
-
-def _old_total(cfg: Config, saved: checkpoint.TrainerState, n_items: int) -> int:
-    """The total steps of the run that wrote `saved`, over the same items."""
-    old = dataclasses.replace(cfg, **{k: saved.config[k] for k in RUN_LENGTH if k in saved.config})
-    return policy.total_steps(old, n_items)
-
-
-def check_run_length(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerState | None], n_items: int) -> None:
-    """Before the model loads: a raised max_steps or num_train_epochs continues a run, a total below the
-    checkpoint's step is refused."""
-    resume_from, saved = resume
-    steps = policy.total_steps(cfg, n_items)
-    if saved is not None and steps < saved.step:
-        raise UserError(f"{_length_changes(cfg, saved)}: the run would end at step {steps}, before "
-                        f"{resume_from}'s step {saved.step}; raise it to continue, or pass resume=never to start "
-                        "over")
-
-
-def follow_run_length(s: Session, resume_from: Path, saved: checkpoint.TrainerState) -> None:
-    """Checkpoint `resume_from` written with another max_steps or num_train_epochs (check_run_length: not past
-    the new total): the run continues from its step to the new total, at the learning rate the new schedule
-    gives there."""
-    old_total = _old_total(s.cfg, saved, len(s.pairs))
-    if old_total == s.steps:
-        return
-    what = _length_changes(s.cfg, saved)
-    # The restored learning rates are the old schedule's at this step; the scheduler's lambda is over s.steps.
-    lrs = [base * f(s.sched.last_epoch) for base, f in zip(s.sched.base_lrs, s.sched.lr_lambdas)]
-    for group, lr in zip(s.opt.param_groups, lrs):
-        group["lr"] = lr
-    s.sched._last_lr = lrs  # what get_last_lr() reads: the learning rate the next step logs
-    log(f"{what}: continuing from step {saved.step} of {s.steps} (was {old_total}), the schedule follows the "
-        "new total")
-
-
 def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.TrainerState | None) -> Session:
     """Put a freshly set-up session where checkpoint `resume_from` left off (weights, optimizer, schedule, RNG,
     data position, batch split, the metrics so far); or, starting over, note the old checkpoints it replaces."""
@@ -191,7 +137,7 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
         s.replaces = [p for _, p in checkpoint.complete(s.cfg.output_dir)]
         return s
     checkpoint.restore(resume_from, s.model, s.opt, s.sched)
-    follow_run_length(s, resume_from, saved)
+    resuming.follow_run_length(s, resume_from, saved)
     take(s.stream, saved.pairs_seen)  # the data order is a function of the seed: replay it
     s.step, s.skipped_steps = saved.step, saved.skipped_steps
     s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum

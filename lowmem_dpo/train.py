@@ -19,7 +19,19 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, cache, checkpoint, data, devices, guards, headcheck, inputs, loop, policy
+from lowmem_dpo import (
+    adapters,
+    cache,
+    checkpoint,
+    data,
+    devices,
+    guards,
+    headcheck,
+    inputs,
+    loop,
+    policy,
+    resuming,
+)
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.errors import log
@@ -139,7 +151,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
     adapters.check_mode(cfg, ins.source, resolved.quantization)
-    resume = loop.find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast
+    resume = resuming.find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast
     device_map = policy.apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
     ref = None
@@ -155,7 +167,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     trains_on = {**inputs.run_inputs(ins.fingerprint, tok.pairs),
                  "reference cache": None if ref is None else ref.manifest["fingerprint"]}
     checkpoint.check_inputs(resume, trains_on)  # before the model loads: changed inputs are refused in seconds
-    loop.check_run_length(cfg, resume, len(tok.pairs))
+    resuming.check_run_length(cfg, resume, len(tok.pairs))
     model = policy.setup_model(cfg, resolved, ins.model_path, device_map, source=ins.source)
     pad_id = data.pad_token_id(ins.tokenizer)
     headcheck.verify(model, data.collate(tok.pairs[:1], pad_id).to(resolved.device), resolved.device,

@@ -1,0 +1,72 @@
+"""Which checkpoint a training stage continues, and whether it may: settings that change the numbers are refused
+(config.py declares which may change), and a raised max_steps or num_train_epochs continues the run on the new
+schedule. The stages call find_resume and check_run_length before the model loads; loop.resume_or_start calls
+follow_run_length once the checkpoint is restored.
+
+    saved = find_resume(cfg)                      # (checkpoint folder, its TrainerState) or (None, None)
+    check_run_length(cfg, saved, len(items))      # a total below the checkpoint's step is refused
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from lowmem_dpo import checkpoint, policy
+from lowmem_dpo.config import RUN_LENGTH, Config
+from lowmem_dpo.errors import UserError, log
+
+
+def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | None]:
+    """The checkpoint this run continues from (resume=auto: the newest in output_dir; resume=PATH) and its
+    state, refused when it was written with settings that change the numbers; (None, None) to start over."""
+    resume_from = checkpoint.find(cfg.output_dir, cfg.resume)
+    if resume_from is None:
+        return None, None
+    saved = checkpoint.read_state(resume_from)
+    changed = checkpoint.config_changes(saved.config, dataclasses.asdict(cfg))
+    if changed:
+        raise UserError(f"{resume_from} was written by a run with other settings ("
+                        + ", ".join(f"{k}: {saved.config.get(k)!r} -> {getattr(cfg, k, None)!r}" for k in changed)
+                        + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
+                        " are replaced as the new run saves)")
+    return resume_from, saved
+
+
+def _length_changes(cfg: Config, saved: checkpoint.TrainerState) -> str:
+    return ", ".join(f"{k} {saved.config.get(k)} -> {getattr(cfg, k)}" for k in sorted(RUN_LENGTH)
+                     if saved.config.get(k) != getattr(cfg, k))
+
+
+def _old_total(cfg: Config, saved: checkpoint.TrainerState, n_items: int) -> int:
+    """The total steps of the run that wrote `saved`, over the same items."""
+    old = dataclasses.replace(cfg, **{k: saved.config[k] for k in RUN_LENGTH if k in saved.config})
+    return policy.total_steps(old, n_items)
+
+
+def check_run_length(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerState | None], n_items: int) -> None:
+    """Before the model loads: a raised max_steps or num_train_epochs continues a run, a total below the
+    checkpoint's step is refused."""
+    resume_from, saved = resume
+    steps = policy.total_steps(cfg, n_items)
+    if saved is not None and steps < saved.step:
+        raise UserError(f"{_length_changes(cfg, saved)}: the run would end at step {steps}, before "
+                        f"{resume_from}'s step {saved.step}; raise it to continue, or pass resume=never to start "
+                        "over")
+
+
+def follow_run_length(s, resume_from: Path, saved: checkpoint.TrainerState) -> None:
+    """Session `s` (loop.Session, restored from checkpoint `resume_from`) was written with another max_steps or
+    num_train_epochs (check_run_length: not past the new total): the run continues from its step to the new
+    total, at the learning rate the new schedule gives there."""
+    old_total = _old_total(s.cfg, saved, len(s.pairs))
+    if old_total == s.steps:
+        return
+    what = _length_changes(s.cfg, saved)
+    # The restored learning rates are the old schedule's at this step; the scheduler's lambda is over s.steps.
+    lrs = [base * f(s.sched.last_epoch) for base, f in zip(s.sched.base_lrs, s.sched.lr_lambdas)]
+    for group, lr in zip(s.opt.param_groups, lrs):
+        group["lr"] = lr
+    s.sched._last_lr = lrs  # what get_last_lr() reads: the learning rate the next step logs
+    log(f"{what}: continuing from step {saved.step} of {s.steps} (was {old_total}), the schedule follows the "
+        "new total")
