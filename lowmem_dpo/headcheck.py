@@ -4,10 +4,82 @@ anything, and stop (exit 2) when the two differ. For a known architecture it cos
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lowmem_dpo import data, devices, logps
 from lowmem_dpo.errors import UserError, log
+
+# check_head's per-token tolerance (nats) by the precision of the forward. In float32 the two sides agree to
+# ~1e-6. In 16 bits the model rounds its own transform (x / c, tanh, x * c) to the logits' dtype: a few ulps of
+# logits up to ~30 in size. A missing or wrong transform moves a real model's log-probs by whole nats.
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.05, torch.bfloat16: 0.25}
+CHECK_ROWS, CHECK_TOKENS = 2, 32  # check_head's forward: at most 2 x 32 tokens, cheap even on a 7B model
+
+
+@dataclass
+class HeadCheck:
+    """The first batch's comparison of this module's log-probs with the model's own forward."""
+
+    model_type: str
+    head: logps.Head  # as logps.head_of read it from the config
+    difference: float  # max |ours - theirs| of log p(next token) over the checked positions, nats
+    plain_difference: float  # the same with a plain head (no transform)
+    tolerance: float
+    positions: int
+
+    @property
+    def ok(self) -> bool:
+        return self.difference <= self.tolerance
+
+
+def _own_forward(lm, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, logits) of one forward of the CausalLM: the backbone's last hidden state (n, t, H) as its hook
+    saw it, and the model's own logits (n, t, V). In eval mode (no dropout), restored after."""
+    backbone = getattr(lm, lm.base_model_prefix)
+    seen = []
+    handle = backbone.register_forward_hook(lambda module, args, out: seen.append(out[0]))
+    modes = {m: m.training for m in lm.modules()}
+    lm.eval()
+    try:
+        logits = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits  # (n, t, V)
+    finally:
+        handle.remove()
+        for m, training in modes.items():
+            m.training = training
+    return seen[-1], logits
+
+
+@torch.no_grad()
+def check_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> HeadCheck | None:
+    """For a model type not in HEADS (None for a known one): one forward of the model's own CausalLM on the first
+    CHECK_ROWS rows' first CHECK_TOKENS tokens, and the largest difference between its log_softmax and this
+    module's head applied to the hidden state that same forward fed it (a hook keeps it), at every real position.
+    Only the head can differ: the same hidden state, the same lm_head call, the same dtype (run it under the
+    autocast of the stage). input_ids, attention_mask: (N, T), right-padded."""
+    lm = logps.causal_lm(model)
+    head, known = logps.head_of(lm.config)
+    if known:
+        return None
+    ids, mask = input_ids[:CHECK_ROWS, :CHECK_TOKENS], attention_mask[:CHECK_ROWS, :CHECK_TOKENS]  # (n, t)
+    hidden, logits = _own_forward(lm, ids, mask)
+    lm_head = lm.get_output_embeddings()
+    device = lm_head.weight.device
+    n, t = ids.shape
+    labels = torch.cat([ids[:, 1:], ids[:, -1:]], 1).to(device)  # (n, t): position s predicts s+1 (last: unused)
+    keep = torch.zeros(n, t, dtype=torch.bool, device=device)  # (n, t)
+    keep[:, :-1] = mask[:, 1:].bool()
+    theirs = logits.float().log_softmax(-1).to(device).gather(-1, labels.unsqueeze(-1)).squeeze(-1)[keep]  # (P,)
+    h = hidden.to(device).reshape(n * t, -1)  # (n*t, H): the shape lm_head saw inside the forward
+
+    def difference(h_: logps.Head) -> float:
+        ours = logps.token_logps(lm_head, h, labels.reshape(-1), h_).view(n, t)[keep]  # (P,)
+        return float((ours - theirs).abs().max()) if ours.numel() else 0.0
+
+    low = max((hidden.dtype, logits.dtype), key=lambda d: torch.finfo(d).eps)  # the coarser of the two
+    return HeadCheck(str(lm.config.model_type), head, difference(head), difference(logps.Head()),
+                     TOLERANCE.get(low, TOLERANCE[torch.bfloat16]), int(keep.sum()))
 
 
 def describe(head: logps.Head) -> str:
@@ -20,7 +92,7 @@ def verify(model, batch: data.Batch, device: torch.device, dtype: torch.dtype) -
     """Raise UserError when the chunked log-probs of an unknown architecture differ from its own forward on
     `batch` (already on `device`; the stage's forward precision `dtype`); log a note when they agree."""
     with devices.autocast(device, dtype):
-        check = logps.check_head(model, batch.input_ids, batch.attention_mask)
+        check = check_head(model, batch.input_ids, batch.attention_mask)
     if check is None:
         return
     t = check.model_type

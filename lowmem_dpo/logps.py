@@ -9,7 +9,7 @@ chunk is checkpointed: backward recomputes its logits instead of keeping every c
 The LM head is the model's own: `Head` is what its CausalLM forward does to lm_head's output (Gemma's
 softcapping, Granite's logits_scaling, Cohere's logit_scale, Falcon-H1's lm_head_multiplier), read from the
 config through the HEADS table of model types. For a model type not in the table `head_of` reads the same
-attributes generically and says so; `check_head` then compares this path with the model's own forward.
+attributes generically and says so; headcheck.check_head then compares this path with the model's own forward.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def causal_lm(model):
     return model
 
 
-def _token_logps(lm_head, hidden: torch.Tensor, labels: torch.Tensor, head: Head) -> torch.Tensor:
+def token_logps(lm_head, hidden: torch.Tensor, labels: torch.Tensor, head: Head) -> torch.Tensor:
     logits = head.apply(lm_head(hidden).float())  # (c, V) fp32
     # (c,) log p(label) = logit[label] - logsumexp(logits)
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -150,83 +150,12 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         hc, lc = h[start:start + chunk_tokens], labels[start:start + chunk_tokens]  # (c, H), (c,)
         if grad:
             # Saves memory: keep only (c, H) hidden for backward and recompute the (c, V) logits there.
-            parts.append(checkpoint(_token_logps, lm_head, hc, lc.to(lm_device), head, use_reentrant=False))
+            parts.append(checkpoint(token_logps, lm_head, hc, lc.to(lm_device), head, use_reentrant=False))
         else:
-            parts.append(_token_logps(lm_head, hc, lc.to(lm_device), head))
+            parts.append(token_logps(lm_head, hc, lc.to(lm_device), head))
     tok = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)  # (M,) fp32
     n = input_ids.shape[0]
     seq_idx = seq_idx.to(tok.device)
     logps = torch.zeros(n, dtype=torch.float32, device=tok.device).index_add(0, seq_idx, tok)  # (N,)
     n_tokens = torch.bincount(seq_idx, minlength=n)  # (N,)
     return SequenceLogps(logps, n_tokens)
-
-
-# check_head's per-token tolerance (nats) by the precision of the forward. In float32 the two sides agree to
-# ~1e-6. In 16 bits the model rounds its own transform (x / c, tanh, x * c) to the logits' dtype: a few ulps of
-# logits up to ~30 in size. A missing or wrong transform moves a real model's log-probs by whole nats.
-TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.05, torch.bfloat16: 0.25}
-CHECK_ROWS, CHECK_TOKENS = 2, 32  # check_head's forward: at most 2 x 32 tokens, cheap even on a 7B model
-
-
-@dataclass
-class HeadCheck:
-    """The first batch's comparison of this module's log-probs with the model's own forward."""
-
-    model_type: str
-    head: Head  # as head_of read it from the config
-    difference: float  # max |ours - theirs| of log p(next token) over the checked positions, nats
-    plain_difference: float  # the same with a plain head (no transform)
-    tolerance: float
-    positions: int
-
-    @property
-    def ok(self) -> bool:
-        return self.difference <= self.tolerance
-
-
-def _own_forward(lm, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden, logits) of one forward of the CausalLM: the backbone's last hidden state (n, t, H) as its hook
-    saw it, and the model's own logits (n, t, V). In eval mode (no dropout), restored after."""
-    backbone = getattr(lm, lm.base_model_prefix)
-    seen = []
-    handle = backbone.register_forward_hook(lambda module, args, out: seen.append(out[0]))
-    modes = {m: m.training for m in lm.modules()}
-    lm.eval()
-    try:
-        logits = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits  # (n, t, V)
-    finally:
-        handle.remove()
-        for m, training in modes.items():
-            m.training = training
-    return seen[-1], logits
-
-
-@torch.no_grad()
-def check_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> HeadCheck | None:
-    """For a model type not in HEADS (None for a known one): one forward of the model's own CausalLM on the first
-    CHECK_ROWS rows' first CHECK_TOKENS tokens, and the largest difference between its log_softmax and this
-    module's head applied to the hidden state that same forward fed it (a hook keeps it), at every real position.
-    Only the head can differ: the same hidden state, the same lm_head call, the same dtype (run it under the
-    autocast of the stage). input_ids, attention_mask: (N, T), right-padded."""
-    lm = causal_lm(model)
-    head, known = head_of(lm.config)
-    if known:
-        return None
-    ids, mask = input_ids[:CHECK_ROWS, :CHECK_TOKENS], attention_mask[:CHECK_ROWS, :CHECK_TOKENS]  # (n, t)
-    hidden, logits = _own_forward(lm, ids, mask)
-    lm_head = lm.get_output_embeddings()
-    device = lm_head.weight.device
-    n, t = ids.shape
-    labels = torch.cat([ids[:, 1:], ids[:, -1:]], 1).to(device)  # (n, t): position s predicts s+1 (last: unused)
-    keep = torch.zeros(n, t, dtype=torch.bool, device=device)  # (n, t)
-    keep[:, :-1] = mask[:, 1:].bool()
-    theirs = logits.float().log_softmax(-1).to(device).gather(-1, labels.unsqueeze(-1)).squeeze(-1)[keep]  # (P,)
-    h = hidden.to(device).reshape(n * t, -1)  # (n*t, H): the shape lm_head saw inside the forward
-
-    def difference(h_: Head) -> float:
-        ours = _token_logps(lm_head, h, labels.reshape(-1), h_).view(n, t)[keep]  # (P,)
-        return float((ours - theirs).abs().max()) if ours.numel() else 0.0
-
-    low = max((hidden.dtype, logits.dtype), key=lambda d: torch.finfo(d).eps)  # the coarser of the two
-    return HeadCheck(str(lm.config.model_type), head, difference(head), difference(Head()),
-                     TOLERANCE.get(low, TOLERANCE[torch.bfloat16]), int(keep.sum()))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import build_tiny_model
 
-from lowmem_dpo import cache, data, logps, precompute, sft, train
+from lowmem_dpo import cache, data, headcheck, logps, precompute, sft, train
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.logps import Head, completion_logps, head_of
 from lowmem_dpo.models import load_model
@@ -141,15 +141,15 @@ def test_check_head_compares_only_the_head(arch_dir, tokenizer, monkeypatch):
     pairs = data.tokenize_rows(data.load_rows(str(TINY_DATA)).select(range(1)), tokenizer, 64, None,
                                progress=False).pairs
     batch = data.collate(pairs, data.pad_token_id(tokenizer))
-    assert logps.check_head(model, batch.input_ids, batch.attention_mask) is None
+    assert headcheck.check_head(model, batch.input_ids, batch.attention_mask) is None
     monkeypatch.delitem(logps.HEADS, "granite")
-    check = logps.check_head(model, batch.input_ids, batch.attention_mask)
+    check = headcheck.check_head(model, batch.input_ids, batch.attention_mask)
     assert check.head == Head(scale=1 / 8) and check.ok and check.difference < 1e-5
-    assert check.plain_difference > 0.1 and check.tolerance == logps.TOLERANCE[torch.float32]
-    assert check.positions == int(batch.attention_mask[:, 1:logps.CHECK_TOKENS].sum())
+    assert check.plain_difference > 0.1 and check.tolerance == headcheck.TOLERANCE[torch.float32]
+    assert check.positions == int(batch.attention_mask[:, 1:headcheck.CHECK_TOKENS].sum())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = logps.check_head(model, batch.input_ids, batch.attention_mask)
-    assert low.tolerance == logps.TOLERANCE[torch.bfloat16] and low.ok and low.plain_difference > low.tolerance
+        low = headcheck.check_head(model, batch.input_ids, batch.attention_mask)
+    assert low.tolerance == headcheck.TOLERANCE[torch.bfloat16] and low.ok and low.plain_difference > low.tolerance
 
 
 def test_head_of_reads_the_table_then_the_config():
