@@ -1,0 +1,86 @@
+"""bench/full_scale.py's pieces on a tiny Mistral: the random-weight builder is deterministic (the same bytes twice;
+a truncated model holds the full model's tensors), writes a folder transformers loads with finite log-probs, and
+the benchmark's rows fill max_length without being cut."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench_modules():
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import full_scale
+        import random_weights
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return random_weights, full_scale
+
+
+def tiny_config(layers: int):
+    from transformers import MistralConfig
+
+    return MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=False,
+                         dtype=torch.bfloat16)
+
+
+def shards(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("model-*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_builder_is_deterministic_and_loads(bench_modules, tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    rw, _ = bench_modules
+    small = 40_000  # bytes per shard: several shards
+    for name, layers in (("a", 2), ("b", 2), ("one", 1)):
+        (tmp_path / name).mkdir()
+        rw.build(tiny_config(layers), "tiny-mistral", tmp_path / name, log=lambda m: None, shard_bytes=small)
+    a, b = tmp_path / "a", tmp_path / "b"
+    weights = sorted(p.name for p in a.glob("model-*.safetensors"))
+    assert len(weights) > 1
+    assert weights == sorted(p.name for p in b.glob("model-*.safetensors"))
+    assert all((a / n).read_bytes() == (b / n).read_bytes() for n in weights)
+
+    tensors = shards(a)
+    index = json.loads((a / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    one = shards(tmp_path / "one")  # the first layer of a 1-layer build is the 2-layer build's
+    assert set(one) < set(tensors) and all(torch.equal(one[k], tensors[k]) for k in one)
+
+    model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.bfloat16)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in tensors.items())
+    assert torch.equal(state["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
+    up = state["model.layers.1.mlp.up_proj.weight"].float()
+    assert abs(up.std().item() - rw.INIT_STD) < 0.002 and abs(up.mean().item()) < 0.002
+    with torch.no_grad():
+        logps = model(torch.randint(0, 1024, (2, 16))).logits.float().log_softmax(-1)
+    assert torch.isfinite(logps).all()
+
+
+def test_rows_fill_max_length_uncut(bench_modules, tiny_path, tokenizer, tmp_path):
+    _, fs = bench_modules
+    max_length = 128
+    data = fs.write_data(tiny_path, max_length, 4, tmp_path / "rows.jsonl")
+    shapes = fs.data_shapes(tiny_path, data, max_length)
+    assert shapes["truncated_rows"] == 0 and shapes["dropped_rows"] == 0
+    for prompt, chosen, rejected in shapes["prompt_chosen_rejected_tokens"]:
+        longest = prompt + max(chosen, rejected)
+        assert max_length - 16 < longest <= max_length  # within about a sentence of max_length
+        assert max_length // 8 <= prompt <= max_length // 4 + 16
+    assert data.read_text() == fs.write_data(tiny_path, max_length, 4, tmp_path / "again.jsonl").read_text()
