@@ -68,7 +68,9 @@ LOSS_LIMITS = {
                         "growth now only pushes log-probs apart", None),
     # ipo (r_c/n_c - r_r/n_r - 1/(2 beta))^2: the optimum is a per-token margin of 1/(2 beta), i.e.
     # rewards/margins = beta * n / (2 beta) = n/2 over n tokens; at twice it (n) the loss is back to its value
-    # at the start, (1/(2 beta))^2. Its loss is 0 at the optimum it is meant to reach: no early sign.
+    # at the start, (1/(2 beta))^2. Its loss is 0 at the optimum it is meant to reach: no early sign. n is the
+    # mean chosen length (the step statistics count chosen tokens only): exact when chosen and rejected are about
+    # as long; with rejected much longer than chosen the summed margin at the optimum is above n/2.
     "ipo": LossLimits(lambda beta, n: n, "twice IPO's optimum of 1/(2 beta) nats per token over {tokens:.0f} "
                       "chosen tokens: the loss is back above its value at the start", None),
 }
