@@ -72,6 +72,7 @@ def test_arch_from_the_meta_model_counts_every_weight(name, model_dir):
     ("gpt2", ["c_attn"]), ("gpt2", ["c_attn", "lm_head"]), ("gpt2", ["all-linear"]),
     ("gpt_neox", ["query_key_value", "dense_4h_to_h"]), ("phi3", ["qkv_proj", "lm_head"]),
     ("phi3", [r".*layers\.1\..*_proj"]), ("gemma2", ["all-linear"]), ("qwen2", [r".*\.(q|v)_proj"]),
+    ("qwen2", ["q_proj", "embed_tokens"]),  # an embedding outside the layers
 ])
 def test_lora_targets_resolve_as_peft_adapts_them(name, targets, model_dir):
     """The planner's LoRA parameter count equals what peft's get_peft_model creates for the same targets."""

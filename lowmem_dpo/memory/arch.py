@@ -76,6 +76,9 @@ class Arch:
     norm_kind: str = "rms"  # rms | layer
     activation: str = "silu"  # the config's hidden_act (activation_function for GPT-2)
     softcapped_head: bool = False  # the LM head's logits are softcapped (logps.Head: Gemma2)
+    # Linears (role "outer") and embeddings (role "embedding", in = rows) outside the layers, LM head excepted,
+    # by full name: what a LoRA target may also match
+    outer_linears: tuple[Linear, ...] = ()
     eager_attention: bool = False  # transformers picks eager attention, not SDPA (Gemma2: softcapped scores)
     attention_softcap: bool = False
     layers_prefix: str = "model.layers"  # the ModuleList holding the decoder layers
@@ -141,9 +144,10 @@ class Arch:
                 f"{self.intermediate}, heads {self.heads}/{self.kv_heads} kv, vocab {self.vocab}, {size} params")
 
     def module_names(self) -> list[tuple[str, Linear | None]]:
-        """Every Linear's full name in the model (with its layer's Linear; None for the LM head)."""
+        """Every adaptable module's full name in the model, with its layer's Linear (the outer ones: with their
+        full name; None for the LM head)."""
         out = [(f"{self.layers_prefix}.{i}.{m.name}", m) for i in range(self.layers) for m in self.layer_linears]
-        return out + [(self.lm_head, None)]
+        return out + [(m.name, m) for m in self.outer_linears] + [(self.lm_head, None)]
 
 
 def _linear_shape(module) -> tuple[int, int] | None:
@@ -235,9 +239,25 @@ def arch_from_model(model, name: str) -> Arch:
                 activation=str(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
                                or getattr(config, "activation_function", "")),
                 layers_prefix=prefix, lm_head=head_name, resident=_resident(model, prefix),
+                outer_linears=_outer_linears(model, prefix, head),
                 softcapped_head=bool(head_of(model.config)[0].softcap),
                 eager_attention=getattr(config, "_attn_implementation", None) == "eager",
                 attention_softcap=bool(getattr(config, "attn_logit_softcapping", None)))
+
+
+def _outer_linears(model, prefix: str, head) -> tuple[Linear, ...]:
+    """The Linears and embeddings outside the layer stack, the LM head excepted (arch.Arch.outer_linears)."""
+    import torch
+
+    out = []
+    for n, m in model.named_modules():
+        if m is head or n == prefix or n.startswith(prefix + "."):
+            continue
+        if isinstance(m, torch.nn.Embedding):
+            out.append(Linear(n, m.num_embeddings, m.embedding_dim, False, "embedding"))
+        elif (shape := _linear_shape(m)) is not None:
+            out.append(Linear(n, *shape, getattr(m, "bias", None) is not None, "outer"))
+    return tuple(out)
 
 
 def _resident(model, prefix: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -309,16 +329,18 @@ class Adapted:
 
     per_layer: tuple[tuple[str, ...], ...]
     lm_head: bool
+    outer: tuple[str, ...] = ()  # adapted modules outside the layers (arch.outer_linears), by full name
 
     def shapes(self, arch: Arch) -> list[tuple[int, int]]:
-        """(in, out) of every adapted Linear in the model."""
+        """(in, out) of every adapted Linear in the model (an embedding: (rows, width), as LoRA's A and B)."""
         lin = arch.linears()
         out = [lin[n] for names in self.per_layer for n in names]
+        out += [(m.in_features, m.out_features) for m in arch.outer_linears if m.name in self.outer]
         return out + ([(arch.hidden, arch.vocab)] if self.lm_head else [])
 
     @property
     def count(self) -> int:
-        return sum(len(n) for n in self.per_layer) + self.lm_head
+        return sum(len(n) for n in self.per_layer) + len(self.outer) + self.lm_head
 
 
 @functools.lru_cache(maxsize=64)
@@ -331,7 +353,7 @@ def adapted(arch: Arch, targets: str | tuple[str, ...]) -> Adapted:
 
     names = arch.module_names()
     if targets == "all-linear":
-        hit = [n for n, m in names if m is not None]
+        hit = [n for n, m in names if m is not None and m.role != "embedding"]
     else:
         config = LoraConfig(target_modules=targets if isinstance(targets, str) else list(targets))
         hit = [n for n, _ in names if check_target_module_exists(config, n)]
@@ -341,7 +363,7 @@ def adapted(arch: Arch, targets: str | tuple[str, ...]) -> Adapted:
                         f"Linears: {', '.join(arch.linears())}; LM head: {arch.lm_head})")
     per_layer = tuple(tuple(m.name for m in arch.layer_linears if f"{arch.layers_prefix}.{i}.{m.name}" in hit)
                       for i in range(arch.layers))
-    return Adapted(per_layer, arch.lm_head in hit)
+    return Adapted(per_layer, arch.lm_head in hit, tuple(m.name for m in arch.outer_linears if m.name in hit))
 
 
 def is_arch_only(spec: str) -> bool:
