@@ -255,3 +255,16 @@ def offloaded_layers(device_map: dict | None) -> list[str]:
     device_map = device_map or {}
     off = ("cpu", "disk") if any(v not in ("cpu", "disk") for v in device_map.values()) else ("disk",)
     return [k for k, v in device_map.items() if v in off]
+
+
+def release_freed_memory() -> None:
+    """Ask the C heap to return its freed pages to the OS (glibc's malloc_trim): after a load that built and
+    dropped large temporaries (quantizing every Linear), RSS falls to what is in use. A no-op without glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        pass

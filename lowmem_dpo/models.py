@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo.devices import import_bitsandbytes, offloaded_layers
+from lowmem_dpo.devices import import_bitsandbytes, offloaded_layers, release_freed_memory
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.tiny import BUILTIN_PREFIX, ensure_builtin
 from lowmem_dpo.units import fmt
@@ -292,6 +292,18 @@ def place_offloaded_adapters(model: torch.nn.Module, device: torch.device, init:
     return placed
 
 
+def _own_unquantized_weights(model: torch.nn.Module) -> None:
+    """Saves memory after a quantized load on a CPU: transformers memory-maps the safetensors shards, and the
+    weights it does not quantize (embeddings, norms, LM head, biases) point into the mappings, which keeps every
+    shard mapped, the whole unquantized model (14.5 GB of file pages in RSS at 7B), for the run. A copy of
+    those weights (~0.5 GB at 7B) lets the mappings go; then the C heap returns the quantizer's freed buffers."""
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if type(p) is torch.nn.Parameter and p.device.type == "cpu":  # not bitsandbytes' Params4bit/Int8Params
+                p.data = p.data.clone()
+    release_freed_memory()
+
+
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none",
                device_map: dict | None = None, offload_folder: str | Path | None = None):
     """The causal LM in eval mode with dropout off, its weights frozen, on `device`.
@@ -325,6 +337,8 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
         model.to(device)
     if quantization != "none":
         _one_numeric_path(model)
+        if device.type == "cpu":
+            _own_unquantized_weights(model)
     message = offload_message(model, device_map) if device_map is not None else None
     if message:
         log(message)

@@ -84,6 +84,27 @@ def test_quantized_base_casts_nothing_to_float32(small, tiny_path):
     assert model.get_base_model().lm_head.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_a_quantized_load_keeps_no_weight_file_mapped(tiny_path, quantization):
+    """After a quantized load on the CPU nothing points into the memory-mapped safetensors file (the unquantized
+    weights are copied, so the whole file's pages leave the process), and the model computes the same log-probs
+    with the mapping gone. Before, the embeddings kept the file mapped."""
+    import gc
+
+    def mapped() -> bool:
+        gc.collect()
+        return any(str(tiny_path / "model.safetensors") in line for line in open("/proc/self/maps"))
+
+    model = models.load_model(tiny_path, torch.device("cpu"), torch.float32, quantization=quantization)
+    assert not mapped()
+    ids = torch.tensor([[1, 5, 9, 14, 7, 3]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+    plain = models.load_model(tiny_path, torch.device("cpu"), torch.float32)  # unquantized: mapped, as intended
+    assert mapped()
+    assert torch.equal(model.get_input_embeddings().weight, plain.get_input_embeddings().weight)
+
+
 # -- end to end: precompute with a quantized reference, train a quantized policy ----------------------------------
 @pytest.mark.parametrize("quantization, dtype", [("4bit", "float32"), ("8bit", "float32"), ("4bit", "bfloat16")])
 def test_quantized_reference_and_policy_start_at_ln2(small, quantization, dtype):
