@@ -6,8 +6,7 @@ checkpoints and resuming from them, and the final save. A stage supplies only wh
 what a data item is (in `Session.pairs`), and how a step's items become a loss, its gradients and its metrics.
 
     resume = resuming.find_resume(cfg)    # before anything heavy: a changed setting fails fast
-    checkpoint.check_inputs(resume, ins)  # ins = inputs.run_inputs(...): changed data or weights fail fast too
-    resuming.check_run_length(cfg, resume, len(items))  # a total below the checkpoint's step too
+    resuming.check_before_load(cfg, resume, ins, len(items))  # changed inputs or a shorter run fail fast too
     s = start(cfg, resolved, model, items, pad_id, objective, resume, ins)  # optimizer, schedule, checkpoint state
     run(s)                                # optimizer_step until s.steps; log, checkpoint, save
 """

@@ -297,10 +297,9 @@ def _own_unquantized_weights(model: torch.nn.Module) -> None:
     weights it does not quantize (embeddings, norms, LM head, biases) point into the mappings, which keeps every
     shard mapped, the whole unquantized model (14.5 GB of file pages in RSS at 7B), for the run. A copy of
     those weights (~0.5 GB at 7B) lets the mappings go; then the C heap returns the quantizer's freed buffers."""
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if type(p) is torch.nn.Parameter and p.device.type == "cpu":  # not bitsandbytes' Params4bit/Int8Params
-                p.data = p.data.clone()
+    for p in model.parameters():  # each tied weight once
+        if type(p) is torch.nn.Parameter and p.device.type == "cpu":  # not bitsandbytes' Params4bit/Int8Params
+            p.data = p.data.clone()
     release_freed_memory()
 
 

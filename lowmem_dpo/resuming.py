@@ -1,10 +1,10 @@
 """Which checkpoint a training stage continues, and whether it may: settings that change the numbers are refused
 (config.py declares which may change), and a raised max_steps or num_train_epochs continues the run on the new
-schedule. The stages call find_resume and check_run_length before the model loads; loop.resume_or_start calls
-follow_run_length once the checkpoint is restored.
+schedule. The stages call find_resume, then check_before_load once their data is tokenized, before the model
+loads; loop.resume_or_start calls follow_run_length once the checkpoint is restored.
 
-    saved = find_resume(cfg)                      # (checkpoint folder, its TrainerState) or (None, None)
-    check_run_length(cfg, saved, len(items))      # a total below the checkpoint's step is refused
+    resume = find_resume(cfg)                            # (checkpoint folder, its TrainerState) or (None, None)
+    check_before_load(cfg, resume, trains_on, len(items))  # other inputs, or a total below its step: refused
 """
 
 from __future__ import annotations
@@ -44,9 +44,17 @@ def _old_total(cfg: Config, saved: checkpoint.TrainerState, n_items: int) -> int
     return policy.total_steps(old, n_items)
 
 
+def check_before_load(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerState | None], trains_on: dict,
+                      n_items: int) -> None:
+    """Before the model loads, so that a refusal takes seconds: the checkpoint `resume` must have been trained on
+    the same inputs (`trains_on`: inputs.run_inputs; checkpoint.check_inputs), and this run's total steps over
+    its `n_items` must not end before the checkpoint's step (check_run_length)."""
+    checkpoint.check_inputs(resume, trains_on)
+    check_run_length(cfg, resume, n_items)
+
+
 def check_run_length(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerState | None], n_items: int) -> None:
-    """Before the model loads: a raised max_steps or num_train_epochs continues a run, a total below the
-    checkpoint's step is refused."""
+    """A raised max_steps or num_train_epochs continues a run, a total below the checkpoint's step is refused."""
     resume_from, saved = resume
     steps = policy.total_steps(cfg, n_items)
     if saved is not None and steps < saved.step:

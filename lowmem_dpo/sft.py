@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowmem_dpo import adapters, checkpoint, data, devices, headcheck, inputs, loop, models, policy, resuming
+from lowmem_dpo import adapters, data, devices, headcheck, inputs, loop, models, policy, resuming
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.errors import log
@@ -117,8 +117,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
                                     progress=progress, strict=cfg.strict)  # logs the rows it skips
     files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, rows)
     trains_on = inputs.run_inputs(files, tok.pairs)  # no reference cache in SFT
-    checkpoint.check_inputs(resume, trains_on)  # before the model loads: changed inputs are refused in seconds
-    resuming.check_run_length(cfg, resume, len(tok.pairs))
+    resuming.check_before_load(cfg, resume, trains_on, len(tok.pairs))
     model = policy.setup_model(cfg, resolved, source.base_path, device_map, source=source)
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)

@@ -22,7 +22,6 @@ import torch
 from lowmem_dpo import (
     adapters,
     cache,
-    checkpoint,
     data,
     devices,
     guards,
@@ -166,8 +165,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
         cache.check_rows(ref, tok.pairs, cache_dir, cache.rebuild_command(cfg, recipe))
     trains_on = {**inputs.run_inputs(ins.fingerprint, tok.pairs),
                  "reference cache": None if ref is None else ref.manifest["fingerprint"]}
-    checkpoint.check_inputs(resume, trains_on)  # before the model loads: changed inputs are refused in seconds
-    resuming.check_run_length(cfg, resume, len(tok.pairs))
+    resuming.check_before_load(cfg, resume, trains_on, len(tok.pairs))
     model = policy.setup_model(cfg, resolved, ins.model_path, device_map, source=ins.source)
     pad_id = data.pad_token_id(ins.tokenizer)
     headcheck.verify(model, data.collate(tok.pairs[:1], pad_id).to(resolved.device), resolved.device,
