@@ -36,7 +36,7 @@ def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fal
     resumable: the key may change between a run and its resumption from a checkpoint: it changes neither the
       numbers the run computes nor the data it sees (output places, logging, saving, guards). "length": the key
       sets how long the run is (max_steps, num_train_epochs): changing it continues the run, the schedule
-      following the new total (loop.resume_or_start). Any other key changed is refused on resume
+      following the new total (resuming.follow_run_length). Any other key changed is refused on resume
       (checkpoint.config_changes).
     """
     assert not (reference and resumable), "a key that changes the reference changes the numbers"
@@ -314,7 +314,7 @@ def keys_where(**meta) -> frozenset[str]:
 
 # Keys that may change between a run and its resumption (checkpoint.config_changes); declared per field.
 RESUMABLE = keys_where(resumable=True)
-# Keys that set the run's length: changed on resume, the run continues to the new total (loop.resume_or_start).
+# Keys that set the run's length: changed on resume, the run continues to the new total (resuming.follow_run_length).
 RUN_LENGTH = keys_where(resumable="length")
 
 

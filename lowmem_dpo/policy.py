@@ -111,14 +111,10 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> dic
     budget: the trailing decoder layers stay in CPU RAM and stream through the GPU; checkpointing goes on), or
     None."""
     budget = run_budget(cfg, resolved.device.type)
-    arch = search.arch_of_run(model_path, "using the device rule's choices")
+    arch = search.arch_of_run(model_path, cfg, "using the device rule's choices")
     if arch is None:
         return None
-    try:
-        chosen = search.choose(arch, cfg, budget)
-    except UserError as e:  # the planner never blocks a run: it advises
-        log(f"note: no memory plan for this run ({e}); using the device rule's choices")
-        return None
+    chosen = search.choose(arch, cfg, budget)
     peak = chosen.prediction.train.peak_bytes
     overrides = dict(chosen.overrides)
     if cfg.gradient_checkpointing == "auto" and overrides.pop("gradient_checkpointing", None) == "true":

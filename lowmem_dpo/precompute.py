@@ -21,7 +21,7 @@ import torch
 from lowmem_dpo import adapters, cache, data, devices, files, headcheck, inputs, models, preflight
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
-from lowmem_dpo.errors import UserError, log
+from lowmem_dpo.errors import log
 from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
@@ -63,15 +63,10 @@ def offload_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> d
     if resolved.device.type != "cuda":
         return None
     budget = run_budget(cfg, "cuda")
-    arch = search.arch_of_run(model_path, "no CPU offload")
+    arch = search.arch_of_run(model_path, cfg, "no CPU offload")
     if arch is None:
         return None
-    try:
-        return search.offload_map(arch, setup_from_config(cfg, budget), budget, "precompute",
-                                  resolved.device.index or 0)
-    except UserError as e:  # the planner never blocks a run
-        log(f"note: no memory plan for this run ({e}); no CPU offload")
-        return None
+    return search.offload_map(arch, setup_from_config(cfg, budget), budget, "precompute", resolved.device.index or 0)
 
 
 @dataclass

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass, field
 
 from lowmem_dpo.errors import UserError, log
-from lowmem_dpo.memory.arch import Arch, load_arch
+from lowmem_dpo.memory.arch import Arch, adapted, load_arch
 from lowmem_dpo.memory.model import Prediction, layer_weight_bytes, predict, streamed_layer_bytes
-from lowmem_dpo.memory.setup import Setup, setup_from_config
+from lowmem_dpo.memory.setup import Setup, lora_targets, setup_from_config
 from lowmem_dpo.units import fmt
 
 STAGES = ("train", "precompute")
@@ -221,11 +221,18 @@ def choose(arch: Arch, cfg_like, budget: int) -> Plan:
                 offloads["precompute"].cpu_bytes, max(o.layers for o in offloads.values()))
 
 
-def arch_of_run(model_path, instead: str) -> Arch | None:
+def arch_of_run(model_path, cfg, instead: str) -> Arch | None:
     """The planner's Arch for a run's model folder; None, logged with what happens `instead`, for an
-    architecture the planner does not model."""
+    architecture the planner does not model or LoRA targets (cfg's) it cannot resolve in it: the planner never
+    blocks a run, it advises."""
     try:
-        return load_arch(str(model_path))
+        arch = load_arch(str(model_path))
     except UserError as e:
         log(f"note: no memory plan for this model ({e}); {instead}")
         return None
+    try:
+        adapted(arch, lora_targets(cfg))
+    except UserError as e:
+        log(f"note: no memory plan for this run ({e}); {instead}")
+        return None
+    return arch
