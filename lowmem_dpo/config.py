@@ -99,6 +99,34 @@ class Config:
     strict: bool = _f(False, "Refuse the data instead of skipping unusable rows (an empty value, chosen identical to "
                       "rejected, a prompt alone reaching max_length); README, Data checks. Not a cache key: it only "
                       "turns skips into errors, the rows kept are the same.", resumable=True)
+    # -- evaluation (README, Evaluation) ---------------------------------------------------------------------------
+    eval_dataset: Optional[str] = _f(None, "Held-out rows in the training data's format (any source `dataset` "
+                                     "accepts); precompute caches their reference log-probs with the training "
+                                     "rows. null: none, or eval_fraction.", reference="files")
+    eval_split: str = _f("test", "Split of eval_dataset to read when it has several (hub names, DatasetDict "
+                         "folders).", reference="files")
+    eval_fraction: float = _f(0.0, "Hold this share of dataset's prompts out of training and evaluate on them; "
+                              "chosen by each prompt's text (a hash), so adding rows does not reshuffle it and "
+                              "all pairs of one prompt fall on one side. 0: none.", min=0.0, max=0.5)
+    eval_steps: Optional[int] = _f(None, "Evaluate every this many optimizer steps and at the last step. null: at "
+                                   "every checkpoint (save_steps), or only at the last step when save_steps is 0.",
+                                   min=1, resumable=True)
+    eval_max_pairs: Optional[int] = _f(None, "Evaluate on the first this many eval rows (in data order); null: "
+                                       "all.", min=1)
+    metric_for_best_model: str = _f("eval_loss", "The eval metric that picks the best checkpoint (its name in "
+                                    "metrics.jsonl; the eval_ prefix may be left out).")
+    greater_is_better: Optional[bool] = _f(None, "Whether a larger metric_for_best_model is better; null: known "
+                                           "from its name (loss, repetition: smaller; rewards, accuracies, "
+                                           "margins, logps: larger).")
+    load_best_model_at_end: bool = _f(False, "Save the best checkpoint's adapter (metric_for_best_model) as the "
+                                      "final one in output_dir, instead of the last step's.", resumable=True)
+    eval_generations: int = _f(4, "Eval prompts the policy answers (greedy) at step 0 and at every eval, into "
+                               "output_dir/samples.jsonl; their repetition is a metric with a collapse warning. "
+                               "0: none.", min=0, resumable=True)
+    max_new_tokens: int = _f(64, "Most tokens a sample generation writes.", min=1, resumable=True)
+    report_to: str = _f("none", "tensorboard: also write metrics.jsonl's scalars as TensorBoard events into "
+                        "output_dir/runs (needs tensorboard installed).", choices=("none", "tensorboard"),
+                        resumable=True)
     # -- DPO loss ------------------------------------------------------------------------------------------------
     beta: float = _f(0.1, "DPO temperature: strength of the pull towards the reference.", min=0.0,
                      min_exclusive=True)
@@ -183,6 +211,7 @@ class Config:
         if self.loss_type == "robust" and self.label_smoothing >= 0.5:
             problems.append(f"label_smoothing={self.label_smoothing}: loss_type=robust needs it below 0.5 "
                             "(it divides by 1 - 2*label_smoothing)")
+        problems += self._eval_problems()
         if self.memory_budget is not None:
             try:
                 parse_size(self.memory_budget, "memory_budget")
@@ -201,6 +230,43 @@ class Config:
             except re.error as e:
                 problems.append(f"lora_target_modules={regexes[0]!r} is not a valid regex ({e})")
         return problems
+
+    def _eval_problems(self) -> list[str]:
+        problems = []
+        if self.eval_dataset is not None and self.eval_fraction > 0:
+            problems.append(f"eval_dataset={self.eval_dataset} and eval_fraction={self.eval_fraction}: set one "
+                            "(eval_fraction holds rows of dataset out; eval_dataset names other rows)")
+        if self.metric_for_best_model not in EVAL_METRICS and f"eval_{self.metric_for_best_model}" not in EVAL_METRICS:
+            close = difflib.get_close_matches(self.metric_for_best_model, EVAL_METRICS, n=2)
+            problems.append(f"metric_for_best_model={self.metric_for_best_model}: not an eval metric; one of "
+                            f"{', '.join(close or EVAL_METRICS)}")
+        if self.load_best_model_at_end:
+            if not self.has_eval:
+                problems.append("load_best_model_at_end=true needs eval data: set eval_dataset or eval_fraction")
+            if not self.save_steps:
+                problems.append("load_best_model_at_end=true needs checkpoints to choose from: set save_steps")
+            elif self.eval_steps is not None and self.save_steps % self.eval_steps:
+                problems.append(f"load_best_model_at_end=true: save_steps={self.save_steps} must be a multiple of "
+                                f"eval_steps={self.eval_steps}, so that every checkpoint is evaluated (or set "
+                                "eval_steps=null: at every checkpoint)")
+        return problems
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_dataset is not None or self.eval_fraction > 0
+
+    @property
+    def best_metric_name(self) -> str:
+        """metric_for_best_model with its eval_ prefix (as transformers' Trainer adds it)."""
+        name = self.metric_for_best_model
+        return name if name in EVAL_METRICS else f"eval_{name}"
+
+    @property
+    def best_is_greater(self) -> bool:
+        """Whether a larger best metric is better: greater_is_better, or the metric's known direction."""
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return EVAL_METRICS[self.best_metric_name]
 
     @property
     def peft_target_modules(self) -> str | list[str]:
@@ -227,6 +293,11 @@ class Config:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+# The eval metrics (metrics.jsonl names: TRL's for DPO, eval_loss for SFT, and the samples' measures) and whether
+# larger is better: metric_for_best_model is one of them.
+EVAL_METRICS = {"eval_loss": False, "eval_rewards/chosen": True, "eval_rewards/rejected": False,
+                "eval_rewards/accuracies": True, "eval_rewards/margins": True, "eval_logps/chosen": True,
+                "eval_logps/rejected": False, "eval_gen/repetition": False}
 # A lora_target_modules entry with one of these is a regex ('.' alone is not: self_attn.q_proj is a name).
 REGEX_CHARS = frozenset("*+?[](){}|^$\\")
 _HINTS = typing.get_type_hints(Config)

@@ -17,7 +17,7 @@ from lowmem_dpo.files import files_digest
 # cache has always called the reference's resolved precision "dtype" and "quantization".
 COMPONENT_NAMES = {"ref_dtype": "dtype", "ref_quantization": "quantization"}
 # The keys declared reference="files" (config.py), each read by file_components: a new one needs a line there.
-FILE_KEYS = frozenset({"model_name_or_path", "sft_adapter", "dataset", "dataset_split"})
+FILE_KEYS = frozenset({"model_name_or_path", "sft_adapter", "dataset", "dataset_split", "eval_dataset", "eval_split"})
 
 
 @dataclass

@@ -165,7 +165,10 @@ ALTERNATIVES = {
     "seed": 1, "lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.1, "lora_target_modules": ["q_proj"],
     "adapter_mode": "new_on_merged", "logging_steps": 5, "save_steps": 10, "save_total_limit": 3,
     "resume": "never", "max_nonfinite_steps": 5, "early_stop_on_divergence": True, "precompute_batch_size": 4,
-    "cache_shard_rows": 64, "ref_source": "live",
+    "cache_shard_rows": 64, "ref_source": "live", "eval_dataset": "held-out.jsonl", "eval_split": "validation",
+    "eval_fraction": 0.1, "eval_steps": 5, "eval_max_pairs": 8, "metric_for_best_model": "eval_rewards/accuracies",
+    "greater_is_better": True, "load_best_model_at_end": True, "eval_generations": 2, "max_new_tokens": 8,
+    "report_to": "tensorboard",
 }
 
 
@@ -183,10 +186,11 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
         return inputs.fingerprint_components(cfg, devices.resolve(cfg), tiny_path)
 
     pinned = {"ref_dtype": "float32", "ref_quantization": "none"}
-    base = make_cfg(**pinned)
+    needs = {"load_best_model_at_end": {"eval_fraction": 0.1}}  # what a key's alternative is valid with
     assert set(ALTERNATIVES) == set(FIELDS)
     for key, value in ALTERNATIVES.items():
-        cfg = make_cfg(**{**pinned, key: value})
+        base = make_cfg(**pinned, **needs.get(key, {}))
+        cfg = make_cfg(**{**pinned, **needs.get(key, {}), key: value})
         assert getattr(cfg, key) != getattr(base, key), key
         meta = FIELDS[key].metadata
         if meta["reference"] != "files":
@@ -196,6 +200,7 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
     assert keys_where(resumable=True) == {"output_dir", "ref_cache_dir", "logging_steps", "save_steps",
                                           "save_total_limit", "resume", "memory_budget", "precompute_batch_size",
                                           "cache_shard_rows", "early_stop_on_divergence", "max_nonfinite_steps",
-                                          "strict"}
+                                          "strict", "eval_steps", "load_best_model_at_end", "eval_generations",
+                                          "max_new_tokens", "report_to"}
     assert keys_where(resumable="length") == {"max_steps", "num_train_epochs"}  # the run continues to the new total
     assert keys_where(reference="files") == inputs.FILE_KEYS  # each has its digest in inputs.file_components
