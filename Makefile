@@ -25,13 +25,19 @@ $(VENV)/.install-test: setup.cfg pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+$(VENV)/.install-report: setup.cfg pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install -q -e '.[report]'
+	touch $@
+
 $(VENV)/.install-bench: setup.cfg pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
-demo: $(VENV)/.install-base
+# Ends with the report: runs/tiny/curves.png and the summary (runs/tiny is the output_dir of the default RECIPE)
+demo: $(VENV)/.install-report
 	$(PY) -m lowmem_dpo.precompute $(RECIPE)
 	$(PY) -m lowmem_dpo.train $(RECIPE)
+	$(PY) -m lowmem_dpo.report runs/tiny
 
 # Stacked SFT -> DPO on the tiny model (README, Stacked SFT -> DPO)
 demo-sft: $(VENV)/.install-base

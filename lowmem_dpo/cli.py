@@ -9,13 +9,16 @@ from lowmem_dpo.config import help_text
 from lowmem_dpo.errors import EXIT_USAGE, UserError
 
 
-def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, stage: str, doc: str) -> int:
+def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, stage: str, doc: str,
+            usage: str | None = None) -> int:
     """Shared entry point of the `python -m lowmem_dpo.STAGE` commands: --help, exit codes, no tracebacks for
-    user errors."""
+    user errors. `usage`: the arguments of a stage that takes no recipe (report: "OUTPUT_DIR"); --help then shows
+    `doc` and that usage line instead of the recipe keys."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         try:
-            print(help_text(stage, doc))
+            print(help_text(stage, doc) if usage is None
+                  else f"{doc.strip()}\n\nusage: python -m lowmem_dpo.{stage} {usage}")
         except BrokenPipeError:  # `--help | head`: the reader left; not an error
             sys.stdout = None
         return 0 if argv else EXIT_USAGE

@@ -196,6 +196,18 @@ def import_bitsandbytes(needed_for: str):
     return bitsandbytes
 
 
+# -- other optional packages (matplotlib for the report, tensorboard for report_to) --------------------------------
+def import_optional(module: str, needed_for: str, install: str):
+    """`module`, imported on first use, or a UserError "{needed_for}: pip install {install}", e.g.
+    import_optional("matplotlib", "curves.png needs matplotlib", "'lowmem_dpo[report]'")."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"{needed_for}: pip install {install}") from None
+
+
 def make_optimizer(name: str, params: list, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """The optimizer a rule names, over `params` (the LoRA weights, float32)."""
     if name == PAGED_ADAMW_8BIT:
