@@ -11,6 +11,7 @@ from pathlib import Path
 from lowmem_dpo import cache, data, models
 from lowmem_dpo.config import Config, cache_settings
 from lowmem_dpo.devices import Resolved, dtype_name
+from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.files import files_digest
 
 # cache_settings key -> its name in the fingerprint (the manifest's "components"), where the two differ: the
@@ -28,25 +29,34 @@ class Inputs:
     fingerprint: dict  # components; cache.fingerprint_digest() of it keys the cache
 
 
+def data_component(spec: str, split: str, rows=None) -> dict:
+    """The fingerprint of one dataset: its files' bytes (and the split of a save_to_disk folder), or a hub
+    dataset's `datasets` content fingerprint (of `rows` when they are loaded)."""
+    files = data.data_files(spec)
+    if files:
+        root = Path(spec) if Path(spec).is_dir() else None
+        return {"files": files_digest(files, root), "split": split if root else None}
+    rows = rows if rows is not None else data.load_rows(spec, split, required=())
+    return {"hub": spec, "split": split, "fingerprint": rows._fingerprint}
+
+
 def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, tokenizer_path: Path,
                     rows=None) -> dict:
     """The fingerprint of the keys declared reference="files" (model_name_or_path, sft_adapter, dataset,
-    dataset_split), by the content of the files they name: the base's weights and config, the SFT adapter's files
-    (the reference is base + adapter; adapter_mode is not in it, see adapters.py), the tokenizer's files, and the
-    dataset's bytes (a hub dataset: `datasets`' own content fingerprint, of `rows` when they are loaded)."""
-    files = data.data_files(cfg.dataset)
-    if files:
-        root = Path(cfg.dataset) if Path(cfg.dataset).is_dir() else None
-        dataset = {"files": files_digest(files, root), "split": cfg.dataset_split if root else None}
-    else:
-        rows = rows if rows is not None else data.load_rows(cfg.dataset, cfg.dataset_split)
-        dataset = {"hub": cfg.dataset, "split": cfg.dataset_split, "fingerprint": rows._fingerprint}
-    return {
+    dataset_split, eval_dataset, eval_split), by the content of the files they name: the base's weights and
+    config, the SFT adapter's files (the reference is base + adapter; adapter_mode is not in it, see
+    adapters.py), the tokenizer's files, and the datasets' bytes (data_component; `rows`: dataset's, when
+    loaded). "eval_dataset" is there only when it is set, so a cache built without eval data keeps its
+    fingerprint; eval_fraction is not in it (the cache holds every row of dataset)."""
+    out = {
         "model": files_digest(models.weight_files(model_path)),
         "adapter": None if adapter_path is None else files_digest(models.adapter_files(adapter_path)),
         "tokenizer": files_digest(models.tokenizer_files(tokenizer_path)),
-        "dataset": dataset,
+        "dataset": data_component(cfg.dataset, cfg.dataset_split, rows),
     }
+    if cfg.eval_dataset is not None:
+        out["eval_dataset"] = data_component(cfg.eval_dataset, cfg.eval_split)
+    return out
 
 
 def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, adapter_path: Path | None = None,
@@ -76,6 +86,66 @@ def tokenized(cfg: Config, tokenizer, progress: bool = True) -> data.TokenizedDa
                               progress=progress, strict=cfg.strict)
 
 
+@dataclass
+class Data:
+    """The rows a stage trains and evaluates on (load_data)."""
+
+    tok: data.TokenizedData  # every row of cfg.dataset, tokenized (what precompute caches)
+    train: list  # the items training uses: tok.pairs minus the held-out rows
+    eval: list  # eval items, at most cfg.eval_max_pairs (the first in data order); [] without eval data
+    eval_part: str | None  # the cache part of the eval items' reference log-probs: "train" (rows of dataset held
+    #                        out by eval_fraction) or "eval" (rows of eval_dataset); None without eval data
+    eval_tok: data.TokenizedData | None = None  # every row of eval_dataset, tokenized (what precompute caches)
+
+
+def _tokenize(cfg: Config, tokenizer, spec: str, split: str, progress: bool, sft: bool):
+    """(rows, TokenizedData) of one dataset, checked and tokenized: SFT rows (prompt + completion or chosen) or
+    pairs; messages name `spec`."""
+    if sft:
+        rows = data.load_rows(spec, split, required=("prompt",))
+        return rows, data.tokenize_completions(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=spec,
+                                               progress=progress, strict=cfg.strict)
+    rows = data.load_rows(spec, split)
+    return rows, data.tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=spec,
+                                    progress=progress, strict=cfg.strict)
+
+
+def _held_out(cfg: Config, rows, tok: data.TokenizedData) -> tuple[list, list]:
+    """(train, eval) items of dataset (`rows`, tokenized as `tok`) split by eval_fraction (data.holdout_rows);
+    UserError when either is empty."""
+    keys = data.prompt_keys(rows)
+    held = data.held_out(keys, cfg.eval_fraction)  # = data.holdout_rows(rows, ...), keys read once
+    train = [p for p in tok.pairs if p.row not in held]
+    evals = [p for p in tok.pairs if p.row in held]
+    prompts = len(set(keys))
+    if not evals:
+        why = "selects none of its" if not held else f"selects {len(held)} rows, all skipped, of its"
+        raise UserError(f"eval_fraction={cfg.eval_fraction} {why} {prompts} distinct prompts in dataset "
+                        f"{cfg.dataset!r} (the hold-out goes by prompt): raise eval_fraction, or name held-out "
+                        "rows with eval_dataset")
+    if not train:
+        raise UserError(f"eval_fraction={cfg.eval_fraction} holds out every usable row of dataset {cfg.dataset!r} "
+                        f"({prompts} distinct prompts), leaving none to train on: lower eval_fraction, or name "
+                        "held-out rows with eval_dataset")
+    log(f"eval: {len(evals)} pairs held out of {cfg.dataset} by eval_fraction={cfg.eval_fraction} "
+        f"({len({keys[p.row] for p in evals})} of {prompts} prompts)")
+    return train, evals
+
+
+def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) -> Data:
+    """dataset tokenized, split into training and eval items by eval_fraction, or eval_dataset tokenized beside
+    it (split eval_split; the same data checks, its messages naming it). sft: SFT rows (tokenize_completions)."""
+    rows, tok = _tokenize(cfg, tokenizer, cfg.dataset, cfg.dataset_split, progress, sft)
+    if cfg.eval_dataset is not None:
+        _, eval_tok = _tokenize(cfg, tokenizer, cfg.eval_dataset, cfg.eval_split, progress, sft)
+        log(f"eval: {len(eval_tok.pairs)} pairs from {cfg.eval_dataset}")
+        return Data(tok, tok.pairs, eval_tok.pairs[:cfg.eval_max_pairs], "eval", eval_tok)
+    if cfg.eval_fraction > 0:
+        train, evals = _held_out(cfg, rows, tok)
+        return Data(tok, train, evals[:cfg.eval_max_pairs], "train")
+    return Data(tok, tok.pairs, [], None)
+
+
 def tokens_digest(items: list) -> str:
     """One digest over tokenized items (data.TokenizedPair or TokenizedCompletion): each one's row and token ids.
     It changes with the tokenizer's files, the tokenizers/transformers library, max_length and the data."""
@@ -90,6 +160,9 @@ def tokens_digest(items: list) -> str:
 def run_inputs(files: dict, items: list) -> dict:
     """What a training run trains on, by digest, under the names a refused resume gives (checkpoint.check_inputs):
     `files` is file_components' (or fingerprint_components') dict, `items` the tokenized data. Train adds its
-    "reference cache"."""
-    return {"data": files["dataset"], "model weights": files["model"], "adapter weights": files["adapter"],
-            "tokenizer": files["tokenizer"], "tokenization": tokens_digest(items)}
+    "reference cache". With eval_dataset, its files too ("eval data": a resumed run evaluates on the same rows)."""
+    out = {"data": files["dataset"], "model weights": files["model"], "adapter weights": files["adapter"],
+           "tokenizer": files["tokenizer"], "tokenization": tokens_digest(items)}
+    if files.get("eval_dataset") is not None:
+        out["eval data"] = files["eval_dataset"]
+    return out

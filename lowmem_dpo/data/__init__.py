@@ -3,6 +3,7 @@
     rows.py    load rows through `datasets`, after checking a local file's structure (file:line errors)
     encode.py  tokenize as TRL 1.16 does; skip (and count) the rows DPO cannot use
     batch.py   collate chosen and rejected of a micro-batch into one right-padded forward
+    split.py   the eval hold-out of a dataset (eval_fraction), by a hash of each row's prompt
 
 The stages use the names below; each lives in the module that says so.
 """
@@ -20,7 +21,9 @@ from lowmem_dpo.data.encode import (
                                     tokenize_rows,
 )
 from lowmem_dpo.data.rows import REQUIRED, data_files, load_rows
+from lowmem_dpo.data.split import held_out, holdout_rows, prompt_keys
 
 __all__ = ["Batch", "collate", "collate_completions", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
            "TokenizedData", "TokenizedPair", "check_skips", "manifest_skips", "tokenize_completions", "tokenize_rows",
-           "REQUIRED", "data_files", "load_rows"]
+           "REQUIRED", "data_files", "load_rows", "held_out", "holdout_rows",
+           "prompt_keys"]

@@ -213,7 +213,7 @@ def check_skips(skipped: dict[str, list[int]], num_rows: int, kept: int, spec: s
                         "to skip them")
     detail = "; ".join(f"{len(rows)} because {_reason_text(r, max_length)} (first: {where(rows[0])}; "
                        f"{SKIPS[r][1]})" for r, rows in skipped.items())
-    raise UserError(f"dataset {spec!r}: all {num_rows} rows were skipped, so nothing is left to train on: {detail}")
+    raise UserError(f"dataset {spec!r}: all {num_rows} rows were skipped, so no row is left to use: {detail}")
 
 
 def manifest_skips(manifest: dict) -> dict[str, list[int]]:
