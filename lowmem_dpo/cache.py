@@ -4,6 +4,7 @@ Layout under `ref_cache_dir`:
     manifest.json                    written last, atomically: the cache is valid iff it exists
     shards-<fp16>/shard-00000.safetensors ...   per-row `rows` (int64), `chosen`, `rejected` (float32) logps
                                                 and `chosen_tokens`, `rejected_tokens` (int32) counts
+    shards-<fp16>/eval-shard-00000.safetensors ...  the same for the rows of eval_dataset, when it is set
     shards-<fp16>/build.json         how rows are split into shards (so a killed build resumes)
     preflight.json                   the preflight report (preflight.py)
 
@@ -11,8 +12,12 @@ The fingerprint hashes everything the numbers depend on (inputs.fingerprint_comp
 declares reference="value" or "files"). Training knobs are not in it. Precompute writes the cache; this module
 reads and checks it.
 
-Row order: tensors are indexed by dataset row as loaded. Rows skipped by tokenization (data.SKIPS, e.g. a
-prompt alone reaching max_length) hold NaN in `chosen`/`rejected` and 0 tokens; train never samples them.
+The manifest's top-level counts and shards are the training dataset's; with eval_dataset, its "eval" entry
+holds the same for the eval rows (part_manifest): one build, one fingerprint, for both.
+
+Row order: tensors are indexed by dataset row as loaded (eval shards: by eval_dataset row). Rows skipped by
+tokenization (data.SKIPS, e.g. a prompt alone reaching max_length) hold NaN in `chosen`/`rejected` and 0 tokens;
+train never samples them.
 """
 
 from __future__ import annotations
@@ -46,13 +51,13 @@ def rebuild_command(cfg, recipe: str | None) -> str:
 # -- reading ---------------------------------------------------------------------------------------------------
 @dataclass
 class RefCache:
-    """Reference log-probs per dataset row (NaN / 0 tokens for skipped rows)."""
+    """Reference log-probs per dataset row (NaN / 0 tokens for skipped rows), of one part of the cache."""
 
     chosen: torch.Tensor  # (num_rows,) fp32
     rejected: torch.Tensor  # (num_rows,) fp32
     chosen_tokens: torch.Tensor  # (num_rows,) int32
     rejected_tokens: torch.Tensor  # (num_rows,) int32
-    manifest: dict
+    manifest: dict  # part_manifest: the eval part's counts and shards in place of the training rows'
 
 
 def read_manifest(cache_dir: Path) -> dict | None:
@@ -65,7 +70,20 @@ def read_manifest(cache_dir: Path) -> dict | None:
         return None
 
 
-def load_ref_cache(cache_dir: str | os.PathLike) -> RefCache:
+def part_manifest(manifest: dict, part: str = "train") -> dict | None:
+    """The manifest of one part of the cache: "train" (the rows of dataset: the manifest itself) or "eval" (the
+    rows of eval_dataset: the manifest with its "eval" entry's num_rows, num_pairs, dropped_rows, skipped,
+    truncated and shards in place of the training rows'); None when the cache has no such part."""
+    if part == "train":
+        return manifest
+    if part != "eval":
+        raise ValueError(f"cache part {part!r}: 'train' or 'eval'")
+    return {**manifest, **manifest["eval"]} if manifest.get("eval") else None
+
+
+def load_ref_cache(cache_dir: str | os.PathLike, part: str = "train") -> RefCache:
+    """The cached reference of one part (part_manifest): "train" in dataset row order, "eval" in eval_dataset
+    row order."""
     from safetensors.torch import load_file
 
     cache_dir = Path(cache_dir)
@@ -73,6 +91,10 @@ def load_ref_cache(cache_dir: str | os.PathLike) -> RefCache:
     if manifest is None:
         raise UserError(f"no reference cache in {str(cache_dir)!r}: run `python -m lowmem_dpo.precompute "
                         "RECIPE.yaml` first")
+    manifest = part_manifest(manifest, part)
+    if manifest is None:
+        raise UserError(f"the reference cache in {str(cache_dir)!r} holds no eval rows (it was built without "
+                        "eval_dataset): rerun `python -m lowmem_dpo.precompute RECIPE.yaml` with eval_dataset set")
     n = manifest["num_rows"]
     chosen = torch.full((n,), float("nan"))
     rejected = torch.full((n,), float("nan"))

@@ -4,7 +4,8 @@
 
 Re-running on a valid cache is a quick no-op (the fingerprint is computed from remembered file digests, no
 model load). Both end with the preflight report (lowmem_dpo.preflight), printed and saved beside the manifest.
-A killed run resumes from its last finished shard. The manifest is written last, atomically, so a previous cache
+With eval_dataset, its rows are cached in the same build (eval-shard-*, the manifest's "eval"): one fingerprint,
+one command. A killed run resumes from its last finished shard. The manifest is written last, atomically, so a previous cache
 stays usable until the new one is complete.
 """
 
@@ -25,6 +26,8 @@ from lowmem_dpo.errors import log
 from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
+
+EVAL_PREFIX = "eval-"  # the eval_dataset rows' shards: eval-shard-00000.safetensors ...
 
 
 def shard_plan(pairs: list[data.TokenizedPair], shard_rows: int) -> list[list[data.TokenizedPair]]:
@@ -72,32 +75,42 @@ def offload_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> d
 @dataclass
 class Build:
     """One build of the cache: its shards of rows, where they go, and which of them an earlier, killed build
-    of the same fingerprint already finished."""
+    of the same fingerprint already finished. The training rows' shards come first, then eval_dataset's."""
 
     shard_dir: Path
     shards: list[list[data.TokenizedPair]]
-    names: list[str]
+    names: list[str]  # shard-00000.safetensors ..., then eval-shard-00000.safetensors ...
     done: list[bool]
+
+    def part_names(self, part: str) -> list[str]:
+        """The shard names of one part of the cache, "train" or "eval"."""
+        return [n for n in self.names if n.startswith(EVAL_PREFIX) == (part == "eval")]
 
     @property
     def done_rows(self) -> int:
         return sum(len(s) for s, d in zip(self.shards, self.done) if d)
 
 
-def start_build(cfg: Config, pairs: list[data.TokenizedPair], fp: str) -> Build:
-    """The shard folder of fingerprint `fp`, its build.json, and the shards already finished there."""
+def start_build(cfg: Config, pairs: list[data.TokenizedPair], fp: str,
+                eval_pairs: list[data.TokenizedPair] | None = None) -> Build:
+    """The shard folder of fingerprint `fp`, its build.json, and the shards already finished there; with
+    `eval_pairs` (eval_dataset's), their shards too."""
     shards = shard_plan(pairs, cfg.cache_shard_rows)
+    eval_shards = [] if eval_pairs is None else shard_plan(eval_pairs, cfg.cache_shard_rows)
     shard_dir = Path(cfg.ref_cache_dir) / f"shards-{fp[:16]}"
     build = {"fingerprint": fp, "shard_rows": cfg.cache_shard_rows, "num_shards": len(shards)}
+    if eval_pairs is not None:  # only then, so a killed build of a cache without eval data still resumes
+        build["num_eval_shards"] = len(eval_shards)
     info = shard_dir / "build.json"
     if info.is_file() and json.loads(info.read_text()) != build:
         shutil.rmtree(shard_dir)  # a different split of the same rows: start this build over
     if not info.is_file():
         files.atomic_write_json(info, build)
     names = [f"shard-{k:05d}.safetensors" for k in range(len(shards))]
-    b = Build(shard_dir, shards, names, [(shard_dir / n).is_file() for n in names])
+    names += [f"{EVAL_PREFIX}shard-{k:05d}.safetensors" for k in range(len(eval_shards))]
+    b = Build(shard_dir, shards + eval_shards, names, [(shard_dir / n).is_file() for n in names])
     if any(b.done):
-        log(f"resuming: {sum(b.done)} of {len(shards)} shards already finished ({b.done_rows} rows)")
+        log(f"resuming: {sum(b.done)} of {len(b.shards)} shards already finished ({b.done_rows} rows)")
     return b
 
 
@@ -124,23 +137,28 @@ def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad
     return total - b.done_rows
 
 
+def part_entry(tok: data.TokenizedData, shards: list[str]) -> dict:
+    """The manifest's account of one part's rows (cache.part_manifest): counts, rows left out, shards."""
+    return {"num_rows": tok.num_rows, "num_pairs": len(tok.pairs), "dropped_rows": tok.dropped,
+            "skipped": tok.skipped, "truncated": {part: len(rows) for part, rows in tok.truncated.items()},
+            "shards": shards}
+
+
 def write_manifest(cache_dir: Path, b: Build, ins: inputs.Inputs, fp: str, tok: data.TokenizedData,
-                   computed: int, elapsed: float) -> None:
-    """The manifest, last and atomically: from now on the cache is this build; older builds' shards go."""
+                   computed: int, elapsed: float, eval_tok: data.TokenizedData | None = None) -> None:
+    """The manifest, last and atomically: from now on the cache is this build; older builds' shards go. Its
+    top-level counts and shards are the training rows'; "eval" holds eval_dataset's (absent without it)."""
     manifest = {
         "format": cache.FORMAT_VERSION,
         "fingerprint": fp,
         "components": ins.fingerprint,
-        "num_rows": tok.num_rows,
-        "num_pairs": len(tok.pairs),
-        "dropped_rows": tok.dropped,
-        "skipped": tok.skipped,
-        "truncated": {part: len(rows) for part, rows in tok.truncated.items()},
+        **part_entry(tok, b.part_names("train")),
         "shard_dir": b.shard_dir.name,
-        "shards": b.names,
         "rows_per_s": round(computed / elapsed, 3) if elapsed > 0 and computed else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if eval_tok is not None:
+        manifest["eval"] = part_entry(eval_tok, b.part_names("eval"))
     files.atomic_write_json(cache_dir / cache.MANIFEST, manifest)
     for old in cache_dir.glob("shards-*"):  # the new manifest is in place: older builds are unreachable
         if old.name != b.shard_dir.name:
@@ -154,7 +172,12 @@ def up_to_date(cfg: Config, cache_dir: Path, fp: str) -> bool:
         return False
     data.check_skips(data.manifest_skips(manifest), manifest["num_rows"], manifest["num_pairs"],
                      cfg.dataset, cfg.max_length, cfg.strict)
-    log(f"reference cache {cache_dir} is up to date ({manifest['num_rows']} rows, fingerprint {fp[:12]})")
+    ev = manifest.get("eval")
+    if ev is not None:  # the fingerprint matched, so cfg.eval_dataset names these rows
+        data.check_skips(data.manifest_skips(ev), ev["num_rows"], ev["num_pairs"], cfg.eval_dataset,
+                         cfg.max_length, cfg.strict)
+    log(f"reference cache {cache_dir} is up to date ({manifest['num_rows']} rows"
+        + (f", {ev['num_rows']} eval rows" if ev else "") + f", fingerprint {fp[:12]})")
     return True
 
 
@@ -170,15 +193,18 @@ def run(cfg: Config, progress: bool = True) -> Path:
     if resolved.ref_quantization != "none":  # fail before tokenizing, not after
         devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
     log(ins.source.description)
-    tok = inputs.tokenized(cfg, ins.tokenizer, progress)  # bad data stops here, before anything is written
-    b = start_build(cfg, tok.pairs, fp)
+    d = inputs.load_data(cfg, ins.tokenizer, progress)  # bad data stops here, before anything is written
+    tok, eval_tok = d.tok, d.eval_tok  # every row of dataset (eval_fraction's too) and of eval_dataset
+    b = start_build(cfg, tok.pairs, fp, None if eval_tok is None else eval_tok.pairs)
+    rows = sum(map(len, b.shards))
     # rows (int64) + chosen, rejected (float32) + two token counts (int32) per row, a header per shard
-    need = (len(tok.pairs) - b.done_rows) * 24 + len(b.shards) * 4096 + (1 << 20)
+    need = (rows - b.done_rows) * 24 + len(b.shards) * 4096 + (1 << 20)
     files.ensure_free_space(cache_dir, need, "the reference cache",
                             "Finished shards are kept: the rerun resumes after them." if any(b.done) else
                             "Nothing was written; an existing cache there is untouched.")
     quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
-    log(f"precompute: {len(tok.pairs)} rows on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
+    of_eval = "" if eval_tok is None else f" ({len(eval_tok.pairs)} of them eval_dataset's)"
+    log(f"precompute: {rows} rows{of_eval} on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
         f"{quantized}, batch {cfg.precompute_batch_size}, into {b.shard_dir}")
     model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization,
                               device_map=offload_plan(cfg, resolved, ins.model_path))
@@ -189,8 +215,8 @@ def run(cfg: Config, progress: bool = True) -> Path:
     t0 = time.perf_counter()
     computed = compute_shards(model, b, cfg, resolved, pad_id, need, progress)
     elapsed = time.perf_counter() - t0
-    write_manifest(cache_dir, b, ins, fp, tok, computed, elapsed)
-    log(f"wrote reference cache {cache_dir}: {len(tok.pairs)} rows, fingerprint {fp[:12]}"
+    write_manifest(cache_dir, b, ins, fp, tok, computed, elapsed, eval_tok)
+    log(f"wrote reference cache {cache_dir}: {rows} rows{of_eval}, fingerprint {fp[:12]}"
         + (f", {computed / elapsed:.1f} rows/s" if elapsed > 0 and computed else ""))
     report(cache_dir)
     return cache_dir

@@ -10,7 +10,8 @@ counts), the report gives the distribution (mean, min, 5/25/50/75/95th percentil
   - margin            c - r                  nats; what DPO's implicit reward starts from
   - per_token_margin  c / nc - r / nr        nats per token
   - length_ratio      nc / nr
-and the rows skipped and truncated by tokenization (data.SKIPS, data.TRUNCATIONS). It warns, with the numbers,
+and the rows skipped and truncated by tokenization (data.SKIPS, data.TRUNCATIONS), of the training rows; with
+eval_dataset, the eval rows' counts too ("eval"). It warns, with the numbers,
 when (thresholds in THRESHOLDS):
   - the median per_token_margin is below -0.5: the reference finds each chosen token e^0.5 = 1.6x less likely
     than a rejected one. DPO then has to pull the policy far from the reference before the preference shows,
@@ -90,6 +91,9 @@ def report(ref: cache.RefCache, thresholds: dict = THRESHOLDS) -> dict:
         "share_chosen_longer": round((stats["length_ratio"] > 1).double().mean().item(), 4),
         "thresholds": dict(thresholds),
     }
+    ev = ref.manifest.get("eval")
+    if ev is not None:  # eval_dataset's rows: counted, not part of the distributions
+        out["eval"] = {"rows": ev["num_rows"], "pairs": ev["num_pairs"], "skipped": len(ev["dropped_rows"])}
     out["warnings"] = ill_posed(out, thresholds)
     return out
 
@@ -103,6 +107,8 @@ def summary_lines(rep: dict) -> list[str]:
     cut = rep["truncated"]
     head += ("; truncation not recorded in this cache" if cut is None else
              f"; truncated: {cut['chosen']} chosen, {cut['rejected']} rejected, {cut['prompt']} prompts")
+    if rep.get("eval"):
+        head += f"; eval: {rep['eval']['pairs']} pairs of {rep['eval']['rows']} rows"
     keys = ["mean", *QUANTILES]
     lines = [head, "  " + " " * 34 + "".join(f"{k:>9}" for k in keys)]
     for name, label in (("margin", "margin c-r (nats)"), ("per_token_margin", "per-token margin (nats/token)"),
