@@ -173,3 +173,40 @@ def test_eval_data_errors_exit_2_from_precompute(tmp_path, case):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert expect in p.stderr
     assert not (tmp_path / "cache" / cache.MANIFEST).exists()
+
+
+def test_killed_build_resumes_eval_shards_and_a_cache_without_them_refuses_part_eval(make_cfg, tmp_path,
+                                                                                     monkeypatch):
+    from lowmem_dpo import files
+    from lowmem_dpo.errors import UserError
+
+    rows = tiny_rows()
+    cfg = make_cfg(dataset=str(write_jsonl(tmp_path / "t.jsonl", rows[:6])), cache_shard_rows=3,
+                   eval_dataset=str(write_jsonl(tmp_path / "e.jsonl", rows[300:306])))
+    real_save, saved = files.atomic_save_tensors, []
+
+    def dying_save(path, tensors):
+        if len(saved) == 3:  # both training shards and the first eval shard are written
+            raise KeyboardInterrupt("simulated kill")
+        saved.append(path.name)
+        real_save(path, tensors)
+
+    monkeypatch.setattr(files, "atomic_save_tensors", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        precompute.run(cfg, progress=False)
+    assert saved == ["shard-00000.safetensors", "shard-00001.safetensors", "eval-shard-00000.safetensors"]
+    monkeypatch.setattr(files, "atomic_save_tensors", real_save)
+    computed = []
+    real_shard_logps = precompute.shard_logps
+    monkeypatch.setattr(precompute, "shard_logps", lambda m, pairs, *a: computed.append([p.row for p in pairs])
+                        or real_shard_logps(m, pairs, *a))
+    precompute.run(cfg, progress=False)
+    assert len(computed) == 1 and len(computed[0]) == 3  # only the missing eval shard
+    ref = cache.load_ref_cache(cfg.ref_cache_dir, "eval")
+    assert torch.isfinite(ref.chosen).all() and ref.chosen.shape == (6,)
+
+    plain = make_cfg(dataset=cfg.dataset, ref_cache_dir=str(tmp_path / "plain"))
+    precompute.run(plain, progress=False)
+    assert "eval" not in cache.read_manifest(plain.ref_cache_dir)
+    with pytest.raises(UserError, match="holds no eval rows.*rerun `python -m lowmem_dpo.precompute"):
+        cache.load_ref_cache(plain.ref_cache_dir, "eval")
