@@ -52,6 +52,11 @@ class TrainerState:
     # What the run trains on (inputs.run_inputs: data, model and adapter weights, tokenizer, tokenization,
     # reference cache), compared on resume; None in checkpoints written before it was recorded.
     inputs: dict | None = None
+    # The best checkpoint so far by metric_for_best_model (evaluation.py), under transformers' TrainerState keys;
+    # None until an evaluated checkpoint, and in checkpoints written before it was recorded.
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
 
 
 def root(output_dir: str | Path) -> Path:
@@ -90,8 +95,8 @@ def resume_note(output_dir: str | Path) -> str:
 def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics_lines: list[str],
          keep: int, replaces: list[Path] = ()) -> Path:
     """Write checkpoint-{state.step} atomically, then remove `replaces` (an earlier run's checkpoints, when
-    this one started over) and keep only the newest `keep`. A full disk stops the run with exit 2 and leaves
-    the previous checkpoints as they were."""
+    this one started over) and keep only the newest `keep` and the best (state.best_model_checkpoint), which is
+    never pruned. A full disk stops the run with exit 2 and leaves the previous checkpoints as they were."""
     folder = root(output_dir)
     final = folder / f"checkpoint-{state.step}"
     need = size_bytes(model, opt)
@@ -125,8 +130,10 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
     for old in replaces:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
+    best = Path(state.best_model_checkpoint) if state.best_model_checkpoint else None
     for _, old in complete(output_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if best is None or old.resolve() != best.resolve():
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -184,8 +191,8 @@ def check_inputs(resume: tuple[Path | None, TrainerState | None], current: dict)
                         "replaced as the new run saves), or restore them to resume")
 
 
-def restore(path: Path, model, opt, sched) -> None:
-    """Load the adapter weights, optimizer, scheduler and RNG states of checkpoint `path` into the run."""
+def load_adapter_weights(path: Path, model) -> None:
+    """Put checkpoint `path`'s adapter weights into the run's model (same adapter shape)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -194,6 +201,11 @@ def restore(path: Path, model, opt, sched) -> None:
     if getattr(result, "unexpected_keys", None):
         raise UserError(f"checkpoint {str(path)!r} holds an adapter that does not match this run's "
                         f"({len(result.unexpected_keys)} unexpected keys); pass resume=never to start over")
+
+
+def restore(path: Path, model, opt, sched) -> None:
+    """Load the adapter weights, optimizer, scheduler and RNG states of checkpoint `path` into the run."""
+    load_adapter_weights(path, model)
     opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
     sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=True)
@@ -204,3 +216,21 @@ def restore(path: Path, model, opt, sched) -> None:
 
 def metrics_lines(path: Path) -> list[str]:
     return (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+
+
+def write_run_state(output_dir: str | Path, state: TrainerState, max_steps: int, metric: str, greater: bool,
+                    metrics_lines: list[str]) -> None:
+    """output_dir/trainer_state.json in transformers' TrainerState form: global_step, max_steps, the best
+    checkpoint (best_metric, best_global_step, best_model_checkpoint, chosen by metric_for_best_model) and the
+    log history (metrics.jsonl's lines)."""
+    record = {"global_step": state.step, "max_steps": max_steps, "best_metric": state.best_metric,
+              "best_global_step": state.best_global_step, "best_model_checkpoint": state.best_model_checkpoint,
+              "metric_for_best_model": metric, "greater_is_better": greater,
+              "log_history": [json.loads(line) for line in metrics_lines]}
+    payload = (json.dumps(record, indent=2) + "\n").encode()
+    try:
+        files.atomic_write_bytes(Path(output_dir) / STATE, payload)
+    except OSError as e:
+        if files.is_disk_full(e):
+            raise files.disk_full_error(Path(output_dir), STATE, len(payload), resume_note(output_dir)) from None
+        raise

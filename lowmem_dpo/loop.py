@@ -16,9 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from lowmem_dpo import checkpoint, devices, files, guards, policy, resuming
+from lowmem_dpo import checkpoint, devices, evaluation, guards, output, policy, resuming, tensorboard
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
 
@@ -54,6 +51,9 @@ class Objective(Protocol):
     def backward(self, s: "Session", items: list) -> Stats:
         """Forward + backward of one optimizer step's items in micro-batches of s.micro_batch (split()); the
         gradients accumulate in s.params, scaled so the step's loss is its mean whatever the split."""
+
+    def evaluate(self, s: "Session", items: list) -> dict[str, float]:
+        """The eval metrics ("eval_" names) over `items`, with no gradients, by micro-batches of s.micro_batch."""
 
     def warning_signs(self, s: "Session") -> list[str]:
         """Signs the run is going wrong, from s.window at the logged step s.step (guards.py); [] for none."""
@@ -89,6 +89,8 @@ def split(items: list, micro_batch: int) -> list[list]:
 
 
 # -- the session -------------------------------------------------------------------------------------------------
+BEST_KEYS = ("best_metric", "best_global_step", "best_model_checkpoint")  # transformers' TrainerState keys
+
 @dataclass
 class Session:
     """Everything one training run holds: built by a stage's setup, advanced by `optimizer_step`."""
@@ -114,6 +116,10 @@ class Session:
     inputs: dict = field(default_factory=dict)  # what the run trains on (inputs.run_inputs), in each checkpoint
     resumed_from: Path | None = None
     replaces: list[Path] = field(default_factory=list)  # an earlier run's checkpoints, removed at the first save
+    eval_items: list = field(default_factory=list)  # held-out items evaluated every eval_steps ([]: no eval)
+    tokenizer: object = None  # decodes the samples
+    best: dict = field(default_factory=lambda: dict.fromkeys(BEST_KEYS))  # evaluation.note_best
+    tensorboard: object = None  # report_to=tensorboard: tensorboard.open_writer's writer
 
     def __post_init__(self):  # a new run: the data from its start, the recipe's split, an empty window
         if self.stream is None:
@@ -142,17 +148,21 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
     s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
     s.window = type(s.window)(**saved.window)
     s.metrics_lines = checkpoint.metrics_lines(resume_from)
+    s.best = {k: getattr(saved, k) for k in BEST_KEYS}
     s.resumed_from = resume_from
     return s
 
 
 def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: int, objective: Objective,
-          resume: tuple[Path | None, checkpoint.TrainerState | None], inputs: dict | None = None) -> Session:
+          resume: tuple[Path | None, checkpoint.TrainerState | None], inputs: dict | None = None,
+          eval_items: list = (), tokenizer=None) -> Session:
     """The session of a stage's set-up model: its optimizer and schedule over the run's steps, at checkpoint
-    `resume` (find_resume's pair, its inputs already checked against `inputs`) or at the start."""
+    `resume` (find_resume's pair, its inputs already checked against `inputs`) or at the start. `eval_items` are
+    evaluated (Objective.evaluate) every eval_steps, their prompts answered with `tokenizer`'s decoding."""
     steps = policy.total_steps(cfg, len(items))
     opt, sched, params = policy.setup_optimizer(cfg, model, steps, resolved)
-    s = Session(cfg, resolved, model, opt, sched, params, items, pad_id, steps, objective, inputs=inputs or {})
+    s = Session(cfg, resolved, model, opt, sched, params, items, pad_id, steps, objective, inputs=inputs or {},
+                eval_items=list(eval_items), tokenizer=tokenizer)
     return resume_or_start(s, *resume)
 
 
@@ -160,13 +170,7 @@ def checkpoint_state(s: Session) -> checkpoint.TrainerState:
     return checkpoint.TrainerState(step=s.step, pairs_seen=s.step * s.pairs_per_step, micro_batch=s.micro_batch,
                                    grad_accum=s.grad_accum, skipped_steps=s.skipped_steps,
                                    window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg),
-                                   inputs=s.inputs)
-
-
-def last_checkpoint_note(s: Session) -> str:
-    found = checkpoint.complete(s.cfg.output_dir)
-    return (f"the last checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact" if found
-            else "no checkpoint was written (save_steps)")
+                                   inputs=s.inputs, **s.best)
 
 
 # -- one optimizer step ------------------------------------------------------------------------------------------
@@ -207,7 +211,7 @@ def apply_gradients(s: Session, loss: float) -> float:
         if s.nonfinite_in_a_row >= s.cfg.max_nonfinite_steps:
             raise UserError(f"diverged: {s.nonfinite_in_a_row} steps in a row with a non-finite loss or gradient "
                             f"(up to step {s.step}); the weights were not updated by them and "
-                            + last_checkpoint_note(s) + "; lower learning_rate or check the data and the cache")
+                            + output.last_checkpoint_note(s) + "; lower learning_rate or check the data and the cache")
     else:
         s.nonfinite_in_a_row = 0
         s.opt.step()
@@ -235,30 +239,7 @@ def timed(s: Session) -> tuple:
     return stats, grad_norm, lr, time.perf_counter() - t0
 
 
-# -- output ------------------------------------------------------------------------------------------------------
-def start_output(s: Session) -> Path:
-    """output_dir with the resolved config.yaml; the resolved choices in the log."""
-    out_dir = Path(s.cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    resolved_note = "".join(f"# resolved {r}\n" for r in s.resolved.reasons)
-    files.atomic_write_bytes(out_dir / "config.yaml", (s.cfg.to_yaml() + resolved_note).encode())
-    for reason in s.resolved.reasons:
-        log(f"resolved {reason}")
-    return out_dir
-
-
-def open_metrics(s: Session, out_dir: Path):
-    """metrics.jsonl as of the checkpoint the run resumes from (empty for a new run), open for appending: a
-    resumed run continues it without repeating a step. Logs where the run starts."""
-    if s.resumed_from is not None:
-        log(f"resuming from {s.resumed_from} (step {s.step} of {s.steps})")
-    elif s.replaces:
-        log(f"starting over (resume={s.cfg.resume}): the {len(s.replaces)} checkpoints in "
-            f"{checkpoint.root(out_dir)} are replaced by this run's first one")
-    files.atomic_write_bytes(out_dir / "metrics.jsonl", "".join(s.metrics_lines).encode())
-    return open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
-
-
+# -- output (output.py writes the files) -------------------------------------------------------------------------
 def log_line(s: Session, stats: Stats, grad_norm: float, lr: float, dt: float) -> dict:
     """The metrics.jsonl line for this step: the window's means (null when every step since the last line was
     skipped as non-finite), the step's gradient norm, learning rate and timing."""
@@ -272,34 +253,15 @@ def log_line(s: Session, stats: Stats, grad_norm: float, lr: float, dt: float) -
     return line
 
 
-def save_adapter(model, out_dir: Path) -> None:
-    """PEFT adapter files into out_dir, each replaced atomically (a crash leaves the old file or the new one)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out_dir))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        for f in sorted(tmp.iterdir()):
-            os.chmod(f, 0o644)
-            os.replace(f, out_dir / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def save_final(s: Session, out_dir: Path) -> None:
-    """The adapter into output_dir, refusing non-finite weights and a disk without room for it."""
-    bad = [n for n, p in s.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
-    if bad:
-        raise UserError(f"not saving: {len(bad)} LoRA weights are not finite (first: {bad[0]}); "
-                        + last_checkpoint_note(s))
-    need = sum(p.numel() * p.element_size() for p in s.params) + (1 << 20)
-    then = checkpoint.resume_note(s.cfg.output_dir)
-    files.ensure_free_space(out_dir, need, "the adapter", then)
-    try:
-        save_adapter(s.model, out_dir)
-    except OSError as e:
-        if files.is_disk_full(e):
-            raise files.disk_full_error(out_dir, "the adapter", need, then) from None
-        raise
+def save_checkpoint(s: Session, out_dir: Path, evaluated: dict | None) -> None:
+    """checkpoint-STEP, the best so far updated first when this step was evaluated (the best is never pruned),
+    and output_dir/trainer_state.json."""
+    evaluation.note_best(s, evaluated, checkpoint.root(out_dir) / f"checkpoint-{s.step}")
+    state = checkpoint_state(s)
+    checkpoint.save(out_dir, state, s.model, s.opt, s.sched, s.metrics_lines, s.cfg.save_total_limit, s.replaces)
+    s.replaces = []
+    checkpoint.write_run_state(out_dir, state, s.steps, s.cfg.best_metric_name, s.cfg.best_is_greater,
+                               s.metrics_lines)
 
 
 # -- the loop ----------------------------------------------------------------------------------------------------
@@ -309,23 +271,44 @@ class TrainResult:
     model: object  # the PEFT model as trained (in memory)
 
 
-def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float, dt: float, bar) -> dict:
-    """Write the metrics line of the step just taken, start a new window, and warn (or stop, with
-    early_stop_on_divergence) on the objective's warning signs."""
-    line = log_line(s, stats, grad_norm, lr, dt)
+def write_line(s: Session, metrics_file, line: dict) -> dict:
+    """Append a line to metrics.jsonl (and the session's copy, which checkpoints keep), and to TensorBoard."""
     s.metrics_lines.append(json.dumps(line) + "\n")
     metrics_file.write(s.metrics_lines[-1])
     metrics_file.flush()
-    signs = []
-    if not s.window.empty:  # else every step since the last line was skipped (already warned)
-        bar.set_postfix(**s.objective.postfix(line))
-        signs = s.objective.warning_signs(s)
-    s.window = s.objective.new_stats()
+    if s.tensorboard is not None:
+        s.tensorboard.add(line)
+    return line
+
+
+def warn(s: Session, signs: list[str]) -> None:
+    """Log the warning signs of this step; with early_stop_on_divergence, stop on the first (exit 2)."""
     for sign in signs:
         log(f"warning: step {s.step}: {sign}")
     if signs and s.cfg.early_stop_on_divergence:
         raise UserError(f"stopped at step {s.step} (early_stop_on_divergence=true): {signs[0]}; "
-                        + last_checkpoint_note(s))
+                        + output.last_checkpoint_note(s))
+
+
+def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float, dt: float, bar) -> dict:
+    """Write the metrics line of the step just taken, start a new window, and warn (or stop, with
+    early_stop_on_divergence) on the objective's warning signs."""
+    line = write_line(s, metrics_file, log_line(s, stats, grad_norm, lr, dt))
+    signs = []
+    if not s.window.empty:  # else every step since the last line was skipped (already warned)
+        bar.set_postfix({**bar.postfix_dict, **s.objective.postfix(line)})
+        signs = s.objective.warning_signs(s)
+    s.window = s.objective.new_stats()
+    warn(s, signs)
+    return line
+
+
+def eval_step(s: Session, metrics_file, bar) -> dict:
+    """Evaluate at this step (evaluation.evaluate): the eval line, the bar's eval numbers, the collapse sign."""
+    line = write_line(s, metrics_file, evaluation.evaluate(s))
+    bar.set_postfix({**bar.postfix_dict, **evaluation.postfix(line)})
+    sign = evaluation.collapse_sign(s, line)
+    warn(s, [sign] if sign else [])
     return line
 
 
@@ -335,13 +318,18 @@ def run(s: Session, progress: bool = True) -> TrainResult:
     from tqdm.auto import tqdm
 
     cfg = s.cfg
-    out_dir = start_output(s)
+    out_dir = output.start_output(s)
     for line in s.objective.intro(s):
         log(line)
     last = json.loads(s.metrics_lines[-1]) if s.metrics_lines else {}
     bar = tqdm(total=s.steps, initial=s.step, desc=s.objective.name, unit="step", disable=not progress,
                dynamic_ncols=True)
-    with open_metrics(s, out_dir) as metrics_file:
+    bar.postfix_dict = {}  # the numbers shown: the last train line's and the last eval's
+    s.tensorboard = tensorboard.open_writer(cfg.report_to, out_dir)
+    with output.open_metrics(s, out_dir) as metrics_file:
+        first = evaluation.at_start(s)  # step 0: the reference's samples
+        if first is not None:
+            write_line(s, metrics_file, first)
         while s.step < s.steps:  # the loop
             stats, grad_norm, lr, dt = timed(s)
             if not guards.nonfinite(stats.means()["loss"]):
@@ -349,13 +337,18 @@ def run(s: Session, progress: bool = True) -> TrainResult:
             bar.update(1)
             if s.step == 1 or s.step % cfg.logging_steps == 0 or s.step == s.steps:
                 last = log_step(s, metrics_file, stats, grad_norm, lr, dt, bar)
+            evaluated = eval_step(s, metrics_file, bar) if evaluation.due(cfg, s.step, s.steps) else None
             if cfg.save_steps and (s.step % cfg.save_steps == 0 or s.step == s.steps):
-                checkpoint.save(out_dir, checkpoint_state(s), s.model, s.opt, s.sched, s.metrics_lines,
-                                cfg.save_total_limit, s.replaces)
-                s.replaces = []
+                save_checkpoint(s, out_dir, evaluated)
     bar.close()
+    if s.tensorboard is not None:
+        s.tensorboard.close()
     if s.skipped_steps:
         log(f"note: {s.skipped_steps} updates were skipped for a non-finite loss or gradient")
-    save_final(s, out_dir)
+    if cfg.load_best_model_at_end:
+        evaluation.load_best(s)
+    output.save_final(s, out_dir)
+    checkpoint.write_run_state(out_dir, checkpoint_state(s), s.steps, cfg.best_metric_name, cfg.best_is_greater,
+                               s.metrics_lines)
     log(f"saved adapter to {out_dir} (step {s.steps}{s.objective.summary(last)})")
     return TrainResult(last, s.model)

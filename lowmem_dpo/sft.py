@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from lowmem_dpo import adapters, data, devices, headcheck, inputs, loop, models, policy, resuming
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
@@ -77,6 +79,19 @@ class SFT:
             stats.tokens += batch.num_tokens
         return stats
 
+    @torch.no_grad()
+    def evaluate(self, s: loop.Session, items: list[data.TokenizedCompletion]) -> dict[str, float]:
+        """eval_loss: the mean NLL per completion token over the held-out rows (training's loss, no gradients)."""
+        stats = SFTStats()
+        for chunk in loop.split(items, s.micro_batch):
+            batch = data.collate_completions(chunk, s.pad_id).to(s.resolved.device)
+            with devices.autocast(s.resolved.device, s.resolved.dtype):
+                out = completion_logps(s.model, batch.input_ids, batch.attention_mask,
+                                       batch.completion_mask)  # (B,) sums
+            stats.nll -= out.logps.sum().item()
+            stats.targets += int(out.n_tokens.sum())
+        return {"eval_loss": stats.means()["loss"]}
+
     def warning_signs(self, s: loop.Session) -> list[str]:
         return []  # DPO's signs (guards.py) read rewards an SFT step has not
 
@@ -112,19 +127,17 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     policy.check_bitsandbytes(resolved)
     log(source.description)
     tokenizer = models.load_tokenizer(source.tokenizer_path)
-    rows = data.load_rows(cfg.dataset, cfg.dataset_split, required=("prompt",))
-    tok = data.tokenize_completions(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=cfg.dataset,
-                                    progress=progress, strict=cfg.strict)  # logs the rows it skips
-    files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, rows)
-    trains_on = inputs.run_inputs(files, tok.pairs)  # no reference cache in SFT
-    resuming.check_before_load(cfg, resume, trains_on, len(tok.pairs))
+    d = inputs.load_data(cfg, tokenizer, progress, sft=True)  # logs the rows it skips and the eval split
+    files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path)
+    trains_on = inputs.run_inputs(files, d.train)  # no reference cache in SFT
+    resuming.check_before_load(cfg, resume, trains_on, len(d.train))
     model = policy.setup_model(cfg, resolved, source.base_path, device_map, source=source)
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
     pad_id = data.pad_token_id(tokenizer)
-    headcheck.verify(model, data.collate_completions(tok.pairs[:2], pad_id).to(resolved.device), resolved.device,
+    headcheck.verify(model, data.collate_completions(d.train[:2], pad_id).to(resolved.device), resolved.device,
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-    return loop.start(cfg, resolved, model, tok.pairs, pad_id, SFT(), resume, trains_on)
+    return loop.start(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer)
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

@@ -3,8 +3,9 @@
     python -m lowmem_dpo.tiny            # build both built-in models now (otherwise built on first use)
     python -m lowmem_dpo.tiny --data data/tiny-prefs.jsonl   # regenerate the shipped dataset
 
-`lowmem_dpo:tiny-llama` is a 2-layer Llama (hidden 64) for tests and the demo; `lowmem_dpo:llama-25m` is the
-same architecture at hidden 512 and 8 layers (~25M parameters) for benchmarks. Both share one byte-level BPE
+`lowmem_dpo:tiny-llama` is a 2-layer Llama (hidden 64) for tests and the demo, pretrained for a few seconds at build
+so that it writes sentences; `lowmem_dpo:llama-25m` is the same architecture at hidden 512 and 8 layers (~25M
+parameters, random weights) for benchmarks. Both share one byte-level BPE
 tokenizer trained on text from the same generator as the data, with a Llama-style BOS and a chat template.
 Models live under $LOWMEM_DPO_HOME (default ~/.cache/lowmem_dpo)/models/NAME-vVERSION.
 """
@@ -23,7 +24,7 @@ from lowmem_dpo.errors import UserError
 from lowmem_dpo.files import home
 
 BUILTIN_PREFIX = "lowmem_dpo:"
-VERSION = 1
+VERSION = 2  # 2: tiny-llama is pretrained (pretrain)
 # name -> Llama sizes. llama-25m: 8 x (4*512^2 attn + 3*512*1376 mlp) + 2*1024*512 embeddings = 25.3M params.
 BUILTINS = {
     "tiny-llama": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
@@ -31,6 +32,8 @@ BUILTINS = {
     "llama-25m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
                       num_key_value_heads=8),
 }
+# Built-ins given a short language-model pretraining at build (optimizer steps); the others keep random weights.
+PRETRAIN_STEPS = {"tiny-llama": 300}
 VOCAB_SIZE = 1024
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
@@ -104,7 +107,35 @@ def build_model(name: str, out_dir: Path) -> None:
                          **BUILTINS[name])
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
+    if name in PRETRAIN_STEPS:
+        pretrain(model, tok, PRETRAIN_STEPS[name])
     model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def pretrain(model, tok, steps: int) -> None:
+    """A few seconds of language modelling on review text from the data's generator (both polarities alike, so
+    following the prompt's polarity is left for DPO to learn): the model then writes "The lamp is lovely and
+    clean." where a random one writes byte soup, so its samples and their collapse mean something. Seeded: the
+    same steps on the same batches every build."""
+    import torch
+
+    texts = [r["prompt"] + c for r in preference_rows(2000, seed=2) for c in (r["chosen"], r["rejected"])]
+    seqs = [tok(t).input_ids + [tok.eos_token_id] for t in texts]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tok.pad_token_id)  # (N, T), right-padded
+    mask = torch.zeros_like(ids)  # (N, T)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(seqs), (64,), generator=g)  # (64,)
+        labels = ids[pick].masked_fill(mask[pick] == 0, -100)  # (64, T): no loss on padding
+        model(input_ids=ids[pick], attention_mask=mask[pick], labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
 
 
 def ensure_builtin(spec: str) -> Path:

@@ -76,35 +76,51 @@ def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
     return chosen.logps.cpu(), rejected.logps.cpu()
 
 
+def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_id: int,
+                  resolved: devices.Resolved) -> tuple[torch.Tensor, StepStats]:
+    """The DPO losses (B,) of one micro-batch of pairs, and its metric sums (detached)."""
+    device = resolved.device
+    batch = data.collate(pairs, pad_id).to(device)
+    with devices.autocast(resolved.device, resolved.dtype):
+        ref_chosen, ref_rejected = reference_logps(model, batch, ref)
+        policy_logps = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    chosen, rejected = policy_logps.split()  # (B,) each
+    losses, r_chosen, r_rejected = dpo_loss(
+        chosen.logps, rejected.logps, ref_chosen.to(device), ref_rejected.to(device),
+        beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
+        chosen_lengths=chosen.n_tokens, rejected_lengths=rejected.n_tokens)
+    stats = StepStats(pairs=len(pairs), tokens=batch.num_tokens, chosen_tokens=int(chosen.n_tokens.sum()))
+    s = stats.sums
+    s["loss"] += losses.detach().sum().item()
+    s["rewards/chosen"] += r_chosen.sum().item()
+    s["rewards/rejected"] += r_rejected.sum().item()
+    s["rewards/accuracies"] += (r_chosen > r_rejected).float().sum().item()
+    s["rewards/margins"] += (r_chosen - r_rejected).sum().item()
+    s["logps/chosen"] += chosen.logps.detach().sum().item()
+    s["logps/rejected"] += rejected.logps.detach().sum().item()
+    return losses, stats
+
+
 def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
                resolved: devices.Resolved) -> StepStats:
     """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params. The
     loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it)."""
     stats = StepStats()
-    device = resolved.device
     n_pairs = sum(len(pairs) for pairs in group)
     for pairs in group:
-        batch = data.collate(pairs, pad_id).to(device)
-        with devices.autocast(resolved.device, resolved.dtype):
-            ref_chosen, ref_rejected = reference_logps(model, batch, ref)
-            policy_logps = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
-        chosen, rejected = policy_logps.split()  # (B,) each
-        losses, r_chosen, r_rejected = dpo_loss(
-            chosen.logps, rejected.logps, ref_chosen.to(device), ref_rejected.to(device),
-            beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
-            chosen_lengths=chosen.n_tokens, rejected_lengths=rejected.n_tokens)
+        losses, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved)
         (losses.sum() / n_pairs).backward()
-        s = stats.sums
-        s["loss"] += losses.detach().sum().item()
-        s["rewards/chosen"] += r_chosen.sum().item()
-        s["rewards/rejected"] += r_rejected.sum().item()
-        s["rewards/accuracies"] += (r_chosen > r_rejected).float().sum().item()
-        s["rewards/margins"] += (r_chosen - r_rejected).sum().item()
-        s["logps/chosen"] += chosen.logps.detach().sum().item()
-        s["logps/rejected"] += rejected.logps.detach().sum().item()
-        stats.pairs += len(pairs)
-        stats.tokens += batch.num_tokens
-        stats.chosen_tokens += int(chosen.n_tokens.sum())
+        stats.add(batch_stats)
+    return stats
+
+
+@torch.no_grad()
+def eval_stats(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
+               resolved: devices.Resolved) -> StepStats:
+    """train_step's metric sums over held-out pairs, with no gradients."""
+    stats = StepStats()
+    for pairs in group:
+        stats.add(forward_pairs(model, cfg, pairs, ref, pad_id, resolved)[1])
     return stats
 
 
@@ -113,6 +129,7 @@ class DPO:
     """DPO's part of the loop (loop.Objective): pairs, the loss against the reference, the warning signs."""
 
     ref: cache.RefCache | None  # None: ref_source=live
+    eval_ref: cache.RefCache | None = None  # the eval pairs' reference (the same cache part, or its eval part)
     name: str = "train"
 
     def new_stats(self) -> StepStats:
@@ -120,6 +137,10 @@ class DPO:
 
     def backward(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> StepStats:
         return train_step(s.model, s.cfg, loop.split(pairs, s.micro_batch), self.ref, s.pad_id, s.resolved)
+
+    def evaluate(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> dict[str, float]:
+        stats = eval_stats(s.model, s.cfg, loop.split(pairs, s.micro_batch), self.eval_ref, s.pad_id, s.resolved)
+        return {f"eval_{k}": v for k, v in stats.means().items()}  # TRL's names: eval_loss, eval_rewards/...
 
     def warning_signs(self, s: loop.Session) -> list[str]:
         w, cfg = s.window, s.cfg
@@ -153,24 +174,37 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     resume = resuming.find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast
     device_map = policy.apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
-    ref = None
     if cfg.ref_source == "cache":
         # Before anything heavy loads: a stale cache is refused in seconds.
         cache.check_for_training(cache_dir, ins.fingerprint, cache.rebuild_command(cfg, recipe))
-        ref = cache.load_ref_cache(cache_dir)
     policy.check_bitsandbytes(resolved)
     log(ins.source.description)
-    tok = inputs.tokenized(cfg, ins.tokenizer, progress)  # logs the rows it skips
-    if ref is not None:
-        cache.check_rows(ref, tok.pairs, cache_dir, cache.rebuild_command(cfg, recipe))
-    trains_on = {**inputs.run_inputs(ins.fingerprint, tok.pairs),
+    d = inputs.load_data(cfg, ins.tokenizer, progress)  # logs the rows it skips and the eval split
+    ref, eval_ref = reference_caches(cfg, cache_dir, d, recipe)
+    trains_on = {**inputs.run_inputs(ins.fingerprint, d.train),
                  "reference cache": None if ref is None else ref.manifest["fingerprint"]}
-    resuming.check_before_load(cfg, resume, trains_on, len(tok.pairs))
+    resuming.check_before_load(cfg, resume, trains_on, len(d.train))
     model = policy.setup_model(cfg, resolved, ins.model_path, device_map, source=ins.source)
     pad_id = data.pad_token_id(ins.tokenizer)
-    headcheck.verify(model, data.collate(tok.pairs[:1], pad_id).to(resolved.device), resolved.device,
+    headcheck.verify(model, data.collate(d.train[:1], pad_id).to(resolved.device), resolved.device,
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-    return loop.start(cfg, resolved, model, tok.pairs, pad_id, DPO(ref), resume, trains_on)
+    return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref), resume, trains_on, d.eval,
+                      ins.tokenizer)
+
+
+def reference_caches(cfg: Config, cache_dir: Path, d: inputs.Data, recipe: str | None) -> tuple:
+    """The cached reference of the training pairs and of the eval pairs (None, None with ref_source=live), each
+    checked to serve its pairs."""
+    if cfg.ref_source != "cache":
+        return None, None
+    rebuild = cache.rebuild_command(cfg, recipe)
+    ref = cache.load_ref_cache(cache_dir)
+    cache.check_rows(ref, d.train, cache_dir, rebuild)
+    eval_ref = None
+    if d.eval:
+        eval_ref = ref if d.eval_part == "train" else cache.load_ref_cache(cache_dir, d.eval_part)
+        cache.check_rows(eval_ref, d.eval, cache_dir, rebuild)
+    return ref, eval_ref
 
 
 def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.TrainResult:

@@ -52,8 +52,8 @@ def test_gradients_match_unchunked(tiny_path, tokenizer):
     g1 = torch.autograd.grad(got.logps.sum(), params)
     want = naive_logps(m, batch)
     g2 = torch.autograd.grad(want.sum(), params)
-    for a, b in zip(g1, g2):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    for a, b in zip(g1, g2):  # float32 sums in another order: tolerance relative to the gradient's scale
+        torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-4)
 
 
 def test_row_alone_equals_row_in_padded_batch(model, tokenizer):

@@ -20,7 +20,7 @@ import yaml
 from conftest import REPO, TINY_DATA, write_jsonl
 from safetensors.torch import load_file, save_file
 
-from lowmem_dpo import cache, checkpoint, files, guards, loop, precompute, train
+from lowmem_dpo import cache, checkpoint, files, guards, loop, output, precompute, train
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import build_config
 from lowmem_dpo.errors import UserError
@@ -159,7 +159,7 @@ def test_full_disk_while_checkpointing_exits_2_and_keeps_the_last_checkpoint(bui
 
     def fsync(fd):
         calls["n"] += 1
-        if checkpoint.complete(out):  # the first checkpoint got through; the disk is full from then on
+        if (out / checkpoint.STATE).exists():  # the first checkpoint and its record got through; full from then on
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
 
@@ -179,7 +179,7 @@ def test_full_disk_at_the_final_adapter_points_to_the_final_checkpoint(built, tm
     def full(model, out_dir):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(loop, "save_adapter", full)
+    monkeypatch.setattr(output, "save_adapter", full)
     out = tmp_path / "out"
     assert run_cli(train.main, [str(built), f"output_dir={out}", "max_steps=5"], "train", "") == 2
     err = capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""What a training run writes into output_dir besides checkpoints: config.yaml, metrics.jsonl, the final adapter.
+
+Used by the loop (loop.py) with its session (loop.Session; not imported here, loop imports this module).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lowmem_dpo import checkpoint, files
+from lowmem_dpo.errors import UserError, log
+
+
+def last_checkpoint_note(s) -> str:
+    """What a stopped run leaves to resume from, for messages."""
+    found = checkpoint.complete(s.cfg.output_dir)
+    return (f"the last checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact" if found
+            else "no checkpoint was written (save_steps)")
+
+
+def start_output(s) -> Path:
+    """output_dir with the resolved config.yaml; the resolved choices in the log."""
+    out_dir = Path(s.cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resolved_note = "".join(f"# resolved {r}\n" for r in s.resolved.reasons)
+    files.atomic_write_bytes(out_dir / "config.yaml", (s.cfg.to_yaml() + resolved_note).encode())
+    for reason in s.resolved.reasons:
+        log(f"resolved {reason}")
+    return out_dir
+
+
+def open_metrics(s, out_dir: Path):
+    """metrics.jsonl as of the checkpoint the run resumes from (empty for a new run), open for appending: a
+    resumed run continues it without repeating a step. Logs where the run starts."""
+    if s.resumed_from is not None:
+        log(f"resuming from {s.resumed_from} (step {s.step} of {s.steps})")
+    elif s.replaces:
+        log(f"starting over (resume={s.cfg.resume}): the {len(s.replaces)} checkpoints in "
+            f"{checkpoint.root(out_dir)} are replaced by this run's first one")
+    files.atomic_write_bytes(out_dir / "metrics.jsonl", "".join(s.metrics_lines).encode())
+    return open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+
+def save_adapter(model, out_dir: Path) -> None:
+    """PEFT adapter files into out_dir, each replaced atomically (a crash leaves the old file or the new one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out_dir))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for f in sorted(tmp.iterdir()):
+            os.chmod(f, 0o644)
+            os.replace(f, out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_final(s, out_dir: Path) -> None:
+    """The adapter into output_dir, refusing non-finite weights and a disk without room for it."""
+    bad = [n for n, p in s.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    if bad:
+        raise UserError(f"not saving: {len(bad)} LoRA weights are not finite (first: {bad[0]}); "
+                        + last_checkpoint_note(s))
+    need = sum(p.numel() * p.element_size() for p in s.params) + (1 << 20)
+    then = checkpoint.resume_note(s.cfg.output_dir)
+    files.ensure_free_space(out_dir, need, "the adapter", then)
+    try:
+        save_adapter(s.model, out_dir)
+    except OSError as e:
+        if files.is_disk_full(e):
+            raise files.disk_full_error(out_dir, "the adapter", need, then) from None
+        raise

@@ -1,0 +1,180 @@
+"""Evaluation in a run: the eval numbers against a recomputation with the model's own forward, the best checkpoint
+through pruning, load_best_model_at_end and an interrupted run, samples, and the collapse warning."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY_DATA, write_jsonl
+from safetensors.torch import load_file
+
+from lowmem_dpo import checkpoint, data, evaluation, precompute, sft, train
+from lowmem_dpo.config import load_config
+from lowmem_dpo.errors import UserError
+
+
+def lines(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def eval_lines(out_dir):
+    return [m for m in lines(out_dir / "metrics.jsonl") if "eval_pairs" in m]
+
+
+def own_logps(model, prompt_ids, completion_ids) -> float:
+    """A completion's log-prob sum from a plain forward of one unpadded sequence (no lowmem_dpo.logps)."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logp = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)  # (T-1, V)
+    n = len(completion_ids)
+    return logp[-n:].gather(-1, ids[0, -n:, None]).sum().item()
+
+
+def policy(tiny_path, adapter_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+@pytest.fixture(scope="module")
+def split_files(tmp_path_factory):
+    """The shipped rows cut in two files: 344 to train on, 40 held out."""
+    rows = [json.loads(line) for line in open(TINY_DATA)]
+    d = tmp_path_factory.mktemp("split")
+    return write_jsonl(d / "train.jsonl", rows[:344]), write_jsonl(d / "eval.jsonl", rows[344:])
+
+
+def test_dpo_eval_metrics_equal_a_recomputation(make_cfg, split_files, tiny_path, tokenizer):
+    """eval_loss and TRL's eval_rewards/eval_logps at steps 2 and 4 equal those recomputed here from the saved
+    adapters, the model's own forward per sequence and the reference with the adapter off."""
+    train_file, eval_file = split_files
+    cfg = make_cfg(dataset=str(train_file), eval_dataset=str(eval_file), max_steps=4, save_steps=2, beta=0.2,
+                   eval_generations=2, max_new_tokens=8)
+    precompute.run(cfg, progress=False)
+    train.run(cfg, progress=False)
+    out = Path(cfg.output_dir)
+    got = eval_lines(out)
+    assert [m["step"] for m in got] == [2, 4]
+    pairs = data.tokenize_rows(data.load_rows(str(eval_file)), tokenizer, 64, None, progress=False).pairs
+    assert all(m["eval_pairs"] == len(pairs) == 40 for m in got)
+    for line, adapter_dir in zip(got, [out / "checkpoints" / "checkpoint-2", out]):
+        model = policy(tiny_path, adapter_dir)
+        logps = torch.tensor([[own_logps(model, p.prompt_ids, c) for c in (p.chosen_ids, p.rejected_ids)]
+                              for p in pairs])  # (P, 2)
+        with model.disable_adapter():
+            ref = torch.tensor([[own_logps(model, p.prompt_ids, c) for c in (p.chosen_ids, p.rejected_ids)]
+                                for p in pairs])  # (P, 2)
+        rewards = cfg.beta * (logps - ref)  # (P, 2)
+        margins = rewards[:, 0] - rewards[:, 1]
+        want = {"eval_loss": -torch.nn.functional.logsigmoid(margins).mean(),
+                "eval_rewards/chosen": rewards[:, 0].mean(), "eval_rewards/rejected": rewards[:, 1].mean(),
+                "eval_rewards/accuracies": (margins > 0).float().mean(), "eval_rewards/margins": margins.mean(),
+                "eval_logps/chosen": logps[:, 0].mean(), "eval_logps/rejected": logps[:, 1].mean()}
+        for key, value in want.items():
+            assert line[key] == pytest.approx(value.item(), abs=2e-5), (line["step"], key)
+    assert got[0]["eval_loss"] != got[1]["eval_loss"]
+
+
+def test_sft_eval_loss_equals_a_recomputation(make_cfg, split_files, tiny_path, tokenizer):
+    """SFT's eval_loss is the mean NLL per completion token of the held-out rows, under the final adapter."""
+    train_file, eval_file = split_files
+    cfg = make_cfg(dataset=str(train_file), eval_dataset=str(eval_file), max_steps=3, save_steps=0,
+                   eval_generations=0)
+    sft.run(cfg, progress=False)
+    (line,) = eval_lines(Path(cfg.output_dir))
+    items = data.tokenize_completions(data.load_rows(str(eval_file), required=("prompt",)), tokenizer, 64, None,
+                                      progress=False).pairs
+    model = policy(tiny_path, cfg.output_dir)
+    nll = -sum(own_logps(model, i.prompt_ids, i.completion_ids) for i in items)
+    assert line["step"] == 3 and line["eval_pairs"] == len(items)
+    assert line["eval_loss"] == pytest.approx(nll / sum(len(i.completion_ids) for i in items), abs=2e-5)
+
+
+def run_best(make_cfg, out, **overrides):
+    cfg = make_cfg(eval_fraction=0.15, max_steps=8, save_steps=2, save_total_limit=1, learning_rate=3e-2,
+                   metric_for_best_model="eval_loss", greater_is_better=True,  # the highest loss: an early step
+                   load_best_model_at_end=True, eval_generations=2, max_new_tokens=8, output_dir=str(out),
+                   **overrides)
+    precompute.run(cfg, progress=False)
+    return cfg, train.run(cfg, progress=False)
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s", "eval_runtime")} for r in rows]
+
+
+def test_best_checkpoint_survives_pruning_loads_at_end_and_resumes(make_cfg, tmp_path, monkeypatch):
+    """The best checkpoint by metric_for_best_model is recorded with transformers' keys, kept beside the newest
+    one despite save_total_limit=1, becomes the final adapter with load_best_model_at_end; a run interrupted after
+    checkpoint-4 (a KeyboardInterrupt at step 6's eval, as Ctrl-C) resumes to the same record, eval lines and
+    samples as the uninterrupted run, repeating no eval."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run_best(make_cfg, whole)
+    evals = eval_lines(whole)
+    assert [m["step"] for m in evals] == [2, 4, 6, 8]  # eval_steps null: at every checkpoint
+    best = max(evals, key=lambda m: m["eval_loss"])
+    assert best["step"] != 8  # the test needs a best that is not the last step
+    state = json.loads((whole / "trainer_state.json").read_text())
+    assert state["best_global_step"] == best["step"] and state["best_metric"] == best["eval_loss"]
+    folder = whole / "checkpoints" / f"checkpoint-{best['step']}"
+    assert state["best_model_checkpoint"] == str(folder) and state["global_step"] == 8
+    assert state["log_history"] == lines(whole / "metrics.jsonl")
+    assert sorted(s for s, _ in checkpoint.complete(whole)) == [best["step"], 8]
+    final, kept = load_file(whole / "adapter_model.safetensors"), load_file(folder / "adapter_model.safetensors")
+    last = load_file(whole / "checkpoints" / "checkpoint-8" / "adapter_model.safetensors")
+    assert final.keys() == kept.keys() and all(torch.equal(final[k], kept[k]) for k in final)
+    assert not all(torch.equal(final[k], last[k]) for k in final)
+
+    real = evaluation.evaluate
+
+    def interrupted(s):
+        if s.step == 6:
+            raise KeyboardInterrupt  # a Ctrl-C during step 6's eval: checkpoint-4 is the newest
+        return real(s)
+
+    monkeypatch.setattr(evaluation, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_best(make_cfg, cut)
+    monkeypatch.setattr(evaluation, "evaluate", real)
+    assert [s for s, _ in checkpoint.complete(cut)][-1] == 4
+    run_best(make_cfg, cut)
+    assert without_timing(lines(cut / "metrics.jsonl")) == without_timing(lines(whole / "metrics.jsonl"))
+    again = json.loads((cut / "trainer_state.json").read_text())
+    assert (again["best_global_step"], again["best_metric"]) == (state["best_global_step"], state["best_metric"])
+    assert lines(cut / "samples.jsonl") == lines(whole / "samples.jsonl")
+    assert [r["step"] for r in lines(whole / "samples.jsonl")] == [0, 0, 2, 2, 4, 4, 6, 6, 8, 8]
+
+
+def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
+    """A tiny model pushed into collapse (learning rate 0.1, constant, 100 steps) writes one word over and over:
+    its eval_gen/repetition rises far above step 0's and the warning shows; with early_stop_on_divergence the
+    run stops with the sign. The demo recipe (which evaluates on a held-out split) shows no such warning."""
+    def cfg_for(name, *overrides):
+        return load_config(REPO / "recipes" / "tiny-cpu.yaml", [
+            f"dataset={TINY_DATA}", f"output_dir={tmp_path / name}", f"ref_cache_dir={tmp_path / 'cache'}",
+            "eval_fraction=0.15", *overrides])
+
+    healthy = cfg_for("healthy")
+    precompute.run(healthy, progress=False)
+    last = train.run(healthy, progress=False).metrics
+    log = capsys.readouterr().err
+    assert "collapsing" not in log and last["rewards/accuracies"] >= 0.9
+    healthy_evals = eval_lines(tmp_path / "healthy")
+    assert healthy_evals[-1]["eval_rewards/accuracies"] >= 0.9
+
+    collapse = ["learning_rate=1e-1", "lr_scheduler_type=constant", "max_steps=100", "eval_steps=50",
+                "save_steps=0", "load_best_model_at_end=false"]
+    train.run(cfg_for("collapse", *collapse), progress=False)
+    log = capsys.readouterr().err
+    assert "generations collapsing into repetition" in log
+    evals = lines(tmp_path / "collapse" / "metrics.jsonl")
+    base = next(m["eval_gen/repetition"] for m in evals if m["step"] == 0)
+    final = [m for m in evals if m["step"] == 100 and "eval_gen/repetition" in m][0]["eval_gen/repetition"]
+    assert final > base + 0.3 and not math.isnan(final)
+    # Evaluated at step 4, the samples show the collapse before the training metrics' signs (first logged at 10).
+    with pytest.raises(UserError, match="stopped at step 4 .*collapsing into repetition"):
+        train.run(cfg_for("stopped", *collapse, "eval_steps=4", "early_stop_on_divergence=true"), progress=False)
