@@ -240,6 +240,9 @@ class Config:
             close = difflib.get_close_matches(self.metric_for_best_model, EVAL_METRICS, n=2)
             problems.append(f"metric_for_best_model={self.metric_for_best_model}: not an eval metric; one of "
                             f"{', '.join(close or EVAL_METRICS)}")
+        if self.best_metric_name == "eval_gen/repetition" and not self.eval_generations:
+            problems.append("metric_for_best_model=eval_gen/repetition measures the samples: set eval_generations "
+                            "above 0")
         if self.load_best_model_at_end:
             if not self.has_eval:
                 problems.append("load_best_model_at_end=true needs eval data: set eval_dataset or eval_fraction")

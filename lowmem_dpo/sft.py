@@ -26,9 +26,11 @@ import torch
 from lowmem_dpo import adapters, data, devices, headcheck, inputs, loop, models, policy, resuming
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
-from lowmem_dpo.errors import log
+from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.tiny import BUILTIN_PREFIX
+
+SFT_METRICS = ("eval_loss", "eval_gen/repetition")  # the eval metrics an SFT run logs (metric_for_best_model)
 
 
 @dataclass
@@ -118,6 +120,9 @@ def base_name(spec: str) -> str:
 def setup(cfg: Config, progress: bool = True) -> loop.Session:
     """Tokenize the SFT rows, load the model with one adapter (fresh, or an SFT adapter continued), optimizer;
     with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it, as train does."""
+    if cfg.has_eval and cfg.best_metric_name not in SFT_METRICS:
+        raise UserError(f"metric_for_best_model={cfg.metric_for_best_model} is a DPO metric; sft evaluates "
+                        f"{' and '.join(SFT_METRICS)}: set one of them")
     resolved = devices.resolve(cfg)
     source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)
     adapters.check_mode(cfg, source, resolved.quantization, reference=False)

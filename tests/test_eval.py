@@ -178,3 +178,34 @@ def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
     # Evaluated at step 4, the samples show the collapse before the training metrics' signs (first logged at 10).
     with pytest.raises(UserError, match="stopped at step 4 .*collapsing into repetition"):
         train.run(cfg_for("stopped", *collapse, "eval_steps=4", "early_stop_on_divergence=true"), progress=False)
+
+
+def test_metric_for_best_model_must_be_one_the_stage_logs(make_cfg, split_files, capsys):
+    """An SFT run logs no rewards: a DPO metric for the best checkpoint is refused before anything loads (exit 2),
+    as is the samples' repetition without samples; never a best that silently never comes."""
+    from lowmem_dpo.cli import run_cli
+    from lowmem_dpo.config import ConfigError
+
+    train_file, eval_file = split_files
+    args = [f"dataset={train_file}", f"eval_dataset={eval_file}", "metric_for_best_model=rewards/accuracies",
+            "device=cpu", "max_steps=2"]
+    recipe = REPO / "recipes" / "tiny-sft.yaml"
+    assert run_cli(sft.main, [str(recipe), *args], "sft", "") == 2
+    err = capsys.readouterr().err
+    assert "metric_for_best_model=rewards/accuracies is a DPO metric" in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match="eval_generations"):
+        make_cfg(eval_fraction=0.1, metric_for_best_model="eval_gen/repetition", eval_generations=0)
+
+
+def test_report_draws_a_real_run(make_cfg, tmp_path, capsys):
+    """The report on a real DPO run with eval: the picture and the best step as trainer_state.json says."""
+    from lowmem_dpo import report
+
+    out = tmp_path / "run"
+    run_best(make_cfg, out)
+    capsys.readouterr()
+    assert report.main([str(out)]) == 0
+    state = json.loads((out / "trainer_state.json").read_text())
+    text = capsys.readouterr().out
+    assert f"at step {state['best_global_step']}" in text
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
