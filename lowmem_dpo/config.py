@@ -255,7 +255,7 @@ class Config:
         return problems
 
     @property
-    def has_eval(self) -> bool:
+    def has_eval(self) -> bool:  # eval data: eval_dataset or eval_fraction
         return self.eval_dataset is not None or self.eval_fraction > 0
 
     @property
@@ -267,9 +267,7 @@ class Config:
     @property
     def best_is_greater(self) -> bool:
         """Whether a larger best metric is better: greater_is_better, or the metric's known direction."""
-        if self.greater_is_better is not None:
-            return self.greater_is_better
-        return EVAL_METRICS[self.best_metric_name]
+        return EVAL_METRICS[self.best_metric_name] if self.greater_is_better is None else self.greater_is_better
 
     @property
     def peft_target_modules(self) -> str | list[str]:
