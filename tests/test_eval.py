@@ -198,11 +198,18 @@ def test_metric_for_best_model_must_be_one_the_stage_logs(make_cfg, split_files,
 
 
 def test_report_draws_a_real_run(make_cfg, tmp_path, capsys):
-    """The report on a real DPO run with eval: the picture and the best step as trainer_state.json says."""
+    """The report on a real DPO run with eval: the picture and the best step as trainer_state.json says; with
+    report_to=tensorboard the run's eval_loss lines are TensorBoard's eval/loss scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from lowmem_dpo import report
 
     out = tmp_path / "run"
-    run_best(make_cfg, out)
+    run_best(make_cfg, out, report_to="tensorboard")
+    events = EventAccumulator(str(out / "runs"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("eval/loss")] == \
+        [(m["step"], round(m["eval_loss"], 5)) for m in eval_lines(out)]
     capsys.readouterr()
     assert report.main([str(out)]) == 0
     state = json.loads((out / "trainer_state.json").read_text())
