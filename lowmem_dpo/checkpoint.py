@@ -36,6 +36,7 @@ from lowmem_dpo.errors import UserError, log
 
 FOLDER = "checkpoints"
 STATE = "trainer_state.json"
+SAMPLES = "samples.jsonl"  # output_dir's samples (evaluation.py), copied into each checkpoint as it was at STEP
 _NAME = re.compile(r"checkpoint-(\d+)")
 
 
@@ -61,6 +62,11 @@ class TrainerState:
 
 def root(output_dir: str | Path) -> Path:
     return Path(output_dir) / FOLDER
+
+
+def folder(output_dir: str | Path, step: int) -> Path:
+    """The folder of checkpoint-STEP under output_dir (where it is now: a moved run's paths follow it)."""
+    return root(output_dir) / f"checkpoint-{step}"
 
 
 def complete(output_dir: str | Path) -> list[tuple[int, Path]]:
@@ -95,8 +101,8 @@ def resume_note(output_dir: str | Path) -> str:
 def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics_lines: list[str],
          keep: int, replaces: list[Path] = ()) -> Path:
     """Write checkpoint-{state.step} atomically, then remove `replaces` (an earlier run's checkpoints, when
-    this one started over) and keep only the newest `keep` and the best (state.best_model_checkpoint), which is
-    never pruned. A full disk stops the run with exit 2 and leaves the previous checkpoints as they were."""
+    this one started over) and keep only the newest `keep` and the best (state.best_global_step's), which is
+    never pruned. output_dir's samples.jsonl goes in too, as metrics_lines do. A full disk stops the run with exit 2 and leaves the previous checkpoints as they were."""
     folder = root(output_dir)
     final = folder / f"checkpoint-{state.step}"
     need = size_bytes(model, opt)
@@ -115,6 +121,8 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, tmp / "rng.pt")
         (tmp / "metrics.jsonl").write_text("".join(metrics_lines), encoding="utf-8")
+        if (Path(output_dir) / SAMPLES).is_file():
+            shutil.copyfile(Path(output_dir) / SAMPLES, tmp / SAMPLES)
         (tmp / STATE).write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n", encoding="utf-8")
         for p in tmp.iterdir():
             os.chmod(p, 0o644)
@@ -130,9 +138,8 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
     for old in replaces:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
-    best = Path(state.best_model_checkpoint) if state.best_model_checkpoint else None
-    for _, old in complete(output_dir)[:-keep] if keep > 0 else []:
-        if best is None or old.resolve() != best.resolve():
+    for step, old in complete(output_dir)[:-keep] if keep > 0 else []:
+        if step != state.best_global_step:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -154,10 +161,21 @@ def find(output_dir: str | Path, resume: str) -> Path | None:
         found = complete(output_dir)
         return found[-1][1] if found else None
     path = Path(resume)
+    if (path / FOLDER).is_dir() or "global_step" in _json_or_empty(path / STATE):  # a run's output_dir and record
+        raise UserError(f"resume={resume!r} is a run's output_dir, not a checkpoint: pass one of its "
+                        f"{root(path)}/checkpoint-STEP folders, or resume=auto with output_dir={resume}")
     if not (path / STATE).is_file():
         raise UserError(f"resume={resume!r} is not a complete checkpoint folder (no {STATE}); checkpoints are "
                         f"{root(output_dir)}/checkpoint-STEP")
     return path
+
+
+def _json_or_empty(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:

@@ -20,11 +20,10 @@ import math
 import time
 from pathlib import Path
 
-from lowmem_dpo import checkpoint, guards, samples
+from lowmem_dpo import checkpoint, devices, files, guards, samples
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
 
-SAMPLES = "samples.jsonl"
 REPETITION = "eval_gen/repetition"  # guards.repetition of the samples' tokens (seq-rep-4)
 GEN_LENGTH = "eval_gen/length"  # mean tokens the samples wrote
 
@@ -49,15 +48,47 @@ def eval_mode(model):
         model.train(was_training)
 
 
+def halving(s, run, size: int, what: str):
+    """run(size), retried at half the size (down to 1) on out-of-memory: the eval's micro-batches and the
+    samples' batch can meet a fuller GPU than the training step did. At 1, a UserError says what to lower."""
+    while True:
+        try:
+            return run(size)
+        except Exception as e:
+            if not devices.is_out_of_memory(e):
+                raise
+            del e  # its traceback holds the failed batch's tensors
+            devices.release_memory(s.resolved.device)
+            if size == 1:
+                raise UserError(f"out of memory in {what} at step {s.step}, one at a time; lower eval_max_pairs, "
+                                "eval_generations or max_new_tokens (the last checkpoint is intact)") from None
+            size = max(1, size // 2)
+            log(f"out of memory in {what} at step {s.step}: retrying {size} at a time")
+
+
+def sample_items(items: list, n: int) -> list:
+    """The first n eval items with distinct prompts (several pairs may share one)."""
+    seen, out = set(), []
+    for item in items:
+        if len(out) < n and tuple(item.prompt_ids) not in seen:
+            seen.add(tuple(item.prompt_ids))
+            out.append(item)
+    return out
+
+
 def sample_metrics(s, step: int) -> dict:
-    """Greedy samples of the first eval_generations eval items, appended to output_dir/samples.jsonl with `step`;
-    one shown in the log. Returns their repetition and mean length ({} without samples)."""
-    items = s.eval_items[:s.cfg.eval_generations]
+    """Greedy samples for the first eval_generations distinct eval prompts, appended to output_dir/samples.jsonl
+    with `step`; one shown in the log. Returns their repetition and mean length ({} without samples)."""
+    items = sample_items(s.eval_items, s.cfg.eval_generations)
     if not items:
         return {}
-    written = samples.generate(s.model, items, s.tokenizer, s.cfg.max_new_tokens, s.resolved.device,
-                               s.resolved.dtype)
-    samples.append(Path(s.cfg.output_dir) / SAMPLES, step, written)
+
+    def write(n: int) -> list:
+        return [w for i in range(0, len(items), n) for w in samples.generate(
+            s.model, items[i:i + n], s.tokenizer, s.cfg.max_new_tokens, s.resolved.device, s.resolved.dtype)]
+
+    written = halving(s, write, len(items), "the samples")
+    samples.append(Path(s.cfg.output_dir) / checkpoint.SAMPLES, step, written)
     log(samples.log_line(step, written[0]))
     ids = [w.ids for w in written]
     return {REPETITION: round(guards.repetition(ids), 6),
@@ -66,9 +97,14 @@ def sample_metrics(s, step: int) -> dict:
 
 def at_start(s) -> dict | None:
     """A new run's step-0 line: the reference's samples and their repetition (None when there are no samples).
-    A resumed run keeps its samples up to its checkpoint's step: a killed run's later ones are dropped."""
-    path = Path(s.cfg.output_dir) / SAMPLES
-    samples.keep_until(path, s.step if s.resumed_from is not None else -1)
+    A resumed run's samples.jsonl is its checkpoint's (a killed run's later samples, or those of a start-over
+    killed before its first checkpoint, are dropped)."""
+    path = Path(s.cfg.output_dir) / checkpoint.SAMPLES
+    saved = None if s.resumed_from is None else Path(s.resumed_from) / checkpoint.SAMPLES
+    if saved is not None and saved.is_file():
+        files.atomic_write_bytes(path, saved.read_bytes())
+    else:  # a new run; or a checkpoint from before samples were kept in it
+        samples.keep_until(path, s.step if s.resumed_from is not None else -1)
     if s.step > 0 or not s.eval_items or not s.cfg.eval_generations:
         return None
     return {"step": 0, **sample_metrics(s, 0)}
@@ -76,10 +112,11 @@ def at_start(s) -> dict | None:
 
 def evaluate(s) -> dict:
     """The eval line of step s.step: the objective's metrics over the eval items (at most eval_max_pairs), no
-    gradients, in eval mode; the samples' repetition and length; the time it took."""
+    gradients, in eval mode, by the training micro-batch (halved on out-of-memory); the samples' repetition and
+    length; the time it took."""
     t0 = time.perf_counter()
     with eval_mode(s.model):
-        metrics = s.objective.evaluate(s, s.eval_items)
+        metrics = halving(s, lambda n: s.objective.evaluate(s, s.eval_items, n), s.micro_batch, "the eval")
         gen = sample_metrics(s, s.step)
     line = {"step": s.step, **{k: None if v is None or not math.isfinite(v) else round(v, 6)
                                for k, v in metrics.items()}, **gen,
@@ -116,20 +153,21 @@ def better(value: float, best: float | None, greater: bool) -> bool:
     return best is None or (value > best if greater else value < best)
 
 
-def note_best(s, line: dict | None, folder: Path) -> None:
-    """After the checkpoint `folder` of an evaluated step: make it the best when its metric_for_best_model
-    (in `line`, this step's eval line) beats the best so far."""
+def note_best(s, line: dict | None) -> None:
+    """Before the checkpoint of an evaluated step is saved: make it the best when its metric_for_best_model (in
+    `line`, this step's eval line) beats the best so far."""
     if line is None or line.get("step") != s.step:
         return
     value = line.get(s.cfg.best_metric_name)
     if value is not None and better(value, s.best["best_metric"], s.cfg.best_is_greater):
-        s.best = {"best_metric": value, "best_global_step": s.step, "best_model_checkpoint": str(folder)}
+        s.best = {"best_metric": value, "best_global_step": s.step,
+                  "best_model_checkpoint": str(checkpoint.folder(s.cfg.output_dir, s.step))}
 
 
 def load_best(s) -> None:
     """load_best_model_at_end: the best checkpoint's adapter weights into the model, so the final adapter is
     the best one; logged with both values. Nothing to do when the last step is the best."""
-    step, folder, name = s.best["best_global_step"], s.best["best_model_checkpoint"], s.cfg.best_metric_name
+    step, name = s.best["best_global_step"], s.cfg.best_metric_name
     if step is None:
         log(f"warning: load_best_model_at_end: no checkpoint has a finite {name}; the final adapter is the last "
             "step's")
@@ -137,10 +175,11 @@ def load_best(s) -> None:
     if step == s.step:
         log(f"the last step is the best ({name} {s.best['best_metric']:.4f}): the final adapter is its own")
         return
-    if not (Path(folder) / "adapter_model.safetensors").is_file():
+    folder = checkpoint.folder(s.cfg.output_dir, step)  # by its step: where output_dir is now
+    if not (folder / "adapter_model.safetensors").is_file():
         raise UserError(f"load_best_model_at_end: the best checkpoint {folder} (step {step}) is gone; the last "
                         f"step's adapter is in {checkpoint.complete(s.cfg.output_dir)[-1][1]}. Set "
                         "load_best_model_at_end=false to save it as the final adapter")
-    checkpoint.load_adapter_weights(Path(folder), s.model)
+    checkpoint.load_adapter_weights(folder, s.model)
     log(f"load_best_model_at_end: the final adapter is step {step}'s ({name} {s.best['best_metric']:.4f}, from "
         f"{folder})")

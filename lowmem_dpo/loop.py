@@ -52,8 +52,8 @@ class Objective(Protocol):
         """Forward + backward of one optimizer step's items in micro-batches of s.micro_batch (split()); the
         gradients accumulate in s.params, scaled so the step's loss is its mean whatever the split."""
 
-    def evaluate(self, s: "Session", items: list) -> dict[str, float]:
-        """The eval metrics ("eval_" names) over `items`, with no gradients, by micro-batches of s.micro_batch."""
+    def evaluate(self, s: "Session", items: list, micro_batch: int) -> dict[str, float]:
+        """The eval metrics ("eval_" names) over `items`, with no gradients, by micro-batches of `micro_batch`."""
 
     def warning_signs(self, s: "Session") -> list[str]:
         """Signs the run is going wrong, from s.window at the logged step s.step (guards.py); [] for none."""
@@ -148,7 +148,7 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
     s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
     s.window = type(s.window)(**saved.window)
     s.metrics_lines = checkpoint.metrics_lines(resume_from)
-    s.best = {k: getattr(saved, k) for k in BEST_KEYS}
+    s.best = {k: getattr(saved, k) for k in BEST_KEYS}  # its folder as output_dir names it now (checkpoint_state)
     s.resumed_from = resume_from
     return s
 
@@ -170,7 +170,13 @@ def checkpoint_state(s: Session) -> checkpoint.TrainerState:
     return checkpoint.TrainerState(step=s.step, pairs_seen=s.step * s.pairs_per_step, micro_batch=s.micro_batch,
                                    grad_accum=s.grad_accum, skipped_steps=s.skipped_steps,
                                    window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg),
-                                   inputs=s.inputs, **s.best)
+                                   inputs=s.inputs, **{**s.best, "best_model_checkpoint": best_folder(s)})
+
+
+def best_folder(s: Session) -> str | None:
+    """The best checkpoint's folder, by its step under output_dir (so a moved or renamed run still names it)."""
+    step = s.best["best_global_step"]
+    return None if step is None else str(checkpoint.folder(s.cfg.output_dir, step))
 
 
 # -- one optimizer step ------------------------------------------------------------------------------------------
@@ -256,7 +262,7 @@ def log_line(s: Session, stats: Stats, grad_norm: float, lr: float, dt: float) -
 def save_checkpoint(s: Session, out_dir: Path, evaluated: dict | None) -> None:
     """checkpoint-STEP, the best so far updated first when this step was evaluated (the best is never pruned),
     and output_dir/trainer_state.json."""
-    evaluation.note_best(s, evaluated, checkpoint.root(out_dir) / f"checkpoint-{s.step}")
+    evaluation.note_best(s, evaluated)
     state = checkpoint_state(s)
     checkpoint.save(out_dir, state, s.model, s.opt, s.sched, s.metrics_lines, s.cfg.save_total_limit, s.replaces)
     s.replaces = []
@@ -296,7 +302,8 @@ def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float
     line = write_line(s, metrics_file, log_line(s, stats, grad_norm, lr, dt))
     signs = []
     if not s.window.empty:  # else every step since the last line was skipped (already warned)
-        bar.set_postfix({**bar.postfix_dict, **s.objective.postfix(line)})
+        bar.postfix_dict = {**bar.postfix_dict, **s.objective.postfix(line)}
+        bar.set_postfix(bar.postfix_dict)
         signs = s.objective.warning_signs(s)
     s.window = s.objective.new_stats()
     warn(s, signs)
@@ -306,7 +313,8 @@ def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float
 def eval_step(s: Session, metrics_file, bar) -> dict:
     """Evaluate at this step (evaluation.evaluate): the eval line, the bar's eval numbers, the collapse sign."""
     line = write_line(s, metrics_file, evaluation.evaluate(s))
-    bar.set_postfix({**bar.postfix_dict, **evaluation.postfix(line)})
+    bar.postfix_dict = {**bar.postfix_dict, **evaluation.postfix(line)}
+    bar.set_postfix(bar.postfix_dict)
     sign = evaluation.collapse_sign(s, line)
     warn(s, [sign] if sign else [])
     return line
@@ -321,11 +329,13 @@ def run(s: Session, progress: bool = True) -> TrainResult:
     out_dir = output.start_output(s)
     for line in s.objective.intro(s):
         log(line)
-    last = json.loads(s.metrics_lines[-1]) if s.metrics_lines else {}
+    train_lines = [line for line in map(json.loads, s.metrics_lines) if "loss" in line]  # not eval lines
+    last = train_lines[-1] if train_lines else {}
     bar = tqdm(total=s.steps, initial=s.step, desc=s.objective.name, unit="step", disable=not progress,
                dynamic_ncols=True)
     bar.postfix_dict = {}  # the numbers shown: the last train line's and the last eval's
-    s.tensorboard = tensorboard.open_writer(cfg.report_to, out_dir)
+    # A resumed run's events after its checkpoint, or an earlier run's, are purged: the events follow metrics.jsonl.
+    s.tensorboard = tensorboard.open_writer(cfg.report_to, out_dir, purge_step=s.step + 1 if s.step else 0)
     with output.open_metrics(s, out_dir) as metrics_file:
         first = evaluation.at_start(s)  # step 0: the reference's samples
         if first is not None:

@@ -82,10 +82,10 @@ class SFT:
         return stats
 
     @torch.no_grad()
-    def evaluate(self, s: loop.Session, items: list[data.TokenizedCompletion]) -> dict[str, float]:
+    def evaluate(self, s: loop.Session, items: list[data.TokenizedCompletion], micro_batch: int) -> dict[str, float]:
         """eval_loss: the mean NLL per completion token over the held-out rows (training's loss, no gradients)."""
         stats = SFTStats()
-        for chunk in loop.split(items, s.micro_batch):
+        for chunk in loop.split(items, micro_batch):
             batch = data.collate_completions(chunk, s.pad_id).to(s.resolved.device)
             with devices.autocast(s.resolved.device, s.resolved.dtype):
                 out = completion_logps(s.model, batch.input_ids, batch.attention_mask,

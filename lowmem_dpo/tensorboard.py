@@ -35,11 +35,13 @@ def scalars(line: dict) -> dict[str, float]:
 class Writer:
     """A TensorBoard event writer fed metrics.jsonl lines."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         module = devices.import_optional("torch.utils.tensorboard", "report_to=tensorboard needs tensorboard",
                                          "tensorboard")
         self.log_dir = Path(log_dir)
-        self._writer = module.SummaryWriter(log_dir=str(self.log_dir))
+        # purge_step: TensorBoard hides the events already in log_dir at this step and after (a resumed run's
+        # steps after its checkpoint, or all of an earlier run's with 0), so no step shows twice.
+        self._writer = module.SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def add(self, line: dict) -> None:
         """Every numeric value of `line` but "step" as a scalar at global step line["step"]."""
@@ -51,11 +53,11 @@ class Writer:
         self._writer.close()
 
 
-def open_writer(report_to: str, out_dir: Path) -> Writer | None:
+def open_writer(report_to: str, out_dir: Path, purge_step: int | None = None) -> Writer | None:
     """The writer report_to asks for: None for "none", a Writer into out_dir/runs for "tensorboard" (a UserError
-    saying what to install when tensorboard is missing)."""
+    saying what to install when tensorboard is missing), hiding earlier events from `purge_step` on."""
     if report_to == "none":
         return None
     if report_to == "tensorboard":
-        return Writer(Path(out_dir) / EVENTS_DIR)
+        return Writer(Path(out_dir) / EVENTS_DIR, purge_step)
     raise UserError(f"report_to={report_to}: unknown; one of none, tensorboard")

@@ -138,8 +138,8 @@ class DPO:
     def backward(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> StepStats:
         return train_step(s.model, s.cfg, loop.split(pairs, s.micro_batch), self.ref, s.pad_id, s.resolved)
 
-    def evaluate(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> dict[str, float]:
-        stats = eval_stats(s.model, s.cfg, loop.split(pairs, s.micro_batch), self.eval_ref, s.pad_id, s.resolved)
+    def evaluate(self, s: loop.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> dict[str, float]:
+        stats = eval_stats(s.model, s.cfg, loop.split(pairs, micro_batch), self.eval_ref, s.pad_id, s.resolved)
         return {f"eval_{k}": v for k, v in stats.means().items()}  # TRL's names: eval_loss, eval_rewards/...
 
     def warning_signs(self, s: loop.Session) -> list[str]:

@@ -10,7 +10,7 @@ import torch
 from conftest import REPO, TINY_DATA, write_jsonl
 from safetensors.torch import load_file
 
-from lowmem_dpo import checkpoint, data, evaluation, precompute, sft, train
+from lowmem_dpo import checkpoint, data, evaluation, loop, precompute, sft, train
 from lowmem_dpo.config import load_config
 from lowmem_dpo.errors import UserError
 
@@ -141,12 +141,82 @@ def test_best_checkpoint_survives_pruning_loads_at_end_and_resumes(make_cfg, tmp
         run_best(make_cfg, cut)
     monkeypatch.setattr(evaluation, "evaluate", real)
     assert [s for s, _ in checkpoint.complete(cut)][-1] == 4
-    run_best(make_cfg, cut)
-    assert without_timing(lines(cut / "metrics.jsonl")) == without_timing(lines(whole / "metrics.jsonl"))
-    again = json.loads((cut / "trainer_state.json").read_text())
+    moved = cut.rename(tmp_path / "moved")  # the run folder moves before the rerun: the best is found by its step
+    run_best(make_cfg, moved)
+    assert without_timing(lines(moved / "metrics.jsonl")) == without_timing(lines(whole / "metrics.jsonl"))
+    again = json.loads((moved / "trainer_state.json").read_text())
     assert (again["best_global_step"], again["best_metric"]) == (state["best_global_step"], state["best_metric"])
-    assert lines(cut / "samples.jsonl") == lines(whole / "samples.jsonl")
+    assert again["best_model_checkpoint"] == str(moved / "checkpoints" / f"checkpoint-{best['step']}")
+    assert sorted(s for s, _ in checkpoint.complete(moved)) == [best["step"], 8]
+    assert lines(moved / "samples.jsonl") == lines(whole / "samples.jsonl")
     assert [r["step"] for r in lines(whole / "samples.jsonl")] == [0, 0, 2, 2, 4, 4, 6, 6, 8, 8]
+    final_moved = load_file(moved / "adapter_model.safetensors")
+    assert all(torch.equal(final_moved[k], kept[k]) for k in final)
+
+
+def test_a_start_over_killed_before_its_first_checkpoint_leaves_the_old_run_whole(make_cfg, tmp_path, monkeypatch):
+    """resume=never empties samples.jsonl and metrics.jsonl at once, but the old run's checkpoints stay until the
+    new run's first one: when it is interrupted before that, resume=auto continues the old run with its own
+    samples and metrics (each checkpoint keeps a copy), and the closing metrics are its last training line."""
+    out = tmp_path / "run"
+    run_best(make_cfg, out)
+    want_samples, want_metrics = lines(out / "samples.jsonl"), lines(out / "metrics.jsonl")
+    real = evaluation.evaluate
+
+    def interrupted(s):
+        raise KeyboardInterrupt  # Ctrl-C at the new run's first eval (step 2), before its first checkpoint
+
+    monkeypatch.setattr(evaluation, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_best(make_cfg, out, resume="never")
+    assert [r["step"] for r in lines(out / "samples.jsonl")] == [0, 0]  # the new run's step-0 samples
+    monkeypatch.setattr(evaluation, "evaluate", real)
+    _, result = run_best(make_cfg, out)  # resume=auto: the old run's checkpoint-8, finished
+    assert lines(out / "samples.jsonl") == want_samples and lines(out / "metrics.jsonl") == want_metrics
+    assert result.metrics == [m for m in want_metrics if "loss" in m][-1]
+
+
+def test_out_of_memory_in_the_eval_halves_its_batches(make_cfg, tmp_path, capsys):
+    """CUDA out-of-memory cannot happen on this CPU: a forward pre-hook on the backbone raises
+    torch.OutOfMemoryError for more than 2 sequences in eval mode (the eval and the samples, not training). The
+    eval retries at 2 then 1 pair per forward, the samples 2 prompts at a time, and the numbers are the ones a run
+    without the limit gets."""
+    plain = make_cfg(eval_fraction=0.15, max_steps=2, save_steps=0, eval_generations=4, max_new_tokens=8,
+                     output_dir=str(tmp_path / "plain"))
+    precompute.run(plain, progress=False)
+    train.run(plain, progress=False)
+    limited = make_cfg(**{**{k: getattr(plain, k) for k in ("eval_fraction", "max_steps", "save_steps",
+                                                            "eval_generations", "max_new_tokens")},
+                          "output_dir": str(tmp_path / "limited")})
+    s = train.setup(limited, progress=False)
+
+    def too_big(module, args, kwargs):
+        if not module.training and kwargs["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    s.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
+    loop.run(s, progress=False)
+    err = capsys.readouterr().err
+    assert "out of memory in the eval at step 2: retrying 2 at a time" in err
+    assert "out of memory in the eval at step 2: retrying 1 at a time" in err
+    assert "out of memory in the samples at step 0: retrying 2 at a time" in err
+    (want,), (got,) = eval_lines(tmp_path / "plain"), eval_lines(tmp_path / "limited")
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_gen/repetition"):
+        assert got[key] == pytest.approx(want[key], abs=1e-5), key
+    assert lines(tmp_path / "limited" / "samples.jsonl") == lines(tmp_path / "plain" / "samples.jsonl")
+
+
+def test_resume_names_a_checkpoint_not_the_output_dir(make_cfg, tmp_path, capsys):
+    """output_dir has a trainer_state.json too (the run's record): resume=OUTPUT_DIR says to pass a checkpoint."""
+    from lowmem_dpo.cli import run_cli
+
+    out = tmp_path / "run"
+    run_best(make_cfg, out)
+    args = [str(REPO / "recipes" / "tiny-cpu.yaml"), f"dataset={TINY_DATA}", f"output_dir={out}",
+            f"ref_cache_dir={tmp_path / 'cache'}", f"resume={out}"]
+    assert run_cli(train.main, args, "train", "") == 2
+    err = capsys.readouterr().err
+    assert "is a run's output_dir, not a checkpoint" in err and "Traceback" not in err
 
 
 def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
