@@ -7,10 +7,10 @@ Layout, one folder per checkpoint, under output_dir/checkpoints/:
     checkpoint-STEP/adapter_config.json, adapter_model.safetensors   the PEFT adapter at STEP (loadable as is)
     checkpoint-STEP/optimizer.pt, scheduler.pt                        their state_dicts (torch.save)
     checkpoint-STEP/rng.pt                                            torch's CPU (and CUDA) RNG states
-    checkpoint-STEP/metrics.jsonl                                     metrics.jsonl as it was at STEP
+    checkpoint-STEP/metrics.jsonl, samples.jsonl                      output_dir's, as they were at STEP
     checkpoint-STEP/trainer_state.json                                step, position in the data order, batch
-                                                                      split, the run's config and the digests
-                                                                      of its inputs
+                                                                      split, the run's config, the digests
+                                                                      of its inputs and the best checkpoint
 
 A checkpoint is complete or absent: it is written into a hidden temporary folder beside the others, every file
 fsynced, and renamed to checkpoint-STEP in one step. Older ones beyond save_total_limit are removed only after
