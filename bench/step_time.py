@@ -1,16 +1,18 @@
 """Step-time benchmark: lowmem_dpo's cached-reference DPO+LoRA step, optionally against TRL's DPOTrainer.
 
     python bench/step_time.py RECIPE.yaml [key=value ...] --devices cpu,cuda --steps N --json OUT \
-        [--warmup W] [--vs-trl] [--trl-set KEY=VALUE ...] [--limit-repeats R] [--flop-steps K] [--threads T] \
-        [--reuse-cache]
+        [--warmup W] [--vs-trl] [--trl-set KEY=VALUE ...] [--trl-best-set KEY=VALUE ...] [--trl-runs default,best] \
+        [--target-vs-best X] [--limit-repeats R] [--flop-steps K] [--threads T] [--reuse-cache]
 
 Run from the repository root (recipe paths are relative to it). Per device in --devices:
   1. precompute: `lowmem_dpo.precompute.run(cfg)` builds the reference cache (rows/s; an existing cache for the
      device is removed first unless --reuse-cache);
   2. ours: W warm-up + N timed optimizer steps of lowmem_dpo.train's step (train_step, clip_grad_norm_, AdamW
      step, scheduler step, zero_grad), each timed with perf_counter (torch.cuda.synchronize on CUDA);
-  3. with --vs-trl: TRL's DPOTrainer with its DPOConfig defaults on the same model folder, rows, batch size,
-     max_length and LoRA settings, W + N steps, each timed by a TrainerCallback (on_step_begin..on_step_end);
+  3. with --vs-trl: TRL's DPOTrainer on the same model folder, rows, batch size, max_length and LoRA settings,
+     W + N steps, each timed by a TrainerCallback (on_step_begin..on_step_end), twice: with its DPOConfig
+     defaults (--trl-set changes them) and at its best (trl_step.best_settings: precomputed reference, no
+     checkpointing, bf16 where native; --trl-best-set changes them); ours / each is a ratio in the report;
   4. against the machine (bench/limits.py): precompute's rows/s against a bare forward over the same batches
      (R repeats), K train steps' FLOPs counted and set against the measured bf16/fp32 matmul FLOP/s.
 Devices that are not present are reported as {"available": false, "reason": ...}.
@@ -45,7 +47,10 @@ from report import markdown, plot  # noqa: E402
 from timing import guarded, log, release_freed_memory  # noqa: E402
 from trl_step import bench_trl  # noqa: E402
 
-TARGET_RATIO = 0.7  # the issue's requirement: ours median step <= 0.7 x TRL's median step
+TARGET_RATIO = 0.7  # the issue's requirement: ours median step <= 0.7 x TRL's median step (TRL's defaults)
+# issue 13: ours <= 0.75 x TRL at its best on llama-25m-cpu.yaml (0.6 on the long-prompt recipe: --target-vs-best)
+TARGET_RATIO_VS_BEST = 0.75
+TRL_RUNS = ("default", "best")
 KNOWN_DEVICES = ("cpu", "cuda")
 
 
@@ -54,21 +59,35 @@ def ensure_dataset(cfg) -> None:
     import make_data
 
     path = Path(cfg.dataset).resolve()
-    if path in ((ROOT / make_data.DEFAULT_PATH).resolve(), make_data.DEFAULT_PATH.resolve()):
-        make_data.ensure(path)
+    for kind, default in make_data.DEFAULT_PATHS.items():
+        if path in ((ROOT / default).resolve(), default.resolve()):
+            make_data.ensure(path, kind=kind)
+
+
+# (JSON key of the TRL run, of ours / it, of the target and of the verdict) per TRL setup
+TRL_KEYS = {"default": ("trl", "ratio_median_step", "target_ratio", "meets_target"),
+            "best": ("trl_best", "ratio_median_step_vs_trl_best", "target_ratio_vs_trl_best",
+                     "meets_target_vs_trl_best")}
 
 
 def compare_with_trl(out: dict, cfg, device: str, args) -> None:
-    """out["trl"], and the ratio of our median step to TRL's against the target."""
-    log(f"[{device}] TRL DPOTrainer: {args.warmup} warm-up + {args.steps} timed steps")
-    out["trl"], ok = guarded("TRL", device, lambda: bench_trl(cfg, device, args.steps, args.warmup, args.trl_sets))
-    if ok:
-        log(f"[{device}] TRL: median step {out['trl']['median_step_s']} s, {out['trl']['tokens_per_s']} tokens/s")
-        ratio = out["ours"]["median_step_s"] / out["trl"]["median_step_s"]
-        out["ratio_median_step"] = round(ratio, 4)
-        out["target_ratio"] = TARGET_RATIO
-        out["meets_target"] = ratio <= TARGET_RATIO
-    release_freed_memory()
+    """Per TRL setup in --trl-runs: out[run key], and the ratio of our median step to TRL's against its target.
+    Both setups run the same W warm-up + N timed steps over the same rows, timed the same way."""
+    for setup in args.trl_runs:
+        key, ratio_key, target_key, verdict_key = TRL_KEYS[setup]
+        sets = args.trl_sets if setup == "default" else args.trl_best_sets
+        log(f"[{device}] TRL DPOTrainer ({setup}): {args.warmup} warm-up + {args.steps} timed steps")
+        out[key], ok = guarded(f"TRL ({setup})", device,
+                               lambda: bench_trl(cfg, device, args.steps, args.warmup, sets, setup))
+        if ok:
+            log(f"[{device}] TRL ({setup}): median step {out[key]['median_step_s']} s, "
+                f"{out[key]['tokens_per_s']} tokens/s")
+            target = TARGET_RATIO if setup == "default" else args.target_vs_best
+            ratio = out["ours"]["median_step_s"] / out[key]["median_step_s"]
+            out[ratio_key] = round(ratio, 4)
+            out[target_key] = target
+            out[verdict_key] = ratio <= target
+        release_freed_memory()
 
 
 def precompute_limit(out: dict, cfg, device: str, repeats: int) -> None:
@@ -161,9 +180,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps per implementation")
     ap.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps before the timed ones")
     ap.add_argument("--json", required=True, help="output JSON path; .md and .png are written next to it")
-    ap.add_argument("--vs-trl", action="store_true", help="also time TRL's DPOTrainer with its defaults")
+    ap.add_argument("--vs-trl", action="store_true", help="also time TRL's DPOTrainer, with its defaults and at "
+                    "its best (--trl-runs)")
     ap.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="change a DPOConfig default for the TRL run (recorded in the JSON); repeatable")
+                    help="change a DPOConfig default for TRL's default run (recorded in the JSON); repeatable")
+    ap.add_argument("--trl-best-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="change a DPOConfig setting of TRL's best run, over trl_step.best_settings; repeatable")
+    ap.add_argument("--trl-runs", default=",".join(TRL_RUNS),
+                    help="comma-separated TRL setups that --vs-trl times: default, best (default: both)")
+    ap.add_argument("--target-vs-best", type=float, default=TARGET_RATIO_VS_BEST, metavar="X",
+                    help=f"goal for ours / TRL at its best (default {TARGET_RATIO_VS_BEST}; the issue's goal for "
+                    "the long-prompt recipe is 0.6)")
     ap.add_argument("--limit-repeats", type=int, default=3, metavar="R",
                     help="repeats of precompute against a bare forward over all rows (0: skip)")
     ap.add_argument("--flop-steps", type=int, default=3, metavar="K",
@@ -182,7 +209,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         ap.error(f"overrides must be key=value, got {bad}")
+    args.trl_runs = [r.strip() for r in args.trl_runs.split(",") if r.strip()]
+    bad = [r for r in args.trl_runs if r not in TRL_RUNS]
+    if bad or not args.trl_runs:
+        ap.error(f"--trl-runs: expected one or more of {', '.join(TRL_RUNS)}, got {args.trl_runs}")
     args.trl_sets = parse_trl_sets(args.trl_set)
+    args.trl_best_sets = parse_trl_sets(args.trl_best_set)
     return args
 
 
@@ -219,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"[{device}] error: {e}")
             failed = True
         r = report["devices"][device]
-        parts = [r.get(k, {}) for k in ("trl", "precompute_vs_bare_forward", "matmul_peak")]
+        parts = [r.get(k, {}) for k in ("trl", "trl_best", "precompute_vs_bare_forward", "matmul_peak")]
         failed |= any("error" in part for part in parts + [r.get("ours", {}).get("flops", {})])
     report["total_wall_s"] = round(time.perf_counter() - t0, 1)
     report["machine"]["loadavg_at_end"] = loadavg()
