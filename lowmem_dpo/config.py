@@ -90,6 +90,9 @@ class Config:
     memory_budget: Optional[str] = _f(None, "Memory train plans for, e.g. 12GiB: with gradient_checkpointing=auto, "
                                       "train turns checkpointing on when the planner predicts the run needs it. "
                                       "null: the device's memory (GPU total, or physical RAM on a CPU).", resumable=True)
+    share_prompt: str = _f("auto", "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
+                           "mask hiding chosen and rejected from each other. auto: the device rule (README, "
+                           "Devices), if the first batch agrees.", choices=("auto", "true", "false"))
     # -- tokenization (these change the reference numbers) -----------------------------------------------------
     max_length: int = _f(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
                          "prompt alone reaches it are dropped. Activation memory grows linearly with it.",
@@ -103,26 +106,23 @@ class Config:
     eval_dataset: Optional[str] = _f(None, "Held-out rows in the training data's format (any source `dataset` "
                                      "accepts); precompute caches their reference log-probs with the training "
                                      "rows. null: none, or eval_fraction.", reference="files")
-    eval_split: str = _f("test", "Split of eval_dataset to read when it has several (hub names, DatasetDict "
-                         "folders).", reference="files")
+    eval_split: str = _f("test", "Split of eval_dataset to read (hub names, DatasetDict folders).",
+                         reference="files")
     eval_fraction: float = _f(0.0, "Hold this share of dataset's prompts out of training and evaluate on them; "
                               "chosen by each prompt's text (a hash), so adding rows does not reshuffle it and "
                               "all pairs of one prompt fall on one side. 0: none.", min=0.0, max=0.5)
     eval_steps: Optional[int] = _f(None, "Evaluate every this many optimizer steps and at the last step. null: at "
                                    "every checkpoint (save_steps), or only at the last step when save_steps is 0.",
                                    min=1, resumable=True)
-    eval_max_pairs: Optional[int] = _f(None, "Evaluate on the first this many eval rows (in data order); null: "
-                                       "all.", min=1)
+    eval_max_pairs: Optional[int] = _f(None, "Evaluate the first this many eval rows; null: all.", min=1)
     metric_for_best_model: str = _f("eval_loss", "The eval metric that picks the best checkpoint (its name in "
                                     "metrics.jsonl; the eval_ prefix may be left out).")
     greater_is_better: Optional[bool] = _f(None, "Whether a larger metric_for_best_model is better; null: known "
-                                           "from its name (loss, repetition: smaller; rewards, accuracies, "
-                                           "margins, logps: larger).")
-    load_best_model_at_end: bool = _f(False, "Save the best checkpoint's adapter (metric_for_best_model) as the "
-                                      "final one in output_dir, instead of the last step's.", resumable=True)
-    eval_generations: int = _f(4, "Eval prompts the policy answers (greedy) at step 0 and at every eval, into "
-                               "output_dir/samples.jsonl; their repetition is a metric with a collapse warning. "
-                               "0: none.", min=0, resumable=True)
+                                           "from its name (config.EVAL_METRICS).")
+    load_best_model_at_end: bool = _f(False, "The best checkpoint's adapter as the final one in output_dir.",
+                                      resumable=True)
+    eval_generations: int = _f(4, "Eval prompts answered (greedy) at step 0 and every eval into samples.jsonl; "
+                               "their repetition warns of collapse. 0: none.", min=0, resumable=True)
     max_new_tokens: int = _f(64, "Most tokens a sample generation writes.", min=1, resumable=True)
     report_to: str = _f("none", "tensorboard: also write metrics.jsonl's scalars as TensorBoard events into "
                         "output_dir/runs (needs tensorboard installed).", choices=("none", "tensorboard"),

@@ -31,6 +31,9 @@ class Rule:
     optimizer: str  # ADAMW_TORCH or PAGED_ADAMW_8BIT
     offload: str  # what lives off the device's memory, beyond the reference (always on disk: the cache)
     why: str
+    # share_prompt=auto: the prompt once per pair (a custom attention mask). Off on GPUs until measured there: a
+    # custom mask rules out the fastest fused attention kernels.
+    share_prompt: bool = False
 
 
 _CKPT_SMALL_GPU = "checkpointing on: it trades ~30% compute for activation memory, which a 7B run needs here"
@@ -67,9 +70,10 @@ RULES: dict[str, Rule] = {
                 "with the system; torch AdamW (bitsandbytes' paged optimizers need CUDA)"),
     "cpu-bf16": Rule("bfloat16", False, ADAMW_TORCH, "none",
                      "CPU with native bf16 (AVX512-BF16/AMX): bfloat16 runs matmuls ~2x faster than float32 and "
-                     f"halves memory, also as a 4-bit/8-bit base's compute dtype; {_CPU_FREE}"),
+                     f"halves memory, also as a 4-bit/8-bit base's compute dtype; {_CPU_FREE}", share_prompt=True),
     "cpu": Rule("float32", False, ADAMW_TORCH, "none",
-                f"CPU without native bf16: float32 (16-bit matmuls are emulated and slow); {_CPU_FREE}"),
+                f"CPU without native bf16: float32 (16-bit matmuls are emulated and slow); {_CPU_FREE}",
+                share_prompt=True),
 }
 
 QUANTIZATION_NAMES = {"none": "none", "8bit": "LLM.int8", "4bit": "NF4 with double quantization"}
@@ -87,6 +91,7 @@ class Resolved:
     ref_dtype: torch.dtype | None = None  # the reference's (precompute's) dtype; None: the same as dtype
     ref_quantization: str | None = None  # the reference's base: none|8bit|4bit; None: the same as quantization
     offload: str = "none"
+    share_prompt: bool = False  # the prompt once per pair, where the model supports it (headcheck.decide_sharing)
 
     def __post_init__(self):
         if self.ref_dtype is None:
@@ -173,9 +178,13 @@ def resolve(cfg) -> Resolved:
     else:
         ckpt = cfg.gradient_checkpointing == "true"
         reasons.append(f"gradient_checkpointing={cfg.gradient_checkpointing} (from the recipe)")
+    share = rule.share_prompt if cfg.share_prompt == "auto" else cfg.share_prompt == "true"
+    reasons.append(f"share_prompt={str(share).lower()} ({'auto' if cfg.share_prompt == 'auto' else 'from the recipe'})"
+                   f"{', where the model supports it' if share else ''}")
     reasons.append(f"optimizer={rule.optimizer}, offload={rule.offload} (rule for {kind})")
     return Resolved(device, kind, dtype, ckpt, rule.optimizer, reasons, quantization=cfg.quantization,
-                    ref_dtype=ref_dtype, ref_quantization=cfg.reference_quantization, offload=rule.offload)
+                    ref_dtype=ref_dtype, ref_quantization=cfg.reference_quantization, offload=rule.offload,
+                    share_prompt=share)
 
 
 # -- bitsandbytes (optional at import time; needed for quantization and the paged optimizer) ----------------------

@@ -1,6 +1,10 @@
-"""The stages' first-batch check of an architecture logps.py does not know (its model_type is not in
-logps.HEADS): precompute, train and sft compare their log-probs with the model's own forward before computing
-anything, and stop (exit 2) when the two differ. For a known architecture it costs nothing."""
+"""The stages' first-batch checks of their forward against the model's own:
+
+- an architecture logps.py does not know (its model_type is not in logps.HEADS): precompute, train and sft compare
+  their log-probs with the model's own forward before computing anything, and stop (exit 2) when the two differ.
+  For a known architecture it costs nothing;
+- share_prompt (decide_sharing): precompute and train compare the shared-prefix forward with the unshared one on
+  the first pairs, and share only when they agree."""
 
 from __future__ import annotations
 
@@ -109,3 +113,66 @@ def verify(model, batch: data.Batch, device: torch.device, dtype: torch.dtype) -
     log(f"model_type {t!r} is not in logps.HEADS; its head ({describe(check.head)}) matches the model's own "
         f"forward on the first batch (max difference {check.difference:.2g} nats per token over "
         f"{check.positions} positions, tolerance {check.tolerance:g})")
+
+
+# decide_sharing's tolerance: the largest difference of a completion's mean log-prob per token (nats), shared
+# against unshared. float32 agrees to ~1e-6 (another summation order); 16-bit kernels round differently for
+# other shapes. A wrong mask or position (rejected seeing chosen) moves it by whole nats.
+SHARE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 0.02, torch.bfloat16: 0.05}
+
+
+def sharing_problem(model, max_length: int) -> str | None:
+    """Why this model cannot take a shared-prefix batch, or None: its attention implementation takes no custom
+    mask, or a sliding window shorter than a [prompt, chosen, rejected] row could be (a custom mask replaces
+    the model's own, window included)."""
+    config = logps.causal_lm(model).config
+    impl = config._attn_implementation
+    if impl not in logps.MASK_KINDS:
+        return f"attention implementation {impl!r} takes no custom mask (only {', '.join(logps.MASK_KINDS)})"
+    window = getattr(config, "sliding_window", None)
+    if window and window < 2 * max_length:
+        return f"its sliding window ({window} tokens) is shorter than a shared row can be (2 x max_length)"
+    return None
+
+
+@torch.no_grad()
+def sharing_difference(model, pairs: list, pad_id: int, device: torch.device, dtype: torch.dtype) -> float:
+    """The largest difference of a completion's mean log-prob per token between the shared-prefix forward and
+    the unshared one, on `pairs`."""
+    plain, shared = data.collate(pairs, pad_id).to(device), data.collate_shared(pairs, pad_id).to(device)
+    with devices.autocast(device, dtype):
+        a = logps.completion_logps(model, plain.input_ids, plain.attention_mask, plain.completion_mask)
+        b = logps.completion_logps(model, shared.input_ids, shared.attention_mask, shared.completion_mask,
+                                   position_ids=shared.position_ids)
+    if not torch.equal(a.n_tokens, b.n_tokens):
+        return float("inf")
+    return float(((a.logps - b.logps).abs() / a.n_tokens.clamp(min=1)).max())
+
+
+def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, dtype: torch.dtype,
+                   setting: str, max_length: int) -> bool:
+    """Whether the stage shares each prompt (share_prompt): the device's answer (resolved.share_prompt), when the
+    model supports it and the first pairs (at most 2) give the unshared log-probs. share_prompt=true refuses a
+    model that cannot (exit 2); auto falls back to the unshared forward with a note."""
+    if not resolved.share_prompt:
+        return False
+    problem = sharing_problem(model, max_length)
+    if problem is None:
+        try:
+            difference = sharing_difference(model, pairs[:CHECK_ROWS], pad_id, resolved.device, dtype)
+        except (TypeError, ValueError, RuntimeError) as e:  # a forward that takes no 4D mask or position_ids
+            if devices.is_out_of_memory(e):
+                raise
+            difference, problem = float("inf"), f"its forward fails on a shared-prefix batch ({type(e).__name__}: " \
+                                                 f"{str(e).splitlines()[0][:200]})"
+        tolerance = SHARE_TOLERANCE.get(dtype, SHARE_TOLERANCE[torch.bfloat16])
+        if problem is None and difference > tolerance:
+            problem = (f"on the first pairs its shared-prefix log-probs differ from the unshared ones by up to "
+                       f"{difference:.3g} nats per token (tolerance {tolerance:g} in {devices.dtype_name(dtype)})")
+    if problem is None:
+        return True
+    if setting == "true":
+        raise UserError(f"share_prompt=true: this model cannot share the prompt: {problem}; set share_prompt=auto "
+                        "or false (the unshared forward: each prompt twice)")
+    log(f"share_prompt: the unshared forward (each prompt twice): {problem}")
+    return False

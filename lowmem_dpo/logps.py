@@ -123,22 +123,71 @@ def token_logps(lm_head, hidden: torch.Tensor, labels: torch.Tensor, head: Head)
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+# Attention implementations that take the custom 4D mask of a shared-prefix batch, and the mask each takes.
+MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
+
+
+def shared_prefix_mask(attention_mask: torch.Tensor, completion_mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """The (B, 1, T, T) attention mask of a shared-prefix batch (data.collate_shared): token i sees token j <= i
+    when j is in the prompt or in i's own completion, so chosen never sees rejected nor rejected chosen; padding
+    sees only itself (a row with nothing visible would be NaN). kind "bool": True where visible (SDPA);
+    "additive": 0 where visible, float32's min elsewhere (eager attention adds it to the scores)."""
+    seg = torch.where(attention_mask.bool(), completion_mask, -1)  # (B, T): -1 pad, 0 prompt, 1 chosen, 2 rejected
+    t = seg.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=seg.device).tril()  # (T, T)
+    q, k = seg[:, :, None], seg[:, None, :]  # (B, T, 1), (B, 1, T)
+    visible = causal & (((k == 0) & (q >= 0)) | ((q == k) & (q > 0)))  # (B, T, T)
+    visible |= torch.eye(t, dtype=torch.bool, device=seg.device)
+    if kind == "bool":
+        return visible[:, None]
+    return torch.zeros(visible.shape, device=seg.device).masked_fill_(~visible, torch.finfo(torch.float32).min)[:, None]
+
+
+def _targets(attention_mask: torch.Tensor, completion_mask: torch.Tensor, shared: bool):
+    """Where each completion token's log-prob comes from: (seq, pred, label, out, n_out), each (M,) but n_out.
+    Token `label` of row `seq` is predicted by the hidden state at `pred` and summed into output `out`.
+    Unshared: pred = label - 1, out = seq (N outputs). Shared: chosen into out = seq, rejected into B + seq (2B
+    outputs, [chosen; rejected] as unshared), and rejected's first token is predicted by the prompt's last."""
+    seq, label = (completion_mask[:, 1:] > 0).nonzero(as_tuple=True)  # (M,), (M,)
+    label = label + 1  # position t-1 predicts token t: a completion token at 0 has no predictor
+    pred = label - 1
+    n = completion_mask.shape[0]
+    if not shared:
+        return seq, pred, label, seq, n
+    rejected = completion_mask[seq, label] == 2  # (M,)
+    prompt_len = ((attention_mask > 0) & (completion_mask == 0)).sum(1)  # (B,)
+    first = rejected & (completion_mask[seq, pred] != 2)  # (M,) rejected's first token: after chosen's last
+    pred = torch.where(first, prompt_len[seq] - 1, pred)
+    keep = pred >= 0  # an empty prompt predicts no first token (as unshared)
+    return seq[keep], pred[keep], label[keep], (seq + n * rejected.long())[keep], 2 * n
+
+
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
-                     chunk_tokens: int | None = None) -> SequenceLogps:
+                     chunk_tokens: int | None = None, position_ids: torch.Tensor | None = None) -> SequenceLogps:
     """Sum of log p over each sequence's completion tokens, shifted by one (position t-1 predicts token t).
 
-    input_ids, attention_mask, completion_mask: (N, T). Returns (N,) fp32 sums and (N,) token counts.
+    input_ids, attention_mask, completion_mask: (N, T). Returns (N,) fp32 sums and (N,) token counts. With
+    position_ids (a shared-prefix batch, data.collate_shared: (B, T) rows [prompt, chosen, rejected] and
+    completion_mask 1 on chosen, 2 on rejected), returns (2B,) in the order [chosen; rejected], as for the
+    unshared batch of the same pairs: each prompt goes through the model once.
     """
     lm = causal_lm(model)
     backbone = getattr(lm, lm.base_model_prefix)
     lm_head = lm.get_output_embeddings()
     head, _ = head_of(lm.config)
 
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (N, T, H)
-    target = completion_mask[:, 1:].bool()  # (N, T-1): position t predicts token t+1
-    seq_idx, pos = target.nonzero(as_tuple=True)  # (M,), (M,) for the M completion tokens
-    h = hidden[:, :-1][seq_idx, pos]  # (M, H)
-    labels = input_ids[:, 1:][seq_idx, pos].to(h.device)  # (M,)
+    shared = position_ids is not None
+    if shared:
+        kind = MASK_KINDS[lm.config._attn_implementation]  # headcheck.sharing_problem refused the others
+        mask = shared_prefix_mask(attention_mask, completion_mask, kind)  # (B, 1, T, T)
+        hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state  # (B, T, H)
+    else:
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          use_cache=False).last_hidden_state  # (N, T, H)
+    seq_idx, pred, label, out, n = _targets(attention_mask, completion_mask, shared)  # (M,) each
+    h = hidden[seq_idx.to(hidden.device), pred.to(hidden.device)]  # (M, H)
+    labels = input_ids[seq_idx, label]  # (M,)
     lm_device = lm_head.weight.device
     h = h.to(lm_device)
 
@@ -154,8 +203,7 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         else:
             parts.append(token_logps(lm_head, hc, lc.to(lm_device), head))
     tok = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)  # (M,) fp32
-    n = input_ids.shape[0]
-    seq_idx = seq_idx.to(tok.device)
-    logps = torch.zeros(n, dtype=torch.float32, device=tok.device).index_add(0, seq_idx, tok)  # (N,)
-    n_tokens = torch.bincount(seq_idx, minlength=n)  # (N,)
+    out = out.to(tok.device)
+    logps = torch.zeros(n, dtype=torch.float32, device=tok.device).index_add(0, out, tok)  # (N,)
+    n_tokens = torch.bincount(out, minlength=n)  # (N,)
     return SequenceLogps(logps, n_tokens)

@@ -83,6 +83,12 @@ def take(stream, n: int) -> list:
     return [next(stream) for _ in range(n)]
 
 
+def by_length(items: list) -> list:
+    """One step's items, longest first (a stable sort): split into micro-batches, each batches items of like
+    length and carries less padding. The step's loss is the mean over the same items, whatever their order."""
+    return sorted(items, key=lambda item: -sum(len(v) for v in vars(item).values() if isinstance(v, list)))
+
+
 def split(items: list, micro_batch: int) -> list[list]:
     """The micro-batches of one optimizer step, in order."""
     return [items[i:i + micro_batch] for i in range(0, len(items), micro_batch)]

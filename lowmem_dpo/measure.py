@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import data, devices, inputs, loop, models, precompute, train
+from lowmem_dpo import data, devices, headcheck, inputs, loop, models, precompute, train
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.memory.arch import arch_config_path, load_arch
@@ -131,9 +131,13 @@ class _quiet_stderr:
         return False
 
 
-def _pair_shape(pairs) -> tuple[int, int]:
-    """(padded T, completion tokens) of the micro-batch `pairs` as data.collate builds it."""
-    lengths = [len(p.prompt_ids) + len(c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
+def _pair_shape(pairs, shared: bool = False) -> tuple[int, int]:
+    """(padded T, completion tokens) of the micro-batch `pairs` as data.collate builds it, or
+    data.collate_shared (`shared`: one row [prompt, chosen, rejected] per pair)."""
+    if shared:
+        lengths = [len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs]
+    else:
+        lengths = [len(p.prompt_ids) + len(c) for p in pairs for c in (p.chosen_ids, p.rejected_ids)]
     return max(lengths), sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
 
 
@@ -156,12 +160,14 @@ def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Reso
     tok = inputs.tokenized(mcfg, ins.tokenizer, progress=False)
     batch_pairs = precompute.shard_plan(tok.pairs, len(tok.pairs))[0][:mcfg.precompute_batch_size]
     model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
+    pad_id = data.pad_token_id(ins.tokenizer)
+    shared = headcheck.decide_sharing(model, batch_pairs, pad_id, resolved, resolved.ref_dtype, mcfg.share_prompt,
+                                      mcfg.max_length)
     with PeakMeter(resolved.device) as meter:
-        precompute.shard_logps(model, batch_pairs, mcfg.precompute_batch_size, data.pad_token_id(ins.tokenizer),
-                               resolved)
+        precompute.shard_logps(model, batch_pairs, mcfg.precompute_batch_size, pad_id, resolved, shared=shared)
     del model
     gc.collect()
-    return meter, batch_pairs
+    return meter, batch_pairs, shared
 
 
 def _measure_train(mcfg: Config, steps: int):
@@ -180,12 +186,14 @@ def _measure_train(mcfg: Config, steps: int):
     with PeakMeter(session.resolved.device) as meter:
         for _ in range(steps):
             loop.optimizer_step(session)
-    seen = [_pair_shape(pairs) for pairs in loop.split(taken, session.micro_batch)]
+    shared = session.objective.shared
+    seen = [_pair_shape(pairs, shared) for step in loop.split(taken, session.pairs_per_step)  # as DPO.backward
+            for pairs in loop.split(loop.by_length(step), session.micro_batch)]
     del session
     gc.collect()
     if meter.device.type == "cuda":
         torch.cuda.empty_cache()
-    return meter, seen
+    return meter, seen, shared
 
 
 def measure(cfg: Config, steps: int = 2) -> dict:
@@ -203,18 +211,18 @@ def measure(cfg: Config, steps: int = 2) -> dict:
         subset = _longest_rows(cfg, ins.tokenizer, rows, tmp / "rows.jsonl")
         mcfg = dataclasses.replace(cfg, dataset=str(subset), dataset_split="train", ref_cache_dir=str(tmp / "cache"),
                                    output_dir=str(tmp / "out"), max_steps=steps, save_steps=0)
-        pre, batch_pairs = _measure_precompute(mcfg, ins, resolved)
-        tr, seen = _measure_train(mcfg, steps)
-    pre_t, pre_m = _pair_shape(batch_pairs)
-    n_pre = 2 * len(batch_pairs)
+        pre, batch_pairs, pre_shared = _measure_precompute(mcfg, ins, resolved)
+        tr, seen, shared = _measure_train(mcfg, steps)
+    pre_t, pre_m = _pair_shape(batch_pairs, pre_shared)
+    n_pre = len(batch_pairs) * (1 if pre_shared else 2)
     t = max(s[0] for s in seen)
     m = max(s[1] for s in seen)
-    n_train = 2 * cfg.per_device_train_batch_size
+    n_train = cfg.per_device_train_batch_size * (1 if shared else 2)
     return {
         "device": resolved.device.type,
         "dtype": devices.dtype_name(resolved.dtype),
         "train": {"measured_peak_bytes": tr.peak_bytes, "entry_bytes": tr.entry_bytes, "steps": steps,
-                  "seq_len": t, "completion_tokens": math.ceil(m / n_train)},
+                  "seq_len": t, "completion_tokens": math.ceil(m / n_train), "share_prompt": shared},
         "precompute": {"measured_peak_bytes": pre.peak_bytes, "entry_bytes": pre.entry_bytes,
                        "seq_len": pre_t, "completion_tokens": math.ceil(pre_m / n_pre)},
     }
@@ -222,7 +230,8 @@ def measure(cfg: Config, steps: int = 2) -> dict:
 
 def at_measured_shapes(setup: Setup, measured: dict) -> Setup:
     """The setup at the sequence shapes --measure ran (the data's longest rows may be shorter than max_length)."""
-    return dataclasses.replace(setup, seq_len=measured["train"]["seq_len"],
+    return dataclasses.replace(setup, share_prompt=measured["train"].get("share_prompt", False),
+                               seq_len=measured["train"]["seq_len"],
                                completion_tokens=measured["train"]["completion_tokens"],
                                precompute_seq_len=measured["precompute"]["seq_len"],
                                precompute_completion_tokens=measured["precompute"]["completion_tokens"])

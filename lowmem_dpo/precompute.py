@@ -39,16 +39,17 @@ def shard_plan(pairs: list[data.TokenizedPair], shard_rows: int) -> list[list[da
 
 @torch.inference_mode()
 def shard_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id: int,
-                resolved: devices.Resolved, bar=None) -> dict:
+                resolved: devices.Resolved, bar=None, shared: bool = False) -> dict:
     """Reference log-prob sums and completion token counts of `pairs`, by batches: the tensors of one shard.
-    `bar` (a progress bar) advances by the rows of each batch."""
+    `bar` (a progress bar) advances by the rows of each batch. shared: each prompt once (data.collate_shared)."""
     out = {"rows": [], "chosen": [], "rejected": [], "chosen_tokens": [], "rejected_tokens": []}
+    collate = data.collate_shared if shared else data.collate
     for i in range(0, len(pairs), batch_size):
-        batch = data.collate(pairs[i:i + batch_size], pad_id).to(resolved.device)
+        batch = collate(pairs[i:i + batch_size], pad_id).to(resolved.device)
         # The same precision as train's forward at the same settings: step 1 shows ln 2.
         with devices.autocast(resolved.device, resolved.ref_dtype):
-            chosen, rejected = completion_logps(model, batch.input_ids, batch.attention_mask,
-                                                batch.completion_mask).split()
+            chosen, rejected = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                                                position_ids=batch.position_ids).split()
         out["rows"].append(batch.rows)
         out["chosen"].append(chosen.logps.cpu())
         out["rejected"].append(rejected.logps.cpu())
@@ -115,7 +116,7 @@ def start_build(cfg: Config, pairs: list[data.TokenizedPair], fp: str,
 
 
 def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad_id: int, need: int,
-                   progress: bool) -> int:
+                   progress: bool, shared: bool = False) -> int:
     """Compute and write every shard the build lacks; returns the rows computed."""
     from tqdm.auto import tqdm
 
@@ -125,7 +126,7 @@ def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad
     for shard, name, finished in zip(b.shards, b.names, b.done):
         if finished:
             continue
-        tensors = shard_logps(model, shard, cfg.precompute_batch_size, pad_id, resolved, bar)
+        tensors = shard_logps(model, shard, cfg.precompute_batch_size, pad_id, resolved, bar, shared)
         try:
             files.atomic_save_tensors(b.shard_dir / name, tensors)
         except OSError as e:
@@ -212,8 +213,10 @@ def run(cfg: Config, progress: bool = True) -> Path:
     pad_id = data.pad_token_id(ins.tokenizer)
     headcheck.verify(model, data.collate(tok.pairs[:1], pad_id).to(resolved.device), resolved.device,
                      resolved.ref_dtype)  # an architecture logps.HEADS does not know: its own forward agrees
+    shared = headcheck.decide_sharing(model, tok.pairs, pad_id, resolved, resolved.ref_dtype, cfg.share_prompt,
+                                      cfg.max_length)
     t0 = time.perf_counter()
-    computed = compute_shards(model, b, cfg, resolved, pad_id, need, progress)
+    computed = compute_shards(model, b, cfg, resolved, pad_id, need, progress, shared)
     elapsed = time.perf_counter() - t0
     write_manifest(cache_dir, b, ins, fp, tok, computed, elapsed, eval_tok)
     log(f"wrote reference cache {cache_dir}: {rows} rows{of_eval}, fingerprint {fp[:12]}"

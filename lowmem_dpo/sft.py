@@ -65,7 +65,8 @@ class SFT:
     def backward(self, s: loop.Session, items: list[data.TokenizedCompletion]) -> SFTStats:
         """Forward+backward of one optimizer step's rows, by micro-batches of s.micro_batch; gradients
         accumulate."""
-        batches = [data.collate_completions(chunk, s.pad_id) for chunk in loop.split(items, s.micro_batch)]
+        batches = [data.collate_completions(chunk, s.pad_id)
+                   for chunk in loop.split(loop.by_length(items), s.micro_batch)]
         # The step's loss is the mean over all its completion tokens (as TRL), so each micro-batch's sum is divided
         # by the step's total, known before the first backward. Position t-1 predicts token t: mask[:, 1:] counts.
         n_targets = sum(int(b.completion_mask[:, 1:].sum()) for b in batches)
@@ -85,7 +86,7 @@ class SFT:
     def evaluate(self, s: loop.Session, items: list[data.TokenizedCompletion], micro_batch: int) -> dict[str, float]:
         """eval_loss: the mean NLL per completion token over the held-out rows (training's loss, no gradients)."""
         stats = SFTStats()
-        for chunk in loop.split(items, micro_batch):
+        for chunk in loop.split(loop.by_length(items), micro_batch):
             batch = data.collate_completions(chunk, s.pad_id).to(s.resolved.device)
             with devices.autocast(s.resolved.device, s.resolved.dtype):
                 out = completion_logps(s.model, batch.input_ids, batch.attention_mask,

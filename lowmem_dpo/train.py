@@ -65,25 +65,31 @@ class StepStats:
         return self.pairs == 0
 
 
+def batch_logps(model, batch: data.Batch):
+    """completion_logps of a pair batch, shared-prefix or not: (2B,) [chosen; rejected]."""
+    return completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                            position_ids=batch.position_ids)
+
+
 def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
     """(chosen, rejected) reference log-prob sums for this batch, (B,) each, on the CPU."""
     if ref is not None:
         return ref.chosen[batch.rows], ref.rejected[batch.rows]
     # ref_source=live: the same model with the adapter off. Costs a forward pass; for verification.
     with torch.no_grad(), model.disable_adapter():
-        chosen, rejected = completion_logps(model, batch.input_ids, batch.attention_mask,
-                                            batch.completion_mask).split()
+        chosen, rejected = batch_logps(model, batch).split()
     return chosen.logps.cpu(), rejected.logps.cpu()
 
 
 def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_id: int,
-                  resolved: devices.Resolved) -> tuple[torch.Tensor, StepStats]:
-    """The DPO losses (B,) of one micro-batch of pairs, and its metric sums (detached)."""
+                  resolved: devices.Resolved, shared: bool = False) -> tuple[torch.Tensor, StepStats]:
+    """The DPO losses (B,) of one micro-batch of pairs, and its metric sums (detached). shared: each prompt once
+    (data.collate_shared), the same log-probs."""
     device = resolved.device
-    batch = data.collate(pairs, pad_id).to(device)
+    batch = (data.collate_shared if shared else data.collate)(pairs, pad_id).to(device)
     with devices.autocast(resolved.device, resolved.dtype):
         ref_chosen, ref_rejected = reference_logps(model, batch, ref)
-        policy_logps = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        policy_logps = batch_logps(model, batch)
     chosen, rejected = policy_logps.split()  # (B,) each
     losses, r_chosen, r_rejected = dpo_loss(
         chosen.logps, rejected.logps, ref_chosen.to(device), ref_rejected.to(device),
@@ -102,13 +108,13 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
 
 
 def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
-               resolved: devices.Resolved) -> StepStats:
+               resolved: devices.Resolved, shared: bool = False) -> StepStats:
     """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params. The
     loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it)."""
     stats = StepStats()
     n_pairs = sum(len(pairs) for pairs in group)
     for pairs in group:
-        losses, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved)
+        losses, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)
         (losses.sum() / n_pairs).backward()
         stats.add(batch_stats)
     return stats
@@ -116,11 +122,11 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
 
 @torch.no_grad()
 def eval_stats(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
-               resolved: devices.Resolved) -> StepStats:
+               resolved: devices.Resolved, shared: bool = False) -> StepStats:
     """train_step's metric sums over held-out pairs, with no gradients."""
     stats = StepStats()
     for pairs in group:
-        stats.add(forward_pairs(model, cfg, pairs, ref, pad_id, resolved)[1])
+        stats.add(forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)[1])
     return stats
 
 
@@ -130,16 +136,19 @@ class DPO:
 
     ref: cache.RefCache | None  # None: ref_source=live
     eval_ref: cache.RefCache | None = None  # the eval pairs' reference (the same cache part, or its eval part)
+    shared: bool = False  # each prompt once per pair (headcheck.decide_sharing)
     name: str = "train"
 
     def new_stats(self) -> StepStats:
         return StepStats()
 
     def backward(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> StepStats:
-        return train_step(s.model, s.cfg, loop.split(pairs, s.micro_batch), self.ref, s.pad_id, s.resolved)
+        return train_step(s.model, s.cfg, loop.split(loop.by_length(pairs), s.micro_batch), self.ref, s.pad_id,
+                          s.resolved, self.shared)
 
     def evaluate(self, s: loop.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> dict[str, float]:
-        stats = eval_stats(s.model, s.cfg, loop.split(pairs, micro_batch), self.eval_ref, s.pad_id, s.resolved)
+        stats = eval_stats(s.model, s.cfg, loop.split(loop.by_length(pairs), micro_batch), self.eval_ref, s.pad_id,
+                           s.resolved, self.shared)
         return {f"eval_{k}": v for k, v in stats.means().items()}  # TRL's names: eval_loss, eval_rewards/...
 
     def warning_signs(self, s: loop.Session) -> list[str]:
@@ -155,7 +164,7 @@ class DPO:
     def intro(self, s: loop.Session) -> list[str]:
         reference = (f"cached in {s.cfg.ref_cache_dir}" if self.ref is not None
                      else "live (adapter disabled), costs a forward")
-        return [f"reference: {reference}",
+        return [f"reference: {reference}; prompts: {'once per pair (share_prompt)' if self.shared else 'twice'}",
                 f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
                 f"{s.micro_batch} x {s.grad_accum} pairs ({len(s.pairs)} pairs in the data)"]
 
@@ -188,7 +197,9 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     pad_id = data.pad_token_id(ins.tokenizer)
     headcheck.verify(model, data.collate(d.train[:1], pad_id).to(resolved.device), resolved.device,
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-    return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref), resume, trains_on, d.eval,
+    shared = headcheck.decide_sharing(model, d.train, pad_id, resolved, resolved.dtype, cfg.share_prompt,
+                                      cfg.max_length)
+    return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref, shared), resume, trains_on, d.eval,
                       ins.tokenizer)
 
 

@@ -256,7 +256,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_
     torch.OutOfMemoryError for batches above 2 pairs (4 sequences). The step's pairs are retried as 2 x 2 and
     give the gradient 4 x 1 gives; at 1 pair per micro-batch the run stops with a message."""
     cfg = build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o"),
-                        "lora_dropout": 0.0})
+                        "lora_dropout": 0.0, "share_prompt": "false"})  # the limits count 2 sequences per pair
     results = []
     for limit in (None, 4, 1):
         s = train.setup(cfg, progress=False)

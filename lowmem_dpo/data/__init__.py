@@ -8,7 +8,7 @@
 The stages use the names below; each lives in the module that says so.
 """
 
-from lowmem_dpo.data.batch import Batch, collate, collate_completions, pad_token_id
+from lowmem_dpo.data.batch import Batch, collate, collate_completions, collate_shared, pad_token_id
 from lowmem_dpo.data.encode import (
                                     SKIPS,
                                     TRUNCATIONS,
@@ -23,7 +23,7 @@ from lowmem_dpo.data.encode import (
 from lowmem_dpo.data.rows import REQUIRED, data_files, load_rows
 from lowmem_dpo.data.split import held_out, holdout_rows, prompt_keys
 
-__all__ = ["Batch", "collate", "collate_completions", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
+__all__ = ["Batch", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
            "TokenizedData", "TokenizedPair", "check_skips", "manifest_skips", "tokenize_completions", "tokenize_rows",
            "REQUIRED", "data_files", "load_rows", "held_out", "holdout_rows",
            "prompt_keys"]

@@ -1,5 +1,6 @@
 """Collate tokenized rows into one right-padded forward: a pair's chosen and rejected in one concatenated
-batch (rows [0, B) chosen, [B, 2B) rejected), or SFT rows one sequence each."""
+batch (rows [0, B) chosen, [B, 2B) rejected), or in one row each sharing the prompt ([prompt, chosen,
+rejected], collate_shared), or SFT rows one sequence each."""
 
 from __future__ import annotations
 
@@ -16,13 +17,19 @@ class Batch:
     collate_completions (SFT): B sequences, one per row."""
 
     rows: torch.Tensor  # (B,) dataset row indices
-    input_ids: torch.Tensor  # (2B, T)
-    attention_mask: torch.Tensor  # (2B, T)
-    completion_mask: torch.Tensor  # (2B, T) 1 on completion tokens
+    input_ids: torch.Tensor  # (2B, T); (B, T) shared
+    attention_mask: torch.Tensor  # (2B, T) 1 on real tokens; (B, T) shared
+    completion_mask: torch.Tensor  # (2B, T) 1 on completion tokens; shared (B, T): 1 chosen, 2 rejected
+    position_ids: torch.Tensor | None = None  # shared (B, T): rejected continues from the prompt, as chosen does
 
     def to(self, device) -> "Batch":
         return Batch(self.rows, self.input_ids.to(device), self.attention_mask.to(device),
-                     self.completion_mask.to(device))
+                     self.completion_mask.to(device),
+                     None if self.position_ids is None else self.position_ids.to(device))
+
+    @property
+    def shared(self) -> bool:
+        return self.position_ids is not None
 
     @property
     def num_tokens(self) -> int:
@@ -35,6 +42,23 @@ def collate(pairs: list[TokenizedPair], pad_token_id: int) -> Batch:
     seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
     comp = [len(p.chosen_ids) for p in pairs] + [len(p.rejected_ids) for p in pairs]
     return _padded([p.row for p in pairs], seqs, comp, pad_token_id)
+
+
+def collate_shared(pairs: list[TokenizedPair], pad_token_id: int) -> Batch:
+    """Right-padded batch of B rows [prompt, chosen, rejected]: the prompt goes through the model once per pair.
+    position_ids restart rejected at the prompt's length, as if it followed the prompt directly; logps builds
+    the attention mask that hides chosen from rejected (logps.shared_prefix_mask)."""
+    seqs = [p.prompt_ids + p.chosen_ids + p.rejected_ids for p in pairs]
+    b = _padded([p.row for p in pairs], seqs, [len(p.chosen_ids) + len(p.rejected_ids) for p in pairs],
+                pad_token_id)
+    positions = torch.zeros_like(b.input_ids)  # (B, T); padding at 0
+    for i, p in enumerate(pairs):
+        n, c, r = len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)
+        positions[i, :n + c] = torch.arange(n + c)
+        positions[i, n + c:n + c + r] = torch.arange(n, n + r)
+        b.completion_mask[i, n + c:n + c + r] = 2  # rejected
+    b.position_ids = positions
+    return b
 
 
 def collate_completions(items: list[TokenizedCompletion], pad_token_id: int) -> Batch:

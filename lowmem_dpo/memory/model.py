@@ -315,7 +315,7 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     torch's foreach AdamW on CUDA; it counts only if larger than the backward peak.
     """
     seq_len, completion = setup.shapes("train")
-    n_seq = 2 * setup.micro_batch
+    n_seq = setup.sequences("train")
     m = n_seq * completion
     weights = base_weight_bytes(arch, setup.dtype, setup.quantization)
     shapes = lora_shapes(arch, setup.lora_targets, setup.lora_r)
@@ -359,7 +359,7 @@ def predict_precompute(arch: Arch, setup: Setup) -> StagePrediction:
     gathered completion positions and one chunk's logits)."""
     s = DTYPE_BYTES[setup.ref_dtype]
     seq_len, completion = setup.shapes("precompute")
-    n_seq = 2 * setup.precompute_batch
+    n_seq = setup.sequences("precompute")
     m = n_seq * completion
     weights = base_weight_bytes(arch, setup.ref_dtype, setup.ref_quantization)
     layer_phase = precompute_layer_bytes(arch, n_seq, seq_len, s, setup.ref_quantization)

@@ -38,6 +38,7 @@ class Setup:
     completion_tokens: int | None = None  # completion tokens per sequence; None: seq_len - 1 (the worst case)
     precompute_seq_len: int | None = None
     precompute_completion_tokens: int | None = None
+    share_prompt: bool = False  # rows [prompt, chosen, rejected]: one sequence per pair, up to 2*max_length - 1
 
     @property
     def autocast(self) -> bool:
@@ -45,12 +46,19 @@ class Setup:
         return DTYPE_BYTES[self.dtype] == 2
 
     def shapes(self, stage: str) -> tuple[int, int]:
-        """(T, completion tokens per sequence) for `stage`."""
+        """(T, completion tokens per sequence) for `stage`. Shared, the worst case is a one-token prompt: a row
+        of 2*max_length - 1 tokens, as many as the two unshared sequences it replaces."""
+        longest = 2 * self.max_length - 1 if self.share_prompt else self.max_length
         if stage == "precompute":
-            t = self.precompute_seq_len or self.max_length
+            t = self.precompute_seq_len or longest
             return t, self.precompute_completion_tokens or t - 1
-        t = self.seq_len or self.max_length
+        t = self.seq_len or longest
         return t, self.completion_tokens or t - 1
+
+    def sequences(self, stage: str) -> int:
+        """Sequences per forward: two per pair (chosen, rejected), or one shared row per pair."""
+        pairs = self.precompute_batch if stage == "precompute" else self.micro_batch
+        return pairs if self.share_prompt else 2 * pairs
 
 
 def lora_targets(cfg) -> str | tuple[str, ...]:
@@ -93,7 +101,8 @@ def setup_from_config(cfg, budget: int | None = None) -> Setup:
                  ref_quantization=cfg.reference_quantization, gradient_checkpointing=ckpt, optimizer=rule.optimizer,
                  micro_batch=cfg.per_device_train_batch_size, grad_accum=cfg.gradient_accumulation_steps,
                  precompute_batch=cfg.precompute_batch_size, max_length=cfg.max_length, lora_r=cfg.lora_r,
-                 lora_targets=lora_targets(cfg), lora_dropout=cfg.lora_dropout)
+                 lora_targets=lora_targets(cfg), lora_dropout=cfg.lora_dropout,
+                 share_prompt=rule.share_prompt if cfg.share_prompt == "auto" else cfg.share_prompt == "true")
 
 
 def run_budget(cfg, device: str) -> int:
