@@ -121,6 +121,20 @@ def verify(model, batch: data.Batch, device: torch.device, dtype: torch.dtype) -
 SHARE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 0.02, torch.bfloat16: 0.05}
 
 
+# share_prompt=auto shares only when the repeated prompts are at least this share of the unshared forward's
+# tokens. Measured on this CPU (bench/README.md): prompts at 15% of the tokens (llama-25m-cpu.yaml), a shared
+# step takes 1.17x the unshared one (its longer masked rows cost more attention than the prompt saves); at 42%
+# (the long-prompt recipe), 0.74x.
+SHARE_MIN_PROMPT_SHARE = 0.25
+
+
+def prompt_share(pairs: list) -> float:
+    """The share of an unshared forward's tokens (prompt twice, chosen, rejected) that a second prompt is."""
+    prompts = sum(len(p.prompt_ids) for p in pairs)
+    total = sum(2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    return prompts / max(1, total)
+
+
 def sharing_problem(model, max_length: int) -> str | None:
     """Why this model cannot take a shared-prefix batch, or None: its attention implementation takes no custom
     mask, or a sliding window shorter than a [prompt, chosen, rejected] row could be (a custom mask replaces
@@ -157,6 +171,9 @@ def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, 
     if not resolved.share_prompt:
         return False
     problem = sharing_problem(model, max_length)
+    if problem is None and setting == "auto" and prompt_share(pairs) < SHARE_MIN_PROMPT_SHARE:
+        problem = (f"the repeated prompts are {prompt_share(pairs):.0%} of the tokens, below the "
+                   f"{SHARE_MIN_PROMPT_SHARE:.0%} where sharing pays on this device (share_prompt=true forces it)")
     if problem is None:
         try:
             difference = sharing_difference(model, pairs[:CHECK_ROWS], pad_id, resolved.device, dtype)

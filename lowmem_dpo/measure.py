@@ -161,8 +161,8 @@ def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Reso
     batch_pairs = precompute.shard_plan(tok.pairs, len(tok.pairs))[0][:mcfg.precompute_batch_size]
     model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
     pad_id = data.pad_token_id(ins.tokenizer)
-    shared = headcheck.decide_sharing(model, batch_pairs, pad_id, resolved, resolved.ref_dtype, mcfg.share_prompt,
-                                      mcfg.max_length)
+    shared = headcheck.decide_sharing(model, tok.pairs, pad_id, resolved, resolved.ref_dtype, mcfg.share_prompt,
+                                      mcfg.max_length)  # on the rows precompute.run decides on
     with PeakMeter(resolved.device) as meter:
         precompute.shard_logps(model, batch_pairs, mcfg.precompute_batch_size, pad_id, resolved, shared=shared)
     del model

@@ -101,11 +101,12 @@ def test_lora_gradients_equal_unshared(tiny_path, pairs, checkpointing):
     assert any(float(g.abs().max()) > 0 for g in ga)
 
 
-def test_a_4bit_base_shares_within_noise(tiny_path, pairs):
-    """A bitsandbytes NF4 base on the CPU, float32 compute: the same log-probs shared or not."""
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_a_quantized_base_shares_within_noise(tiny_path, pairs, quantization):
+    """A bitsandbytes NF4 or LLM.int8 base on the CPU, float32 compute: the same log-probs shared or not."""
     from lowmem_dpo.models import load_model
 
-    model = load_model(tiny_path, torch.device("cpu"), torch.float32, "4bit")
+    model = load_model(tiny_path, torch.device("cpu"), torch.float32, quantization)
     with torch.no_grad():
         a, b = both(model, pairs)
     assert torch.equal(a.n_tokens, b.n_tokens)
@@ -128,6 +129,24 @@ def test_train_shares_starts_at_ln2_and_matches_the_unshared_run(make_cfg, tmp_p
         for key in ("loss", "rewards/margins", "logps/chosen", "grad_norm"):
             assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-5), (x["step"], key)
     assert runs["true"][-1]["tokens_per_s"] > 0
+
+
+def test_the_sft_adapter_reference_shares(tmp_path, tiny_path, pairs):
+    """The reference of a stacked run is base + the SFT adapter (adapters.reference_model): shared equals
+    unshared with a trained-looking (non-zero) adapter loaded from disk."""
+    from peft import LoraConfig, get_peft_model
+
+    from lowmem_dpo import adapters, models
+
+    torch.manual_seed(0)
+    sft = get_peft_model(models.load_model(tiny_path, torch.device("cpu"), torch.float32),
+                         LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    sft.save_pretrained(tmp_path / "sft")
+    source = models.model_source(str(tiny_path), str(tmp_path / "sft"))
+    reference = adapters.reference_model(models.load_model(tiny_path, torch.device("cpu"), torch.float32), source)
+    with torch.no_grad():
+        a, b = both(reference, pairs)
+    assert torch.allclose(a.logps, b.logps, atol=1e-4, rtol=1e-5)
 
 
 def test_a_model_that_cannot_share_is_refused_or_falls_back(tokenizer, tmp_path, pairs, capsys):
@@ -153,3 +172,26 @@ def test_by_length_sorts_a_step_longest_first_and_keeps_its_items(pairs):
     sizes = [len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in ordered]
     assert sizes == sorted(sizes, reverse=True)
     assert sorted(p.row for p in ordered) == sorted(p.row for p in pairs)
+
+
+def test_auto_shares_only_when_the_prompts_are_a_large_share(tiny_path, pairs, capsys):
+    """share_prompt=auto leaves data whose repeated prompts are under SHARE_MIN_PROMPT_SHARE of the tokens
+    unshared (measured slower there); true shares them anyway."""
+    import copy
+
+    from lowmem_dpo.models import load_model
+
+    model = load_model(tiny_path, torch.device("cpu"), torch.float32)
+    resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, False, devices.ADAMW_TORCH,
+                                share_prompt=True)
+    short = copy.deepcopy(pairs)
+    for p in short:
+        p.prompt_ids = p.prompt_ids[:1]
+    share = headcheck.prompt_share(short)
+    assert share == sum(len(p.prompt_ids) for p in short) / sum(
+        2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in short) < 0.25
+    assert headcheck.decide_sharing(model, short, 0, resolved, torch.float32, "auto", 64) is False
+    assert "of the tokens, below the 25%" in capsys.readouterr().err
+    assert headcheck.decide_sharing(model, short, 0, resolved, torch.float32, "true", 64) is True
+    assert headcheck.prompt_share(pairs) >= 0.25
+    assert headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, "auto", 64) is True
