@@ -122,9 +122,9 @@ SHARE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 0.02, torch.bfloat16: 0.0
 
 
 # share_prompt=auto shares only when the repeated prompts are at least this share of the unshared forward's
-# tokens. Measured on this CPU (bench/README.md): prompts at 15% of the tokens (llama-25m-cpu.yaml), a shared
-# step takes 1.17x the unshared one (its longer masked rows cost more attention than the prompt saves); at 42%
-# (the long-prompt recipe), 0.74x.
+# tokens. Measured on our 2-core CPU (bench/README.md): at 15% (llama-25m-cpu.yaml) shared steps took 0.69-0.86 s
+# against 0.70-0.85 s unshared, no gain (its longer masked rows cost attention the prompt saves); at 42% (the
+# long-prompt recipe) 1.42 s against 1.93 s.
 SHARE_MIN_PROMPT_SHARE = 0.25
 
 
