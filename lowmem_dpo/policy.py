@@ -70,6 +70,14 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, devic
             f"{resolved.device.type}; only the frozen base weights stream")
     if resolved.gradient_checkpointing:
         enable_checkpointing(base)
+    if resolved.dtype != torch.float32:
+        # Saves a float32 copy of every adapted layer's input per forward (4-7% of a llama-25m CPU step): peft
+        # casts the input to the LoRA weights' float32, but the stages run under the 16-bit autocast, which casts
+        # it straight back for LoRA's matmuls. Without lora_dropout the numbers are the same bit for bit; with it,
+        # the dropout's 1/(1-p) scaling rounds in the 16-bit dtype.
+        for module in model.modules():
+            if hasattr(module, "cast_input_dtype_enabled"):
+                module.cast_input_dtype_enabled = False
     model.train()
     return model
 

@@ -146,10 +146,12 @@ def part_entry(tok: data.TokenizedData, shards: list[str]) -> dict:
 
 
 def write_manifest(cache_dir: Path, b: Build, ins: inputs.Inputs, fp: str, tok: data.TokenizedData,
-                   computed: int, elapsed: float, eval_tok: data.TokenizedData | None = None) -> None:
+                   computed: int, elapsed: float, eval_tok: data.TokenizedData | None = None,
+                   shared: bool = False) -> None:
     """The manifest, last and atomically: from now on the cache is this build; older builds' shards go. Its
     top-level counts and shards are the training rows'; "eval" holds eval_dataset's (absent without it)."""
     manifest = {
+        "share_prompt": shared,  # the forward's layout (train notes a 16-bit run that differs: rounding)
         "format": cache.FORMAT_VERSION,
         "fingerprint": fp,
         "components": ins.fingerprint,
@@ -218,7 +220,7 @@ def run(cfg: Config, progress: bool = True) -> Path:
     t0 = time.perf_counter()
     computed = compute_shards(model, b, cfg, resolved, pad_id, need, progress, shared)
     elapsed = time.perf_counter() - t0
-    write_manifest(cache_dir, b, ins, fp, tok, computed, elapsed, eval_tok)
+    write_manifest(cache_dir, b, ins, fp, tok, computed, elapsed, eval_tok, shared)
     log(f"wrote reference cache {cache_dir}: {rows} rows{of_eval}, fingerprint {fp[:12]}"
         + (f", {computed / elapsed:.1f} rows/s" if elapsed > 0 and computed else ""))
     report(cache_dir)

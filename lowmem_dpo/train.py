@@ -199,6 +199,11 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
     shared = headcheck.decide_sharing(model, d.train, pad_id, resolved, resolved.dtype, cfg.share_prompt,
                                       cfg.max_length)
+    if ref is not None and ref.manifest.get("share_prompt", False) != shared and resolved.dtype != torch.float32:
+        log(f"note: the reference cache was computed {'with' if ref.manifest.get('share_prompt') else 'without'} "
+            f"share_prompt and this run {'shares' if shared else 'does not share'} prompts: in "
+            f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
+            "off ln 2; rebuild the cache (rm -r it, then precompute) for an exact start")
     return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref, shared), resume, trains_on, d.eval,
                       ins.tokenizer)
 

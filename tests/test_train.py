@@ -163,3 +163,29 @@ def test_auto_checkpointing_comes_from_the_planner(make_cfg):
     assert any("planner" in r for r in s.resolved.reasons)
     stats, grad_norm, _ = loop.optimizer_step(s)
     assert stats.means()["loss"] == pytest.approx(math.log(2), abs=1e-5) and grad_norm > 0
+
+
+def test_16bit_runs_skip_peft_s_float32_input_copy_with_the_same_numbers(make_cfg):
+    """Under the bf16 autocast, peft's cast of each adapted layer's input to float32 is turned off (the autocast
+    casts it straight back): the log-probs and LoRA gradients are the same bit for bit without lora_dropout."""
+    cfg = make_cfg(dtype="bfloat16", lora_dropout=0.0)
+    precompute.run(cfg, progress=False)
+    s = train.setup(cfg, progress=False)
+    lora_layers = [m for m in s.model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert lora_layers and not any(m.cast_input_dtype_enabled for m in lora_layers)
+    with torch.no_grad():  # a non-zero adapter, as after some steps
+        for p in s.params:
+            p.normal_(0, 0.05)
+    pairs = loop.take(s.stream, 4)
+
+    def grads():
+        s.opt.zero_grad(set_to_none=True)
+        stats = train.train_step(s.model, cfg, [pairs], s.objective.ref, s.pad_id, s.resolved)
+        return stats.sums["loss"], [p.grad.clone() for p in s.params]
+
+    loss_off, grads_off = grads()
+    for m in lora_layers:
+        m.cast_input_dtype_enabled = True
+    loss_on, grads_on = grads()
+    assert loss_off == loss_on
+    assert all(torch.equal(a, b) for a, b in zip(grads_off, grads_on))
