@@ -155,9 +155,7 @@ def sharing_difference(model, pairs: list, pad_id: int, device: torch.device, dt
     the unshared one, on `pairs`."""
     plain, shared = data.collate(pairs, pad_id).to(device), data.collate_shared(pairs, pad_id).to(device)
     with devices.autocast(device, dtype):
-        a = logps.completion_logps(model, plain.input_ids, plain.attention_mask, plain.completion_mask)
-        b = logps.completion_logps(model, shared.input_ids, shared.attention_mask, shared.completion_mask,
-                                   position_ids=shared.position_ids)
+        a, b = logps.batch_logps(model, plain), logps.batch_logps(model, shared)
     if not torch.equal(a.n_tokens, b.n_tokens):
         return float("inf")
     return float(((a.logps - b.logps).abs() / a.n_tokens.clamp(min=1)).max())

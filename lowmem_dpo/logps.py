@@ -207,3 +207,10 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     logps = torch.zeros(n, dtype=torch.float32, device=tok.device).index_add(0, out, tok)  # (N,)
     n_tokens = torch.bincount(out, minlength=n)  # (N,)
     return SequenceLogps(logps, n_tokens)
+
+
+def batch_logps(model, batch, chunk_tokens: int | None = None) -> SequenceLogps:
+    """completion_logps of a collated batch (data.Batch: its input_ids, attention_mask, completion_mask and, for a
+    shared-prefix batch, position_ids): (2B,) [chosen; rejected] for pairs, (B,) for SFT rows."""
+    return completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens,
+                            position_ids=batch.position_ids)

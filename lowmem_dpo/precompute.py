@@ -23,7 +23,7 @@ from lowmem_dpo import adapters, cache, data, devices, files, headcheck, inputs,
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.errors import log
-from lowmem_dpo.logps import completion_logps
+from lowmem_dpo.logps import batch_logps
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 
@@ -48,8 +48,7 @@ def shard_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id:
         batch = collate(pairs[i:i + batch_size], pad_id).to(resolved.device)
         # The same precision as train's forward at the same settings: step 1 shows ln 2.
         with devices.autocast(resolved.device, resolved.ref_dtype):
-            chosen, rejected = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                                position_ids=batch.position_ids).split()
+            chosen, rejected = batch_logps(model, batch).split()
         out["rows"].append(batch.rows)
         out["chosen"].append(chosen.logps.cpu())
         out["rejected"].append(rejected.logps.cpu())

@@ -27,7 +27,7 @@ from lowmem_dpo import adapters, data, devices, headcheck, inputs, loop, models,
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.errors import UserError, log
-from lowmem_dpo.logps import completion_logps
+from lowmem_dpo.logps import batch_logps
 from lowmem_dpo.tiny import BUILTIN_PREFIX
 
 SFT_METRICS = ("eval_loss", "eval_gen/repetition")  # the eval metrics an SFT run logs (metric_for_best_model)
@@ -54,6 +54,15 @@ class SFTStats:
         return self.targets == 0
 
 
+def forward_rows(s: loop.Session, batch: data.Batch) -> tuple[torch.Tensor, SFTStats]:
+    """A micro-batch's completion log-prob sums (B,) on the device, and their stats (detached)."""
+    batch = batch.to(s.resolved.device)
+    with devices.autocast(s.resolved.device, s.resolved.dtype):
+        out = batch_logps(s.model, batch)  # (B,) sums
+    stats = SFTStats(nll=-out.logps.detach().sum().item(), targets=int(out.n_tokens.sum()), tokens=batch.num_tokens)
+    return out.logps, stats
+
+
 class SFT:
     """SFT's part of the loop (loop.Objective): prompt/completion rows, the completion tokens' mean NLL."""
 
@@ -72,14 +81,9 @@ class SFT:
         n_targets = sum(int(b.completion_mask[:, 1:].sum()) for b in batches)
         stats = SFTStats()
         for batch in batches:
-            batch = batch.to(s.resolved.device)
-            with devices.autocast(s.resolved.device, s.resolved.dtype):
-                out = completion_logps(s.model, batch.input_ids, batch.attention_mask,
-                                       batch.completion_mask)  # (B,) sums
-            (-out.logps.sum() / max(1, n_targets)).backward()
-            stats.nll -= out.logps.detach().sum().item()
-            stats.targets += int(out.n_tokens.sum())
-            stats.tokens += batch.num_tokens
+            logps, batch_stats = forward_rows(s, batch)
+            (-logps.sum() / max(1, n_targets)).backward()
+            stats.add(batch_stats)
         return stats
 
     @torch.no_grad()
@@ -87,12 +91,7 @@ class SFT:
         """eval_loss: the mean NLL per completion token over the held-out rows (training's loss, no gradients)."""
         stats = SFTStats()
         for chunk in loop.split(loop.by_length(items), micro_batch):
-            batch = data.collate_completions(chunk, s.pad_id).to(s.resolved.device)
-            with devices.autocast(s.resolved.device, s.resolved.dtype):
-                out = completion_logps(s.model, batch.input_ids, batch.attention_mask,
-                                       batch.completion_mask)  # (B,) sums
-            stats.nll -= out.logps.sum().item()
-            stats.targets += int(out.n_tokens.sum())
+            stats.add(forward_rows(s, data.collate_completions(chunk, s.pad_id))[1])
         return {"eval_loss": stats.means()["loss"]}
 
     def warning_signs(self, s: loop.Session) -> list[str]:

@@ -34,7 +34,7 @@ from lowmem_dpo import (
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config, load_config
 from lowmem_dpo.errors import log
-from lowmem_dpo.logps import completion_logps
+from lowmem_dpo.logps import batch_logps
 from lowmem_dpo.loss import dpo_loss
 
 METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -63,12 +63,6 @@ class StepStats:
     @property
     def empty(self) -> bool:
         return self.pairs == 0
-
-
-def batch_logps(model, batch: data.Batch):
-    """completion_logps of a pair batch, shared-prefix or not: (2B,) [chosen; rejected]."""
-    return completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                            position_ids=batch.position_ids)
 
 
 def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
