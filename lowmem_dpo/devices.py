@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lowmem_dpo.errors import UserError
+from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.units import GiB
 
 # Optimizer names (as transformers' `optim`): torch's AdamW, or bitsandbytes' paged 8-bit AdamW, whose two
@@ -251,6 +251,26 @@ def is_out_of_memory(e: BaseException) -> bool:
     if isinstance(e, torch.OutOfMemoryError):
         return True
     return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e))
+
+
+def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: str, cleanup=None):
+    """run(size), retried at half the size on out-of-memory, down to 1: `cleanup()` (e.g. drop a partial step's
+    gradients) and the cached blocks released before each retry, whose log line is retrying(new size). Out of
+    memory at 1 raises UserError(exhausted)."""
+    while True:
+        try:
+            return run(size)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            del e  # its traceback holds the failed attempt's tensors
+            if cleanup is not None:
+                cleanup()
+            release_memory(device)
+            if size == 1:
+                raise UserError(exhausted) from None
+            size = max(1, size // 2)
+            log(retrying(size))
 
 
 def release_memory(device: torch.device) -> None:

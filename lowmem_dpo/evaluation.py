@@ -49,21 +49,12 @@ def eval_mode(model):
 
 
 def halving(s, run, size: int, what: str):
-    """run(size), retried at half the size (down to 1) on out-of-memory: the eval's micro-batches and the
-    samples' batch can meet a fuller GPU than the training step did. At 1, a UserError says what to lower."""
-    while True:
-        try:
-            return run(size)
-        except Exception as e:
-            if not devices.is_out_of_memory(e):
-                raise
-            del e  # its traceback holds the failed batch's tensors
-            devices.release_memory(s.resolved.device)
-            if size == 1:
-                raise UserError(f"out of memory in {what} at step {s.step}, one at a time; lower eval_max_pairs, "
-                                "eval_generations or max_new_tokens (the last checkpoint is intact)") from None
-            size = max(1, size // 2)
-            log(f"out of memory in {what} at step {s.step}: retrying {size} at a time")
+    """run(size), retried at half the size (down to 1) on out-of-memory (devices.halving_on_oom): the eval's
+    micro-batches and the samples' batch can meet a fuller GPU than the training step did."""
+    return devices.halving_on_oom(
+        run, size, s.resolved.device, lambda n: f"out of memory in {what} at step {s.step}: retrying {n} at a time",
+        f"out of memory in {what} at step {s.step}, one at a time; lower eval_max_pairs, eval_generations or "
+        "max_new_tokens (the last checkpoint is intact)")
 
 
 def sample_items(items: list, n: int) -> list:

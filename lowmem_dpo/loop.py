@@ -190,23 +190,17 @@ def backward_with_backoff(s: Session, items: list):
     """The objective's forward+backward of one optimizer step's items, split into micro-batches of
     s.micro_batch. On out-of-memory, halve the micro-batch (the accumulation doubles: the same items, the same
     update) and retry, down to 1 item."""
-    while True:
-        try:
-            return s.objective.backward(s, items)
-        except Exception as e:
-            if not devices.is_out_of_memory(e):
-                raise
-            s.opt.zero_grad(set_to_none=True)  # drop the partial step's gradients
-            del e  # its traceback holds the failed step's tensors
-            devices.release_memory(s.resolved.device)
-            if s.micro_batch == 1:
-                raise UserError(f"out of memory at step {s.step + 1} with 1 pair per micro-batch; lower max_length, "
-                                "or set quantization=4bit / gradient_checkpointing=true (python -m "
-                                "lowmem_dpo.plan RECIPE.yaml shows what fits)") from None
-            s.micro_batch = max(1, s.micro_batch // 2)
-            s.grad_accum = math.ceil(len(items) / s.micro_batch)
-            log(f"out of memory at step {s.step + 1}: retrying with per_device_train_batch_size={s.micro_batch} "
-                f"gradient_accumulation_steps={s.grad_accum} (the same {len(items)} pairs per step)")
+    def attempt(micro_batch: int):
+        s.micro_batch, s.grad_accum = micro_batch, math.ceil(len(items) / micro_batch)
+        return s.objective.backward(s, items)
+
+    return devices.halving_on_oom(
+        attempt, s.micro_batch, s.resolved.device,
+        lambda n: f"out of memory at step {s.step + 1}: retrying with per_device_train_batch_size={n} "
+                  f"gradient_accumulation_steps={math.ceil(len(items) / n)} (the same {len(items)} pairs per step)",
+        f"out of memory at step {s.step + 1} with 1 pair per micro-batch; lower max_length, or set "
+        "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml shows what fits)",
+        cleanup=lambda: s.opt.zero_grad(set_to_none=True))  # drop the partial step's gradients
 
 
 def apply_gradients(s: Session, loss: float) -> float:
