@@ -102,7 +102,8 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
          keep: int, replaces: list[Path] = ()) -> Path:
     """Write checkpoint-{state.step} atomically, then remove `replaces` (an earlier run's checkpoints, when
     this one started over) and keep only the newest `keep` and the best (state.best_global_step's), which is
-    never pruned. output_dir's samples.jsonl goes in too, as metrics_lines do. A full disk stops the run with exit 2 and leaves the previous checkpoints as they were."""
+    never pruned. output_dir's samples.jsonl goes in too, as metrics_lines do. A full disk stops the run with
+    exit 2 and leaves the previous checkpoints as they were."""
     folder = root(output_dir)
     final = folder / f"checkpoint-{state.step}"
     need = size_bytes(model, opt)

@@ -151,8 +151,7 @@ def note_best(s, line: dict | None) -> None:
         return
     value = line.get(s.cfg.best_metric_name)
     if value is not None and better(value, s.best["best_metric"], s.cfg.best_is_greater):
-        s.best = {"best_metric": value, "best_global_step": s.step,
-                  "best_model_checkpoint": str(checkpoint.folder(s.cfg.output_dir, s.step))}
+        s.best = {"best_metric": value, "best_global_step": s.step}
 
 
 def load_best(s) -> None:

@@ -169,8 +169,9 @@ def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, 
     if not resolved.share_prompt:
         return False
     problem = sharing_problem(model, max_length)
-    if problem is None and setting == "auto" and prompt_share(pairs) < SHARE_MIN_PROMPT_SHARE:
-        problem = (f"the repeated prompts are {prompt_share(pairs):.0%} of the tokens, below the "
+    share = prompt_share(pairs)
+    if problem is None and setting == "auto" and share < SHARE_MIN_PROMPT_SHARE:
+        problem = (f"the repeated prompts are {share:.0%} of the tokens, below the "
                    f"{SHARE_MIN_PROMPT_SHARE:.0%} where sharing pays on this device (share_prompt=true forces it)")
     if problem is None:
         try:

@@ -95,7 +95,9 @@ def split(items: list, micro_batch: int) -> list[list]:
 
 
 # -- the session -------------------------------------------------------------------------------------------------
-BEST_KEYS = ("best_metric", "best_global_step", "best_model_checkpoint")  # transformers' TrainerState keys
+# The best so far (evaluation.note_best), in transformers' TrainerState keys; its folder, best_model_checkpoint, is
+# derived from the step where output_dir is now (best_folder).
+BEST_KEYS = ("best_metric", "best_global_step")
 
 @dataclass
 class Session:
@@ -154,7 +156,7 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
     s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
     s.window = type(s.window)(**saved.window)
     s.metrics_lines = checkpoint.metrics_lines(resume_from)
-    s.best = {k: getattr(saved, k) for k in BEST_KEYS}  # its folder as output_dir names it now (checkpoint_state)
+    s.best = {k: getattr(saved, k) for k in BEST_KEYS}
     s.resumed_from = resume_from
     return s
 
@@ -176,7 +178,7 @@ def checkpoint_state(s: Session) -> checkpoint.TrainerState:
     return checkpoint.TrainerState(step=s.step, pairs_seen=s.step * s.pairs_per_step, micro_batch=s.micro_batch,
                                    grad_accum=s.grad_accum, skipped_steps=s.skipped_steps,
                                    window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg),
-                                   inputs=s.inputs, **{**s.best, "best_model_checkpoint": best_folder(s)})
+                                   inputs=s.inputs, **s.best, best_model_checkpoint=best_folder(s))
 
 
 def best_folder(s: Session) -> str | None:
@@ -287,6 +289,12 @@ def write_line(s: Session, metrics_file, line: dict) -> dict:
     return line
 
 
+def show(bar, numbers: dict[str, str]) -> None:
+    """Update the progress bar's numbers, keeping the others (the last train line's beside the last eval's)."""
+    bar.postfix_dict = {**bar.postfix_dict, **numbers}
+    bar.set_postfix(bar.postfix_dict)
+
+
 def warn(s: Session, signs: list[str]) -> None:
     """Log the warning signs of this step; with early_stop_on_divergence, stop on the first (exit 2)."""
     for sign in signs:
@@ -302,8 +310,7 @@ def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float
     line = write_line(s, metrics_file, log_line(s, stats, grad_norm, lr, dt))
     signs = []
     if not s.window.empty:  # else every step since the last line was skipped (already warned)
-        bar.postfix_dict = {**bar.postfix_dict, **s.objective.postfix(line)}
-        bar.set_postfix(bar.postfix_dict)
+        show(bar, s.objective.postfix(line))
         signs = s.objective.warning_signs(s)
     s.window = s.objective.new_stats()
     warn(s, signs)
@@ -313,8 +320,7 @@ def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float
 def eval_step(s: Session, metrics_file, bar) -> dict:
     """Evaluate at this step (evaluation.evaluate): the eval line, the bar's eval numbers, the collapse sign."""
     line = write_line(s, metrics_file, evaluation.evaluate(s))
-    bar.postfix_dict = {**bar.postfix_dict, **evaluation.postfix(line)}
-    bar.set_postfix(bar.postfix_dict)
+    show(bar, evaluation.postfix(line))
     sign = evaluation.collapse_sign(s, line)
     warn(s, [sign] if sign else [])
     return line
