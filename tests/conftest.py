@@ -77,3 +77,15 @@ def build_tiny_model(config_class: str, kwargs: dict, out: Path, tokenizer) -> P
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def import_bench(*names: str) -> tuple:
+    """The bench/ scripts `names` as modules (bench/ is not a package: its folder on sys.path while importing)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        return tuple(importlib.import_module(name) for name in names)
+    finally:
+        sys.path.remove(str(REPO / "bench"))

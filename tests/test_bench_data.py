@@ -2,24 +2,13 @@
 (counted by lowmem_dpo's own tokenization, as training sees them) and are deterministic; step_time.py's TRL setups
 (best settings, command-line changes on top) and its --trl-runs parsing."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import import_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import make_data
-        import step_time
-        import trl_step
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return make_data, step_time, trl_step
+    return import_bench("make_data", "step_time", "trl_step")
 
 
 def test_long_prompt_rows_fit_their_bounds(bench, tokenizer, tmp_path):

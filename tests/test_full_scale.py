@@ -2,24 +2,16 @@
 a truncated model holds the full model's tensors), writes a folder transformers loads with finite log-probs, and
 the benchmark's rows fill max_length without being cut."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import import_bench
 
 
 @pytest.fixture(scope="module")
 def bench_modules():
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import full_scale
-        import random_weights
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return random_weights, full_scale
+    return import_bench("random_weights", "full_scale")
 
 
 def tiny_config(layers: int):
