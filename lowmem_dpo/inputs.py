@@ -81,9 +81,8 @@ def prepare(cfg: Config, resolved: Resolved) -> Inputs:
 
 
 def tokenized(cfg: Config, tokenizer, progress: bool = True) -> data.TokenizedData:
-    rows = data.load_rows(cfg.dataset, cfg.dataset_split)
-    return data.tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=cfg.dataset,
-                              progress=progress, strict=cfg.strict)
+    """Every preference row of cfg.dataset, checked and tokenized (no eval split: load_data)."""
+    return _tokenize(cfg, tokenizer, cfg.dataset, cfg.dataset_split, progress, sft=False)[1]
 
 
 @dataclass
@@ -96,6 +95,7 @@ class Data:
     eval_part: str | None  # the cache part of the eval items' reference log-probs: "train" (rows of dataset held
     #                        out by eval_fraction) or "eval" (rows of eval_dataset); None without eval data
     eval_tok: data.TokenizedData | None = None  # every row of eval_dataset, tokenized (what precompute caches)
+    rows: object = None  # cfg.dataset as loaded (a datasets.Dataset): file_components reads a hub one's fingerprint
 
 
 def _tokenize(cfg: Config, tokenizer, spec: str, split: str, progress: bool, sft: bool):
@@ -139,11 +139,11 @@ def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) 
     if cfg.eval_dataset is not None:
         _, eval_tok = _tokenize(cfg, tokenizer, cfg.eval_dataset, cfg.eval_split, progress, sft)
         log(f"eval: {len(eval_tok.pairs)} pairs from {cfg.eval_dataset}")
-        return Data(tok, tok.pairs, eval_tok.pairs[:cfg.eval_max_pairs], "eval", eval_tok)
+        return Data(tok, tok.pairs, eval_tok.pairs[:cfg.eval_max_pairs], "eval", eval_tok, rows)
     if cfg.eval_fraction > 0:
         train, evals = _held_out(cfg, rows, tok)
-        return Data(tok, train, evals[:cfg.eval_max_pairs], "train")
-    return Data(tok, tok.pairs, [], None)
+        return Data(tok, train, evals[:cfg.eval_max_pairs], "train", rows=rows)
+    return Data(tok, tok.pairs, [], None, rows=rows)
 
 
 def tokens_digest(items: list) -> str:

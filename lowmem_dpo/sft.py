@@ -133,7 +133,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     log(source.description)
     tokenizer = models.load_tokenizer(source.tokenizer_path)
     d = inputs.load_data(cfg, tokenizer, progress, sft=True)  # logs the rows it skips and the eval split
-    files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path)
+    files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, d.rows)
     trains_on = inputs.run_inputs(files, d.train)  # no reference cache in SFT
     resuming.check_before_load(cfg, resume, trains_on, len(d.train))
     model = policy.setup_model(cfg, resolved, source.base_path, device_map, source=source)
