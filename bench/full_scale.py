@@ -164,7 +164,7 @@ def write_data(model_dir: Path, max_length: int, rows: int, path: Path) -> Path:
 def data_shapes(model_dir: Path, data: Path, max_length: int) -> dict:
     """Tokens of each row's prompt, chosen and rejected completion as the stages tokenize them."""
     from lowmem_dpo import inputs, models
-    from lowmem_dpo.config import build_config
+    from lowmem_dpo.recipe import build_config
 
     cfg = build_config({"model_name_or_path": str(model_dir), "dataset": str(data), "max_length": max_length})
     tok = inputs.tokenized(cfg, models.load_tokenizer(model_dir), progress=False)
@@ -443,7 +443,7 @@ def replayed_steps(recipe: Path, steps: int) -> list[list[tuple[int, int]]]:
     """The (tokens, completion tokens) of the chosen and rejected sequence of each train step, the pairs drawn as
     train draws them (loop.pair_stream from the seed)."""
     from lowmem_dpo import inputs, loop, models
-    from lowmem_dpo.config import load_config
+    from lowmem_dpo.recipe import load_config
 
     cfg = load_config(recipe)
     tok = inputs.tokenized(cfg, models.load_tokenizer(Path(cfg.model_name_or_path)), progress=False)

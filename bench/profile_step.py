@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from lowmem_dpo import devices, loop, train
-    from lowmem_dpo.config import load_config
+    from lowmem_dpo.recipe import load_config
 
     cfg = load_config(args.recipe, args.overrides)
     total = args.warmup + args.steps + args.profile

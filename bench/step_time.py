@@ -112,7 +112,7 @@ def matmul_limit(out: dict, cfg, device: str) -> None:
 
 # -- one device --------------------------------------------------------------------------------------------------
 def bench_device(device: str, args) -> dict:
-    from lowmem_dpo.config import load_config
+    from lowmem_dpo.recipe import load_config
 
     reason = unavailable_reason(device)
     if reason:

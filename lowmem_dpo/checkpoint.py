@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo import files
-from lowmem_dpo.config import RESUMABLE, RUN_LENGTH
-from lowmem_dpo.errors import UserError, log
+from lowmem_dpo.coerce import coerce
+from lowmem_dpo.config import HINTS, RESUMABLE, RUN_LENGTH
+from lowmem_dpo.errors import ConfigError, UserError, log
 
 FOLDER = "checkpoints"
 STATE = "trainer_state.json"
@@ -183,7 +184,16 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     """Config keys whose values differ from the checkpoint's, except those declared resumable (config.py): those
     that change nothing the run computes, and those that set its length (RUN_LENGTH)."""
     keys = (set(saved) | set(current)) - RESUMABLE - RUN_LENGTH
-    return sorted(k for k in keys if saved.get(k) != current.get(k))
+    return sorted(k for k in keys if _declared(k, saved.get(k)) != _declared(k, current.get(k)))
+
+
+def _declared(key: str, value):
+    """A config value as its key's declared type, so that an older spelling compares equal (loss_type: sigmoid was
+    a string before it could be a list); as it is when it does not coerce."""
+    try:
+        return coerce(key, value, HINTS[key]) if key in HINTS and value is not None else value
+    except ConfigError:
+        return value
 
 
 def input_changes(saved: dict, current: dict) -> list[str]:

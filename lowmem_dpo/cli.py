@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Callable
 
-from lowmem_dpo.config import help_text
+import yaml
+
+from lowmem_dpo.coerce import describe
+from lowmem_dpo.config import HINTS, Config
 from lowmem_dpo.errors import EXIT_USAGE, UserError
+
+
+def help_text(stage: str, command_doc: str) -> str:
+    """--help of a stage that takes a recipe: its command doc, then every Config key with type, default and doc."""
+    lines = [command_doc.strip(), "", f"usage: python -m lowmem_dpo.{stage} RECIPE.yaml [key=value ...]", "",
+             "keys (type, default: doc):"]
+    for f in dataclasses.fields(Config):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {f.name} ({describe(HINTS[f.name])}, default {yaml.safe_dump(default).strip()!s}"
+                     f"{' ; choices ' + '|'.join(f.metadata['choices']) if f.metadata['choices'] else ''}): "
+                     f"{f.metadata['doc']}")
+    return "\n".join(lines)
 
 
 def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, stage: str, doc: str,

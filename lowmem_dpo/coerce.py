@@ -27,6 +27,8 @@ def describe(tp) -> str:
         return "|".join(map(str, typing.get_args(tp)))
     if tp is list:
         return "list of str"
+    if origin is list:
+        return f"list of {typing.get_args(tp)[0].__name__}"
     return tp.__name__
 
 
@@ -101,6 +103,9 @@ def coerce(name: str, raw, tp, choices: tuple = ()):
         return coerce(name, raw, inner, choices)
     if raw is None or (tp in (int, float, bool) and isinstance(raw, str) and raw.strip().lower() in NULLS):
         raise ConfigError(f"{name}=null: expected {describe(tp)}, and this key cannot be null")
+    if typing.get_origin(tp) is list:  # list[float]: each entry as that type
+        item = typing.get_args(tp)[0]
+        return [CONVERTERS[item](name, v) for v in (raw if isinstance(raw, (list, tuple)) else _to_list(name, raw))]
     if tp not in CONVERTERS:
         raise AssertionError(f"unhandled config type {tp} for {name}")
     return CONVERTERS[tp](name, raw)
@@ -109,6 +114,10 @@ def coerce(name: str, raw, tp, choices: tuple = ()):
 def check_bounds(name: str, value, meta: dict) -> None:
     """ConfigError when `value` is outside the field's choices or [min, max] (metadata of config._f)."""
     if value is None:
+        return
+    if isinstance(value, list):  # a list key: each entry
+        for v in value:
+            check_bounds(name, v, meta)
         return
     if meta["choices"] is not None and value not in meta["choices"]:
         raise ConfigError(f"{name}={value!r}: expected one of {', '.join(meta['choices'])}")

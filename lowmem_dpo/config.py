@@ -1,4 +1,5 @@
-"""One typed config for every stage: a YAML recipe plus `key=value` overrides.
+"""One typed config for every stage: the keys, their types, docs and bounds, and the checks across keys. A recipe
+and its overrides become a Config in recipe.py:
 
     python -m lowmem_dpo.train RECIPE.yaml learning_rate=1e-4 max_prompt_length=null
 
@@ -12,17 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import re
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar, Optional
 
 import yaml
 
-from lowmem_dpo.coerce import check_bounds, coerce, describe
-from lowmem_dpo.errors import ConfigError, UserError
+from lowmem_dpo.errors import UserError
 from lowmem_dpo.units import parse_size
 
 
@@ -99,6 +97,9 @@ class Config:
                          min=2, reference="value")
     max_prompt_length: Optional[int] = _f(None, "If set, the prompt is first cut from the left to this many tokens.",
                                           min=1, reference="value")
+    chat_template: Optional[str] = _f(None, "Jinja chat template for conversational rows, in place of the "
+                                      "tokenizer's: a file (e.g. template.jinja) or the template text itself. Its "
+                                      "text enters the cache fingerprint.", reference="files")
     strict: bool = _f(False, "Refuse the data instead of skipping unusable rows (an empty value, chosen identical to "
                       "rejected, a prompt alone reaching max_length); README, Data checks. Not a cache key: it only "
                       "turns skips into errors, the rows kept are the same.", resumable=True)
@@ -130,8 +131,10 @@ class Config:
     # -- DPO loss ------------------------------------------------------------------------------------------------
     beta: float = _f(0.1, "DPO temperature: strength of the pull towards the reference.", min=0.0,
                      min_exclusive=True)
-    loss_type: str = _f("sigmoid", "sigmoid (DPO), hinge (SLiC), ipo (length-normalised, as TRL), robust (rDPO).",
-                        choices=("sigmoid", "hinge", "ipo", "robust"))
+    loss_type: list = _f(["sigmoid"], "sigmoid (DPO), hinge (SLiC), ipo (length-normalised, as TRL), robust (rDPO), "
+                         "sft (mean NLL of the chosen tokens); a list sums its terms, weighted by loss_weights, as "
+                         "TRL: [sigmoid, sft] is RPO.", choices=("sigmoid", "hinge", "ipo", "robust", "sft"))
+    loss_weights: Optional[list[float]] = _f(None, "One weight per loss_type entry; null: 1 each.", min=0.0)
     label_smoothing: float = _f(0.0, "Assumed fraction of flipped labels (cDPO for sigmoid, rDPO for robust).",
                                 min=0.0, max=0.5)
     # -- optimizer and schedule ----------------------------------------------------------------------------------
@@ -208,7 +211,8 @@ class Config:
                     problems.append(f"{key}={value}: ref_source=live computes the reference with the policy's own "
                                     f"base ({policy_key}={getattr(self, policy_key)}); set {key}=null or use "
                                     "ref_source=cache")
-        if self.loss_type == "robust" and self.label_smoothing >= 0.5:
+        problems += self._loss_problems()
+        if "robust" in self.loss_type and self.label_smoothing >= 0.5:
             problems.append(f"label_smoothing={self.label_smoothing}: loss_type=robust needs it below 0.5 "
                             "(it divides by 1 - 2*label_smoothing)")
         problems += self._eval_problems()
@@ -229,6 +233,15 @@ class Config:
                 re.compile(regexes[0])
             except re.error as e:
                 problems.append(f"lora_target_modules={regexes[0]!r} is not a valid regex ({e})")
+        return problems
+
+    def _loss_problems(self) -> list[str]:
+        problems = []
+        if not self.loss_type or len(set(self.loss_type)) < len(self.loss_type):
+            problems.append(f"loss_type={self.loss_type}: name each loss once, at least one")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            problems.append(f"loss_weights={self.loss_weights} has {len(self.loss_weights)} weights for "
+                            f"loss_type={self.loss_type}: give one per loss, in its order (or null: 1 each)")
         return problems
 
     def _eval_problems(self) -> list[str]:
@@ -270,6 +283,17 @@ class Config:
         return EVAL_METRICS[self.best_metric_name] if self.greater_is_better is None else self.greater_is_better
 
     @property
+    def loss_terms(self) -> list[tuple[str, float]]:
+        """(loss type, weight) of each loss_type entry, in order."""
+        return list(zip(self.loss_type, self.loss_weights or [1.0] * len(self.loss_type)))
+
+    @property
+    def preference_loss(self) -> str | None:
+        """The preference term of loss_type (the first that is not sft), which the warning signs judge; None when
+        loss_type is [sft] alone."""
+        return next((t for t in self.loss_type if t != "sft"), None)
+
+    @property
     def peft_target_modules(self) -> str | list[str]:
         """lora_target_modules as peft's LoraConfig takes them: the string all-linear; one entry with regex
         characters, as a string (peft matches it against each module's full name); else the list of names
@@ -301,81 +325,7 @@ EVAL_METRICS = {"eval_loss": False, "eval_rewards/chosen": True, "eval_rewards/r
                 "eval_logps/rejected": False, "eval_gen/repetition": False}
 # A lora_target_modules entry with one of these is a regex ('.' alone is not: self_attn.q_proj is a name).
 REGEX_CHARS = frozenset("*+?[](){}|^$\\")
-_HINTS = typing.get_type_hints(Config)
-
-
-def parse_overrides(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r}: expected key=value (see --help for the keys)")
-        out[key.strip()] = value
-    return out
-
-
-def build_config(values: dict, sources: dict | None = None) -> Config:
-    """Coerce and validate a mapping of raw values; collect every problem and raise once.
-
-    `sources` maps a key to where its value came from (a recipe path or "override"), for the messages."""
-    sources = sources or {}
-    problems, kwargs = [], {}
-    for key, raw in values.items():
-        where = f" (in {sources[key]})" if key in sources else ""
-        if key not in FIELDS:
-            close = difflib.get_close_matches(key, FIELDS, n=3)
-            hint = f"did you mean {', '.join(close)}?" if close else "see --help for the keys"
-            problems.append(f"{key}: unknown key{where}; {hint}")
-            continue
-        try:
-            value = coerce(key, raw, _HINTS[key], FIELDS[key].metadata["choices"] or ())
-            check_bounds(key, value, FIELDS[key].metadata)
-            kwargs[key] = value
-        except ConfigError as e:
-            problems.append(f"{e}{where}")
-    if problems:
-        raise ConfigError("; ".join(problems))
-    cfg = Config(**kwargs)
-    cfg.explicit_keys = frozenset(kwargs)
-    problems = cfg.validate()
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return cfg
-
-
-def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
-    """Recipe YAML, then overrides on top, coerced and validated as one."""
-    values: dict = {}
-    if recipe is not None:
-        path = Path(recipe)
-        if not path.is_file():
-            raise ConfigError(f"recipe {str(path)!r} not found: pass the path of a YAML recipe, e.g. "
-                              "recipes/tiny-cpu.yaml")
-        try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"recipe {str(path)!r}: expected a mapping of key: value at the top level")
-        values.update(loaded)
-    sources = {k: f"recipe {recipe}" for k in values}
-    for key, value in parse_overrides(list(overrides)).items():
-        values[key] = value
-        sources[key] = "override"
-    return build_config(values, sources)
-
-
-def help_text(stage: str, command_doc: str) -> str:
-    lines = [command_doc.strip(), "", f"usage: python -m lowmem_dpo.{stage} RECIPE.yaml [key=value ...]", "",
-             "keys (type, default: doc):"]
-    for f in dataclasses.fields(Config):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name} ({describe(_HINTS[f.name])}, default {yaml.safe_dump(default).strip()!s}"
-                     f"{' ; choices ' + '|'.join(f.metadata['choices']) if f.metadata['choices'] else ''}): "
-                     f"{f.metadata['doc']}")
-    return "\n".join(lines)
+HINTS = typing.get_type_hints(Config)
 
 
 def keys_where(**meta) -> frozenset[str]:

@@ -18,7 +18,8 @@ from lowmem_dpo.files import files_digest
 # cache has always called the reference's resolved precision "dtype" and "quantization".
 COMPONENT_NAMES = {"ref_dtype": "dtype", "ref_quantization": "quantization"}
 # The keys declared reference="files" (config.py), each read by file_components: a new one needs a line there.
-FILE_KEYS = frozenset({"model_name_or_path", "sft_adapter", "dataset", "dataset_split", "eval_dataset", "eval_split"})
+FILE_KEYS = frozenset({"model_name_or_path", "sft_adapter", "dataset", "dataset_split", "eval_dataset", "eval_split",
+                       "chat_template"})
 
 
 @dataclass
@@ -46,7 +47,7 @@ def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, to
     dataset_split, eval_dataset, eval_split), by the content of the files they name: the base's weights and
     config, the SFT adapter's files (the reference is base + adapter; adapter_mode is not in it, see
     adapters.py), the tokenizer's files, and the datasets' bytes (data_component; `rows`: dataset's, when
-    loaded). "eval_dataset" is there only when it is set, so a cache built without eval data keeps its
+    loaded). "eval_dataset" and "chat_template" are there only when set, so a cache built without them keeps its
     fingerprint; eval_fraction is not in it (the cache holds every row of dataset)."""
     out = {
         "model": files_digest(models.weight_files(model_path)),
@@ -56,6 +57,8 @@ def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, to
     }
     if cfg.eval_dataset is not None:
         out["eval_dataset"] = data_component(cfg.eval_dataset, cfg.eval_split)
+    if cfg.chat_template is not None:  # the text it names, by content (a file's path may stay as its text changes)
+        out["chat_template"] = hashlib.sha256(models.chat_template_text(cfg.chat_template).encode()).hexdigest()
     return out
 
 
@@ -75,7 +78,7 @@ def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, ad
 
 def prepare(cfg: Config, resolved: Resolved) -> Inputs:
     source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)  # the stages log source.description
-    tokenizer = models.load_tokenizer(source.tokenizer_path)
+    tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template)
     return Inputs(source.base_path, source, tokenizer,
                   fingerprint_components(cfg, resolved, source.base_path, source.adapter_path, source.tokenizer_path))
 

@@ -193,10 +193,27 @@ def tokenizer_files(path: Path) -> list[Path]:
     return [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
 
 
-def load_tokenizer(path: Path):
+def chat_template_text(spec: str) -> str:
+    """The Jinja text that the chat_template key names: a file's content, or the key's value itself when it is a
+    template (it has {{ or {%); a UserError otherwise."""
+    path = Path(spec)
+    if "{{" not in spec and "{%" not in spec:
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise UserError(f"chat_template={spec!r}: not a readable file ({type(e).__name__}) and not a Jinja "
+                            "template (it has no {{ or {%); give the path of a .jinja file or the template "
+                            "text") from None
+    return spec
+
+
+def load_tokenizer(path: Path, chat_template: str | None = None):
+    """The tokenizer in `path`; `chat_template` (the config key: a file or the template) replaces its template."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tok.chat_template = chat_template_text(chat_template)
     return tok
 
 

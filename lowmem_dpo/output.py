@@ -46,12 +46,15 @@ def open_metrics(s, out_dir: Path):
     return open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
 
 
-def save_adapter(model, out_dir: Path) -> None:
-    """PEFT adapter files into out_dir, each replaced atomically (a crash leaves the old file or the new one)."""
+def save_adapter(model, out_dir: Path, tokenizer=None) -> None:
+    """PEFT adapter files (and the tokenizer's, with the chat template the run used, as transformers' Trainer
+    saves them) into out_dir, each replaced atomically (a crash leaves the old file or the new one)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out_dir))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         for f in sorted(tmp.iterdir()):
             os.chmod(f, 0o644)
             os.replace(f, out_dir / f.name)
@@ -69,7 +72,7 @@ def save_final(s, out_dir: Path) -> None:
     then = checkpoint.resume_note(s.cfg.output_dir)
     files.ensure_free_space(out_dir, need, "the adapter", then)
     try:
-        save_adapter(s.model, out_dir)
+        save_adapter(s.model, out_dir, s.tokenizer)
     except OSError as e:
         if files.is_disk_full(e):
             raise files.disk_full_error(out_dir, "the adapter", need, then) from None

@@ -42,12 +42,13 @@ from pathlib import Path
 
 from lowmem_dpo import adapters, measure, models
 from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import Config, load_config
+from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
 from lowmem_dpo.memory.model import Prediction, StagePrediction, predict
 from lowmem_dpo.memory.search import Plan, choose, stage_offload
 from lowmem_dpo.memory.setup import Setup, default_budget, planned_device, setup_from_config
+from lowmem_dpo.recipe import load_config
 from lowmem_dpo.units import fmt, parse_size
 
 EXIT_NO_FIT = 1

@@ -21,11 +21,12 @@ import torch
 
 from lowmem_dpo import adapters, cache, data, devices, files, headcheck, inputs, models, preflight
 from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import Config, load_config
+from lowmem_dpo.config import Config
 from lowmem_dpo.errors import log
 from lowmem_dpo.logps import batch_logps
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
+from lowmem_dpo.recipe import load_config
 
 EVAL_PREFIX = "eval-"  # the eval_dataset rows' shards: eval-shard-00000.safetensors ...
 

@@ -29,8 +29,8 @@ import torch
 
 from lowmem_dpo import cache, data, devices, files, inputs
 from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import load_config
 from lowmem_dpo.errors import log
+from lowmem_dpo.recipe import load_config
 
 REPORT = "preflight.json"
 QUANTILES = {"p5": 0.05, "p25": 0.25, "p50": 0.5, "p75": 0.75, "p95": 0.95}

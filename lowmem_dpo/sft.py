@@ -25,9 +25,10 @@ import torch
 
 from lowmem_dpo import adapters, data, devices, headcheck, inputs, loop, models, policy, resuming
 from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import Config, load_config
+from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.logps import batch_logps
+from lowmem_dpo.recipe import load_config
 from lowmem_dpo.tiny import BUILTIN_PREFIX
 
 SFT_METRICS = ("eval_loss", "eval_gen/repetition")  # the eval metrics an SFT run logs (metric_for_best_model)
@@ -131,7 +132,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     device_map = policy.apply_plan(adapters.planned_lora(cfg, source), resolved, source.base_path)
     policy.check_bitsandbytes(resolved)
     log(source.description)
-    tokenizer = models.load_tokenizer(source.tokenizer_path)
+    tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template)
     d = inputs.load_data(cfg, tokenizer, progress, sft=True)  # logs the rows it skips and the eval split
     files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, d.rows)
     trains_on = inputs.run_inputs(files, d.train)  # no reference cache in SFT

@@ -32,10 +32,11 @@ from lowmem_dpo import (
     resuming,
 )
 from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import Config, load_config
+from lowmem_dpo.config import Config
 from lowmem_dpo.errors import log
 from lowmem_dpo.logps import batch_logps
 from lowmem_dpo.loss import dpo_loss
+from lowmem_dpo.recipe import load_config
 
 METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                "logps/chosen", "logps/rejected")
@@ -87,7 +88,7 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     chosen, rejected = policy_logps.split()  # (B,) each
     losses, r_chosen, r_rejected = dpo_loss(
         chosen.logps, rejected.logps, ref_chosen.to(device), ref_rejected.to(device),
-        beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
+        beta=cfg.beta, loss_type=cfg.preference_loss, label_smoothing=cfg.label_smoothing,
         chosen_lengths=chosen.n_tokens, rejected_lengths=rejected.n_tokens)
     stats = StepStats(pairs=len(pairs), tokens=batch.num_tokens, chosen_tokens=int(chosen.n_tokens.sum()))
     s = stats.sums
@@ -149,7 +150,7 @@ class DPO:
         w, cfg = s.window, s.cfg
         tokens = w.chosen_tokens / w.pairs
         return guards.warning_signs(w.means(), s.step, s.steps, cfg.beta, tokens,
-                                    guards.thresholds(cfg.loss_type, cfg.beta, cfg.label_smoothing, tokens))
+                                    guards.thresholds(cfg.preference_loss, cfg.beta, cfg.label_smoothing, tokens))
 
     def postfix(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}", "acc": f"{line['rewards/accuracies']:.2f}",

@@ -42,7 +42,7 @@ def tokenizer(tiny_path):
 @pytest.fixture
 def make_cfg(tmp_path):
     """Config for the tiny model and shipped data, writing under tmp_path; keyword args override."""
-    from lowmem_dpo.config import build_config
+    from lowmem_dpo.recipe import build_config
 
     def make(**overrides):
         values = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA),

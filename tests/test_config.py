@@ -7,15 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowmem_dpo.config import (
-    FIELDS,
-    Config,
-    ConfigError,
-    build_config,
-    cache_settings,
-    keys_where,
-    load_config,
-)
+from lowmem_dpo.config import FIELDS, Config, cache_settings, keys_where
+from lowmem_dpo.errors import ConfigError
+from lowmem_dpo.recipe import build_config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -168,7 +162,8 @@ ALTERNATIVES = {
     "cache_shard_rows": 64, "ref_source": "live", "eval_dataset": "held-out.jsonl", "eval_split": "validation",
     "eval_fraction": 0.1, "eval_steps": 5, "eval_max_pairs": 8, "metric_for_best_model": "eval_rewards/accuracies",
     "greater_is_better": True, "load_best_model_at_end": True, "eval_generations": 2, "max_new_tokens": 8,
-    "report_to": "tensorboard", "share_prompt": "false",
+    "report_to": "tensorboard", "share_prompt": "false", "loss_weights": [2.0],
+    "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
 }
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lowmem_dpo import devices
-from lowmem_dpo.config import load_config
 from lowmem_dpo.errors import UserError
+from lowmem_dpo.recipe import load_config
 
 
 def test_auto_on_cpu_follows_the_table():

@@ -11,8 +11,8 @@ from conftest import REPO, TINY_DATA, write_jsonl
 from safetensors.torch import load_file
 
 from lowmem_dpo import checkpoint, data, evaluation, loop, precompute, sft, train
-from lowmem_dpo.config import load_config
 from lowmem_dpo.errors import UserError
+from lowmem_dpo.recipe import load_config
 
 
 def lines(path):
@@ -254,7 +254,7 @@ def test_metric_for_best_model_must_be_one_the_stage_logs(make_cfg, split_files,
     """An SFT run logs no rewards: a DPO metric for the best checkpoint is refused before anything loads (exit 2),
     as is the samples' repetition without samples; never a best that silently never comes."""
     from lowmem_dpo.cli import run_cli
-    from lowmem_dpo.config import ConfigError
+    from lowmem_dpo.errors import ConfigError
 
     train_file, eval_file = split_files
     args = [f"dataset={train_file}", f"eval_dataset={eval_file}", "metric_for_best_model=rewards/accuracies",

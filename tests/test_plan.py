@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-from lowmem_dpo.config import build_config, load_config
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.measure import PeakMeter, at_measured_shapes, measure
 from lowmem_dpo.memory.arch import (
@@ -32,6 +31,7 @@ from lowmem_dpo.memory.model import (
 )
 from lowmem_dpo.memory.search import choose
 from lowmem_dpo.memory.setup import Setup, setup_from_config
+from lowmem_dpo.recipe import build_config, load_config
 from lowmem_dpo.units import GiB, MiB, parse_size
 
 REPO = ARCHS_DIR.parents[1]

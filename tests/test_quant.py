@@ -14,8 +14,8 @@ from conftest import TINY_DATA, write_jsonl
 
 from lowmem_dpo import cache, data, devices, loop, models, policy, precompute, train
 from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import load_config
 from lowmem_dpo.errors import UserError
+from lowmem_dpo.recipe import load_config
 
 LN2 = math.log(2)
 
@@ -161,7 +161,7 @@ def test_missing_bitsandbytes_is_a_user_error(small, tmp_path, monkeypatch, caps
 
 
 def test_live_reference_must_use_the_policy_settings():
-    from lowmem_dpo.config import ConfigError
+    from lowmem_dpo.errors import ConfigError
 
     with pytest.raises(ConfigError, match="ref_quantization=none: ref_source=live"):
         load_config(None, ["ref_source=live", "quantization=4bit", "ref_quantization=none"])

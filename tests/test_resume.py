@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from lowmem_dpo import cache, checkpoint, files, guards, loop, output, precompute, train
 from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import build_config
 from lowmem_dpo.errors import UserError
+from lowmem_dpo.recipe import build_config
 
 # lora_dropout > 0: the resumed run must restore the RNG too, not only the weights and the optimizer.
 RUN = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", dtype="float32",
@@ -176,7 +176,7 @@ def test_full_disk_while_checkpointing_exits_2_and_keeps_the_last_checkpoint(bui
 def test_full_disk_at_the_final_adapter_points_to_the_final_checkpoint(built, tmp_path, monkeypatch, capsys):
     """The disk fills up after the last checkpoint, as the adapter is written (simulated: ENOSPC from the
     save): exit 2, and the message says the rerun resumes from that checkpoint."""
-    def full(model, out_dir):
+    def full(model, out_dir, tokenizer=None):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(output, "save_adapter", full)

@@ -16,7 +16,7 @@ import transformers
 from conftest import TINY_DATA
 
 from lowmem_dpo import data, devices, guards, policy, samples
-from lowmem_dpo.config import build_config
+from lowmem_dpo.recipe import build_config
 
 CPU = torch.device("cpu")
 

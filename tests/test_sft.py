@@ -8,13 +8,14 @@ import pytest
 import torch
 from conftest import REPO, TINY_DATA, write_jsonl
 from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
 
 from lowmem_dpo import adapters, cache, data, devices, inputs, loop, policy, precompute, sft, train
 from lowmem_dpo.checkpoint import read_state
 from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import build_config
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.models import load_model, model_source
+from lowmem_dpo.recipe import build_config
 
 
 @pytest.fixture(scope="module")
@@ -238,11 +239,13 @@ def test_the_adapter_folder_supplies_planning_and_its_saved_tokenizer(sft_dir, t
         4, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
     merged_mode = tiny_cfg(tmp_path, model_name_or_path=str(sft_dir), adapter_mode="new_on_merged")
     assert adapters.planned_lora(merged_mode, model_source(str(sft_dir))) is merged_mode  # a fresh adapter
-    assert model_source(str(sft_dir)).tokenizer_path == tiny_path
-    with_tokenizer = tmp_path / "with-tokenizer"
-    shutil.copytree(sft_dir, with_tokenizer)
-    tokenizer.save_pretrained(with_tokenizer)
-    assert model_source(str(with_tokenizer)).tokenizer_path == with_tokenizer
+    assert model_source(str(sft_dir)).tokenizer_path == sft_dir  # sft saves the tokenizer beside the adapter
+    bare = tmp_path / "bare"  # an adapter folder without one (another trainer's): the base's
+    bare.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(sft_dir / name, bare / name)
+    assert model_source(str(bare)).tokenizer_path == tiny_path
+    assert AutoTokenizer.from_pretrained(sft_dir)("a b").input_ids == tokenizer("a b").input_ids
 
 
 def test_lora_conflicts_name_only_keys_the_user_set():

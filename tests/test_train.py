@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from lowmem_dpo import data, loop, policy, precompute, train
-from lowmem_dpo.config import build_config
 from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.models import load_model
+from lowmem_dpo.recipe import build_config
 
 
 def metrics(cfg):
@@ -123,7 +123,7 @@ def test_demo_recipe_learns(tmp_path):
     """What `make demo` runs: the last logged rewards/accuracies reach 0.9."""
     from conftest import REPO
 
-    from lowmem_dpo.config import load_config
+    from lowmem_dpo.recipe import load_config
 
     cfg = load_config(REPO / "recipes" / "tiny-cpu.yaml", [f"dataset={REPO / 'data' / 'tiny-prefs.jsonl'}",
                                                            f"output_dir={tmp_path / 'demo'}",
