@@ -21,6 +21,7 @@ from typing import ClassVar, Optional
 import yaml
 
 from lowmem_dpo.errors import UserError
+from lowmem_dpo.sources import Source, yaml_form
 from lowmem_dpo.units import parse_size
 
 
@@ -30,7 +31,8 @@ def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fal
 
     reference: the key changes the reference log-probs, so it enters the cache fingerprint (and train refuses a
       cache built at another value): "value" by its value (cache_settings), "files" by the content of the files
-      it names (inputs.fingerprint_components: model weights, tokenizer, adapter, dataset). None: it does not.
+      it names (inputs.file_components: model weights, tokenizer, adapter, dataset; max_train_samples with the
+      dataset's rows it selects). None: it does not.
     resumable: the key may change between a run and its resumption from a checkpoint: it changes neither the
       numbers the run computes nor the data it sees (output places, logging, saving, guards). "length": the key
       sets how long the run is (max_steps, num_train_epochs): changing it continues the run, the schedule
@@ -55,11 +57,15 @@ class Config:
     sft_adapter: Optional[str] = _f(None, "A PEFT LoRA adapter folder from an SFT stage, on model_name_or_path (a "
                                     "base): the reference is base + adapter (its files enter the cache "
                                     "fingerprint) and train continues it (adapter_mode).", reference="files")
-    dataset: str = _f("data/tiny-prefs.jsonl", "Preference rows {prompt, chosen, rejected}: a .jsonl/.json/"
-                      ".parquet/.csv file, a datasets save_to_disk folder, or a hub dataset name (online).",
-                      reference="files")
-    dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders).",
-                            reference="files")
+    dataset: list[Source] = _f([Source("data/tiny-prefs.jsonl")], "Preference rows {prompt, chosen, rejected}: a "
+                               ".jsonl/.json/.parquet/.csv file, a datasets save_to_disk folder, or a hub dataset "
+                               "name (online); or a mixture, a list of these or of {path, split, fraction | rows} "
+                               "(README, Mixtures).", reference="files")
+    dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders); "
+                            "a mixture's source may name its own.", reference="files")
+    max_train_samples: Optional[int] = _f(None, "Take at most this many rows of the dataset (of the mixture), "
+                                          "chosen by seed and each row's content, before eval_fraction holds "
+                                          "prompts out. null: all.", min=1, reference="files")
     output_dir: str = _f("runs/tiny", "Where train writes config.yaml, metrics.jsonl and the final LoRA adapter.",
                          resumable=True)
     ref_cache_dir: str = _f("runs/tiny-ref-cache", "Where precompute writes the reference log-prob cache and "
@@ -288,12 +294,6 @@ class Config:
         return list(zip(self.loss_type, self.loss_weights or [1.0] * len(self.loss_type)))
 
     @property
-    def preference_loss(self) -> str | None:
-        """The preference term of loss_type (the first that is not sft), which the warning signs judge; None when
-        loss_type is [sft] alone."""
-        return next((t for t in self.loss_type if t != "sft"), None)
-
-    @property
     def peft_target_modules(self) -> str | list[str]:
         """lora_target_modules as peft's LoraConfig takes them: the string all-linear; one entry with regex
         characters, as a string (peft matches it against each module's full name); else the list of names
@@ -314,7 +314,8 @@ class Config:
         return self.dtype if self.ref_dtype is None else self.ref_dtype
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(dataclasses.asdict(self), sort_keys=False)
+        values = {f.name: yaml_form(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return yaml.safe_dump(values, sort_keys=False)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -76,15 +76,22 @@ LOSS_LIMITS = {
     # as long; with rejected much longer than chosen the summed margin at the optimum is above n/2.
     "ipo": LossLimits(lambda beta, n: n, "twice IPO's optimum of 1/(2 beta) nats per token over {tokens:.0f} "
                       "chosen tokens: the loss is back above its value at the start", None),
+    # No single preference loss (loss_type [sft], or several preference terms summed): the margin sign stays,
+    # its limit the sigmoid's; the loss is no known function of the margin, so no early-loss sign.
+    None: LossLimits(lambda beta, n: 10.0, "the pairs are separated well beyond what DPO needs; growth now only "
+                     "pushes log-probs apart", None),
 }
 
 
-def thresholds(loss_type: str, beta: float, label_smoothing: float, tokens_per_pair: float) -> Thresholds:
-    """The warning-sign limits of a run with this loss, beta, label smoothing and mean chosen tokens per pair."""
+def thresholds(loss_type: str | None, beta: float, label_smoothing: float, tokens_per_pair: float,
+               weight: float = 1.0) -> Thresholds:
+    """The warning-sign limits of a run with this preference loss (None: none to judge alone, see LOSS_LIMITS),
+    its weight in the loss (the early limit scales with it), beta, label smoothing and mean chosen tokens per
+    pair."""
     limits = LOSS_LIMITS[loss_type]
     return Thresholds(margin=limits.margin(beta, tokens_per_pair),
                       margin_why=limits.margin_why.format(tokens=tokens_per_pair),
-                      early_loss=None if limits.early_loss is None else limits.early_loss(label_smoothing))
+                      early_loss=None if limits.early_loss is None else weight * limits.early_loss(label_smoothing))
 
 
 def nonfinite(*values: float) -> bool:

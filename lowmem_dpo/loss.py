@@ -12,6 +12,10 @@ Delta = r_c - r_r, each variant returns a per-pair loss:
            (-(1 - e) log s(b Delta) + e log s(-b Delta)) / (1 - 2e)
 
 Rewards are the implicit DPO rewards b * r_c and b * r_r, detached (for logging).
+
+A list of loss types sums its terms with weights, as TRL 1.16's `loss_type` and `loss_weights`: the preference
+terms per pair (preference_losses), and `sft`, the mean NLL of the chosen completion tokens (sft_shares), the
+NLL term of RPO (Pang et al. 2024, arXiv:2404.19733) that keeps chosen log-probs from falling.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")  # preference losses; "sft" is the NLL term (sft_shares)
 
 
 # Each: (delta (B,), norm_delta (B,) or None) -> per-pair loss (B,)
@@ -74,3 +78,37 @@ def dpo_loss(
     chosen_rewards = beta * chosen_logratios.detach()
     rejected_rewards = beta * rejected_logratios.detach()
     return losses, chosen_rewards, rejected_rewards
+
+
+def preference_losses(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    beta: float,
+    terms: list[tuple[str, float]],
+    label_smoothing: float = 0.0,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weighted sum of dpo_loss's per-pair losses (B,) over the preference terms of `terms` ((loss type,
+    weight) pairs; sft is skipped: see sft_shares), and the chosen and rejected rewards (B,) each. With no
+    preference term (loss_type [sft]) the losses are zeros."""
+    losses = torch.zeros_like(policy_chosen_logps)  # (B,)
+    for loss_type, weight in terms:
+        if loss_type != "sft":
+            term, _, _ = dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                                  beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+                                  chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
+            losses = losses + weight * term  # (B,)
+    chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps).detach()  # (B,)
+    rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps).detach()  # (B,)
+    return losses, chosen_rewards, rejected_rewards
+
+
+def sft_shares(policy_chosen_logps: torch.Tensor, chosen_tokens: int) -> torch.Tensor:
+    """Each pair's share (B,) of the sft term, -log pi(y_c|x) / chosen_tokens, where chosen_tokens counts the
+    chosen completion tokens of every pair the term averages over (an optimizer step's): summed over those pairs,
+    the mean NLL per chosen token, however the pairs are split into micro-batches."""
+    return -policy_chosen_logps / max(1, chosen_tokens)  # (B,)

@@ -35,7 +35,7 @@ from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import log
 from lowmem_dpo.logps import batch_logps
-from lowmem_dpo.loss import dpo_loss
+from lowmem_dpo.loss import preference_losses, sft_shares
 from lowmem_dpo.recipe import load_config
 
 METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -49,7 +49,9 @@ class StepStats:
     sums: dict = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
     pairs: int = 0
     tokens: int = 0
-    chosen_tokens: int = 0  # completion tokens of the chosen sides (per-token guard)
+    chosen_tokens: int = 0  # completion tokens of the chosen sides (per-token guard, the sft term)
+    nll: float = 0.0  # summed -log pi of the chosen completions: the sft term's numerator
+    sft_weight: float | None = None  # the sft term's weight when loss_type has sft; sums["loss"] excludes it
 
     def add(self, other: "StepStats") -> None:
         for k in METRIC_KEYS:
@@ -57,9 +59,16 @@ class StepStats:
         self.pairs += other.pairs
         self.tokens += other.tokens
         self.chosen_tokens += other.chosen_tokens
+        self.nll += other.nll
 
     def means(self) -> dict:
-        return {k: v / max(1, self.pairs) for k, v in self.sums.items()}
+        """TRL's metrics; with an sft term, also nll_loss (the mean NLL per chosen token), which the loss adds
+        with its weight."""
+        out = {k: v / max(1, self.pairs) for k, v in self.sums.items()}
+        if self.sft_weight is not None:
+            out["nll_loss"] = self.nll / max(1, self.chosen_tokens)
+            out["loss"] += self.sft_weight * out["nll_loss"]
+        return out
 
     @property
     def empty(self) -> bool:
@@ -76,21 +85,27 @@ def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
     return chosen.logps.cpu(), rejected.logps.cpu()
 
 
+def sft_weight(cfg: Config) -> float | None:
+    """The weight of loss_type's sft term, or None without one."""
+    return dict(cfg.loss_terms).get("sft")
+
+
 def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_id: int,
-                  resolved: devices.Resolved, shared: bool = False) -> tuple[torch.Tensor, StepStats]:
-    """The DPO losses (B,) of one micro-batch of pairs, and its metric sums (detached). shared: each prompt once
-    (data.collate_shared), the same log-probs."""
+                  resolved: devices.Resolved, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepStats]:
+    """The preference losses (B,) of one micro-batch of pairs, the policy's chosen log-probs (B,) (the sft
+    term's), and its metric sums (detached). shared: each prompt once (data.collate_shared), the same log-probs."""
     device = resolved.device
     batch = (data.collate_shared if shared else data.collate)(pairs, pad_id).to(device)
     with devices.autocast(resolved.device, resolved.dtype):
         ref_chosen, ref_rejected = reference_logps(model, batch, ref)
         policy_logps = batch_logps(model, batch)
     chosen, rejected = policy_logps.split()  # (B,) each
-    losses, r_chosen, r_rejected = dpo_loss(
+    losses, r_chosen, r_rejected = preference_losses(
         chosen.logps, rejected.logps, ref_chosen.to(device), ref_rejected.to(device),
-        beta=cfg.beta, loss_type=cfg.preference_loss, label_smoothing=cfg.label_smoothing,
+        beta=cfg.beta, terms=cfg.loss_terms, label_smoothing=cfg.label_smoothing,
         chosen_lengths=chosen.n_tokens, rejected_lengths=rejected.n_tokens)
-    stats = StepStats(pairs=len(pairs), tokens=batch.num_tokens, chosen_tokens=int(chosen.n_tokens.sum()))
+    stats = StepStats(pairs=len(pairs), tokens=batch.num_tokens, chosen_tokens=int(chosen.n_tokens.sum()),
+                      nll=-chosen.logps.detach().sum().item(), sft_weight=sft_weight(cfg))
     s = stats.sums
     s["loss"] += losses.detach().sum().item()
     s["rewards/chosen"] += r_chosen.sum().item()
@@ -99,18 +114,23 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     s["rewards/margins"] += (r_chosen - r_rejected).sum().item()
     s["logps/chosen"] += chosen.logps.detach().sum().item()
     s["logps/rejected"] += rejected.logps.detach().sum().item()
-    return losses, stats
+    return losses, chosen.logps, stats
 
 
 def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
                resolved: devices.Resolved, shared: bool = False) -> StepStats:
     """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params. The
-    loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it)."""
-    stats = StepStats()
+    loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it), and
+    the sft term the mean over all its chosen tokens."""
+    stats = StepStats(sft_weight=sft_weight(cfg))
     n_pairs = sum(len(pairs) for pairs in group)
+    chosen_tokens = sum(len(p.chosen_ids) for pairs in group for p in pairs)  # as logps counts them
     for pairs in group:
-        losses, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)
-        (losses.sum() / n_pairs).backward()
+        losses, chosen_logps, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)
+        loss = losses.sum() / n_pairs
+        if stats.sft_weight is not None:
+            loss = loss + stats.sft_weight * sft_shares(chosen_logps, chosen_tokens).sum()
+        loss.backward()
         stats.add(batch_stats)
     return stats
 
@@ -119,9 +139,9 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
 def eval_stats(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
                resolved: devices.Resolved, shared: bool = False) -> StepStats:
     """train_step's metric sums over held-out pairs, with no gradients."""
-    stats = StepStats()
+    stats = StepStats(sft_weight=sft_weight(cfg))
     for pairs in group:
-        stats.add(forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)[1])
+        stats.add(forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)[2])
     return stats
 
 
@@ -132,10 +152,11 @@ class DPO:
     ref: cache.RefCache | None  # None: ref_source=live
     eval_ref: cache.RefCache | None = None  # the eval pairs' reference (the same cache part, or its eval part)
     shared: bool = False  # each prompt once per pair (headcheck.decide_sharing)
+    sft_weight: float | None = None  # loss_type's sft term (train.sft_weight)
     name: str = "train"
 
     def new_stats(self) -> StepStats:
-        return StepStats()
+        return StepStats(sft_weight=self.sft_weight)
 
     def backward(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> StepStats:
         return train_step(s.model, s.cfg, loop.split(loop.by_length(pairs), s.micro_batch), self.ref, s.pad_id,
@@ -149,8 +170,13 @@ class DPO:
     def warning_signs(self, s: loop.Session) -> list[str]:
         w, cfg = s.window, s.cfg
         tokens = w.chosen_tokens / w.pairs
-        return guards.warning_signs(w.means(), s.step, s.steps, cfg.beta, tokens,
-                                    guards.thresholds(cfg.preference_loss, cfg.beta, cfg.label_smoothing, tokens))
+        means = w.means()
+        if w.sft_weight is not None:  # the signs judge the preference loss: the sft term has its own scale
+            means["loss"] -= w.sft_weight * means["nll_loss"]
+        prefs = [(t, weight) for t, weight in cfg.loss_terms if t != "sft"]
+        judged, weight = prefs[0] if len(prefs) == 1 else (None, 1.0)  # several summed: no single loss's limits
+        return guards.warning_signs(means, s.step, s.steps, cfg.beta, tokens,
+                                    guards.thresholds(judged, cfg.beta, cfg.label_smoothing, tokens, weight))
 
     def postfix(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}", "acc": f"{line['rewards/accuracies']:.2f}",
@@ -199,7 +225,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
             f"share_prompt and this run {'shares' if shared else 'does not share'} prompts: in "
             f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
             "off ln 2; rebuild the cache (rm -r it, then precompute) for an exact start")
-    return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref, shared), resume, trains_on, d.eval,
+    return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref, shared, sft_weight(cfg)), resume, trains_on, d.eval,
                       ins.tokenizer)
 
 

@@ -42,8 +42,16 @@ def test_thresholds_hand_computed(loss_type, beta, e, tokens, margin, early):
 
 
 def test_every_loss_type_has_limits():
-    assert set(guards.LOSS_LIMITS) == set(LOSS_TYPES)
+    assert set(guards.LOSS_LIMITS) == {*LOSS_TYPES, None}  # None: no single preference loss to judge
     assert guards.thresholds("sigmoid", 0.1, 0.0, 20.0) == guards.Thresholds()  # the default is the sigmoid's
+
+
+def test_a_weighted_or_missing_preference_loss_moves_or_drops_the_early_limit():
+    """loss_type [sigmoid, sft] with sigmoid weighted 2: the preference part is 2x the sigmoid loss, so its early
+    limit is 2 x 0.05; loss_type [sft] (or several preference terms) has no early limit, the sigmoid's margin."""
+    assert guards.thresholds("sigmoid", 0.1, 0.0, 20.0, weight=2.0).early_loss == pytest.approx(0.1)
+    none = guards.thresholds(None, 0.1, 0.0, 20.0)
+    assert (none.margin, none.early_loss) == (10.0, None)
 
 
 def _loss(loss_type: str, reward_margin: float, beta: float, e: float = 0.0, tokens: int = 20) -> float:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lowmem_dpo.loss import dpo_loss
+from lowmem_dpo.loss import dpo_loss, preference_losses, sft_shares
 
 # One pair: policy chosen -10, rejected -12; reference -11 for both.
 #   r_c = -10 - (-11) = 1,  r_r = -12 - (-11) = -1,  Delta = r_c - r_r = 2.
@@ -72,3 +72,21 @@ def test_gradient_pushes_chosen_up():
 def test_unknown_loss_type():
     with pytest.raises(ValueError, match="loss_type"):
         dpo_loss(PC, PR, RC, RR, beta=0.1, loss_type="nope")
+
+
+def test_loss_list_sums_weighted_terms_by_hand():
+    """[sigmoid, hinge] weights [2, 0.5], beta 0.5 (b*Delta = 1): 2 * 0.31326169 + 0.5 * max(0, 1 - 1) = 0.62652338.
+    sft is not a per-pair preference term: it adds nothing here (sft_shares)."""
+    losses, rc, rr = preference_losses(PC, PR, RC, RR, beta=0.5, terms=[("sigmoid", 2.0), ("hinge", 0.5),
+                                                                        ("sft", 3.0)])
+    assert losses.item() == pytest.approx(0.62652338, abs=1e-6)
+    assert rc.item() == pytest.approx(0.5) and rr.item() == pytest.approx(-0.5)
+    only_sft, _, _ = preference_losses(PC, PR, RC, RR, beta=0.5, terms=[("sft", 1.0)])
+    assert only_sft.item() == 0.0
+
+
+def test_sft_shares_sum_to_the_mean_nll_per_chosen_token():
+    """Chosen log-prob sums -6 (3 tokens) and -2 (1 token): the NLL per token over both is 8 / 4 = 2, split 6/4 and
+    2/4 whichever micro-batch each pair is in."""
+    shares = sft_shares(torch.tensor([-6.0, -2.0]), chosen_tokens=4)
+    assert shares.tolist() == [1.5, 0.5] and shares.sum().item() == 2.0

@@ -55,6 +55,36 @@ def test_first_step_is_ln2_and_metric_keys(make_cfg):
     assert saved == cfg
 
 
+def test_sft_term_adds_the_reference_chosen_nll_at_step_1(make_cfg, tmp_path, tokenizer):
+    """loss_type [sigmoid, sft], weights [1, 1] (TRL 1.16's RPO spelling): step 1 logs ln 2 plus the reference's
+    mean NLL per chosen token over the step's pairs, read from the cache; loss_weights scale the term, and a
+    step split into micro-batches gives the same loss and gradient (the term is the step's token mean)."""
+    from lowmem_dpo import cache, inputs
+
+    cfg = make_cfg(max_steps=1, loss_type="sigmoid,sft", loss_weights="1,1", per_device_train_batch_size=8)
+    precompute.run(cfg, progress=False)
+    train.run(cfg, progress=False)
+    (m,) = metrics(cfg)
+    ref = cache.load_ref_cache(cfg.ref_cache_dir)
+    pairs = inputs.tokenized(cfg, tokenizer, progress=False).pairs
+    first = loop.take(loop.pair_stream(pairs, cfg.seed), 8)  # step 1's pairs, as the run draws them
+    rows = torch.tensor([p.row for p in first])
+    nll = -ref.chosen[rows].sum().item() / sum(len(p.chosen_ids) for p in first)
+    assert m["nll_loss"] == pytest.approx(nll, abs=1e-5)
+    assert m["loss"] == pytest.approx(math.log(2) + nll, abs=1e-5)
+    runs = []
+    for batch, accumulation in ((8, 1), (2, 4)):  # 8 pairs a step: one micro-batch, or four
+        half = make_cfg(max_steps=1, loss_type="sigmoid,sft", loss_weights="1,0.5", per_device_train_batch_size=batch,
+                        gradient_accumulation_steps=accumulation, output_dir=str(tmp_path / f"half{batch}"))
+        train.run(half, progress=False)
+        runs.append(metrics(half)[0])
+    one, split = runs
+    assert one["loss"] == pytest.approx(math.log(2) + 0.5 * nll, abs=1e-5)
+    assert one["nll_loss"] == pytest.approx(nll, abs=1e-5) and split["loss"] == pytest.approx(one["loss"], abs=1e-5)
+    assert split["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    assert one["grad_norm"] != pytest.approx(m["grad_norm"], rel=1e-3)  # the weight reaches the gradient
+
+
 def test_gradient_accumulation_matches_a_big_batch(make_cfg, tmp_path):
     big = make_cfg(output_dir=str(tmp_path / "big"), per_device_train_batch_size=8, max_steps=2)
     precompute.run(big, progress=False)
