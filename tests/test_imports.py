@@ -96,7 +96,8 @@ def test_imports_run_one_way():
 
 
 def test_ground_floor_imports_nothing_above_it():
-    ground = {"lowmem_dpo.errors", "lowmem_dpo.units", "lowmem_dpo.files", "lowmem_dpo.coerce", "lowmem_dpo.config"}
+    ground = {"lowmem_dpo.errors", "lowmem_dpo.units", "lowmem_dpo.files", "lowmem_dpo.coerce", "lowmem_dpo.sources",
+              "lowmem_dpo.config"}
     for name in ground:
         assert GRAPH[name] <= ground, (name, GRAPH[name] - ground)
     pure = {"lowmem_dpo.logps", "lowmem_dpo.loss", "lowmem_dpo.guards"}
@@ -111,7 +112,7 @@ def test_only_the_plan_cli_imports_the_measuring_harness():
 
 
 def test_nothing_imports_a_stage_but_the_harness_and_the_clis():
-    stages = {"lowmem_dpo.precompute", "lowmem_dpo.preflight", "lowmem_dpo.train", "lowmem_dpo.sft"}
+    stages = {"lowmem_dpo.precompute", "lowmem_dpo.preflight", "lowmem_dpo.train", "lowmem_dpo.sft", "lowmem_dpo.export"}
     top = {"lowmem_dpo.measure", "lowmem_dpo.plan", "lowmem_dpo.precompute"}  # precompute prints preflight's report
     for name, deps in GRAPH.items():
         if name not in top:
@@ -131,7 +132,7 @@ def test_modules_and_functions_stay_small():
     assert long_functions == {}
 
 
-@pytest.mark.parametrize("stage", ["precompute", "train", "preflight", "sft"])
+@pytest.mark.parametrize("stage", ["precompute", "train", "preflight", "sft", "export"])
 def test_stage_help_shows_command(stage):
     p = subprocess.run([sys.executable, "-m", f"lowmem_dpo.{stage}", "--help"], capture_output=True, text=True,
                        timeout=120)

@@ -1,0 +1,386 @@
+"""Merge a trained LoRA adapter into its base and write a standard transformers model folder, tensor by tensor.
+
+    python -m lowmem_dpo.export ADAPTER_DIR MERGED_DIR [--dtype auto|bfloat16|float16|float32]
+                                [--max-shard-size 2GB] [--overwrite]
+
+ADAPTER_DIR is a PEFT LoRA adapter folder: a run's output_dir (the final adapter), one of its
+checkpoints/checkpoint-STEP folders, or any PEFT adapter. The base is the one the run trained on (the run's
+config.yaml beside a final adapter, the config in a checkpoint's trainer_state.json), else the one
+adapter_config.json names. An adapter trained with adapter_mode=new_on_merged sat on base + the SFT adapter merged:
+that SFT adapter is merged first, then this one.
+
+MERGED_DIR gets safetensors weights (one model.safetensors, or shards of at most --max-shard-size with
+model.safetensors.index.json), config.json (dtype set to the written one), generation_config.json when the base
+has one, the tokenizer files (ADAPTER_DIR's when it holds a tokenizer, else the base's) and a model card naming
+the base. --dtype auto keeps the base's dtype. The folder is written beside MERGED_DIR under a hidden name and
+renamed when complete: a crash or a full disk leaves no half folder.
+
+Memory: one base tensor at a time is read, merged in float32 (W + scale * B @ A per adapter) and written, so the
+peak is the adapters plus a few copies of the largest tensor, never the whole model (bench/README.md "Export").
+Refused (exit 2): a pre-quantized base (merge into the unquantized one), .bin-only bases, adapters that are not
+plain LoRA (DoRA, modules_to_save, LoRA biases, ...), adapter keys that match no base tensor, LoRA on embeddings
+tied to the output head, and a MERGED_DIR that already holds files (unless --overwrite).
+"""
+
+# A stage on the top floor: it reads an adapter and a base and imports no other stage.
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowmem_dpo import checkpoint, files, lora_merge, models, weights
+from lowmem_dpo.cli import run_cli
+from lowmem_dpo.errors import UserError, log
+from lowmem_dpo.lora_merge import CONV1D, EMBEDDING, LINEAR, LoraPair
+from lowmem_dpo.units import fmt, parse_size
+
+USAGE = ("ADAPTER_DIR MERGED_DIR [--dtype auto|bfloat16|float16|float32] [--max-shard-size 2GB] [--overwrite] "
+         "[--no-progress]")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # cast to --dtype; other tensors kept
+RUN_CONFIG = "config.yaml"  # output.start_output's, beside the final adapter
+
+
+@dataclass(frozen=True)
+class Chain:
+    """What a merge puts together: the base folder and the adapters merged into it, in order."""
+
+    base: Path
+    adapters: list[Path]  # [ADAPTER_DIR], or [SFT adapter, ADAPTER_DIR] for adapter_mode=new_on_merged
+    tokenizer: Path  # the folder whose tokenizer files MERGED_DIR gets
+    base_name: str  # how the run named the base (the model card's base_model)
+
+
+# -- which base, which adapters -----------------------------------------------------------------------------------
+def run_record(adapter_dir: Path) -> tuple[dict | None, str]:
+    """The config of the lowmem_dpo run that wrote ADAPTER_DIR, and where it was read: a checkpoint's
+    trainer_state.json, or the config.yaml of the output_dir holding the final adapter; (None, "") for an adapter
+    from elsewhere."""
+    import yaml
+
+    state = adapter_dir / checkpoint.STATE
+    try:
+        if state.is_file():
+            found = json.loads(state.read_text(encoding="utf-8"))
+            if isinstance(found, dict) and isinstance(found.get("config"), dict):
+                return found["config"], f"the checkpoint's {state}"
+        if (adapter_dir / RUN_CONFIG).is_file():
+            found = yaml.safe_load((adapter_dir / RUN_CONFIG).read_text(encoding="utf-8"))
+            if isinstance(found, dict):
+                return found, f"the run's {adapter_dir / RUN_CONFIG}"
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise UserError(f"{adapter_dir}: its run record is unreadable ({type(e).__name__}); without it the base "
+                        "the adapter was trained on is not known for sure") from None
+    return None, ""
+
+
+def _same_folder(named: str, base: Path) -> bool | None:
+    """Whether adapter_config.json's base_model_name_or_path is the folder `base`; None when it names no local
+    folder or built-in (a hub name: not fetched just to compare)."""
+    if not (Path(named).is_dir() or named.startswith("lowmem_dpo:")):
+        return None
+    try:
+        return models.resolve_model_path(named).resolve() == base.resolve()
+    except UserError:
+        return None
+
+
+def merge_chain(adapter_dir: Path) -> Chain:
+    """The base and the adapters to merge for ADAPTER_DIR, from its run's record when it has one."""
+    named = models.read_adapter_config(adapter_dir, "ADAPTER_DIR").get("base_model_name_or_path") or ""
+    record, where = run_record(adapter_dir)
+    if record is None:
+        base = models.adapter_base(adapter_dir, "ADAPTER_DIR")
+        log(f"export: {adapter_dir} holds no lowmem_dpo run record ({RUN_CONFIG}, or a checkpoint's "
+            f"{checkpoint.STATE}): merging it as a plain PEFT adapter into the base it names, {base}")
+        return Chain(base, [adapter_dir], _tokenizer(adapter_dir, base), named)
+    spec, sft, mode = record.get("model_name_or_path"), record.get("sft_adapter"), record.get("adapter_mode")
+    try:
+        source = models.model_source(str(spec), sft)
+    except UserError as e:
+        raise UserError(f"ADAPTER_DIR={str(adapter_dir)!r} was trained (per {where}) on model_name_or_path={spec!r}"
+                        + (f" and sft_adapter={sft!r}" if sft else "") + f", which cannot be used from here ({e}). "
+                        "Run the export from the folder the training ran in, or restore those paths") from None
+    if _same_folder(named, source.base_path) is False:
+        raise UserError(f"ADAPTER_DIR={str(adapter_dir)!r}: its adapter_config.json names the base {named!r}, but "
+                        f"its run (per {where}) trained on {source.base_path}: which base it belongs on is not "
+                        "certain, so it is not merged. Copy the adapter files into a folder of their own to merge "
+                        "them into the base they name")
+    chain = [adapter_dir]
+    if source.adapter_path is not None and mode == "new_on_merged":
+        chain = [source.adapter_path, adapter_dir]
+        log(f"export: {adapter_dir} was trained with adapter_mode=new_on_merged on {source.base_path} + the SFT "
+            f"adapter {source.adapter_path}: merging that adapter first, then this one")
+    elif source.adapter_path is not None:
+        log(f"export: {adapter_dir} continues the SFT adapter {source.adapter_path} (adapter_mode={mode}): "
+            f"merging it alone into {source.base_path}")
+    return Chain(source.base_path, chain, _tokenizer(adapter_dir, source.tokenizer_path), str(spec))
+
+
+def _tokenizer(adapter_dir: Path, otherwise: Path) -> Path:
+    """ADAPTER_DIR when it holds a tokenizer (training may save one beside the adapter), else `otherwise`."""
+    return adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else otherwise
+
+
+# -- what the base is, and where each LoRA pair goes -------------------------------------------------------------
+def base_config(base: Path) -> dict:
+    """The base's config.json; a pre-quantized base is refused (its weights are not the ones the adapter adds to)."""
+    try:
+        config = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"base {base}: cannot read its config.json ({type(e).__name__})") from None
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
+        raise UserError(f"base {base} is a pre-quantized checkpoint ({method}): merging into quantized weights "
+                        "would round the adapter away or write a model no loader reads back. Merge into the "
+                        "unquantized base instead: point the adapter's base (or the run's model_name_or_path) at "
+                        "the 16-bit model it was quantized from")
+    return config
+
+
+def meta_model(base: Path):
+    """The base's architecture with no weights (meta device): its module types, names and tied embeddings."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(base)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # an architecture transformers does not know (remote code, a new model)
+        raise UserError(f"base {base}: transformers cannot build its architecture from config.json "
+                        f"({type(e).__name__}: {e}); lowmem_dpo.export needs a transformers causal LM") from None
+
+
+def tied_modules(model) -> set[str]:
+    """The names of the input embedding and output head when they share one weight (tie_word_embeddings)."""
+    inputs, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or inputs.weight is not head.weight:
+        return set()
+    return {name for name, m in model.named_modules() if m is inputs or m is head}
+
+
+def layout(module, pair: LoraPair, where: str) -> str:
+    """How the LoRA delta lies in `module`'s weight, from the module's type, as peft decides it."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, torch.nn.Embedding) and pair.embedding:
+        return EMBEDDING
+    if isinstance(module, torch.nn.Linear) and not pair.embedding:
+        return LINEAR
+    if isinstance(module, Conv1D) and not pair.embedding:
+        return CONV1D  # GPT-2's Conv1D stores (in, out): peft's fan_in_fan_out
+    raise UserError(f"{where}: LoRA on {pair.module}, a {type(module).__name__} layer: lowmem_dpo.export merges LoRA "
+                    "on Linear, Conv1D and Embedding layers only")
+
+
+def expected_shape(pair: LoraPair, how: str) -> tuple[int, int]:
+    """The shape of the weight a pair's delta is added to (lora_merge.delta's)."""
+    out, fan_in = pair.B.shape[0], pair.A.shape[1]  # B: (out, r); A: (r, in)
+    return (out, fan_in) if how == LINEAR else (fan_in, out)
+
+
+def plan_targets(model, chain_pairs: list[tuple[str, list[LoraPair]]],
+                 infos: dict[str, weights.TensorInfo]) -> dict[str, list[tuple[LoraPair, str]]]:
+    """The base tensor each LoRA pair is added to, with its layout, in merge order; a pair that fits no base tensor
+    exactly is a UserError."""
+    modules, tied = dict(model.named_modules()), tied_modules(model)
+    prefix = f"{model.base_model_prefix}."
+    targets: dict[str, list[tuple[LoraPair, str]]] = {}
+    for where, pairs in chain_pairs:
+        for pair in pairs:
+            if pair.module not in modules:
+                raise UserError(f"{where}: the adapter has LoRA weights for {pair.module}, which the base model "
+                                "does not have: it was trained on another architecture; merge it into its own base")
+            if pair.module in tied:
+                raise UserError(f"{where}: the adapter has LoRA on {pair.module}, which this base ties to "
+                                f"{' and '.join(sorted(tied - {pair.module}))} (tie_word_embeddings): one weight "
+                                "serves both, and merged it would change both where the adapter changed one. "
+                                "lowmem_dpo.export refuses it; use the adapter unmerged with peft")
+            how = layout(modules[pair.module], pair, where)
+            weight = f"{pair.module}.weight"
+            if weight not in infos and weight.startswith(prefix):
+                weight = weight[len(prefix):]  # checkpoints saved without the prefix (e.g. GPT-2's own)
+            if weight not in infos:
+                raise UserError(f"{where}: no base tensor {pair.module}.weight for the adapter's LoRA on "
+                                f"{pair.module}; the base's weights do not match its architecture")
+            if tuple(infos[weight].shape) != expected_shape(pair, how):
+                raise UserError(f"{where}: the LoRA weights of {pair.module} make a {expected_shape(pair, how)} "
+                                f"update, but the base's {weight} is {tuple(infos[weight].shape)}: the adapter was "
+                                "trained on another model")
+            if pair.base_weight is not None and pair.base_weight.shape != infos[weight].shape:
+                raise UserError(f"{where}: the adapter saved its own {pair.module} weight of shape "
+                                f"{tuple(pair.base_weight.shape)}, the base's is {tuple(infos[weight].shape)} (a "
+                                "resized vocabulary): lowmem_dpo.export merges into the base's own shapes only")
+            targets.setdefault(weight, []).append((pair, how))
+    return targets
+
+
+def adapter_pairs(adapter: Path) -> tuple[str, list[LoraPair]]:
+    """An adapter folder's LoRA pairs, and how messages name it."""
+    where = f"adapter {adapter}"
+    weights_file = models.adapter_files(adapter)[1]
+    if weights_file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(weights_file))
+    else:
+        state = torch.load(weights_file, map_location="cpu", weights_only=True)
+    return where, lora_merge.lora_pairs(state, models.read_adapter_config(adapter, "ADAPTER_DIR"), where)
+
+
+def output_dtype(choice: str, config: dict, infos: list[weights.TensorInfo]) -> torch.dtype:
+    """--dtype, or with auto the base's: its config's dtype, else its first floating tensor's."""
+    if choice != "auto":
+        return getattr(torch, choice)
+    named = config.get("dtype") or config.get("torch_dtype")
+    if named in DTYPES[1:]:
+        return getattr(torch, named)
+    return next((i.dtype for i in infos if i.dtype in FLOATS), torch.float32)
+
+
+# -- writing -----------------------------------------------------------------------------------------------------
+def check_destination(merged_dir: Path, overwrite: bool, inputs: list[Path]) -> None:
+    """MERGED_DIR must be new or empty (or --overwrite), and never one of the inputs or a folder holding them."""
+    if merged_dir.exists() and not merged_dir.is_dir():
+        raise UserError(f"MERGED_DIR={str(merged_dir)!r} is a file; pass a folder")
+    target = merged_dir.resolve()
+    for p in inputs:
+        if p.resolve() == target or target in p.resolve().parents:
+            raise UserError(f"MERGED_DIR={str(merged_dir)!r} holds the input {p}: writing there would replace it; "
+                            "choose another folder")
+    held = sorted(p.name for p in merged_dir.iterdir()) if merged_dir.is_dir() else []
+    if held and not overwrite:
+        raise UserError(f"MERGED_DIR={str(merged_dir)!r} already holds {len(held)} files ({', '.join(held[:4])}"
+                        f"{', ...' if len(held) > 4 else ''}); choose a new or empty folder, or pass --overwrite "
+                        "to replace its contents")
+
+
+def made_tensors(read, targets: dict, dtype: torch.dtype):
+    """Each base tensor as MERGED_DIR stores it: merged with its LoRA deltas in float32, cast to `dtype` (floating
+    tensors only). One at a time: `read` is weights.read's stream."""
+    for info, tensor in read:
+        out = dtype if info.dtype in FLOATS else info.dtype
+        pairs = targets.get(info.name)
+        if pairs:
+            yield lora_merge.merge(tensor, pairs, out)
+        else:
+            yield tensor.to(out)
+
+
+def write_weights(folder: Path, infos: list[weights.TensorInfo], targets: dict, dtype: torch.dtype,
+                  max_bytes: int, progress: bool) -> int:
+    """The merged weights into `folder` as transformers shards them; returns the number of shards."""
+    from tqdm.auto import tqdm
+
+    entries = [(i.name, dtype if i.dtype in FLOATS else i.dtype, i.shape) for i in infos]
+    sizes = [weights.nbytes(d, shape) for _, d, shape in entries]
+    plan = weights.plan_shards(sizes, max_bytes)
+    names = weights.shard_names(len(plan))
+    with tqdm(total=sum(sizes), desc="export", unit="B", unit_scale=True, disable=not progress,
+              dynamic_ncols=True) as bar:
+        for name, shard in zip(names, plan):
+            stream = weights.read(infos[i] for i in shard)
+            weights.write_shard(folder / name, [entries[i] for i in shard], made_tensors(stream, targets, dtype),
+                                bar.update)
+    if len(plan) > 1:
+        weights.write_index(folder, names, [[entries[i] for i in shard] for shard in plan])
+    return len(plan)
+
+
+def write_metadata(folder: Path, chain: Chain, config: dict, dtype: torch.dtype) -> None:
+    """config.json with the written dtype, generation_config.json, the tokenizer files and a model card."""
+    config = dict(config)
+    name = str(dtype).removeprefix("torch.")
+    for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+        config[key] = name
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if (chain.base / "generation_config.json").is_file():
+        shutil.copyfile(chain.base / "generation_config.json", folder / "generation_config.json")
+    for f in models.tokenizer_files(chain.tokenizer):
+        shutil.copyfile(f, folder / f.name)
+    merged = " then ".join(str(a) for a in chain.adapters)
+    (folder / "README.md").write_text(f"---\nbase_model: {chain.base_name}\nlibrary_name: transformers\ntags:\n"
+                                      f"- lowmem_dpo\n- merged-lora\n---\n\n{chain.base_name} with the LoRA "
+                                      f"adapter {merged} merged in ({name}), by lowmem_dpo.export.\n",
+                                      encoding="utf-8")
+
+
+def place(tmp: Path, merged_dir: Path) -> None:
+    """Move the finished folder to MERGED_DIR; old contents (--overwrite) are removed only once it is there."""
+    old = None
+    if merged_dir.is_dir() and any(merged_dir.iterdir()):
+        old = Path(tempfile.mkdtemp(prefix=f".{merged_dir.name}.old-", dir=merged_dir.parent))
+        os.replace(merged_dir, old / "replaced")
+    os.replace(tmp, merged_dir)  # onto a missing or empty folder
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_size: str = "2GB",
+           overwrite: bool = False, progress: bool = True) -> Path:
+    """Merge ADAPTER_DIR (and the SFT adapter under it, for new_on_merged) into its base; write MERGED_DIR."""
+    if not (adapter_dir / models.ADAPTER_CONFIG).is_file():
+        raise UserError(f"ADAPTER_DIR={str(adapter_dir)!r} is not a PEFT adapter folder (no "
+                        f"{models.ADAPTER_CONFIG}); pass a run's output_dir or one of its checkpoint folders")
+    max_bytes = parse_size(max_shard_size, "--max-shard-size")
+    chain = merge_chain(adapter_dir)
+    config = base_config(chain.base)
+    infos = weights.tensors(chain.base)
+    targets = plan_targets(meta_model(chain.base), [adapter_pairs(a) for a in chain.adapters],
+                           {i.name: i for i in infos})
+    out_dtype = output_dtype(dtype, config, infos)
+    check_destination(merged_dir, overwrite, [chain.base, *chain.adapters])
+    merged_dir.parent.mkdir(parents=True, exist_ok=True)
+    need = sum(i.nbytes(out_dtype if i.dtype in FLOATS else None) for i in infos) + (1 << 20)
+    then = f"Nothing was written to {merged_dir}."
+    files.ensure_free_space(merged_dir.parent, need, "the merged model", then)
+    for stale in merged_dir.parent.glob(f".{merged_dir.name}.partial-*"):  # a killed export's: never a model
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{merged_dir.name}.partial-", dir=merged_dir.parent))
+    try:
+        shards = write_weights(tmp, infos, targets, out_dtype, max_bytes, progress)
+        write_metadata(tmp, chain, config, out_dtype)
+        for p in tmp.iterdir():
+            os.chmod(p, 0o644)
+        os.chmod(tmp, 0o755)
+        files.fsync_tree(tmp)
+        place(tmp, merged_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if files.is_disk_full(e):
+            raise files.disk_full_error(merged_dir.parent, "the merged model", need, then) from None
+        raise
+    log(f"export: {merged_dir}: {len(targets)} weights merged from {len(chain.adapters)} adapter(s) into "
+        f"{chain.base}, {fmt(need)} of {out_dtype} in {shards} shard(s)")
+    return merged_dir
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would exit itself; run_cli prints one line and exits 2
+        raise UserError(f"{message}; usage: python -m lowmem_dpo.export {USAGE}")
+
+
+def main(argv: list[str]) -> int:
+    parser = _Parser(prog="python -m lowmem_dpo.export", add_help=False)
+    parser.add_argument("adapter_dir", type=Path)
+    parser.add_argument("merged_dir", type=Path)
+    parser.add_argument("--dtype", choices=DTYPES, default="auto")
+    parser.add_argument("--max-shard-size", default="2GB")
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    a = parser.parse_args(argv)
+    export(a.adapter_dir, a.merged_dir, a.dtype, a.max_shard_size, a.overwrite, not a.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main, None, "export", __doc__, usage=USAGE))
