@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Callable, Iterator
 
-from lowmem_dpo.errors import UserError
+from lowmem_dpo.data.implicit import IMPLICIT, implicit_required, is_implicit, with_prompt
+from lowmem_dpo.errors import UserError, log
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 REQUIRED = ("prompt", "chosen", "rejected")
@@ -93,13 +94,18 @@ def row_kind(row: dict, kind: str | None, required: tuple[str, ...] = REQUIRED) 
 
 def _check_rows(rows: Iterator[tuple[str, object]], spec: str, required: tuple[str, ...]) -> None:
     """Structural checks of (location, parsed JSON value) rows; UserError at the first problem."""
-    kind, count = None, 0
+    kind, count, implicit = None, 0, None
     for where, row in rows:
         if not isinstance(row, dict):
             what = "a list" if isinstance(row, list) else _what(row)
             raise UserError(f"dataset {spec!r} {where}: {what}, not an object with {', '.join(required)}")
+        if implicit is None:  # the first row says whether the prompts are implicit (in chosen and rejected)
+            implicit = is_implicit(row, required)
+        if implicit and "prompt" in row:
+            raise UserError(f"dataset {spec!r} {where}: has a prompt, but the rows before it have none (their "
+                            "prompt is the shared start of chosen and rejected); use one format for every row")
         try:
-            kind = row_kind(row, kind, required)
+            kind = row_kind(row, kind, implicit_required(required) if implicit else required)
         except ValueError as e:
             raise UserError(f"dataset {spec!r} {where}: {e}") from None
         count += 1
@@ -212,6 +218,10 @@ def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUI
     except Exception as e:  # datasets raises many types for unreadable data: report, no traceback
         raise UserError(f"dataset {spec!r} could not be read: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
                         " (check that the file matches its extension)") from None
+    if "prompt" in required and "prompt" not in ds.column_names and all(k in ds.column_names for k in IMPLICIT):
+        log(f"dataset {spec!r} has no prompt column: each row's prompt is the shared start of its chosen and "
+            "rejected (implicit prompts, as TRL)")
+        ds = ds.map(with_prompt, keep_in_memory=True, load_from_cache_file=False)
     missing = [k for k in required if k not in ds.column_names]
     if missing:
         raise UserError(f"dataset {spec!r} lacks column(s) {', '.join(missing)} (has {', '.join(ds.column_names)});"
