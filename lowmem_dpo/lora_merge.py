@@ -115,25 +115,30 @@ def lora_pairs(state: dict[str, torch.Tensor], config: dict, where: str) -> list
     return pairs
 
 
-def delta(pair: LoraPair, layout: str) -> torch.Tensor:
-    """scale * B @ A in float32, in the layout of the target's weight (peft's get_delta_weight):
-    LINEAR (out, in); CONV1D (GPT-2's Conv1D, fan_in_fan_out) (in, out); EMBEDDING (num_embeddings, dim)."""
+def delta(pair: LoraPair, layout: str, rows: slice = slice(None)) -> torch.Tensor:
+    """scale * B @ A in float32 in the layout of the target's weight (peft's get_delta_weight), rows `rows` of it
+    (the merge goes block by block to bound memory): LINEAR (out, in); CONV1D (GPT-2's Conv1D, fan_in_fan_out)
+    (in, out); EMBEDDING (num_embeddings, dim)."""
     a, b = pair.A.float(), pair.B.float()  # (r, in), (out, r)
-    product = b @ a  # (out, in); an embedding's (dim, num_embeddings)
     if layout == LINEAR:
-        return product * pair.scale
-    return product.T * pair.scale  # CONV1D (in, out), EMBEDDING (num_embeddings, dim)
+        product = b[rows] @ a  # (rows, in)
+    else:
+        product = b @ a[:, rows]  # (out, rows): the weight's rows are A's columns; transposed below
+    product.mul_(pair.scale)  # in place: saves a second float32 copy of the block (peft's values exactly)
+    return product if layout == LINEAR else product.T  # (rows, out) for CONV1D and EMBEDDING
 
 
-def merge(weight: torch.Tensor, pairs: list[tuple[LoraPair, str]], dtype: torch.dtype) -> torch.Tensor:
+def merge(weight: torch.Tensor, pairs: list[tuple[LoraPair, str]], dtype: torch.dtype,
+          rows: slice = slice(None)) -> torch.Tensor:
     """weight + each pair's delta (with its layout) in turn, in float32, cast to `dtype` once at the end (the
     adapters of an adapter_mode=new_on_merged run: the SFT adapter's first, then the DPO adapter's, as peft merges
-    them in turn). A pair that carries its own copy of the weight starts over from it, as loading it does."""
+    them in turn). `weight` may be a block of rows of the whole (`rows`). A pair that carries its own copy of the
+    weight starts over from it, as loading it does."""
     out = weight.to(torch.float32, copy=True)  # a copy even in float32: += must not write into the base's tensor
     for pair, layout in pairs:
         if pair.base_weight is not None:
-            out = pair.base_weight.to(torch.float32, copy=True)
-        d = delta(pair, layout)
+            out = pair.base_weight[rows].to(torch.float32, copy=True)
+        d = delta(pair, layout, rows)
         if d.shape != out.shape:
             raise AssertionError(f"delta {tuple(d.shape)} does not fit the weight {tuple(out.shape)}")
         out += d

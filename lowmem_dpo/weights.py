@@ -1,11 +1,11 @@
 """A model folder's safetensors weights, read and written one tensor at a time (export.py's merge streams them).
 
-Reading opens the shard for each tensor (safetensors' safe_open) and closes it after: safe_open memory-maps the
-whole file, and every page of it that was read stays in the process's resident memory until the map closes, so
-one open map read through would hold a whole shard. Writing needs no shard in memory either: a safetensors file
-is an 8-byte header length, a JSON header of each tensor's dtype, shape and byte range, then the bytes in that
-order, and the header is known before any tensor is computed (from the base's shapes), so each tensor is written
-as it is made. The folder layout is transformers': one model.safetensors, or model-0000K-of-0000N.safetensors and
+Reading goes a block of rows at a time, opening the shard (safetensors' safe_open) for each block and closing it
+after: safe_open memory-maps the whole file, and every page of it that was read stays in the process's resident
+memory until the map closes, so one open map read through would hold a whole shard. Writing needs no shard in
+memory either: a safetensors file is an 8-byte header length, a JSON header of each tensor's dtype, shape and
+byte range, then the bytes in that order, and the header is known before any tensor is computed (from the base's
+shapes), so each block is written as it is made. The folder layout is transformers': one model.safetensors, or model-0000K-of-0000N.safetensors and
 model.safetensors.index.json (its total_size and weight_map).
 """
 
@@ -92,14 +92,21 @@ def tensors(folder: Path) -> list[TensorInfo]:
     return out
 
 
-def read(infos: Iterable[TensorInfo]) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
-    """Each tensor in turn. Its shard is opened for it and closed once the caller asks for the next: the memory
-    map that backs the tensor lets go of its pages (see the module docstring)."""
+def read_rows(info: TensorInfo, elements: int) -> Iterator[tuple[slice, torch.Tensor]]:
+    """A tensor in blocks of whole rows (first dimension) of about `elements` elements each: (rows, block). The
+    shard is opened for each block and closed after: the memory map that safe_open reads through then lets go of
+    its pages (see the module docstring), so memory holds one block, never the tensor or the shard."""
     from safetensors import safe_open
 
-    for info in infos:
+    if not info.shape or info.shape[0] == 0:
         with safe_open(str(info.file), framework="pt") as f:
-            yield info, f.get_tensor(info.name)
+            yield slice(None), f.get_tensor(info.name)
+        return
+    step = max(1, elements // max(1, math.prod(info.shape[1:])))
+    for start in range(0, info.shape[0], step):
+        with safe_open(str(info.file), framework="pt") as f:
+            block = f.get_slice(info.name)[start:start + step]  # a copy of those rows
+        yield slice(start, start + step), block
 
 
 def plan_shards(sizes: list[int], max_bytes: int) -> list[list[int]]:
@@ -138,18 +145,23 @@ def header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
 
 
 def write_shard(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                made: Iterable[torch.Tensor], on_tensor=None) -> None:
-    """Write a safetensors file whose tensors (`made`, one at a time, in `entries`' order, dtypes and shapes) are
-    produced while it is written; `on_tensor(nbytes)` after each."""
+                made: Iterable[Iterable[torch.Tensor]], on_bytes=None) -> None:
+    """Write a safetensors file whose tensors are produced while it is written: `made` gives, for each of `entries`
+    in order, its blocks of rows in order (each block the entry's dtype); `on_bytes(n)` after each block."""
     with open(path, "wb") as f:
         f.write(header(entries))
-        for (name, dtype, shape), t in zip(entries, made, strict=True):
-            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise AssertionError(f"{name}: made {t.dtype} {tuple(t.shape)}, the header says {dtype} {shape}")
-            data = t.contiguous().reshape(-1).view(torch.uint8).numpy()  # the raw bytes, no copy
-            f.write(memoryview(data))
-            if on_tensor is not None:
-                on_tensor(data.nbytes)
+        for (name, dtype, shape), blocks in zip(entries, made, strict=True):
+            written = 0
+            for block in blocks:
+                if block.dtype != dtype:
+                    raise AssertionError(f"{name}: made {block.dtype}, the header says {dtype}")
+                data = block.contiguous().reshape(-1).view(torch.uint8).numpy()  # the raw bytes, no copy
+                f.write(memoryview(data))
+                written += data.nbytes
+                if on_bytes is not None:
+                    on_bytes(data.nbytes)
+            if written != nbytes(dtype, shape):
+                raise AssertionError(f"{name}: made {written} bytes, the header says {nbytes(dtype, shape)}")
 
 
 def write_index(folder: Path, names: list[str], shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]]) -> None:

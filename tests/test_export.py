@@ -84,7 +84,8 @@ def gpt2(tmp_path_factory, tokenizer):
          rank_pattern={"v_proj": 2}, alpha_pattern={r"layers\.1\.self_attn\.q_proj": 3}),
     dict(use_rslora=True, r=8, lora_alpha=4),
 ], ids=["patterns+embedding", "rslora"])
-def test_llama_merge_equals_peft(tiny_path, tmp_path, lora):
+def test_llama_merge_equals_peft(tiny_path, tmp_path, lora, monkeypatch):
+    monkeypatch.setattr(export, "BLOCK_ELEMENTS", 1000)  # ~15 rows a block: every weight merged in several blocks
     adapter = make_adapter(tiny_path, tmp_path / "adapter", **lora)
     assert run(adapter, tmp_path / "merged") == 0
     expected = peft_logits(tiny_path, [adapter])
@@ -98,9 +99,10 @@ def test_llama_merge_equals_peft(tiny_path, tmp_path, lora):
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "float32"
 
 
-def test_gpt2_conv1d_and_tied_embeddings(gpt2, tmp_path):
+def test_gpt2_conv1d_and_tied_embeddings(gpt2, tmp_path, monkeypatch):
     """GPT-2 stores its Conv1D weights (in, out) (peft's fan_in_fan_out) and ties lm_head to wte: the merged
     folder keeps the tie (no lm_head tensor, none missing)."""
+    monkeypatch.setattr(export, "BLOCK_ELEMENTS", 500)
     adapter = make_adapter(gpt2, tmp_path / "adapter", target_modules=["c_attn", "c_proj", "c_fc"])
     assert json.loads((adapter / "adapter_config.json").read_text())["fan_in_fan_out"] is True
     assert run(adapter, tmp_path / "merged") == 0
