@@ -55,13 +55,14 @@ KNOWN_DEVICES = ("cpu", "cuda")
 
 
 def ensure_dataset(cfg) -> None:
-    """Write the benchmark rows if the recipe points at bench/make_data.py's default file and it is missing."""
+    """Write the benchmark rows if the recipe points at bench/make_data.py's default files and they are missing."""
     import make_data
 
-    path = Path(cfg.dataset).resolve()
-    for kind, default in make_data.DEFAULT_PATHS.items():
-        if path in ((ROOT / default).resolve(), default.resolve()):
-            make_data.ensure(path, kind=kind)
+    for source in cfg.dataset:
+        path = Path(source.path).resolve()
+        for kind, default in make_data.DEFAULT_PATHS.items():
+            if path in ((ROOT / default).resolve(), default.resolve()):
+                make_data.ensure(path, kind=kind)
 
 
 # (JSON key of the TRL run, of ours / it, of the target and of the verdict) per TRL setup

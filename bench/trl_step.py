@@ -143,7 +143,7 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict, setup: 
     from transformers import AutoTokenizer, PrinterCallback
     from trl import DPOConfig
 
-    from lowmem_dpo import data, models
+    from lowmem_dpo import data, inputs, models
 
     model_path = models.resolve_model_path(cfg.model_name_or_path)
     required = required_settings(cfg, device, warmup + steps, setup)
@@ -151,7 +151,7 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict, setup: 
     timer, trainer_class = step_timer(device), counting_trainer()  # trl's modules load here, before the phase
     with PeakMemory(device) as pm:
         t_setup = time.perf_counter()
-        rows = data.load_rows(cfg.dataset, cfg.dataset_split)
+        rows = inputs.mixture(cfg).dataset(data.REQUIRED)  # the recipe's rows (of its mixture), as ours reads them
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         defaults = DPOConfig(output_dir=required["output_dir"], use_cpu=required["use_cpu"], report_to="none")
         args = DPOConfig(**{**required, **changes})

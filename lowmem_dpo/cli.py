@@ -11,6 +11,7 @@ import yaml
 from lowmem_dpo.coerce import describe
 from lowmem_dpo.config import HINTS, Config
 from lowmem_dpo.errors import EXIT_USAGE, UserError
+from lowmem_dpo.sources import yaml_form
 
 
 def help_text(stage: str, command_doc: str) -> str:
@@ -19,7 +20,7 @@ def help_text(stage: str, command_doc: str) -> str:
              "keys (type, default: doc):"]
     for f in dataclasses.fields(Config):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name} ({describe(HINTS[f.name])}, default {yaml.safe_dump(default).strip()!s}"
+        lines.append(f"  {f.name} ({describe(HINTS[f.name])}, default {yaml.safe_dump(yaml_form(default)).strip()!s}"
                      f"{' ; choices ' + '|'.join(f.metadata['choices']) if f.metadata['choices'] else ''}): "
                      f"{f.metadata['doc']}")
     return "\n".join(lines)

@@ -28,7 +28,8 @@ def describe(tp) -> str:
     if tp is list:
         return "list of str"
     if origin is list:
-        return f"list of {typing.get_args(tp)[0].__name__}"
+        item = typing.get_args(tp)[0]
+        return getattr(item, "DESCRIPTION", None) or f"list of {item.__name__}"
     return tp.__name__
 
 
@@ -105,6 +106,8 @@ def coerce(name: str, raw, tp, choices: tuple = ()):
         raise ConfigError(f"{name}=null: expected {describe(tp)}, and this key cannot be null")
     if typing.get_origin(tp) is list:  # list[float]: each entry as that type
         item = typing.get_args(tp)[0]
+        if hasattr(item, "coerce_list"):  # a structured entry (sources.Source) reads the whole value itself
+            return item.coerce_list(name, raw)
         return [CONVERTERS[item](name, v) for v in (raw if isinstance(raw, (list, tuple)) else _to_list(name, raw))]
     if tp not in CONVERTERS:
         raise AssertionError(f"unhandled config type {tp} for {name}")

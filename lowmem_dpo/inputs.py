@@ -13,13 +13,14 @@ from lowmem_dpo.config import Config, cache_settings
 from lowmem_dpo.devices import Resolved, dtype_name
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.files import files_digest
+from lowmem_dpo.sources import Source, label
 
 # cache_settings key -> its name in the fingerprint (the manifest's "components"), where the two differ: the
 # cache has always called the reference's resolved precision "dtype" and "quantization".
 COMPONENT_NAMES = {"ref_dtype": "dtype", "ref_quantization": "quantization"}
 # The keys declared reference="files" (config.py), each read by file_components: a new one needs a line there.
-FILE_KEYS = frozenset({"model_name_or_path", "sft_adapter", "dataset", "dataset_split", "eval_dataset", "eval_split",
-                       "chat_template"})
+FILE_KEYS = frozenset({"model_name_or_path", "sft_adapter", "dataset", "dataset_split", "max_train_samples",
+                       "eval_dataset", "eval_split", "chat_template"})
 
 
 @dataclass
@@ -41,19 +42,34 @@ def data_component(spec: str, split: str, rows=None) -> dict:
     return {"hub": spec, "split": split, "fingerprint": rows._fingerprint}
 
 
+def dataset_component(cfg: Config, mix: data.Mixture | None = None) -> dict:
+    """The fingerprint of `dataset` (`mix`: its sources, when loaded). One source taken whole: its data_component,
+    as before mixtures (a cache built then keeps its fingerprint). A mixture (several sources, a fraction or rows,
+    max_train_samples): each source's data_component with its fraction and rows, max_train_samples, and the seed
+    when a selection depends on it (data/mix.py)."""
+    sources, cap = cfg.dataset, cfg.max_train_samples
+    loaded = mix.loaded if mix is not None else [None] * len(sources)
+    if len(sources) == 1 and not sources[0].selects and cap is None:
+        return data_component(sources[0].path, sources[0].split or cfg.dataset_split, loaded[0])
+    seeded = cap is not None or any(s.selects for s in sources)
+    return {"sources": [{**data_component(s.path, s.split or cfg.dataset_split, rows), "fraction": s.fraction,
+                         "rows": s.rows} for s, rows in zip(sources, loaded)],
+            "max_train_samples": cap, "seed": cfg.seed if seeded else None}
+
+
 def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, tokenizer_path: Path,
-                    rows=None) -> dict:
+                    mix: data.Mixture | None = None) -> dict:
     """The fingerprint of the keys declared reference="files" (model_name_or_path, sft_adapter, dataset,
-    dataset_split, eval_dataset, eval_split), by the content of the files they name: the base's weights and
-    config, the SFT adapter's files (the reference is base + adapter; adapter_mode is not in it, see
-    adapters.py), the tokenizer's files, and the datasets' bytes (data_component; `rows`: dataset's, when
-    loaded). "eval_dataset" and "chat_template" are there only when set, so a cache built without them keeps its
-    fingerprint; eval_fraction is not in it (the cache holds every row of dataset)."""
+    dataset_split, max_train_samples, eval_dataset, eval_split), by the content of the files they name: the
+    base's weights and config, the SFT adapter's files (the reference is base + adapter; adapter_mode is not in
+    it, see adapters.py), the tokenizer's files, and the datasets' bytes (dataset_component; `mix`: dataset's
+    sources, when loaded). "eval_dataset" and "chat_template" are there only when set, so a cache built without
+    them keeps its fingerprint; eval_fraction is not in it (the cache holds every row of dataset)."""
     out = {
         "model": files_digest(models.weight_files(model_path)),
         "adapter": None if adapter_path is None else files_digest(models.adapter_files(adapter_path)),
         "tokenizer": files_digest(models.tokenizer_files(tokenizer_path)),
-        "dataset": data_component(cfg.dataset, cfg.dataset_split, rows),
+        "dataset": dataset_component(cfg, mix),
     }
     if cfg.eval_dataset is not None:
         out["eval_dataset"] = data_component(cfg.eval_dataset, cfg.eval_split)
@@ -85,38 +101,51 @@ def prepare(cfg: Config, resolved: Resolved) -> Inputs:
 
 def tokenized(cfg: Config, tokenizer, progress: bool = True) -> data.TokenizedData:
     """Every preference row of cfg.dataset, checked and tokenized (no eval split: load_data)."""
-    return _tokenize(cfg, tokenizer, cfg.dataset, cfg.dataset_split, progress, sft=False)[1]
+    return tokenized_mixture(cfg, tokenizer, progress)[1]
+
+
+def tokenized_mixture(cfg: Config, tokenizer, progress: bool = True) -> tuple[data.Mixture, data.TokenizedData]:
+    """(the rows of cfg.dataset, those rows tokenized): Mixture.row(pair.row) is a pair's row."""
+    return _tokenize(cfg, tokenizer, cfg.dataset, cfg.dataset_split, progress, False, cfg.max_train_samples)
+
+
+def mixture(cfg: Config) -> data.Mixture:
+    """The rows of cfg.dataset (its sources loaded and taken, not tokenized): Mixture.row(pair.row) is a pair's
+    row."""
+    return data.load_mixture(cfg.dataset, cfg.dataset_split, cfg.seed, cfg.max_train_samples, data.load_rows)
 
 
 @dataclass
 class Data:
     """The rows a stage trains and evaluates on (load_data)."""
 
-    tok: data.TokenizedData  # every row of cfg.dataset, tokenized (what precompute caches)
+    tok: data.TokenizedData  # every row of cfg.dataset (of its mixture), tokenized (what precompute caches)
     train: list  # the items training uses: tok.pairs minus the held-out rows
     eval: list  # eval items, at most cfg.eval_max_pairs (the first in data order); [] without eval data
     eval_part: str | None  # the cache part of the eval items' reference log-probs: "train" (rows of dataset held
     #                        out by eval_fraction) or "eval" (rows of eval_dataset); None without eval data
     eval_tok: data.TokenizedData | None = None  # every row of eval_dataset, tokenized (what precompute caches)
-    rows: object = None  # cfg.dataset as loaded (a datasets.Dataset): file_components reads a hub one's fingerprint
+    mixture: data.Mixture | None = None  # cfg.dataset's sources as loaded: file_components reads a hub one's
+    #                                      fingerprint from them
 
 
-def _tokenize(cfg: Config, tokenizer, spec: str, split: str, progress: bool, sft: bool):
-    """(rows, TokenizedData) of one dataset, checked and tokenized: SFT rows (prompt + completion or chosen) or
-    pairs; messages name `spec`."""
-    if sft:
-        rows = data.load_rows(spec, split, required=("prompt",))
-        return rows, data.tokenize_completions(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=spec,
-                                               progress=progress, strict=cfg.strict)
-    rows = data.load_rows(spec, split)
-    return rows, data.tokenize_rows(rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=spec,
-                                    progress=progress, strict=cfg.strict)
+def _tokenize(cfg: Config, tokenizer, sources: list[Source], split: str, progress: bool, sft: bool,
+              cap: int | None = None) -> tuple[data.Mixture, data.TokenizedData]:
+    """(mixture, TokenizedData) of a dataset's sources (split: the default split; cap: max_train_samples), taken
+    (data/mix.py), checked and tokenized: SFT rows (prompt + completion or chosen) or pairs; messages name each
+    row's source and its place there."""
+    load = (lambda path, part: data.load_rows(path, part, required=("prompt",))) if sft else data.load_rows
+    tokenize = data.tokenize_completions if sft else data.tokenize_rows
+    mix = data.load_mixture(sources, split, cfg.seed, cap, load)
+    return mix, data.tokenize_mixture(mix, lambda rows, spec, where: tokenize(
+        rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=spec, progress=progress, strict=cfg.strict,
+        where=where))
 
 
-def _held_out(cfg: Config, rows, tok: data.TokenizedData) -> tuple[list, list]:
-    """(train, eval) items of dataset (`rows`, tokenized as `tok`) split by eval_fraction (data.holdout_rows);
+def _held_out(cfg: Config, mix: data.Mixture, tok: data.TokenizedData) -> tuple[list, list]:
+    """(train, eval) items of dataset (`mix`, tokenized as `tok`) split by eval_fraction (data.holdout_rows);
     UserError when either is empty."""
-    keys = data.prompt_keys(rows)
+    keys = mix.prompt_keys()
     held = data.held_out(keys, cfg.eval_fraction)  # = data.holdout_rows(rows, ...), keys read once
     train = [p for p in tok.pairs if p.row not in held]
     evals = [p for p in tok.pairs if p.row in held]
@@ -124,13 +153,13 @@ def _held_out(cfg: Config, rows, tok: data.TokenizedData) -> tuple[list, list]:
     if not evals:
         why = "selects none of its" if not held else f"selects {len(held)} rows, all skipped, of its"
         raise UserError(f"eval_fraction={cfg.eval_fraction} {why} {prompts} distinct prompts in dataset "
-                        f"{cfg.dataset!r} (the hold-out goes by prompt): raise eval_fraction, or name held-out "
-                        "rows with eval_dataset")
-    if not train:
-        raise UserError(f"eval_fraction={cfg.eval_fraction} holds out every usable row of dataset {cfg.dataset!r} "
-                        f"({prompts} distinct prompts), leaving none to train on: lower eval_fraction, or name "
+                        f"{label(cfg.dataset)!r} (the hold-out goes by prompt): raise eval_fraction, or name "
                         "held-out rows with eval_dataset")
-    log(f"eval: {len(evals)} pairs held out of {cfg.dataset} by eval_fraction={cfg.eval_fraction} "
+    if not train:
+        raise UserError(f"eval_fraction={cfg.eval_fraction} holds out every usable row of dataset "
+                        f"{label(cfg.dataset)!r} ({prompts} distinct prompts), leaving none to train on: lower "
+                        "eval_fraction, or name held-out rows with eval_dataset")
+    log(f"eval: {len(evals)} pairs held out of {label(cfg.dataset)} by eval_fraction={cfg.eval_fraction} "
         f"({len({keys[p.row] for p in evals})} of {prompts} prompts)")
     return train, evals
 
@@ -138,15 +167,15 @@ def _held_out(cfg: Config, rows, tok: data.TokenizedData) -> tuple[list, list]:
 def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) -> Data:
     """dataset tokenized, split into training and eval items by eval_fraction, or eval_dataset tokenized beside
     it (split eval_split; the same data checks, its messages naming it). sft: SFT rows (tokenize_completions)."""
-    rows, tok = _tokenize(cfg, tokenizer, cfg.dataset, cfg.dataset_split, progress, sft)
+    mix, tok = _tokenize(cfg, tokenizer, cfg.dataset, cfg.dataset_split, progress, sft, cfg.max_train_samples)
     if cfg.eval_dataset is not None:
-        _, eval_tok = _tokenize(cfg, tokenizer, cfg.eval_dataset, cfg.eval_split, progress, sft)
+        _, eval_tok = _tokenize(cfg, tokenizer, [Source(cfg.eval_dataset)], cfg.eval_split, progress, sft)
         log(f"eval: {len(eval_tok.pairs)} pairs from {cfg.eval_dataset}")
-        return Data(tok, tok.pairs, eval_tok.pairs[:cfg.eval_max_pairs], "eval", eval_tok, rows)
+        return Data(tok, tok.pairs, eval_tok.pairs[:cfg.eval_max_pairs], "eval", eval_tok, mix)
     if cfg.eval_fraction > 0:
-        train, evals = _held_out(cfg, rows, tok)
-        return Data(tok, train, evals[:cfg.eval_max_pairs], "train", rows=rows)
-    return Data(tok, tok.pairs, [], None, rows=rows)
+        train, evals = _held_out(cfg, mix, tok)
+        return Data(tok, train, evals[:cfg.eval_max_pairs], "train", mixture=mix)
+    return Data(tok, tok.pairs, [], None, mixture=mix)
 
 
 def tokens_digest(items: list) -> str:

@@ -24,6 +24,7 @@ from lowmem_dpo.errors import UserError
 from lowmem_dpo.memory.arch import arch_config_path, load_arch
 from lowmem_dpo.memory.model import predict
 from lowmem_dpo.memory.setup import Setup, setup_from_config
+from lowmem_dpo.sources import Source
 from lowmem_dpo.tiny import BUILTIN_PREFIX, ensure_builtin
 
 
@@ -141,17 +142,22 @@ def _pair_shape(pairs, shared: bool = False) -> tuple[int, int]:
     return max(lengths), sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
 
 
-def _longest_rows(cfg: Config, tokenizer, n: int, out: Path) -> Path:
-    """The n rows with the longest tokenized pairs, written as JSONL: measuring on them is measuring the worst
-    batches of the data, in seconds."""
-    tok = inputs.tokenized(cfg, tokenizer, progress=False)
+def _longest_rows(cfg: Config, tokenizer, n: int, out: Path) -> list[Source]:
+    """The n rows with the longest tokenized pairs, written as JSONL into `out`, one file per source of the
+    dataset they come from (sources may differ in format): measuring on them is measuring the worst batches of
+    the data, in seconds. Returns those files as the sources of a dataset."""
+    mix, tok = inputs.tokenized_mixture(cfg, tokenizer, progress=False)
     ordered = sorted(tok.pairs, key=lambda p: -(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))))
-    ds = data.load_rows(cfg.dataset, cfg.dataset_split)
-    with open(out, "w", encoding="utf-8") as f:
-        for p in ordered[:n]:
-            row = ds[p.row]
-            f.write(json.dumps({k: row[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
-    return out
+    by_part: dict[int, list[dict]] = {}
+    for p in sorted(ordered[:n], key=lambda p: p.row):
+        row = mix.row(p.row)
+        by_part.setdefault(mix.locate(p.row)[0], []).append({k: row[k] for k in ("prompt", "chosen", "rejected")})
+    written = []
+    for k, rows in sorted(by_part.items()):
+        path = out / f"rows-{k}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        written.append(Source(str(path)))
+    return written
 
 
 def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Resolved):
@@ -208,8 +214,9 @@ def measure(cfg: Config, steps: int = 2) -> dict:
     with tempfile.TemporaryDirectory(prefix="lowmem_dpo-measure-") as tmp:
         tmp = Path(tmp)
         ins = inputs.prepare(cfg, resolved)
-        subset = _longest_rows(cfg, ins.tokenizer, rows, tmp / "rows.jsonl")
-        mcfg = dataclasses.replace(cfg, dataset=str(subset), dataset_split="train", ref_cache_dir=str(tmp / "cache"),
+        subset = _longest_rows(cfg, ins.tokenizer, rows, tmp)
+        mcfg = dataclasses.replace(cfg, dataset=subset, dataset_split="train", max_train_samples=None,
+                                   ref_cache_dir=str(tmp / "cache"),
                                    output_dir=str(tmp / "out"), max_steps=steps, save_steps=0)
         pre, batch_pairs, pre_shared = _measure_precompute(mcfg, ins, resolved)
         tr, seen, shared = _measure_train(mcfg, steps)

@@ -27,6 +27,7 @@ from lowmem_dpo.logps import batch_logps
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 from lowmem_dpo.recipe import load_config
+from lowmem_dpo.sources import label
 
 EVAL_PREFIX = "eval-"  # the eval_dataset rows' shards: eval-shard-00000.safetensors ...
 
@@ -174,7 +175,7 @@ def up_to_date(cfg: Config, cache_dir: Path, fp: str) -> bool:
     if manifest is None or manifest.get("fingerprint") != fp:
         return False
     data.check_skips(data.manifest_skips(manifest), manifest["num_rows"], manifest["num_pairs"],
-                     cfg.dataset, cfg.max_length, cfg.strict)
+                     label(cfg.dataset), cfg.max_length, cfg.strict)
     ev = manifest.get("eval")
     if ev is not None:  # the fingerprint matched, so cfg.eval_dataset names these rows
         data.check_skips(data.manifest_skips(ev), ev["num_rows"], ev["num_pairs"], cfg.eval_dataset,

@@ -73,13 +73,15 @@ class SFT:
         return SFTStats()
 
     def backward(self, s: loop.Session, items: list[data.TokenizedCompletion]) -> SFTStats:
-        """Forward+backward of one optimizer step's rows, by micro-batches of s.micro_batch; gradients
-        accumulate."""
+        """Forward+backward of this rank's share of one optimizer step's rows (all of them in one process), by
+        micro-batches of s.micro_batch; gradients accumulate."""
         batches = [data.collate_completions(chunk, s.pad_id)
-                   for chunk in loop.split(loop.by_length(items), s.micro_batch)]
-        # The step's loss is the mean over all its completion tokens (as TRL), so each micro-batch's sum is divided
-        # by the step's total, known before the first backward. Position t-1 predicts token t: mask[:, 1:] counts.
-        n_targets = sum(int(b.completion_mask[:, 1:].sum()) for b in batches)
+                   for chunk in loop.split(loop.share(s, items), s.micro_batch)]
+        # The step's loss is the mean over all its completion tokens (as TRL), every rank's, so each micro-batch's
+        # sum is divided by the step's total, known before the first backward. Position t-1 predicts token t:
+        # mask[:, 1:] counts.
+        n_targets = sum(int(data.collate_completions(chunk, s.pad_id).completion_mask[:, 1:].sum())
+                        for chunk in loop.split(items, s.micro_batch))
         stats = SFTStats()
         for batch in batches:
             logps, batch_stats = forward_rows(s, batch)
@@ -88,12 +90,15 @@ class SFT:
         return stats
 
     @torch.no_grad()
-    def evaluate(self, s: loop.Session, items: list[data.TokenizedCompletion], micro_batch: int) -> dict[str, float]:
-        """eval_loss: the mean NLL per completion token over the held-out rows (training's loss, no gradients)."""
+    def eval_stats(self, s: loop.Session, items: list[data.TokenizedCompletion], micro_batch: int) -> SFTStats:
+        """The NLL sums over this rank's share of the held-out rows (training's loss, no gradients)."""
         stats = SFTStats()
-        for chunk in loop.split(loop.by_length(items), micro_batch):
+        for chunk in loop.split(loop.share(s, items), micro_batch):
             stats.add(forward_rows(s, data.collate_completions(chunk, s.pad_id))[1])
-        return {"eval_loss": stats.means()["loss"]}
+        return stats
+
+    def eval_metrics(self, stats: SFTStats) -> dict[str, float]:
+        return {"eval_loss": stats.means()["loss"]}  # the mean NLL per completion token
 
     def warning_signs(self, s: loop.Session) -> list[str]:
         return []  # DPO's signs (guards.py) read rewards an SFT step has not
@@ -134,7 +139,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     log(source.description)
     tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template)
     d = inputs.load_data(cfg, tokenizer, progress, sft=True)  # logs the rows it skips and the eval split
-    files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, d.rows)
+    files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, d.mixture)
     trains_on = inputs.run_inputs(files, d.train)  # no reference cache in SFT
     resuming.check_before_load(cfg, resume, trains_on, len(d.train))
     model = policy.setup_model(cfg, resolved, source.base_path, device_map, source=source)

@@ -93,7 +93,7 @@ def test_cache_holds_own_logps_and_train_starts_at_ln2(name, arch_dir, make_cfg,
     cfg = make_cfg(model_name_or_path=str(arch_dir(name)), dataset=tiny_rows(tmp_path), max_steps=1)
     precompute.run(cfg, progress=False)
     ref = cache.load_ref_cache(cfg.ref_cache_dir)
-    pairs = data.tokenize_rows(data.load_rows(cfg.dataset), tokenizer, 64, None, progress=False).pairs
+    pairs = data.tokenize_rows(data.load_rows(cfg.dataset[0].path), tokenizer, 64, None, progress=False).pairs
     batch = data.collate(pairs, data.pad_token_id(tokenizer))
     with torch.no_grad():
         want = own_logps(load_model(arch_dir(name), torch.device("cpu"), torch.float32), batch)

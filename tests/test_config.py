@@ -162,7 +162,7 @@ ALTERNATIVES = {
     "cache_shard_rows": 64, "ref_source": "live", "eval_dataset": "held-out.jsonl", "eval_split": "validation",
     "eval_fraction": 0.1, "eval_steps": 5, "eval_max_pairs": 8, "metric_for_best_model": "eval_rewards/accuracies",
     "greater_is_better": True, "load_best_model_at_end": True, "eval_generations": 2, "max_new_tokens": 8,
-    "report_to": "tensorboard", "share_prompt": "false", "loss_weights": [2.0],
+    "report_to": "tensorboard", "share_prompt": "false", "loss_weights": [2.0], "max_train_samples": 5,
     "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
 }
 

@@ -91,7 +91,7 @@ def test_report_counts_truncation_and_is_refreshed_from_the_cache(make_cfg, tmp_
     assert json.loads(path.read_text()) == rep
 
     capsys.readouterr()
-    args = [str(REPO / "recipes/tiny-cpu.yaml"), f"dataset={cfg.dataset}", f"ref_cache_dir={cfg.ref_cache_dir}",
+    args = [str(REPO / "recipes/tiny-cpu.yaml"), f"dataset={cfg.dataset[0].path}", f"ref_cache_dir={cfg.ref_cache_dir}",
             "device=cpu", "dtype=float32", "max_length=64"]
     assert run_cli(preflight.main, args, "preflight", preflight.__doc__) == 0
     out = capsys.readouterr().out

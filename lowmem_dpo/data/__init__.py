@@ -4,6 +4,7 @@
     encode.py  tokenize as TRL 1.16 does; skip (and count) the rows DPO cannot use
     batch.py   collate chosen and rejected of a micro-batch into one right-padded forward
     split.py   the eval hold-out of a dataset (eval_fraction), by a hash of each row's prompt
+    mix.py     a mixture of sources: the rows each gives (fraction, rows, max_train_samples), tokenized per source
 
 The stages use the names below; each lives in the module that says so.
 """
@@ -20,10 +21,11 @@ from lowmem_dpo.data.encode import (
                                     tokenize_completions,
                                     tokenize_rows,
 )
+from lowmem_dpo.data.mix import Mixture, load_mixture, tokenize_mixture
 from lowmem_dpo.data.rows import REQUIRED, data_files, load_rows
 from lowmem_dpo.data.split import held_out, holdout_rows, prompt_keys
 
 __all__ = ["Batch", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
            "TokenizedData", "TokenizedPair", "check_skips", "manifest_skips", "tokenize_completions", "tokenize_rows",
            "REQUIRED", "data_files", "load_rows", "held_out", "holdout_rows",
-           "prompt_keys"]
+           "prompt_keys", "Mixture", "load_mixture", "tokenize_mixture"]

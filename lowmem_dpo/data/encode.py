@@ -122,11 +122,12 @@ def _split_prompt(prompt: list[int], full: list[list[int]], max_length: int, max
 
 
 def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None, spec: str = "dataset",
-                  progress: bool = True, strict: bool = False) -> TokenizedData:
+                  progress: bool = True, strict: bool = False, where: Callable[[int], str] | None = None
+                  ) -> TokenizedData:
     """Tokenize every row (TRL 1.16 conventions, see module doc), in dataset order. Structural problems are
     UserErrors; unusable rows are skipped and logged (SKIPS), or refused with `strict`; so is every row skipped."""
     _eos_text(tokenizer)
-    where = row_locator(spec, len(ds))
+    where = where or row_locator(spec, len(ds))  # `where`: a mixture's rows name their place in their source
     pairs: list[TokenizedPair] = []
     skipped: dict[str, list[int]] = {reason: [] for reason in SKIPS}
     truncated: dict[str, list[int]] = {part: [] for part in TRUNCATIONS}
@@ -269,14 +270,15 @@ def _encode_completions(rows: list[dict], column: str, tokenizer, conversational
 
 
 def tokenize_completions(ds, tokenizer, max_length: int, max_prompt_length: int | None, spec: str = "dataset",
-                         progress: bool = True, strict: bool = False) -> TokenizedData:
+                         progress: bool = True, strict: bool = False, where: Callable[[int], str] | None = None
+                         ) -> TokenizedData:
     """SFT rows: prompt + completion (or chosen), tokenized as tokenize_rows tokenizes a chosen completion (text:
     EOS appended unless there, as TRL's SFTTrainer does; conversations: the chat template), so the SFT model's
     completion is the sequence the DPO stage scores. Rows with an empty prompt or completion, or whose prompt
     alone reaches max_length, are skipped and logged (strict: refused)."""
     _eos_text(tokenizer)
     column = sft_column(ds, spec)
-    where = row_locator(spec, len(ds))
+    where = where or row_locator(spec, len(ds))  # `where`: a mixture's rows name their place in their source
     items: list[TokenizedCompletion] = []
     skipped: dict[str, list[int]] = {"empty_completion": [], "prompt_too_long": []}
     for checked, kind in _checked_chunks(ds, spec, where, ("prompt", column), progress):
