@@ -59,6 +59,7 @@ class TrainerState:
     best_metric: float | None = None
     best_global_step: int | None = None
     best_model_checkpoint: str | None = None
+    world_size: int = 1  # processes of the run (torchrun / accelerate launch): a step's pairs depend on it
 
 
 def root(output_dir: str | Path) -> Path:

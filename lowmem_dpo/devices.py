@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowmem_dpo import distributed
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.units import GiB
 
@@ -158,6 +159,10 @@ def _dtype(setting: str, key: str, rule: Rule) -> tuple[torch.dtype, str]:
 def resolve(cfg) -> Resolved:
     """Resolve device, dtypes, gradient_checkpointing, optimizer and offload from the config and RULES."""
     device, device_reason = _pick_device(cfg)
+    device = distributed.init(device)  # under torchrun / accelerate launch: join the group, this rank's GPU
+    w = distributed.world()
+    if w.distributed:
+        device_reason += f"; process {w.rank} of {w.size} on {device} (data parallel)"
     kind = device_kind(device)
     rule = RULES[kind]
     reasons = [device_reason, f"device kind {kind}: {rule.why}"]
@@ -253,17 +258,22 @@ def is_out_of_memory(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e))
 
 
-def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: str, cleanup=None):
+def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: str, cleanup=None,
+                   any_rank=lambda failed: failed):
     """run(size), retried at half the size on out-of-memory, down to 1: `cleanup()` (e.g. drop a partial step's
     gradients) and the cached blocks released before each retry, whose log line is retrying(new size). Out of
-    memory at 1 raises UserError(exhausted)."""
+    memory at 1 raises UserError(exhausted). `any_rank(failed)` says whether any process failed
+    (distributed.any_rank; `run` makes no collective call): then every process retries at the same size."""
     while True:
+        failed = False
         try:
-            return run(size)
+            result = run(size)
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
             del e  # its traceback holds the failed attempt's tensors
+            failed = True
+        if any_rank(failed):
             if cleanup is not None:
                 cleanup()
             release_memory(device)
@@ -271,6 +281,8 @@ def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: st
                 raise UserError(exhausted) from None
             size = max(1, size // 2)
             log(retrying(size))
+        else:
+            return result
 
 
 def release_memory(device: torch.device) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 EXIT_USAGE = 2
@@ -17,7 +18,10 @@ class ConfigError(UserError):
 
 
 def log(msg: str) -> None:
-    """One line to stderr that does not break a running progress bar."""
+    """One line to stderr that does not break a running progress bar; rank 0's alone when several processes run
+    (torchrun sets RANK: the others would repeat it)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     from tqdm.auto import tqdm
 
     tqdm.write(msg, file=sys.stderr)

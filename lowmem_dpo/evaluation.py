@@ -20,7 +20,7 @@ import math
 import time
 from pathlib import Path
 
-from lowmem_dpo import checkpoint, devices, files, guards, samples
+from lowmem_dpo import checkpoint, devices, distributed, files, guards, samples
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
 
@@ -48,13 +48,15 @@ def eval_mode(model):
         model.train(was_training)
 
 
-def halving(s, run, size: int, what: str):
+def halving(s, run, size: int, what: str, every_rank: bool = False):
     """run(size), retried at half the size (down to 1) on out-of-memory (devices.halving_on_oom): the eval's
-    micro-batches and the samples' batch can meet a fuller GPU than the training step did."""
+    micro-batches and the samples' batch can meet a fuller GPU than the training step did. every_rank: every
+    process runs it, and all retry when one runs out (the eval); else rank 0 alone (the samples)."""
     return devices.halving_on_oom(
         run, size, s.resolved.device, lambda n: f"out of memory in {what} at step {s.step}: retrying {n} at a time",
         f"out of memory in {what} at step {s.step}, one at a time; lower eval_max_pairs, eval_generations or "
-        "max_new_tokens (the last checkpoint is intact)")
+        "max_new_tokens (the last checkpoint is intact)",
+        any_rank=distributed.any_rank if every_rank else lambda failed: failed)
 
 
 def sample_items(items: list, n: int) -> list:
@@ -102,13 +104,14 @@ def at_start(s) -> dict | None:
 
 
 def evaluate(s) -> dict:
-    """The eval line of step s.step: the objective's metrics over the eval items (at most eval_max_pairs), no
-    gradients, in eval mode, by the training micro-batch (halved on out-of-memory); the samples' repetition and
-    length; the time it took."""
+    """The eval line of step s.step: the objective's metrics over the eval items (at most eval_max_pairs; each
+    rank its share, the sums added up), no gradients, in eval mode, by the training micro-batch (halved on
+    out-of-memory); the samples' repetition and length (rank 0's: {} on the others); the time it took."""
     t0 = time.perf_counter()
     with eval_mode(s.model):
-        metrics = halving(s, lambda n: s.objective.evaluate(s, s.eval_items, n), s.micro_batch, "the eval")
-        gen = sample_metrics(s, s.step)
+        local = halving(s, lambda n: s.objective.eval_stats(s, s.eval_items, n), s.micro_batch, "the eval", True)
+        metrics = s.objective.eval_metrics(distributed.sum_stats(local))
+        gen = sample_metrics(s, s.step) if s.world.main else {}
     line = {"step": s.step, **{k: None if v is None or not math.isfinite(v) else round(v, 6)
                                for k, v in metrics.items()}, **gen,
             "eval_runtime": round(time.perf_counter() - t0, 3), "eval_pairs": len(s.eval_items)}

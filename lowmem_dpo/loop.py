@@ -9,6 +9,12 @@ what a data item is (in `Session.pairs`), and how a step's items become a loss, 
     resuming.check_before_load(cfg, resume, ins, len(items))  # changed inputs or a shorter run fail fast too
     s = start(cfg, resolved, model, items, pad_id, objective, resume, ins)  # optimizer, schedule, checkpoint state
     run(s)                                # optimizer_step until s.steps; log, checkpoint, save
+
+Under torchrun or `accelerate launch` (distributed.py) every rank runs this loop on the same data stream: a step
+takes per_device_train_batch_size x gradient_accumulation_steps items per rank, each rank computes its share
+(`share`), and the LoRA gradients and the metric sums are summed across ranks before the update, so every rank
+takes the same update and the same decisions (non-finite skip, warning signs, out-of-memory halving). Rank 0
+alone writes: metrics, checkpoints, samples, the final adapter.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +30,17 @@ from typing import Protocol
 
 import torch
 
-from lowmem_dpo import checkpoint, devices, evaluation, guards, output, policy, resuming, tensorboard
+from lowmem_dpo import (
+    checkpoint,
+    devices,
+    distributed,
+    evaluation,
+    guards,
+    output,
+    policy,
+    resuming,
+    tensorboard,
+)
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
 
@@ -49,11 +66,15 @@ class Objective(Protocol):
     def new_stats(self) -> Stats: ...
 
     def backward(self, s: "Session", items: list) -> Stats:
-        """Forward + backward of one optimizer step's items in micro-batches of s.micro_batch (split()); the
-        gradients accumulate in s.params, scaled so the step's loss is its mean whatever the split."""
+        """Forward + backward of this rank's share (share()) of one optimizer step's items, in micro-batches of
+        s.micro_batch (split()); the gradients accumulate in s.params, scaled so that summed over the ranks the
+        step's loss is its mean over all `items` whatever the split. No collective call: the loop sums."""
 
-    def evaluate(self, s: "Session", items: list, micro_batch: int) -> dict[str, float]:
-        """The eval metrics ("eval_" names) over `items`, with no gradients, by micro-batches of `micro_batch`."""
+    def eval_stats(self, s: "Session", items: list, micro_batch: int) -> Stats:
+        """The eval sums over this rank's share of `items`, with no gradients, by micro-batches of `micro_batch`."""
+
+    def eval_metrics(self, stats: Stats) -> dict[str, float]:
+        """The eval metrics ("eval_" names) of eval sums (all ranks' summed)."""
 
     def warning_signs(self, s: "Session") -> list[str]:
         """Signs the run is going wrong, from s.window at the logged step s.step (guards.py); [] for none."""
@@ -94,6 +115,12 @@ def split(items: list, micro_batch: int) -> list[list]:
     return [items[i:i + micro_batch] for i in range(0, len(items), micro_batch)]
 
 
+def share(s: "Session", items: list) -> list:
+    """This rank's items of a step (all of them in a single process), longest first: every world-size-th item of
+    the step sorted by length, so each rank gets items of every length (distributed.shard)."""
+    return distributed.shard(by_length(items), s.world)
+
+
 # -- the session -------------------------------------------------------------------------------------------------
 # The best so far (evaluation.note_best), in transformers' TrainerState keys; its folder, best_model_checkpoint, is
 # derived from the step where output_dir is now (best_folder).
@@ -128,6 +155,7 @@ class Session:
     tokenizer: object = None  # decodes the samples
     best: dict = field(default_factory=lambda: dict.fromkeys(BEST_KEYS))  # evaluation.note_best
     tensorboard: object = None  # report_to=tensorboard: tensorboard.open_writer's writer
+    world: distributed.World = field(default_factory=distributed.world)  # this process among the launched ones
 
     def __post_init__(self):  # a new run: the data from its start, the recipe's split, an empty window
         if self.stream is None:
@@ -138,8 +166,8 @@ class Session:
             self.window = self.objective.new_stats()
 
     @property
-    def pairs_per_step(self) -> int:
-        return self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps
+    def pairs_per_step(self) -> int:  # all ranks'
+        return policy.items_per_step(self.cfg, self.world.size)
 
 
 # -- resume ------------------------------------------------------------------------------------------------------
@@ -167,7 +195,7 @@ def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: i
     """The session of a stage's set-up model: its optimizer and schedule over the run's steps, at checkpoint
     `resume` (find_resume's pair, its inputs already checked against `inputs`) or at the start. `eval_items` are
     evaluated (Objective.evaluate) every eval_steps, their prompts answered with `tokenizer`'s decoding."""
-    steps = policy.total_steps(cfg, len(items))
+    steps = policy.total_steps(cfg, len(items), distributed.world().size)
     opt, sched, params = policy.setup_optimizer(cfg, model, steps, resolved)
     s = Session(cfg, resolved, model, opt, sched, params, items, pad_id, steps, objective, inputs=inputs or {},
                 eval_items=list(eval_items), tokenizer=tokenizer)
@@ -178,7 +206,8 @@ def checkpoint_state(s: Session) -> checkpoint.TrainerState:
     return checkpoint.TrainerState(step=s.step, pairs_seen=s.step * s.pairs_per_step, micro_batch=s.micro_batch,
                                    grad_accum=s.grad_accum, skipped_steps=s.skipped_steps,
                                    window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg),
-                                   inputs=s.inputs, **s.best, best_model_checkpoint=best_folder(s))
+                                   inputs=s.inputs, **s.best, best_model_checkpoint=best_folder(s),
+                                   world_size=s.world.size)
 
 
 def best_folder(s: Session) -> str | None:
@@ -189,20 +218,23 @@ def best_folder(s: Session) -> str | None:
 
 # -- one optimizer step ------------------------------------------------------------------------------------------
 def backward_with_backoff(s: Session, items: list):
-    """The objective's forward+backward of one optimizer step's items, split into micro-batches of
-    s.micro_batch. On out-of-memory, halve the micro-batch (the accumulation doubles: the same items, the same
-    update) and retry, down to 1 item."""
+    """The objective's forward+backward of this rank's share of one optimizer step's items, split into
+    micro-batches of s.micro_batch. On out-of-memory (on any rank), halve the micro-batch (the accumulation
+    doubles: the same items, the same update) and retry, down to 1 item."""
+    mine = math.ceil(len(items) / s.world.size)  # this rank's items (share), at most
+
     def attempt(micro_batch: int):
-        s.micro_batch, s.grad_accum = micro_batch, math.ceil(len(items) / micro_batch)
+        s.micro_batch, s.grad_accum = micro_batch, math.ceil(mine / micro_batch)
         return s.objective.backward(s, items)
 
     return devices.halving_on_oom(
         attempt, s.micro_batch, s.resolved.device,
         lambda n: f"out of memory at step {s.step + 1}: retrying with per_device_train_batch_size={n} "
-                  f"gradient_accumulation_steps={math.ceil(len(items) / n)} (the same {len(items)} pairs per step)",
+                  f"gradient_accumulation_steps={math.ceil(mine / n)} (the same {len(items)} pairs per step)",
         f"out of memory at step {s.step + 1} with 1 pair per micro-batch; lower max_length, or set "
         "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml shows what fits)",
-        cleanup=lambda: s.opt.zero_grad(set_to_none=True))  # drop the partial step's gradients
+        cleanup=lambda: s.opt.zero_grad(set_to_none=True),  # drop the partial step's gradients
+        any_rank=distributed.any_rank)
 
 
 def apply_gradients(s: Session, loss: float) -> float:
@@ -232,9 +264,11 @@ def optimizer_step(s: Session) -> tuple[Stats, float, float]:
     """One optimizer step over the next pairs_per_step items: forward+backward by micro-batches, clip, AdamW,
     schedule. A non-finite loss or gradient skips the update (the schedule still advances);
     max_nonfinite_steps in a row stop the run. Returns (stats, grad_norm before clipping, learning rate)."""
-    items = take(s.stream, s.pairs_per_step)
+    items = take(s.stream, s.pairs_per_step)  # every rank's: the stream is the same on each
     lr = s.sched.get_last_lr()[0]
     stats = backward_with_backoff(s, items)
+    distributed.sum_gradients(s.params)  # the step's gradient, the same on every rank
+    stats = distributed.sum_stats(stats)  # the step's sums: the loss, the guards and the log see all ranks
     return stats, apply_gradients(s, stats.means()["loss"]), lr
 
 
@@ -248,19 +282,6 @@ def timed(s: Session) -> tuple:
 
 
 # -- output (output.py writes the files) -------------------------------------------------------------------------
-def log_line(s: Session, stats: Stats, grad_norm: float, lr: float, dt: float) -> dict:
-    """The metrics.jsonl line for this step: the window's means (null when every step since the last line was
-    skipped as non-finite), the step's gradient norm, learning rate and timing."""
-    means = dict.fromkeys(s.window.means()) if s.window.empty else s.window.means()
-    line = {"step": s.step, **{k: None if v is None else round(v, 6) for k, v in means.items()},
-            "grad_norm": round(grad_norm, 6) if math.isfinite(grad_norm) else None,
-            "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3)}
-    peak = devices.peak_memory_bytes(s.resolved.device)
-    if peak is not None:
-        line["peak_mem_bytes"] = peak
-    return line
-
-
 def save_checkpoint(s: Session, out_dir: Path, evaluated: dict | None) -> None:
     """checkpoint-STEP, the best so far updated first when this step was evaluated (the best is never pruned),
     and output_dir/trainer_state.json."""
@@ -279,22 +300,6 @@ class TrainResult:
     model: object  # the PEFT model as trained (in memory)
 
 
-def write_line(s: Session, metrics_file, line: dict) -> dict:
-    """Append a line to metrics.jsonl (and the session's copy, which checkpoints keep), and to TensorBoard."""
-    s.metrics_lines.append(json.dumps(line) + "\n")
-    metrics_file.write(s.metrics_lines[-1])
-    metrics_file.flush()
-    if s.tensorboard is not None:
-        s.tensorboard.add(line)
-    return line
-
-
-def show(bar, numbers: dict[str, str]) -> None:
-    """Update the progress bar's numbers, keeping the others (the last train line's beside the last eval's)."""
-    bar.postfix_dict = {**bar.postfix_dict, **numbers}
-    bar.set_postfix(bar.postfix_dict)
-
-
 def warn(s: Session, signs: list[str]) -> None:
     """Log the warning signs of this step; with early_stop_on_divergence, stop on the first (exit 2)."""
     for sign in signs:
@@ -307,10 +312,10 @@ def warn(s: Session, signs: list[str]) -> None:
 def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float, dt: float, bar) -> dict:
     """Write the metrics line of the step just taken, start a new window, and warn (or stop, with
     early_stop_on_divergence) on the objective's warning signs."""
-    line = write_line(s, metrics_file, log_line(s, stats, grad_norm, lr, dt))
+    line = output.write_line(s, metrics_file, output.log_line(s, stats, grad_norm, lr, dt))
     signs = []
     if not s.window.empty:  # else every step since the last line was skipped (already warned)
-        show(bar, s.objective.postfix(line))
+        output.show(bar, s.objective.postfix(line))
         signs = s.objective.warning_signs(s)
     s.window = s.objective.new_stats()
     warn(s, signs)
@@ -318,10 +323,12 @@ def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float
 
 
 def eval_step(s: Session, metrics_file, bar) -> dict:
-    """Evaluate at this step (evaluation.evaluate): the eval line, the bar's eval numbers, the collapse sign."""
-    line = write_line(s, metrics_file, evaluation.evaluate(s))
-    show(bar, evaluation.postfix(line))
-    sign = evaluation.collapse_sign(s, line)
+    """Evaluate at this step (evaluation.evaluate): the eval line, the bar's eval numbers, the collapse sign (rank
+    0's samples: its line and sign go to every rank, which then decide alike)."""
+    line = evaluation.evaluate(s)
+    line, sign = distributed.broadcast((line, evaluation.collapse_sign(s, line) if s.world.main else None))
+    output.write_line(s, metrics_file, line)
+    output.show(bar, evaluation.postfix(line))
     warn(s, [sign] if sign else [])
     return line
 
@@ -331,21 +338,22 @@ def run(s: Session, progress: bool = True) -> TrainResult:
     checkpoint every save_steps and at the last step; then the adapter into output_dir."""
     from tqdm.auto import tqdm
 
-    cfg = s.cfg
-    out_dir = output.start_output(s)
+    cfg, main = s.cfg, s.world.main  # rank 0 writes the files; the others only compute (distributed.py)
+    out_dir = output.start_output(s) if main else Path(cfg.output_dir)
     for line in s.objective.intro(s):
         log(line)
     train_lines = [line for line in map(json.loads, s.metrics_lines) if "loss" in line]  # not eval lines
     last = train_lines[-1] if train_lines else {}
-    bar = tqdm(total=s.steps, initial=s.step, desc=s.objective.name, unit="step", disable=not progress,
+    bar = tqdm(total=s.steps, initial=s.step, desc=s.objective.name, unit="step", disable=not progress or not main,
                dynamic_ncols=True)
     bar.postfix_dict = {}  # the numbers shown: the last train line's and the last eval's
     # A resumed run's events after its checkpoint, or an earlier run's, are purged: the events follow metrics.jsonl.
-    s.tensorboard = tensorboard.open_writer(cfg.report_to, out_dir, purge_step=s.step + 1 if s.step else 0)
-    with output.open_metrics(s, out_dir) as metrics_file:
-        first = evaluation.at_start(s)  # step 0: the reference's samples
+    if main:
+        s.tensorboard = tensorboard.open_writer(cfg.report_to, out_dir, purge_step=s.step + 1 if s.step else 0)
+    with output.open_metrics(s, out_dir) if main else open(os.devnull, "w") as metrics_file:
+        first = distributed.broadcast(evaluation.at_start(s) if main else None)  # step 0: the reference's samples
         if first is not None:
-            write_line(s, metrics_file, first)
+            output.write_line(s, metrics_file, first)
         while s.step < s.steps:  # the loop
             stats, grad_norm, lr, dt = timed(s)
             if not guards.nonfinite(stats.means()["loss"]):
@@ -354,17 +362,26 @@ def run(s: Session, progress: bool = True) -> TrainResult:
             if s.step == 1 or s.step % cfg.logging_steps == 0 or s.step == s.steps:
                 last = log_step(s, metrics_file, stats, grad_norm, lr, dt, bar)
             evaluated = eval_step(s, metrics_file, bar) if evaluation.due(cfg, s.step, s.steps) else None
-            if cfg.save_steps and (s.step % cfg.save_steps == 0 or s.step == s.steps):
+            if cfg.save_steps and (s.step % cfg.save_steps == 0 or s.step == s.steps) and main:
                 save_checkpoint(s, out_dir, evaluated)
     bar.close()
     if s.tensorboard is not None:
         s.tensorboard.close()
     if s.skipped_steps:
         log(f"note: {s.skipped_steps} updates were skipped for a non-finite loss or gradient")
+    if main:
+        finish(s, out_dir, last)
+    distributed.barrier()  # the other ranks end when the adapter is saved
+    return TrainResult(last, s.model)
+
+
+def finish(s: Session, out_dir: Path, last: dict) -> None:
+    """Rank 0 at the end: the best adapter loaded (load_best_model_at_end), saved into output_dir with the run's
+    state."""
+    cfg = s.cfg
     if cfg.load_best_model_at_end:
         evaluation.load_best(s)
     output.save_final(s, out_dir)
     checkpoint.write_run_state(out_dir, checkpoint_state(s), s.steps, cfg.best_metric_name, cfg.best_is_greater,
                                s.metrics_lines)
     log(f"saved adapter to {out_dir} (step {s.steps}{s.objective.summary(last)})")
-    return TrainResult(last, s.model)

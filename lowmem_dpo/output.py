@@ -1,10 +1,13 @@
-"""What a training run writes into output_dir besides checkpoints: config.yaml, metrics.jsonl, the final adapter.
+"""What a training run writes into output_dir besides checkpoints: config.yaml, metrics.jsonl (and the progress
+bar's numbers), the final adapter.
 
 Used by the loop (loop.py) with its session (loop.Session; not imported here, loop imports this module).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import tempfile
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import checkpoint, files
+from lowmem_dpo import checkpoint, devices, files
 from lowmem_dpo.errors import UserError, log
 
 
@@ -77,3 +80,33 @@ def save_final(s, out_dir: Path) -> None:
         if files.is_disk_full(e):
             raise files.disk_full_error(out_dir, "the adapter", need, then) from None
         raise
+
+
+# -- metrics.jsonl and the progress bar -----------------------------------------------------------------------
+def log_line(s, stats, grad_norm: float, lr: float, dt: float) -> dict:
+    """The metrics.jsonl line for this step: the window's means (null when every step since the last line was
+    skipped as non-finite), the step's gradient norm, learning rate and timing."""
+    means = dict.fromkeys(s.window.means()) if s.window.empty else s.window.means()
+    line = {"step": s.step, **{k: None if v is None else round(v, 6) for k, v in means.items()},
+            "grad_norm": round(grad_norm, 6) if math.isfinite(grad_norm) else None,
+            "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3)}
+    peak = devices.peak_memory_bytes(s.resolved.device)
+    if peak is not None:
+        line["peak_mem_bytes"] = peak
+    return line
+
+
+def write_line(s, metrics_file, line: dict) -> dict:
+    """Append a line to metrics.jsonl (and the session's copy, which checkpoints keep), and to TensorBoard."""
+    s.metrics_lines.append(json.dumps(line) + "\n")
+    metrics_file.write(s.metrics_lines[-1])
+    metrics_file.flush()
+    if s.tensorboard is not None:
+        s.tensorboard.add(line)
+    return line
+
+
+def show(bar, numbers: dict[str, str]) -> None:
+    """Update the progress bar's numbers, keeping the others (the last train line's beside the last eval's)."""
+    bar.postfix_dict = {**bar.postfix_dict, **numbers}
+    bar.set_postfix(bar.postfix_dict)

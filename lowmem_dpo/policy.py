@@ -103,11 +103,16 @@ def setup_optimizer(cfg: Config, model, total_steps: int, resolved: devices.Reso
     return opt, sched, params
 
 
-def total_steps(cfg: Config, num_items: int) -> int:
+def items_per_step(cfg: Config, world_size: int = 1) -> int:
+    """Pairs (or SFT rows) per optimizer step, over all ranks: per_device_train_batch_size per rank and micro-batch,
+    as transformers counts it."""
+    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
+
+
+def total_steps(cfg: Config, num_items: int, world_size: int = 1) -> int:
     if cfg.max_steps > 0:
         return cfg.max_steps
-    per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    return max(1, math.ceil(cfg.num_train_epochs * num_items / per_step))
+    return max(1, math.ceil(cfg.num_train_epochs * num_items / items_per_step(cfg, world_size)))
 
 
 def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> dict | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from lowmem_dpo import checkpoint, policy
+from lowmem_dpo import checkpoint, distributed, policy
 from lowmem_dpo.config import RUN_LENGTH, Config
 from lowmem_dpo.errors import UserError, log
 
@@ -30,6 +30,12 @@ def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | Non
                         + ", ".join(f"{k}: {saved.config.get(k)!r} -> {getattr(cfg, k, None)!r}" for k in changed)
                         + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
                         " are replaced as the new run saves)")
+    processes = distributed.world().size
+    if saved.world_size != processes:
+        raise UserError(f"{resume_from} was written by a run on {saved.world_size} process(es), this one has "
+                        f"{processes}: a step's pairs are per_device_train_batch_size x gradient_accumulation_steps "
+                        f"x processes, so the run would change; resume with {saved.world_size} (torchrun "
+                        "--nproc-per-node), or pass resume=never to start over")
     return resume_from, saved
 
 
@@ -41,7 +47,7 @@ def _length_changes(cfg: Config, saved: checkpoint.TrainerState) -> str:
 def _old_total(cfg: Config, saved: checkpoint.TrainerState, n_items: int) -> int:
     """The total steps of the run that wrote `saved`, over the same items."""
     old = dataclasses.replace(cfg, **{k: saved.config[k] for k in RUN_LENGTH if k in saved.config})
-    return policy.total_steps(old, n_items)
+    return policy.total_steps(old, n_items, distributed.world().size)
 
 
 def check_before_load(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerState | None], trains_on: dict,
@@ -56,7 +62,7 @@ def check_before_load(cfg: Config, resume: tuple[Path | None, checkpoint.Trainer
 def check_run_length(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerState | None], n_items: int) -> None:
     """A raised max_steps or num_train_epochs continues a run, a total below the checkpoint's step is refused."""
     resume_from, saved = resume
-    steps = policy.total_steps(cfg, n_items)
+    steps = policy.total_steps(cfg, n_items, distributed.world().size)
     if saved is not None and steps < saved.step:
         raise UserError(f"{_length_changes(cfg, saved)}: the run would end at step {steps}, before "
                         f"{resume_from}'s step {saved.step}; raise it to continue, or pass resume=never to start "

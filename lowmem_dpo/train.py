@@ -51,7 +51,8 @@ class StepStats:
     tokens: int = 0
     chosen_tokens: int = 0  # completion tokens of the chosen sides (per-token guard, the sft term)
     nll: float = 0.0  # summed -log pi of the chosen completions: the sft term's numerator
-    sft_weight: float | None = None  # the sft term's weight when loss_type has sft; sums["loss"] excludes it
+    # the sft term's weight when loss_type has sft (sums["loss"] excludes it); not a sum (distributed.sum_stats)
+    sft_weight: float | None = field(default=None, metadata={"sum": False})
 
     def add(self, other: "StepStats") -> None:
         for k in METRIC_KEYS:
@@ -118,13 +119,15 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
 
 
 def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
-               resolved: devices.Resolved, shared: bool = False) -> StepStats:
+               resolved: devices.Resolved, shared: bool = False, step_pairs: list | None = None) -> StepStats:
     """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params. The
     loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it), and
-    the sft term the mean over all its chosen tokens."""
+    the sft term the mean over all its chosen tokens. step_pairs: every pair of the step when `group` holds this
+    rank's share of them (loop.share), whose gradients the ranks sum; default: the group's pairs."""
     stats = StepStats(sft_weight=sft_weight(cfg))
-    n_pairs = sum(len(pairs) for pairs in group)
-    chosen_tokens = sum(len(p.chosen_ids) for pairs in group for p in pairs)  # as logps counts them
+    step_pairs = step_pairs if step_pairs is not None else [p for pairs in group for p in pairs]
+    n_pairs = len(step_pairs)
+    chosen_tokens = sum(len(p.chosen_ids) for p in step_pairs)  # as logps counts them
     for pairs in group:
         losses, chosen_logps, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)
         loss = losses.sum() / n_pairs
@@ -159,12 +162,14 @@ class DPO:
         return StepStats(sft_weight=self.sft_weight)
 
     def backward(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> StepStats:
-        return train_step(s.model, s.cfg, loop.split(loop.by_length(pairs), s.micro_batch), self.ref, s.pad_id,
+        return train_step(s.model, s.cfg, loop.split(loop.share(s, pairs), s.micro_batch), self.ref, s.pad_id,
+                          s.resolved, self.shared, step_pairs=pairs)
+
+    def eval_stats(self, s: loop.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
+        return eval_stats(s.model, s.cfg, loop.split(loop.share(s, pairs), micro_batch), self.eval_ref, s.pad_id,
                           s.resolved, self.shared)
 
-    def evaluate(self, s: loop.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> dict[str, float]:
-        stats = eval_stats(s.model, s.cfg, loop.split(loop.by_length(pairs), micro_batch), self.eval_ref, s.pad_id,
-                           s.resolved, self.shared)
+    def eval_metrics(self, stats: StepStats) -> dict[str, float]:
         return {f"eval_{k}": v for k, v in stats.means().items()}  # TRL's names: eval_loss, eval_rewards/...
 
     def warning_signs(self, s: loop.Session) -> list[str]:

@@ -1,0 +1,137 @@
+"""Several processes, one run: what torchrun and `accelerate launch` start, through torch.distributed.
+
+    torchrun --nproc-per-node 2 -m lowmem_dpo.train RECIPE.yaml
+    accelerate launch --num_processes 2 -m lowmem_dpo.train RECIPE.yaml
+
+Both launchers set RANK, WORLD_SIZE and LOCAL_RANK (and the rendezvous address) in each process's environment;
+`init` joins the process group they describe (NCCL on CUDA, gloo on a CPU). A single process (no WORLD_SIZE, or
+1) needs nothing: every function here is then the identity or a no-op, so the stages call them unconditionally.
+
+Data parallelism only: every rank holds the whole (LoRA) policy and computes its part of each step; the LoRA
+gradients are summed across ranks (`sum_gradients`) before the update, which is then the same on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0  # this process among all
+    size: int = 1  # processes in the run
+    local_rank: int = 0  # this process among those on its machine: its GPU
+
+    @property
+    def main(self) -> bool:  # rank 0 logs, writes the files and checkpoints
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def world() -> World:
+    """This process's place, from the launcher's environment (one process without it)."""
+    env = os.environ
+    return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def is_main() -> bool:
+    return world().main
+
+
+def active() -> bool:
+    """Whether this process is one of several, joined in a process group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def init(device: torch.device) -> torch.device:
+    """Join the launcher's process group (once) and return this process's device: cuda:LOCAL_RANK on CUDA, the
+    device itself elsewhere. A single process: `device` as it is."""
+    w = world()
+    if not w.distributed:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", w.local_rank)
+        torch.cuda.set_device(device)
+    if not active():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, rank=w.rank, world_size=w.size,
+                                             device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def barrier() -> None:
+    if active():
+        torch.distributed.barrier()
+
+
+def _reduce(t: torch.Tensor, op) -> torch.Tensor:
+    if active():
+        torch.distributed.all_reduce(t, op=op)
+    return t
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (every rank gets the same answer)."""
+    if not active():
+        return flag
+    return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int64), torch.distributed.ReduceOp.MAX).item())
+
+
+def broadcast(obj):
+    """Rank 0's `obj` on every rank (a picklable value)."""
+    if not active():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def sum_gradients(params: list[torch.Tensor]) -> None:
+    """Sum each trainable parameter's gradient over the ranks, in place: one all-reduce of one flat buffer (the
+    LoRA gradients are a few MB). A parameter with no gradient on this rank counts as zeros."""
+    if not active():
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])  # (sum of numels,), float32 for an exact-enough sum
+    torch.distributed.all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(g).to(g.dtype)
+        offset += n
+
+
+def sum_stats(stats):
+    """A step's metric sums (a dataclass of numbers, and of dicts of numbers) summed over the ranks: every rank
+    gets the step's totals. Fields declared with metadata {"sum": False} (a weight), and those that are not
+    numbers, stay as they are."""
+    if not active():
+        return stats
+    fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.metadata.get("sum", True)}
+    keys = [(name, None) for name, v in fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and v is not None]
+    keys += [(name, k) for name, v in fields.items() if isinstance(v, dict) for k in sorted(v)]
+    values = [fields[n] if k is None else fields[n][k] for n, k in keys]
+    total = _reduce(torch.tensor(values, dtype=torch.float64), torch.distributed.ReduceOp.SUM).tolist()
+    out = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+    out.update({n: dict(v) for n, v in fields.items() if isinstance(v, dict)})
+    for (name, k), v in zip(keys, total):
+        if k is None:
+            out[name] = type(fields[name])(v) if isinstance(fields[name], int) else v
+        else:
+            out[name][k] = v
+    return type(stats)(**out)
+
+
+def shard(items: list, w: World | None = None) -> list:
+    """This rank's share of a list every rank holds the same: every size-th item from its rank (rank 0 the
+    first): a list sorted by length gives each rank items of every length."""
+    w = w or world()
+    return items[w.rank::w.size]
