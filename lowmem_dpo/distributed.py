@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowmem_dpo.errors import UserError
+
 
 @dataclass(frozen=True)
 class World:
@@ -35,10 +37,30 @@ class World:
         return self.size > 1
 
 
+# Where launchers put (rank, world size, local rank): torchrun and accelerate launch on GPUs; then MPI, which
+# `accelerate launch --cpu --mpirun_hostfile` uses to start several CPU processes (OpenMPI, then Intel MPI / MPICH).
+ENV_NAMES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+             ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+             ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"))
+
+
 def world() -> World:
     """This process's place, from the launcher's environment (one process without it)."""
     env = os.environ
-    return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+    for rank, size, local in ENV_NAMES:
+        if size in env:
+            return World(int(env.get(rank, 0)), int(env[size]), int(env.get(local, 0)))
+    return World()
+
+
+def check_launch() -> None:
+    """Refuse `accelerate launch --cpu --num_processes N` without mpirun: accelerate then starts one process (it
+    expects MPI to start the others), and the run would quietly be a single process's."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_CPU", "").lower() == "true" and "MASTER_ADDR" in env and not world().distributed:
+        raise UserError("accelerate launch --num_processes N on a CPU starts one process unless mpirun starts the "
+                        "others (--mpirun_hostfile); use torchrun --nproc-per-node N -m lowmem_dpo.STAGE ..., which "
+                        "starts N")
 
 
 def is_main() -> bool:
@@ -53,9 +75,12 @@ def active() -> bool:
 def init(device: torch.device) -> torch.device:
     """Join the launcher's process group (once) and return this process's device: cuda:LOCAL_RANK on CUDA, the
     device itself elsewhere. A single process: `device` as it is."""
+    check_launch()
     w = world()
     if not w.distributed:
         return device
+    if not w.main:  # the other ranks' library progress bars would repeat rank 0's
+        _quiet_libraries()
     if device.type == "cuda":
         device = torch.device("cuda", w.local_rank)
         torch.cuda.set_device(device)
@@ -64,6 +89,14 @@ def init(device: torch.device) -> torch.device:
         torch.distributed.init_process_group(backend, rank=w.rank, world_size=w.size,
                                              device_id=device if device.type == "cuda" else None)
     return device
+
+
+def _quiet_libraries() -> None:
+    import datasets
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
 
 
 def barrier() -> None:

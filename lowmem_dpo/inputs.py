@@ -8,7 +8,7 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowmem_dpo import cache, data, models
+from lowmem_dpo import cache, data, distributed, models
 from lowmem_dpo.config import Config, cache_settings
 from lowmem_dpo.devices import Resolved, dtype_name
 from lowmem_dpo.errors import UserError, log
@@ -167,6 +167,7 @@ def _held_out(cfg: Config, mix: data.Mixture, tok: data.TokenizedData) -> tuple[
 def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) -> Data:
     """dataset tokenized, split into training and eval items by eval_fraction, or eval_dataset tokenized beside
     it (split eval_split; the same data checks, its messages naming it). sft: SFT rows (tokenize_completions)."""
+    progress = progress and distributed.is_main()  # several processes tokenize alike: one bar
     mix, tok = _tokenize(cfg, tokenizer, cfg.dataset, cfg.dataset_split, progress, sft, cfg.max_train_samples)
     if cfg.eval_dataset is not None:
         _, eval_tok = _tokenize(cfg, tokenizer, [Source(cfg.eval_dataset)], cfg.eval_split, progress, sft)

@@ -5,8 +5,13 @@
 Re-running on a valid cache is a quick no-op (the fingerprint is computed from remembered file digests, no
 model load). Both end with the preflight report (lowmem_dpo.preflight), printed and saved beside the manifest.
 With eval_dataset, its rows are cached in the same build (eval-shard-*, the manifest's "eval"): one fingerprint,
-one command. A killed run resumes from its last finished shard. The manifest is written last, atomically, so a previous cache
-stays usable until the new one is complete.
+one command. A killed run resumes from its last finished shard. The manifest is written last, atomically, so a
+previous cache stays usable until the new one is complete.
+
+On several processes (distributed.py) each computes every world-size-th unfinished shard; rank 0 writes the
+manifest once all are on disk:
+
+    torchrun --nproc-per-node 2 -m lowmem_dpo.precompute recipes/tiny-cpu.yaml
 """
 
 from __future__ import annotations
@@ -19,10 +24,21 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, cache, data, devices, files, headcheck, inputs, models, preflight
+from lowmem_dpo import (
+    adapters,
+    cache,
+    data,
+    devices,
+    distributed,
+    files,
+    headcheck,
+    inputs,
+    models,
+    preflight,
+)
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config
-from lowmem_dpo.errors import log
+from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.logps import batch_logps
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
@@ -104,10 +120,12 @@ def start_build(cfg: Config, pairs: list[data.TokenizedPair], fp: str,
     if eval_pairs is not None:  # only then, so a killed build of a cache without eval data still resumes
         build["num_eval_shards"] = len(eval_shards)
     info = shard_dir / "build.json"
-    if info.is_file() and json.loads(info.read_text()) != build:
-        shutil.rmtree(shard_dir)  # a different split of the same rows: start this build over
-    if not info.is_file():
-        files.atomic_write_json(info, build)
+    if distributed.is_main():  # one process decides; the others look once it has
+        if info.is_file() and json.loads(info.read_text()) != build:
+            shutil.rmtree(shard_dir)  # a different split of the same rows: start this build over
+        if not info.is_file():
+            files.atomic_write_json(info, build)
+    distributed.barrier()
     names = [f"shard-{k:05d}.safetensors" for k in range(len(shards))]
     names += [f"{EVAL_PREFIX}shard-{k:05d}.safetensors" for k in range(len(eval_shards))]
     b = Build(shard_dir, shards + eval_shards, names, [(shard_dir / n).is_file() for n in names])
@@ -118,15 +136,16 @@ def start_build(cfg: Config, pairs: list[data.TokenizedPair], fp: str,
 
 def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad_id: int, need: int,
                    progress: bool, shared: bool = False) -> int:
-    """Compute and write every shard the build lacks; returns the rows computed."""
+    """Compute and write every shard the build lacks (several processes: each its own, every world-size-th of
+    them, longest first, so each gets rows of every length); returns the rows this process computed."""
     from tqdm.auto import tqdm
 
-    total = sum(len(s) for s in b.shards)
-    bar = tqdm(total=total, initial=b.done_rows, desc="precompute", unit="row", disable=not progress,
+    todo = distributed.shard([k for k, finished in enumerate(b.done) if not finished])
+    mine = sum(len(b.shards[k]) for k in todo)
+    bar = tqdm(total=mine, desc="precompute", unit="row", disable=not progress or not distributed.is_main(),
                dynamic_ncols=True)
-    for shard, name, finished in zip(b.shards, b.names, b.done):
-        if finished:
-            continue
+    for k in todo:
+        shard, name = b.shards[k], b.names[k]
         tensors = shard_logps(model, shard, cfg.precompute_batch_size, pad_id, resolved, bar, shared)
         try:
             files.atomic_save_tensors(b.shard_dir / name, tensors)
@@ -136,7 +155,7 @@ def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad
                                             "resumes after them; an existing cache there is untouched.") from None
             raise
     bar.close()
-    return total - b.done_rows
+    return mine
 
 
 def part_entry(tok: data.TokenizedData, shards: list[str]) -> dict:
@@ -219,8 +238,15 @@ def run(cfg: Config, progress: bool = True) -> Path:
     shared = headcheck.decide_sharing(model, tok.pairs, pad_id, resolved, resolved.ref_dtype, cfg.share_prompt,
                                       cfg.max_length)
     t0 = time.perf_counter()
-    computed = compute_shards(model, b, cfg, resolved, pad_id, need, progress, shared)
-    elapsed = time.perf_counter() - t0
+    compute_shards(model, b, cfg, resolved, pad_id, need, progress, shared)
+    distributed.barrier()  # every process's shards are written
+    elapsed, computed = time.perf_counter() - t0, rows - b.done_rows
+    if not distributed.is_main():
+        return cache_dir
+    missing = [n for n in b.names if not (b.shard_dir / n).is_file()]
+    if missing:
+        raise UserError(f"precompute: {len(missing)} shards are missing in {b.shard_dir} after every process "
+                        f"finished (first: {missing[0]}); rerun the same command: finished shards are kept")
     write_manifest(cache_dir, b, ins, fp, tok, computed, elapsed, eval_tok, shared)
     log(f"wrote reference cache {cache_dir}: {rows} rows{of_eval}, fingerprint {fp[:12]}"
         + (f", {computed / elapsed:.1f} rows/s" if elapsed > 0 and computed else ""))
@@ -229,7 +255,9 @@ def run(cfg: Config, progress: bool = True) -> Path:
 
 
 def report(cache_dir: Path) -> None:
-    """Write the preflight report beside the manifest and log its summary and warnings."""
+    """Write the preflight report beside the manifest and log its summary and warnings (rank 0's job)."""
+    if not distributed.is_main():
+        return
     for line in preflight.summary_lines(preflight.refresh(cache_dir)):
         log(line)
     log(f"preflight report: {cache_dir / preflight.REPORT}")

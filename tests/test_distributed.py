@@ -1,0 +1,185 @@
+"""Precompute and train on 2 CPU processes over gloo, started by torchrun as a user starts them: the same cache
+and, in float32, the same adapter as one process doing the same work; resume; the out-of-memory back-off."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY_DATA
+from safetensors.torch import load_file
+
+from lowmem_dpo import cache, distributed, precompute, train
+from lowmem_dpo.cli import run_cli
+from lowmem_dpo.errors import UserError
+from lowmem_dpo.recipe import load_config
+
+# Small, exact and quick: float32 on the tiny model, 6 steps of 8 pairs, eval and checkpoints every 3 steps; a
+# constant learning rate, so that a run continued to 8 steps is one that ran 8 from the start.
+KEYS = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", dtype="float32",
+            max_length=64, precompute_batch_size=16, cache_shard_rows=48, learning_rate=1e-3, seed=0,
+            eval_fraction=0.15, eval_steps=3, save_steps=3, logging_steps=1, eval_generations=2,
+            max_new_tokens=8, max_steps=6, lr_scheduler_type="constant")  # constant: 6 + 2 steps = 8
+
+
+def torchrun(stage: str, recipe: Path, *overrides: str, script: Path | None = None) -> subprocess.CompletedProcess:
+    """python -m torch.distributed.run --standalone --nproc-per-node 2 -m lowmem_dpo.STAGE RECIPE KEY=VALUE..."""
+    target = [str(script)] if script else ["-m", f"lowmem_dpo.{stage}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 processes on 2 cores
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *target, str(recipe), *overrides], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=600)
+
+
+def adapter(out: Path) -> dict:
+    return load_file(out / "adapter_model.safetensors")
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def assert_same_adapter(a: Path, b: Path, atol: float = 1e-4) -> None:
+    wa, wb = adapter(a), adapter(b)
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < atol
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_path):
+    """A recipe, its cache from one process, and one process's 6-step run at per_device_train_batch_size=4
+    (the reference the 2-process runs at 2 per device must equal)."""
+    root = tmp_path_factory.mktemp("dist")
+    recipe = root / "recipe.yaml"
+    recipe.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in KEYS.items()), encoding="utf-8")
+    one = load_config(recipe, [f"ref_cache_dir={root / 'cache1'}", f"output_dir={root / 'one'}",
+                               "per_device_train_batch_size=4", "gradient_accumulation_steps=2"])
+    precompute.run(one, progress=False)
+    train.run(one, progress=False)
+    return root, recipe
+
+
+def test_precompute_on_two_processes_equals_one_and_resumes_from_finished_shards(run):
+    root, recipe = run
+    two = root / "cache2"
+    p = torchrun("precompute", recipe, f"ref_cache_dir={two}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = cache.load_ref_cache(root / "cache1"), cache.load_ref_cache(two)
+    assert (a.chosen - b.chosen).abs().max() < 1e-5 and (a.rejected - b.rejected).abs().max() < 1e-5
+    assert json.loads((two / cache.MANIFEST).read_text())["fingerprint"] == \
+        json.loads((root / "cache1" / cache.MANIFEST).read_text())["fingerprint"]
+    assert p.stderr.count("wrote reference cache") == 1  # rank 0 writes the manifest and logs, once
+    # A killed build (its aftermath made by hand: the manifest not yet written, 3 of the 8 shards missing):
+    # the rerun computes only those.
+    (two / cache.MANIFEST).unlink()
+    shard_dir = next(two.glob("shards-*"))
+    shards = sorted(shard_dir.glob("shard-*.safetensors"))
+    assert len(shards) == 8
+    kept = {s.name: s.stat().st_mtime_ns for s in shards[3:]}
+    for s in shards[:3]:
+        s.unlink()
+    p = torchrun("precompute", recipe, f"ref_cache_dir={two}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming: 5 of 8 shards already finished" in p.stderr
+    assert {s.name: s.stat().st_mtime_ns for s in sorted(shard_dir.glob("shard-*"))[3:]} == kept
+    c = cache.load_ref_cache(two)
+    assert (a.chosen - c.chosen).abs().max() < 1e-5
+
+
+def test_train_on_two_processes_equals_one_at_twice_the_batch_and_resumes(run, capsys):
+    """2 processes at per_device_train_batch_size=2 take the same 8 pairs a step as 1 at 4: the same metrics
+    (eval included) and, in float32, the same adapter within 1e-4. Resumed from its step-6 checkpoint to step 8,
+    the 2-process run equals one process's uninterrupted 8 steps; one process may not resume it."""
+    root, recipe = run
+    cache1, out = root / "cache1", root / "two"
+    keys = [f"ref_cache_dir={cache1}", f"output_dir={out}", "per_device_train_batch_size=2",
+            "gradient_accumulation_steps=2"]
+    p = torchrun("train", recipe, *keys)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert_same_adapter(root / "one", out)
+    one, two = metrics(root / "one"), metrics(out)
+    assert [m["step"] for m in one] == [m["step"] for m in two]
+    for a, b in zip(one, two):
+        for k in ("loss", "rewards/margins", "grad_norm", "eval_loss", "eval_rewards/accuracies"):
+            assert (a.get(k) is None) == (b.get(k) is None) and (a.get(k) is None or abs(a[k] - b[k]) < 1e-4), k
+    assert p.stderr.count("saved adapter to") == 1 and "process 0 of 2" in p.stderr
+    assert len(list((out / "checkpoints").iterdir())) == 2 and (out / "samples.jsonl").is_file()
+    assert json.loads((out / "checkpoints/checkpoint-6/trainer_state.json").read_text())["world_size"] == 2
+
+    p = torchrun("train", recipe, *keys, "max_steps=8")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming from" in p.stderr
+    eight = load_config(recipe, [f"ref_cache_dir={cache1}", f"output_dir={root / 'eight'}", "max_steps=8",
+                                 "per_device_train_batch_size=4", "gradient_accumulation_steps=2"])
+    train.run(eight, progress=False)
+    assert_same_adapter(root / "eight", out)
+
+    code = run_cli(train.main, [str(recipe), *keys, "max_steps=10"], "train", "")
+    err = capsys.readouterr().err
+    assert code == 2 and "written by a run on 2 process(es), this one has 1" in err and "Traceback" not in err
+
+
+OOM_SCRIPT = '''"""Rank 1 runs out of memory (simulated: CUDA OOM cannot happen on this CPU) in its first forward of step 2."""
+import os
+import sys
+
+import torch
+
+from lowmem_dpo import train
+from lowmem_dpo.cli import run_cli
+
+real, calls = train.forward_pairs, {"n": 0}
+
+
+def forward_pairs(model, cfg, pairs, *args, **kwargs):
+    calls["n"] += 1
+    if os.environ["RANK"] == "1" and calls["n"] == 3:  # step 1 took 2 micro-batches on this rank
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+    return real(model, cfg, pairs, *args, **kwargs)
+
+
+train.forward_pairs = forward_pairs
+sys.exit(run_cli(train.main, sys.argv[1:], "train", ""))
+'''
+
+
+def test_out_of_memory_on_one_rank_halves_every_rank_and_keeps_the_update(run):
+    """Rank 1 alone runs out of memory at step 2: both ranks halve to 1 pair per micro-batch (a rank that goes
+    on alone would wait forever in the gradient sum), and the run ends with the same adapter as without it."""
+    root, recipe = run
+    script = root / "oom_rank1.py"
+    script.write_text(OOM_SCRIPT, encoding="utf-8")
+    out = root / "oom"
+    p = torchrun("train", recipe, f"ref_cache_dir={root / 'cache1'}", f"output_dir={out}",
+                 "per_device_train_batch_size=2", "gradient_accumulation_steps=2", "eval_fraction=0", "save_steps=0",
+                 script=script)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "out of memory at step 2: retrying with per_device_train_batch_size=1 gradient_accumulation_steps=4" \
+        in p.stderr
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    ref = load_config(recipe, [f"ref_cache_dir={root / 'cache1'}", f"output_dir={root / 'oom-ref'}",
+                               "per_device_train_batch_size=4", "gradient_accumulation_steps=2", "eval_fraction=0",
+                               "save_steps=0"])
+    train.run(ref, progress=False)
+    assert_same_adapter(root / "oom-ref", out)
+
+
+def test_world_comes_from_the_launchers_environment(monkeypatch):
+    for name in [n for names in distributed.ENV_NAMES for n in names] + ["ACCELERATE_USE_CPU", "MASTER_ADDR"]:
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.world() == distributed.World(0, 1, 0) and not distributed.active()
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")  # mpirun, as accelerate launch --cpu uses it
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    assert distributed.world() == distributed.World(3, 4, 0)
+    for name in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    # accelerate launch --cpu --num_processes 2 without mpirun starts one process: refused, not run as one
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(UserError, match="use torchrun --nproc-per-node N"):
+        distributed.init(torch.device("cpu"))
+    assert distributed.shard(list(range(7)), distributed.World(1, 3)) == [1, 4]
