@@ -41,13 +41,13 @@ def torchrun(procs: int, stage: str, recipe: str, overrides: list[str], threads:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
 
 
-def measure(recipe: str, procs: int, steps: int, work: Path) -> dict:
+def measure(recipe: str, procs: int, steps: int, work: Path, shard_rows: int) -> dict:
     cores = os.cpu_count() or 1
     threads = max(1, cores // procs)
     cache_dir, out_dir = work / f"cache-{procs}", work / f"train-{procs}"
     shutil.rmtree(cache_dir, ignore_errors=True)
     shutil.rmtree(out_dir, ignore_errors=True)
-    base = ["device=cpu", f"ref_cache_dir={cache_dir}"]
+    base = ["device=cpu", f"ref_cache_dir={cache_dir}", f"cache_shard_rows={shard_rows}"]
     torchrun(procs, "precompute", recipe, base, threads)
     manifest = json.loads((cache_dir / "manifest.json").read_text())
     torchrun(procs, "train", recipe, [*base, f"output_dir={out_dir}", f"max_steps={steps}", "logging_steps=1",
@@ -67,11 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("recipe")
     ap.add_argument("--procs", default="1,2", help="process counts, comma-separated")
     ap.add_argument("--steps", type=int, default=8, help="train steps per run (the first is not counted)")
+    ap.add_argument("--shard-rows", type=int, default=12, help="cache_shard_rows: a shard is one process's unit "
+                    "of precompute work, so the rows must make several shards per process")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     ensure_dataset(load_config(args.recipe))
     work = REPO / "bench" / "out" / "scaling"
-    rows = [measure(args.recipe, int(n), args.steps, work) for n in args.procs.split(",")]
+    rows = [measure(args.recipe, int(n), args.steps, work, args.shard_rows) for n in args.procs.split(",")]
     print("| processes | threads each | precompute rows/s | train pairs/step | train s/step | train pairs/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:

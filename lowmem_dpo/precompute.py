@@ -140,7 +140,12 @@ def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad
     them, longest first, so each gets rows of every length); returns the rows this process computed."""
     from tqdm.auto import tqdm
 
-    todo = distributed.shard([k for k, finished in enumerate(b.done) if not finished])
+    left = [k for k, finished in enumerate(b.done) if not finished]
+    processes = distributed.world().size
+    if 0 < len(left) < processes:
+        log(f"note: {len(left)} shards to compute for {processes} processes, so {processes - len(left)} have none: "
+            f"a shard is one process's work; lower cache_shard_rows (now {cfg.cache_shard_rows}) to share the rows")
+    todo = distributed.shard(left)
     mine = sum(len(b.shards[k]) for k in todo)
     bar = tqdm(total=mine, desc="precompute", unit="row", disable=not progress or not distributed.is_main(),
                dynamic_ncols=True)

@@ -12,7 +12,7 @@ import torch
 from conftest import REPO, TINY_DATA
 from safetensors.torch import load_file
 
-from lowmem_dpo import cache, distributed, precompute, train
+from lowmem_dpo import cache, distributed, precompute, sft, train
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.recipe import load_config
@@ -120,6 +120,21 @@ def test_train_on_two_processes_equals_one_at_twice_the_batch_and_resumes(run, c
     code = run_cli(train.main, [str(recipe), *keys, "max_steps=10"], "train", "")
     err = capsys.readouterr().err
     assert code == 2 and "written by a run on 2 process(es), this one has 1" in err and "Traceback" not in err
+
+
+def test_sft_on_two_processes_equals_one_at_twice_the_batch(run):
+    """sft's loss is the mean NLL over all of a step's completion tokens, every rank's."""
+    root, _ = run
+    keys = ["dtype=float32", "max_steps=3", "learning_rate=1e-3", "logging_steps=1", "save_steps=0"]
+    p = torchrun("sft", REPO / "recipes/tiny-sft.yaml", *keys, f"output_dir={root / 'sft2'}",
+                 "per_device_train_batch_size=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    code = run_cli(sft.main, ["recipes/tiny-sft.yaml", *keys, f"output_dir={root / 'sft1'}",
+                              "per_device_train_batch_size=4"], "sft", "")
+    assert code == 0
+    assert_same_adapter(root / "sft1", root / "sft2")
+    assert [m["loss"] for m in metrics(root / "sft1")] == pytest.approx([m["loss"] for m in metrics(root / "sft2")],
+                                                                        abs=1e-5)
 
 
 OOM_SCRIPT = '''"""Rank 1 runs out of memory (simulated: CUDA OOM cannot happen on this CPU) in its first forward of step 2."""
