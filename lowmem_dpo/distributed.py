@@ -54,13 +54,14 @@ def world() -> World:
 
 
 def check_launch() -> None:
-    """Refuse `accelerate launch --cpu --num_processes N` without mpirun: accelerate then starts one process (it
-    expects MPI to start the others), and the run would quietly be a single process's."""
+    """Refuse `accelerate launch --num_processes N` that started one process: without --multi_gpu (on a CPU:
+    without --mpirun_hostfile) accelerate starts one and expects MPI to start the others, and the run would
+    quietly be a single process's. Its simple launcher sets ACCELERATE_MIXED_PRECISION, and MASTER_ADDR for N > 1."""
     env = os.environ
-    if env.get("ACCELERATE_USE_CPU", "").lower() == "true" and "MASTER_ADDR" in env and not world().distributed:
-        raise UserError("accelerate launch --num_processes N on a CPU starts one process unless mpirun starts the "
-                        "others (--mpirun_hostfile); use torchrun --nproc-per-node N -m lowmem_dpo.STAGE ..., which "
-                        "starts N")
+    if "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env and not world().distributed:
+        raise UserError("accelerate launch --num_processes N started one process: on GPUs add --multi_gpu; on a CPU "
+                        "accelerate needs mpirun to start the others (--mpirun_hostfile), or use torchrun "
+                        "--nproc-per-node N -m lowmem_dpo.STAGE ..., which starts N")
 
 
 def is_main() -> bool:

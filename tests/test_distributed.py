@@ -3,6 +3,7 @@ and, in float32, the same adapter as one process doing the same work; resume; th
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -183,8 +184,29 @@ def test_out_of_memory_on_one_rank_halves_every_rank_and_keeps_the_update(run):
     assert_same_adapter(root / "oom-ref", out)
 
 
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="accelerate launch --cpu starts its processes with mpirun "
+                    "(OpenMPI: apt install openmpi-bin); not installed here")
+def test_accelerate_launch_on_a_cpu_runs_through_mpirun(run, tmp_path):
+    """accelerate launch --cpu --num_processes 2 --mpirun_hostfile: mpirun's ranks (OMPI_COMM_WORLD_*), the same
+    adapter as torchrun's 2 processes."""
+    root, recipe = run
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    out = tmp_path / "acc"
+    p = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--cpu", "--num_processes", "2",
+                        "--num_machines", "1", "--mpirun_hostfile", str(hosts), "--mixed_precision", "no",
+                        "--dynamo_backend", "no", "-m", "lowmem_dpo.train", str(recipe),
+                        f"ref_cache_dir={root / 'cache1'}", f"output_dir={out}", "per_device_train_batch_size=2",
+                        "gradient_accumulation_steps=2"], capture_output=True, text=True, cwd=REPO, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "process 0 of 2" in p.stderr
+    assert_same_adapter(root / "one", out)
+
+
 def test_world_comes_from_the_launchers_environment(monkeypatch):
-    for name in [n for names in distributed.ENV_NAMES for n in names] + ["ACCELERATE_USE_CPU", "MASTER_ADDR"]:
+    for name in [n for names in distributed.ENV_NAMES for n in names] + ["ACCELERATE_MIXED_PRECISION", "MASTER_ADDR"]:
         monkeypatch.delenv(name, raising=False)
     assert distributed.world() == distributed.World(0, 1, 0) and not distributed.active()
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")  # mpirun, as accelerate launch --cpu uses it
@@ -192,9 +214,9 @@ def test_world_comes_from_the_launchers_environment(monkeypatch):
     assert distributed.world() == distributed.World(3, 4, 0)
     for name in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(name)
-    # accelerate launch --cpu --num_processes 2 without mpirun starts one process: refused, not run as one
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    # accelerate launch --num_processes 2 without --multi_gpu or mpirun starts one process: refused, not run as one
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    with pytest.raises(UserError, match="use torchrun --nproc-per-node N"):
+    with pytest.raises(UserError, match="started one process: on GPUs add --multi_gpu"):
         distributed.init(torch.device("cpu"))
     assert distributed.shard(list(range(7)), distributed.World(1, 3)) == [1, 4]
