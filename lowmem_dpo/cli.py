@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from typing import Callable
 
@@ -12,6 +11,7 @@ import yaml
 from lowmem_dpo.coerce import describe
 from lowmem_dpo.config import HINTS, Config
 from lowmem_dpo.errors import EXIT_USAGE, ConfigError, UserError
+from lowmem_dpo.ranks import world
 from lowmem_dpo.sources import yaml_form
 
 
@@ -55,7 +55,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
     try:
         return main(argv) or 0
     except UserError as e:
-        rank = int(os.environ.get("RANK", 0))  # several processes (torchrun): a recipe error is every rank's
+        rank = world().rank  # several processes (torchrun, mpirun): a recipe error is every rank's
         if rank == 0 or not isinstance(e, ConfigError):
             print(f"lowmem_dpo.{stage}: error: {f'[rank {rank}] ' if rank else ''}{e}", file=sys.stderr)
         return EXIT_USAGE

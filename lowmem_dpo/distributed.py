@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 2 -m lowmem_dpo.train RECIPE.yaml
     accelerate launch --num_processes 2 -m lowmem_dpo.train RECIPE.yaml
 
-Both launchers set RANK, WORLD_SIZE and LOCAL_RANK (and the rendezvous address) in each process's environment;
-`init` joins the process group they describe (NCCL on CUDA, gloo on a CPU). A single process (no WORLD_SIZE, or
-1) needs nothing: every function here is then the identity or a no-op, so the stages call them unconditionally.
+The launchers set each process's rank and world size in its environment (ranks.py reads them: torchrun's RANK,
+WORLD_SIZE, LOCAL_RANK, or mpirun's under `accelerate launch --cpu`); `init` joins the process group they
+describe (NCCL for GPU tensors beside gloo for CPU ones on CUDA, gloo on a CPU). A single process needs nothing:
+every function here is then the identity or a no-op, so the stages call them unconditionally.
 
 Data parallelism only: every rank holds the whole (LoRA) policy and computes its part of each step; the LoRA
 gradients are summed across ranks (`sum_gradients`) before the update, which is then the same on every rank.
@@ -14,43 +15,13 @@ gradients are summed across ranks (`sum_gradients`) before the update, which is 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 
 from lowmem_dpo.errors import UserError
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int = 0  # this process among all
-    size: int = 1  # processes in the run
-    local_rank: int = 0  # this process among those on its machine: its GPU
-
-    @property
-    def main(self) -> bool:  # rank 0 logs, writes the files and checkpoints
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.size > 1
-
-
-# Where launchers put (rank, world size, local rank): torchrun and accelerate launch on GPUs; then MPI, which
-# `accelerate launch --cpu --mpirun_hostfile` uses to start several CPU processes (OpenMPI, then Intel MPI / MPICH).
-ENV_NAMES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-             ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-             ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"))
-
-
-def world() -> World:
-    """This process's place, from the launcher's environment (one process without it)."""
-    env = os.environ
-    for rank, size, local in ENV_NAMES:
-        if size in env:
-            return World(int(env.get(rank, 0)), int(env[size]), int(env.get(local, 0)))
-    return World()
+from lowmem_dpo.ranks import ENV_NAMES, World, world  # noqa: F401  (the stages' names for them)
 
 
 def check_launch() -> None:
@@ -62,6 +33,9 @@ def check_launch() -> None:
         raise UserError("accelerate launch --num_processes N started one process: on GPUs add --multi_gpu; on a CPU "
                         "accelerate needs mpirun to start the others (--mpirun_hostfile), or use torchrun "
                         "--nproc-per-node N -m lowmem_dpo.STAGE ..., which starts N")
+
+
+WAIT = datetime.timedelta(hours=3)  # how long a rank waits for the others in a collective
 
 
 def is_main() -> bool:
@@ -86,8 +60,9 @@ def init(device: torch.device) -> torch.device:
         device = torch.device("cuda", w.local_rank)
         torch.cuda.set_device(device)
     if not active():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, rank=w.rank, world_size=w.size,
+        # Other ranks wait in a collective while rank 0 alone writes samples or a checkpoint, or while the last
+        # precompute shards finish: longer than the 10 minutes NCCL allows by default.
+        torch.distributed.init_process_group(backend(device), rank=w.rank, world_size=w.size, timeout=WAIT,
                                              device_id=device if device.type == "cuda" else None)
     return device
 
@@ -98,6 +73,11 @@ def _quiet_libraries() -> None:
 
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
+
+
+def backend(device: torch.device) -> str:
+    """NCCL for the gradients on GPUs, gloo for the small CPU tensors (flags, metric sums) on every device."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def barrier() -> None:
@@ -129,10 +109,14 @@ def broadcast(obj):
 
 def sum_gradients(params: list[torch.Tensor]) -> None:
     """Sum each trainable parameter's gradient over the ranks, in place: one all-reduce of one flat buffer (the
-    LoRA gradients are a few MB). A parameter with no gradient on this rank counts as zeros."""
+    LoRA gradients are a few MB). A parameter without a gradient keeps none (every rank runs the same graph, so
+    it has none on any rank; AdamW then leaves it alone, as in one process)."""
     if not active():
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        return
     flat = torch.cat([g.reshape(-1).float() for g in grads])  # (sum of numels,), float32 for an exact-enough sum
     torch.distributed.all_reduce(flat)
     offset = 0

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import os
 import sys
+
+from lowmem_dpo.ranks import world
 
 EXIT_USAGE = 2
 
@@ -19,8 +20,8 @@ class ConfigError(UserError):
 
 def log(msg: str) -> None:
     """One line to stderr that does not break a running progress bar; rank 0's alone when several processes run
-    (torchrun sets RANK: the others would repeat it)."""
-    if os.environ.get("RANK", "0") != "0":
+    (ranks.py: the others would repeat it)."""
+    if not world().main:
         return
     from tqdm.auto import tqdm
 

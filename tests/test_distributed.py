@@ -201,7 +201,7 @@ def test_accelerate_launch_on_a_cpu_runs_through_mpirun(run, tmp_path):
                         "gradient_accumulation_steps=2"], capture_output=True, text=True, cwd=REPO, env=env,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "process 0 of 2" in p.stderr
+    assert "process 0 of 2" in p.stderr and p.stderr.count("saved adapter to") == 1  # mpirun's rank 1 is quiet
     assert_same_adapter(root / "one", out)
 
 
@@ -220,3 +220,24 @@ def test_world_comes_from_the_launchers_environment(monkeypatch):
     with pytest.raises(UserError, match="started one process: on GPUs add --multi_gpu"):
         distributed.init(torch.device("cpu"))
     assert distributed.shard(list(range(7)), distributed.World(1, 3)) == [1, 4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL); none here")
+def test_on_a_gpu_the_group_sums_gpu_gradients_and_cpu_flags(tmp_path):
+    """One rank in the backend distributed.init picks on CUDA: the LoRA gradients (GPU tensors, NCCL) and the
+    flags and metric sums (CPU tensors, gloo) both go through it."""
+    device = torch.device("cuda", 0)
+    torch.distributed.init_process_group(distributed.backend(device), init_method=f"file://{tmp_path / 'rdv'}",
+                                         rank=0, world_size=1, device_id=device)
+    try:
+        p = torch.nn.Parameter(torch.ones(3, device=device))
+        p.grad = torch.full((3,), 2.0, device=device)
+        distributed.sum_gradients([p])
+        assert p.grad.tolist() == [2.0, 2.0, 2.0]
+        assert distributed.any_rank(True) and not distributed.any_rank(False)
+        stats = train.StepStats(pairs=2, tokens=10, nll=1.5, sft_weight=0.5)
+        assert distributed.sum_stats(stats) == stats
+        assert distributed.broadcast({"a": 1}) == {"a": 1}
+        distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()

@@ -10,6 +10,7 @@ import torch
 
 from lowmem_dpo import devices
 from lowmem_dpo.errors import UserError
+from lowmem_dpo.ranks import local_size
 from lowmem_dpo.units import parse_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -117,4 +118,5 @@ def default_budget(device: str) -> int:
         if not torch.cuda.is_available():
             raise UserError("device=cuda but no GPU here to read its memory from: pass --budget, e.g. 12GiB")
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # RAM: shared by the run's processes on this machine, each holding its own model copy
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_size()
