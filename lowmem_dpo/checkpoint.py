@@ -252,11 +252,12 @@ def write_run_state(output_dir: str | Path, state: TrainerState, max_steps: int,
                     metrics_lines: list[str]) -> None:
     """output_dir/trainer_state.json in transformers' TrainerState form: global_step, max_steps, the best
     checkpoint (best_metric, best_global_step, best_model_checkpoint, chosen by metric_for_best_model) and the
-    log history (metrics.jsonl's lines)."""
+    log history (metrics.jsonl's lines); and the digests of what the run trained on (inputs, for the export's
+    check that the base has not changed since)."""
     record = {"global_step": state.step, "max_steps": max_steps, "best_metric": state.best_metric,
               "best_global_step": state.best_global_step, "best_model_checkpoint": state.best_model_checkpoint,
               "metric_for_best_model": metric, "greater_is_better": greater,
-              "log_history": [json.loads(line) for line in metrics_lines]}
+              "log_history": [json.loads(line) for line in metrics_lines], "inputs": state.inputs}
     payload = (json.dumps(record, indent=2) + "\n").encode()
     try:
         files.atomic_write_bytes(Path(output_dir) / STATE, payload)

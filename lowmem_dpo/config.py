@@ -21,7 +21,7 @@ from typing import ClassVar, Optional
 import yaml
 
 from lowmem_dpo.errors import UserError
-from lowmem_dpo.sources import Source, yaml_form
+from lowmem_dpo.sources import Source, repeated, yaml_form
 from lowmem_dpo.units import parse_size
 
 
@@ -206,7 +206,7 @@ class Config:
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> list[str]:
         """Cross-field checks; per-field types and ranges are checked at coercion time."""
-        problems = []
+        problems = [p for p in [repeated(self.dataset, self.dataset_split)] if p]
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
             problems.append(f"max_prompt_length={self.max_prompt_length} must be below max_length="
                             f"{self.max_length}: a prompt that long leaves no room for the completion")

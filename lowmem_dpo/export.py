@@ -31,107 +31,25 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lowmem_dpo import checkpoint, files, lora_merge, models, weights
+from lowmem_dpo import files, lora_merge, models, weights
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.lora_merge import CONV1D, EMBEDDING, LINEAR, LoraPair
+from lowmem_dpo.provenance import Chain, merge_chain
 from lowmem_dpo.units import fmt, parse_size
 
 USAGE = ("ADAPTER_DIR MERGED_DIR [--dtype auto|bfloat16|float16|float32] [--max-shard-size 2GB] [--overwrite] "
          "[--no-progress]")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # cast to --dtype; other tensors kept
-RUN_CONFIG = "config.yaml"  # output.start_output's, beside the final adapter
 # Saves memory: a tensor is read, merged and written in blocks of rows of about this many elements (16 MiB in
 # float32), so the peak holds a few blocks, not the largest tensor (an embedding: 0.5 GiB in float32 at 7B). On the
 # 7B-width slice of bench/export_memory.py, 4x larger blocks add 0.26 GB to the peak, 4x smaller ones take 1.8x the time.
 BLOCK_ELEMENTS = 1 << 22
-
-
-@dataclass(frozen=True)
-class Chain:
-    """What a merge puts together: the base folder and the adapters merged into it, in order."""
-
-    base: Path
-    adapters: list[Path]  # [ADAPTER_DIR], or [SFT adapter, ADAPTER_DIR] for adapter_mode=new_on_merged
-    tokenizer: Path  # the folder whose tokenizer files MERGED_DIR gets
-    base_name: str  # how the run named the base (the model card's base_model)
-
-
-# -- which base, which adapters -----------------------------------------------------------------------------------
-def run_record(adapter_dir: Path) -> tuple[dict | None, str]:
-    """The config of the lowmem_dpo run that wrote ADAPTER_DIR, and where it was read: a checkpoint's
-    trainer_state.json, or the config.yaml of the output_dir holding the final adapter; (None, "") for an adapter
-    from elsewhere."""
-    import yaml
-
-    state = adapter_dir / checkpoint.STATE
-    try:
-        if state.is_file():
-            found = json.loads(state.read_text(encoding="utf-8"))
-            if isinstance(found, dict) and isinstance(found.get("config"), dict):
-                return found["config"], f"the checkpoint's {state}"
-        if (adapter_dir / RUN_CONFIG).is_file():
-            found = yaml.safe_load((adapter_dir / RUN_CONFIG).read_text(encoding="utf-8"))
-            if isinstance(found, dict):
-                return found, f"the run's {adapter_dir / RUN_CONFIG}"
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        raise UserError(f"{adapter_dir}: its run record is unreadable ({type(e).__name__}); without it the base "
-                        "the adapter was trained on is not known for sure") from None
-    return None, ""
-
-
-def _same_folder(named: str, base: Path) -> bool | None:
-    """Whether adapter_config.json's base_model_name_or_path is the folder `base`; None when it names no local
-    folder or built-in (a hub name: not fetched just to compare)."""
-    if not (Path(named).is_dir() or named.startswith("lowmem_dpo:")):
-        return None
-    try:
-        return models.resolve_model_path(named).resolve() == base.resolve()
-    except UserError:
-        return None
-
-
-def merge_chain(adapter_dir: Path) -> Chain:
-    """The base and the adapters to merge for ADAPTER_DIR, from its run's record when it has one."""
-    named = models.read_adapter_config(adapter_dir, "ADAPTER_DIR").get("base_model_name_or_path") or ""
-    record, where = run_record(adapter_dir)
-    if record is None:
-        base = models.adapter_base(adapter_dir, "ADAPTER_DIR")
-        log(f"export: {adapter_dir} holds no lowmem_dpo run record ({RUN_CONFIG}, or a checkpoint's "
-            f"{checkpoint.STATE}): merging it as a plain PEFT adapter into the base it names, {base}")
-        return Chain(base, [adapter_dir], _tokenizer(adapter_dir, base), named)
-    spec, sft, mode = record.get("model_name_or_path"), record.get("sft_adapter"), record.get("adapter_mode")
-    try:
-        source = models.model_source(str(spec), sft)
-    except UserError as e:
-        raise UserError(f"ADAPTER_DIR={str(adapter_dir)!r} was trained (per {where}) on model_name_or_path={spec!r}"
-                        + (f" and sft_adapter={sft!r}" if sft else "") + f", which cannot be used from here ({e}). "
-                        "Run the export from the folder the training ran in, or restore those paths") from None
-    if _same_folder(named, source.base_path) is False:
-        raise UserError(f"ADAPTER_DIR={str(adapter_dir)!r}: its adapter_config.json names the base {named!r}, but "
-                        f"its run (per {where}) trained on {source.base_path}: which base it belongs on is not "
-                        "certain, so it is not merged. Copy the adapter files into a folder of their own to merge "
-                        "them into the base they name")
-    chain = [adapter_dir]
-    if source.adapter_path is not None and mode == "new_on_merged":
-        chain = [source.adapter_path, adapter_dir]
-        log(f"export: {adapter_dir} was trained with adapter_mode=new_on_merged on {source.base_path} + the SFT "
-            f"adapter {source.adapter_path}: merging that adapter first, then this one")
-    elif source.adapter_path is not None:
-        log(f"export: {adapter_dir} continues the SFT adapter {source.adapter_path} (adapter_mode={mode}): "
-            f"merging it alone into {source.base_path}")
-    return Chain(source.base_path, chain, _tokenizer(adapter_dir, source.tokenizer_path), str(spec))
-
-
-def _tokenizer(adapter_dir: Path, otherwise: Path) -> Path:
-    """ADAPTER_DIR when it holds a tokenizer (training may save one beside the adapter), else `otherwise`."""
-    return adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else otherwise
 
 
 # -- what the base is, and where each LoRA pair goes -------------------------------------------------------------
@@ -235,7 +153,12 @@ def adapter_pairs(adapter: Path) -> tuple[str, list[LoraPair]]:
     if weights_file.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        state = load_file(str(weights_file))
+        try:
+            state = load_file(str(weights_file))
+        except Exception as e:  # safetensors' own error types for a cut or corrupt file
+            raise UserError(f"{weights_file}: not a readable safetensors file ({type(e).__name__}: "
+                            f"{str(e)[:120]}); re-save the adapter, or point ADAPTER_DIR at an intact checkpoint") \
+                from None
     else:
         state = torch.load(weights_file, map_location="cpu", weights_only=True)
     return where, lora_merge.lora_pairs(state, models.read_adapter_config(adapter, "ADAPTER_DIR"), where)
@@ -305,7 +228,9 @@ def write_metadata(folder: Path, chain: Chain, config: dict, dtype: torch.dtype)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     if (chain.base / "generation_config.json").is_file():
         shutil.copyfile(chain.base / "generation_config.json", folder / "generation_config.json")
-    for f in models.tokenizer_files(chain.tokenizer):
+    if chain.chat_template is not None:  # the run's template, which the tokenizer folder does not carry
+        models.load_tokenizer(chain.tokenizer, chain.chat_template).save_pretrained(folder)
+    for f in [] if chain.chat_template is not None else models.tokenizer_files(chain.tokenizer):
         shutil.copyfile(f, folder / f.name)
     merged = " then ".join(str(a) for a in chain.adapters)
     (folder / "README.md").write_text(f"---\nbase_model: {chain.base_name}\nlibrary_name: transformers\ntags:\n"
@@ -331,6 +256,7 @@ def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_s
     if not (adapter_dir / models.ADAPTER_CONFIG).is_file():
         raise UserError(f"ADAPTER_DIR={str(adapter_dir)!r} is not a PEFT adapter folder (no "
                         f"{models.ADAPTER_CONFIG}); pass a run's output_dir or one of its checkpoint folders")
+    merged_dir = merged_dir.resolve()  # "." has no name to build the hidden sibling folder from
     max_bytes = parse_size(max_shard_size, "--max-shard-size")
     chain = merge_chain(adapter_dir)
     config = base_config(chain.base)

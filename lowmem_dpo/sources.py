@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass
 
 import yaml
@@ -62,13 +63,20 @@ class Source:
             out = [_entry(f"{name}[{i}]", e) for i, e in enumerate(raw)]
         else:
             out = [_entry(name, raw)]
-        seen: dict[tuple, int] = {}
-        for i, s in enumerate(out):
-            j = seen.setdefault((s.path, s.split), i)
-            if j != i:
-                raise ConfigError(f"{name}[{i}]: {s.path!r} (split {s.split or 'dataset_split'}) is already "
-                                  f"{name}[{j}]; name each source once (its fraction or rows says how much)")
         return out
+
+
+def repeated(sources: list[Source], default_split: str) -> str | None:
+    """The problem of a source named twice (the same file however spelled, the same split with dataset_split as
+    `default_split`): its rows would be taken twice. None when each is named once."""
+    seen: dict[tuple, int] = {}
+    for i, s in enumerate(sources):
+        j = seen.setdefault((os.path.normpath(os.path.abspath(s.path)) if os.path.exists(s.path) else s.path,
+                             s.split or default_split), i)
+        if j != i:
+            return (f"dataset[{i}]: {s.path!r} (split {s.split or default_split}) is already dataset[{j}]; name each "
+                    "source once (its fraction or rows says how much)")
+    return None
 
 
 KEYS = tuple(f.name for f in dataclasses.fields(Source))

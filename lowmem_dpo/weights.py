@@ -80,15 +80,17 @@ def tensors(folder: Path) -> list[TensorInfo]:
 
     out = []
     for path in weight_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            found = []
-            for name in f.keys():
-                s = f.get_slice(name)
-                code = s.get_dtype()
-                if code not in DTYPES:
-                    raise UserError(f"{path}: tensor {name} has dtype {code}, which lowmem_dpo.export does not write")
-                found.append(TensorInfo(name, path, DTYPES[code], tuple(s.get_shape())))
-        out += found
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = {name: f.get_slice(name) for name in f.keys()}
+                found = [(name, s.get_dtype(), tuple(s.get_shape())) for name, s in names.items()]
+        except Exception as e:  # safetensors' own error types for a cut or corrupt header
+            raise UserError(f"{path}: not a readable safetensors file ({type(e).__name__}: {str(e)[:120]}); "
+                            "restore the base's weights") from None
+        for name, code, shape in found:
+            if code not in DTYPES:
+                raise UserError(f"{path}: tensor {name} has dtype {code}, which lowmem_dpo.export does not write")
+            out.append(TensorInfo(name, path, DTYPES[code], shape))
     return out
 
 

@@ -276,3 +276,56 @@ def test_run_record_naming_another_base_is_refused(tiny_path, tmp_path, tokenize
     (adapter / "config.yaml").write_text(yaml.safe_dump({"model_name_or_path": str(tiny_path)}))
     assert run(adapter, tmp_path / "merged") == 2
     assert "which base it belongs on is not certain" in capsys.readouterr().err
+
+
+def test_a_base_or_sft_adapter_changed_since_training_is_refused(tiny_path, tmp_path, tokenizer, capsys):
+    """A checkpoint records the digests of the base and the SFT adapter it trained on: an SFT stage rerun into the
+    same folder (new weights, same path) is refused for a new_on_merged adapter; the same files export."""
+    from lowmem_dpo import models
+    from lowmem_dpo.files import files_digest
+
+    base = build_tiny_model("LlamaConfig", SMALL_LLAMA, tmp_path / "base", tokenizer)
+    sft = make_adapter(base, tmp_path / "sft", seed=1, target_modules=["q_proj"])
+    ckpt = make_adapter(base, tmp_path / "run" / "checkpoint-4", seed=2, target_modules=["v_proj"])
+    inputs = {"model weights": files_digest(models.weight_files(base)),
+              "adapter weights": files_digest(models.adapter_files(sft))}
+    config = {"model_name_or_path": str(base), "sft_adapter": str(sft), "adapter_mode": "new_on_merged"}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"config": config, "inputs": inputs}))
+    assert run(ckpt, tmp_path / "merged") == 0
+    make_adapter(base, sft, seed=3, target_modules=["q_proj"])  # the SFT stage run again into the same folder
+    assert run(ckpt, tmp_path / "merged-again") == 2
+    err = capsys.readouterr().err
+    assert "its files changed since the run trained on them (the adapter weights' digest" in err
+    assert not (tmp_path / "merged-again").exists()
+
+
+def test_a_checkpoint_export_carries_the_run_s_chat_template(tiny_path, tmp_path, tokenizer):
+    """A checkpoint folder holds no tokenizer: the merged folder gets the base's tokenizer with the run's
+    chat_template (the key's text), not the base's own template."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+    ckpt = make_adapter(tiny_path, tmp_path / "run" / "checkpoint-2", target_modules=["q_proj"])
+    config = {"model_name_or_path": str(tiny_path), "chat_template": template}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"config": config}))
+    assert run(ckpt, tmp_path / "merged") == 0
+    from transformers import AutoTokenizer
+
+    merged = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    assert merged.chat_template == template != tokenizer.chat_template
+    assert merged("a b").input_ids == tokenizer("a b").input_ids
+
+
+def test_merged_dir_dot_and_a_corrupt_adapter(tiny_path, tmp_path, capsys, monkeypatch):
+    """MERGED_DIR '.' (an empty current folder) is written in place; a cut adapter file is exit 2, one line."""
+    adapter = make_adapter(tiny_path, tmp_path / "adapter", target_modules=["q_proj"])
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert run(adapter, ".") == 0
+    assert (here / "model.safetensors").is_file() and [p.name for p in tmp_path.iterdir()
+                                                        if p.name.startswith(".")] == []
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy cut short
+    capsys.readouterr()
+    assert run(adapter, tmp_path / "other") == 2
+    err = capsys.readouterr().err
+    assert "not a readable safetensors file" in err and "Traceback" not in err

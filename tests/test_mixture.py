@@ -81,8 +81,9 @@ def test_a_single_source_stays_a_plain_override_and_path(tmp_path):
     (["a.jsonl", {"fraction": 0.5}], "dataset[1]: needs a path"),
     ([], "dataset=[]: name at least one source"),
     (5, "dataset=5: expected a path, or a mapping"),
-    (["a.jsonl", "b.jsonl", {"path": "a.jsonl", "rows": 2}], "dataset[2]: 'a.jsonl' (split dataset_split) is "
+    (["a.jsonl", "b.jsonl", {"path": "a.jsonl", "rows": 2}], "dataset[2]: 'a.jsonl' (split train) is "
                                                              "already dataset[0]"),
+    (["a.jsonl", {"path": "a.jsonl", "split": "train"}], "dataset[1]: 'a.jsonl' (split train) is already dataset[0]"),
     ("[a.jsonl, {path: b", "dataset='[a.jsonl, {path: b': not valid YAML"),
     (None, "dataset=null: expected"),
 ])

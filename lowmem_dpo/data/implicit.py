@@ -18,7 +18,9 @@ def shared_prefix(chosen, rejected) -> int:
     """Where TRL 1.16 (trl.extract_prompt) ends the prompt: at the first message (conversations) or character
     (text) where chosen and rejected differ, one earlier when the character before it is a space (the space starts
     the completions); when one is a prefix of the other, one before the shorter one's end, so that both
-    completions keep at least one message or character."""
+    completions keep at least one message or character. One difference: text whose first characters differ
+    has no prompt here (the row is then skipped as empty), where TRL reads chosen[-1] and, when chosen ends with a
+    space, takes all of chosen but that space as the prompt."""
     for n, (a, b) in enumerate(zip(chosen, rejected)):
         if a != b:
             return n - 1 if n > 0 and isinstance(chosen, str) and chosen[n - 1] == " " else n
