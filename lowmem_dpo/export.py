@@ -69,19 +69,6 @@ def base_config(base: Path) -> dict:
     return config
 
 
-def meta_model(base: Path):
-    """The base's architecture with no weights (meta device): its module types, names and tied embeddings."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(base)
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    except Exception as e:  # an architecture transformers does not know (remote code, a new model)
-        raise UserError(f"base {base}: transformers cannot build its architecture from config.json "
-                        f"({type(e).__name__}: {e}); lowmem_dpo.export needs a transformers causal LM") from None
-
-
 def tied_modules(model) -> set[str]:
     """The names of the input embedding and output head when they share one weight (tie_word_embeddings)."""
     inputs, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -230,8 +217,9 @@ def write_metadata(folder: Path, chain: Chain, config: dict, dtype: torch.dtype)
         shutil.copyfile(chain.base / "generation_config.json", folder / "generation_config.json")
     if chain.chat_template is not None:  # the run's template, which the tokenizer folder does not carry
         models.load_tokenizer(chain.tokenizer, chain.chat_template).save_pretrained(folder)
-    for f in [] if chain.chat_template is not None else models.tokenizer_files(chain.tokenizer):
-        shutil.copyfile(f, folder / f.name)
+    else:
+        for f in models.tokenizer_files(chain.tokenizer):
+            shutil.copyfile(f, folder / f.name)
     merged = " then ".join(str(a) for a in chain.adapters)
     (folder / "README.md").write_text(f"---\nbase_model: {chain.base_name}\nlibrary_name: transformers\ntags:\n"
                                       f"- lowmem_dpo\n- merged-lora\n---\n\n{chain.base_name} with the LoRA "
@@ -261,7 +249,7 @@ def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_s
     chain = merge_chain(adapter_dir)
     config = base_config(chain.base)
     infos = weights.tensors(chain.base)
-    targets = plan_targets(meta_model(chain.base), [adapter_pairs(a) for a in chain.adapters],
+    targets = plan_targets(models.meta_model(chain.base), [adapter_pairs(a) for a in chain.adapters],
                            {i.name: i for i in infos})
     out_dtype = output_dtype(dtype, config, infos)
     check_destination(merged_dir, overwrite, [chain.base, *chain.adapters])

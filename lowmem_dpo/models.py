@@ -189,6 +189,20 @@ def weight_files(path: Path) -> list[Path]:
     return [path / "config.json"] + files
 
 
+def meta_model(folder: Path):
+    """The causal LM that `folder`'s config.json describes, built on the meta device: its modules' names, types and
+    shapes, with no weights (no memory, no initialisation cost); a UserError when transformers cannot build it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # an architecture transformers does not know (remote code, a new model)
+        raise UserError(f"{folder / 'config.json'}: transformers cannot build a causal LM from it ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+
+
 def tokenizer_files(path: Path) -> list[Path]:
     return [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.logps import head_of
-from lowmem_dpo.models import resolve_model_path
+from lowmem_dpo.models import meta_model, resolve_model_path
 from lowmem_dpo.tiny import BUILTIN_PREFIX
 
 ARCH_PREFIX = "lowmem_dpo:arch/"
@@ -310,17 +310,7 @@ def load_arch(spec: str) -> Arch:
         json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: not a readable config.json ({type(e).__name__}: {e})") from None
-    try:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(path.parent)
-        with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception as e:
-        raise UserError(f"{path}: transformers cannot build a causal LM from it ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    return arch_from_model(model, spec)
+    return arch_from_model(meta_model(path.parent), spec)
 
 
 @dataclass(frozen=True)
