@@ -21,7 +21,7 @@ import os
 import torch
 
 from lowmem_dpo.errors import UserError
-from lowmem_dpo.ranks import ENV_NAMES, World, world  # noqa: F401  (the stages' names for them)
+from lowmem_dpo.ranks import World, world
 
 
 def check_launch() -> None:
@@ -132,20 +132,18 @@ def sum_stats(stats):
     numbers, stay as they are."""
     if not active():
         return stats
-    fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.metadata.get("sum", True)}
-    keys = [(name, None) for name, v in fields.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and v is not None]
-    keys += [(name, k) for name, v in fields.items() if isinstance(v, dict) for k in sorted(v)]
-    values = [fields[n] if k is None else fields[n][k] for n, k in keys]
+    summed = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats) if f.metadata.get("sum", True)}
+    summed = {n: v for n, v in summed.items() if isinstance(v, (dict, int, float)) and not isinstance(v, bool)}
+    keys = [(n, k) for n, v in summed.items() for k in (sorted(v) if isinstance(v, dict) else [None])]
+    values = [summed[n] if k is None else summed[n][k] for n, k in keys]
     total = _reduce(torch.tensor(values, dtype=torch.float64), torch.distributed.ReduceOp.SUM).tolist()
-    out = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
-    out.update({n: dict(v) for n, v in fields.items() if isinstance(v, dict)})
-    for (name, k), v in zip(keys, total):
+    changes = {n: dict(v) for n, v in summed.items() if isinstance(v, dict)}
+    for (n, k), v in zip(keys, total):
         if k is None:
-            out[name] = type(fields[name])(v) if isinstance(fields[name], int) else v
+            changes[n] = type(summed[n])(v)  # an int count stays an int (float64 sums them exactly)
         else:
-            out[name][k] = v
-    return type(stats)(**out)
+            changes[n][k] = v
+    return dataclasses.replace(stats, **changes)
 
 
 def shard(items: list, w: World | None = None) -> list:

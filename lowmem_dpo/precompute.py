@@ -135,9 +135,10 @@ def start_build(cfg: Config, pairs: list[data.TokenizedPair], fp: str,
 
 
 def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad_id: int, need: int,
-                   progress: bool, shared: bool = False) -> int:
+                   progress: bool, shared: bool = False) -> None:
     """Compute and write every shard the build lacks (several processes: each its own, every world-size-th of
-    them, longest first, so each gets rows of every length); returns the rows this process computed."""
+    them, longest first, so each gets rows of every length). The bar counts this process's rows (one process:
+    all the build's, the finished shards' included)."""
     from tqdm.auto import tqdm
 
     left = [k for k, finished in enumerate(b.done) if not finished]
@@ -146,9 +147,9 @@ def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad
         log(f"note: {len(left)} shards to compute for {processes} processes, so {processes - len(left)} have none: "
             f"a shard is one process's work; lower cache_shard_rows (now {cfg.cache_shard_rows}) to share the rows")
     todo = distributed.shard(left)
-    mine = sum(len(b.shards[k]) for k in todo)
-    bar = tqdm(total=mine, desc="precompute", unit="row", disable=not progress or not distributed.is_main(),
-               dynamic_ncols=True)
+    done = b.done_rows if processes == 1 else 0
+    bar = tqdm(total=done + sum(len(b.shards[k]) for k in todo), initial=done, desc="precompute", unit="row",
+               disable=not progress or not distributed.is_main(), dynamic_ncols=True)
     for k in todo:
         shard, name = b.shards[k], b.names[k]
         tensors = shard_logps(model, shard, cfg.precompute_batch_size, pad_id, resolved, bar, shared)
@@ -160,7 +161,6 @@ def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad
                                             "resumes after them; an existing cache there is untouched.") from None
             raise
     bar.close()
-    return mine
 
 
 def part_entry(tok: data.TokenizedData, shards: list[str]) -> dict:

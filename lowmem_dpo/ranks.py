@@ -44,4 +44,4 @@ def local_size() -> int:
     for name in LOCAL_SIZE_NAMES:
         if name in os.environ:
             return int(os.environ[name])
-    return 1 if not world().distributed else world().size
+    return world().size

@@ -78,10 +78,9 @@ class SFT:
         batches = [data.collate_completions(chunk, s.pad_id)
                    for chunk in loop.split(loop.share(s, items), s.micro_batch)]
         # The step's loss is the mean over all its completion tokens (as TRL), every rank's, so each micro-batch's
-        # sum is divided by the step's total, known before the first backward. Position t-1 predicts token t:
-        # mask[:, 1:] counts.
-        n_targets = sum(int(data.collate_completions(chunk, s.pad_id).completion_mask[:, 1:].sum())
-                        for chunk in loop.split(items, s.micro_batch))
+        # sum is divided by the step's total, known before the first backward. Position t-1 predicts token t, so
+        # a completion at position 0 (no prompt) has one target fewer than tokens (completion_mask[:, 1:]).
+        n_targets = sum(len(c.completion_ids) - (not c.prompt_ids) for c in items)
         stats = SFTStats()
         for batch in batches:
             logps, batch_stats = forward_rows(s, batch)

@@ -57,13 +57,11 @@ class Source:
                 raw = yaml.safe_load(raw)
             except yaml.YAMLError as e:
                 raise ConfigError(f"{name}={raw!r}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if isinstance(raw, (list, tuple)):
-            if not raw:
-                raise ConfigError(f"{name}=[]: name at least one source")
-            out = [_entry(f"{name}[{i}]", e) for i, e in enumerate(raw)]
-        else:
-            out = [_entry(name, raw)]
-        return out
+        if not isinstance(raw, (list, tuple)):
+            return [_entry(name, raw)]
+        if not raw:
+            raise ConfigError(f"{name}=[]: name at least one source")
+        return [_entry(f"{name}[{i}]", e) for i, e in enumerate(raw)]
 
 
 def repeated(sources: list[Source], default_split: str) -> str | None:

@@ -5,8 +5,8 @@ after: safe_open memory-maps the whole file, and every page of it that was read 
 memory until the map closes, so one open map read through would hold a whole shard. Writing needs no shard in
 memory either: a safetensors file is an 8-byte header length, a JSON header of each tensor's dtype, shape and
 byte range, then the bytes in that order, and the header is known before any tensor is computed (from the base's
-shapes), so each block is written as it is made. The folder layout is transformers': one model.safetensors, or model-0000K-of-0000N.safetensors and
-model.safetensors.index.json (its total_size and weight_map).
+shapes), so each block is written as it is made. The folder layout is transformers': one model.safetensors, or
+model-0000K-of-0000N.safetensors and model.safetensors.index.json (its total_size and weight_map).
 """
 
 from __future__ import annotations

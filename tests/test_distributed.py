@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, TINY_DATA
 from safetensors.torch import load_file
 
-from lowmem_dpo import cache, distributed, precompute, sft, train
+from lowmem_dpo import cache, distributed, precompute, ranks, sft, train
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.recipe import load_config
@@ -206,7 +206,7 @@ def test_accelerate_launch_on_a_cpu_runs_through_mpirun(run, tmp_path):
 
 
 def test_world_comes_from_the_launchers_environment(monkeypatch):
-    for name in [n for names in distributed.ENV_NAMES for n in names] + ["ACCELERATE_MIXED_PRECISION", "MASTER_ADDR"]:
+    for name in [n for names in ranks.ENV_NAMES for n in names] + ["ACCELERATE_MIXED_PRECISION", "MASTER_ADDR"]:
         monkeypatch.delenv(name, raising=False)
     assert distributed.world() == distributed.World(0, 1, 0) and not distributed.active()
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "3")  # mpirun, as accelerate launch --cpu uses it

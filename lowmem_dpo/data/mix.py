@@ -78,6 +78,7 @@ class Part:
     split: str  # the split read: the source's, or dataset_split
     loaded: object  # every row of the source as loaded (a datasets.Dataset)
     indices: list[int] | None  # the rows taken, as indices into `loaded`, ascending; None: every row
+    scores: list[int] | None = None  # score() of every loaded row, once a selection has computed them
     offset: int = 0  # the mixture's index of the part's first row
 
     @property
@@ -149,8 +150,9 @@ def load_mixture(sources: list[Source], default_split: str, seed: int, cap: int 
         if s.rows is not None and s.rows > len(ds):
             raise UserError(f"{name} {s.path!r}: rows={s.rows}, but it has {len(ds)} rows; lower rows, or set "
                             "fraction: 1 to take every row")
-        indices = lowest(row_scores(ds, seed), take_count(s, len(ds))) if s.selects else None
-        parts.append(Part(name, s, split, ds, indices))
+        scores = row_scores(ds, seed) if s.selects else None
+        indices = lowest(scores, take_count(s, len(ds))) if s.selects else None
+        parts.append(Part(name, s, split, ds, indices, scores))
     total = sum(map(len, parts))
     if cap is not None and total > cap:
         _cap(parts, seed, cap)
@@ -172,8 +174,8 @@ def _cap(parts: list[Part], seed: int, cap: int) -> None:
     ranked = []
     for k, p in enumerate(parts):
         taken = range(len(p.loaded)) if p.indices is None else p.indices
-        scores = row_scores(p.rows, seed)
-        ranked += [(s, k, i) for s, i in zip(scores, taken)]
+        scores = p.scores if p.scores is not None else row_scores(p.loaded, seed)
+        ranked += [(scores[i], k, i) for i in taken]
     kept = sorted(ranked)[:cap]
     for k, p in enumerate(parts):
         p.indices = sorted(i for _, part, i in kept if part == k)
