@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 RECIPE ?= recipes/tiny-cpu.yaml
 
-.PHONY: demo demo-sft test lint bench clean
+.PHONY: demo demo-sft test lint bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ test: $(VENV)/.install-test
 
 bench: $(VENV)/.install-bench
 	$(PY) bench/step_time.py bench/recipes/llama-25m-cpu.yaml --devices cpu,cuda --steps 20 --vs-trl --json bench/out/step_time.json
+
+# On a CUDA machine: the 12 GB recipes under what torch gets of a 12 GB card, against TRL (bench/gpu_check.py).
+gpu-check: $(VENV)/.install-bench
+	$(PY) bench/gpu_check.py --json bench/results/gpu_check.json
 
 clean:
 	rm -rf $(VENV) runs bench/out

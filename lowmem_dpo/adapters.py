@@ -14,13 +14,12 @@ into the base weights first, then a fresh adapter is added. The reference is bas
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
-from lowmem_dpo.models import ModelSource, place_offloaded_adapters, target_names
+from lowmem_dpo.models import ModelSource, target_names
 
 
 def carries_adapter(model: torch.nn.Module) -> bool:
@@ -40,36 +39,10 @@ def check_no_adapter(model: torch.nn.Module, wanted: str) -> None:
 
 
 def load_adapter(base: torch.nn.Module, path, trainable: bool):
-    """PeftModel.from_pretrained(base, path), also on a base whose layers accelerate offloads (a device_map with
-    "cpu"/"disk" entries: the weights of those layers sit on the meta device between forwards).
-
-    peft handles such a base by removing accelerate's hooks and dispatching the model again on a device map of its
-    own, which moves the meta tensors with .to(): "Cannot copy out of meta tensor". The base is dispatched as our
-    device_map says already, so peft does not see the map while it loads. It then puts the LoRA weights of an
-    offloaded layer on the meta device like the layer's base weights, and the saved tensors load into nothing:
-    those weights get real storage on the execution device (where place_offloaded_adapters puts a fresh adapter's)
-    and the saved tensors are loaded again, so the adapter is the saved one, never re-initialised."""
+    """PeftModel.from_pretrained(base, path): the saved adapter on `base`, trainable or frozen."""
     from peft import PeftModel
-    from peft.utils import load_peft_weights, set_peft_model_state_dict
 
-    device_map = base.__dict__.pop("hf_device_map", None)
-    try:
-        with warnings.catch_warnings():  # torch warns for each such weight; the second load below fills them
-            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter in the checkpoint to a meta")
-            model = PeftModel.from_pretrained(base, path, is_trainable=trainable)
-    finally:
-        if device_map is not None:
-            base.hf_device_map = device_map
-    device = getattr(getattr(base, "_hf_hook", None), "execution_device", None)  # accelerate's, when dispatched
-    device = base.get_input_embeddings().weight.device if device is None else torch.device(device)
-    if place_offloaded_adapters(model, device, init=False):
-        set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"))
-    left = [n for n, p in model.named_parameters() if p.device.type == "meta" and ".lora_" in n]
-    if left:  # not LoRA's A and B (e.g. DoRA's magnitude): nothing here gives them storage
-        raise UserError(f"the adapter {path} has weights beyond LoRA's A and B on layers offloaded off the device "
-                        f"({left[0]}), which cannot be loaded there: merge the adapter into its base (peft "
-                        "merge_and_unload), save it, and pass that folder as model_name_or_path")
-    return model
+    return PeftModel.from_pretrained(base, path, is_trainable=trainable)
 
 
 def reference_model(base: torch.nn.Module, source: ModelSource) -> torch.nn.Module:
@@ -169,44 +142,12 @@ def continue_adapter(base: torch.nn.Module, cfg: Config, source: ModelSource):
     return model
 
 
-def merge_offloaded(model) -> list[str]:
-    """Merge the LoRA layers of `model` whose base layer accelerate offloads, and unwrap them (merge_and_unload
-    then merges the rest); returns their names.
-
-    The merged weight goes where accelerate's hook streams the layer from: the state dict of its weights loader,
-    which takes priority over the loader's index. For a layer in CPU RAM that replaces the unmerged tensor (freed:
-    one layer's weights extra at a time); a layer on disk is read from the model's own weight file, which is never
-    written, so its merged weights stay in CPU RAM. Merging before dispatch would need the whole model in memory
-    at once, which is what offload avoids. peft's own merge_and_unload onloads the layer too, but gives its hook a
-    new weights map and leaves the unmerged tensor in the loader: a second copy of every adapted weight."""
-    from accelerate.utils import named_module_tensors
-    from peft.tuners.lora import LoraLayer
-
-    merged = []
-    for name, module in list(model.named_modules()):
-        hook = getattr(getattr(module, "base_layer", None), "_hf_hook", None)
-        if not (isinstance(module, LoraLayer) and getattr(hook, "offload", False)
-                and hasattr(hook.weights_map, "dataset")):  # another store: peft's merge_and_unload handles it
-            continue
-        base, store = module.base_layer, hook.weights_map  # a PrefixedDataset over accelerate's weights loader
-        hook.pre_forward(base)  # the stored weights, on the execution device
-        module.merge()  # peft's merge (its LoRA variants included), in place on those weights
-        for key, tensor in named_module_tensors(base):
-            store.dataset.state_dict[store.prefix + key] = tensor.detach().to("cpu")
-        hook.post_forward(base, torch.tensor([]))  # back to the meta device
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, base)  # unwrapped: no adapter left on it
-        merged.append(name)
-    return merged
-
-
 def merge_adapter(base: torch.nn.Module, source: ModelSource) -> torch.nn.Module:
     """adapter_mode=new_on_merged: the SFT adapter merged into `base`'s (unquantized) weights, in place; returns
     the plain transformers model, which carries no adapter afterwards."""
     check_no_adapter(base, f"the SFT adapter {source.adapter_path}")
     model = load_adapter(base, source.adapter_path, trainable=False)
-    merge_offloaded(model)
-    merged = model.merge_and_unload()  # the layers on the device
+    merged = model.merge_and_unload()
     merged.__dict__.pop("peft_config", None)  # peft leaves its config on the unloaded model; no adapter is left
     for p in merged.parameters():
         p.requires_grad_(False)

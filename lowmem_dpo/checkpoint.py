@@ -6,6 +6,7 @@ Layout, one folder per checkpoint, under output_dir/checkpoints/:
 
     checkpoint-STEP/adapter_config.json, adapter_model.safetensors   the PEFT adapter at STEP (loadable as is)
     checkpoint-STEP/optimizer.pt, scheduler.pt                        their state_dicts (torch.save)
+    checkpoint-STEP/scaler.pt                                         float16: the loss scaler's state_dict
     checkpoint-STEP/rng.pt                                            torch's CPU (and CUDA) RNG states
     checkpoint-STEP/metrics.jsonl, samples.jsonl                      output_dir's, as they were at STEP
     checkpoint-STEP/trainer_state.json                                step, position in the data order, batch
@@ -37,6 +38,7 @@ from lowmem_dpo.errors import ConfigError, UserError, log
 
 FOLDER = "checkpoints"
 STATE = "trainer_state.json"
+SCALER = "scaler.pt"
 SAMPLES = "samples.jsonl"  # output_dir's samples (evaluation.py), copied into each checkpoint as it was at STEP
 _NAME = re.compile(r"checkpoint-(\d+)")
 
@@ -60,6 +62,7 @@ class TrainerState:
     best_global_step: int | None = None
     best_model_checkpoint: str | None = None
     world_size: int = 1  # processes of the run (torchrun / accelerate launch): a step's pairs depend on it
+    scaler_skips: int = 0  # float16: updates the loss scaler skipped (its state: scaler.pt)
 
 
 def root(output_dir: str | Path) -> Path:
@@ -101,7 +104,7 @@ def resume_note(output_dir: str | Path) -> str:
 
 
 def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics_lines: list[str],
-         keep: int, replaces: list[Path] = ()) -> Path:
+         keep: int, replaces: list[Path] = (), scaler=None) -> Path:
     """Write checkpoint-{state.step} atomically, then remove `replaces` (an earlier run's checkpoints, when
     this one started over) and keep only the newest `keep` and the best (state.best_global_step's), which is
     never pruned. output_dir's samples.jsonl goes in too, as metrics_lines do. A full disk stops the run with
@@ -119,6 +122,8 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
         model.save_pretrained(tmp, safe_serialization=True)
         torch.save(opt.state_dict(), tmp / "optimizer.pt")
         torch.save(sched.state_dict(), tmp / "scheduler.pt")
+        if scaler is not None:
+            torch.save(scaler.state_dict(), tmp / SCALER)
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -233,11 +238,14 @@ def load_adapter_weights(path: Path, model) -> None:
                         f"({len(result.unexpected_keys)} unexpected keys); pass resume=never to start over")
 
 
-def restore(path: Path, model, opt, sched) -> None:
-    """Load the adapter weights, optimizer, scheduler and RNG states of checkpoint `path` into the run."""
+def restore(path: Path, model, opt, sched, scaler=None) -> None:
+    """Load the adapter weights, optimizer, scheduler, loss scaler (float16) and RNG states of checkpoint `path`
+    into the run."""
     load_adapter_weights(path, model)
     opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
     sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    if scaler is not None and (path / SCALER).is_file():
+        scaler.load_state_dict(torch.load(path / SCALER, weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():

@@ -8,11 +8,16 @@ from typing import Callable
 
 import yaml
 
+from lowmem_dpo import devices
 from lowmem_dpo.coerce import describe
 from lowmem_dpo.config import HINTS, Config
 from lowmem_dpo.errors import EXIT_USAGE, ConfigError, UserError
 from lowmem_dpo.ranks import world
 from lowmem_dpo.sources import yaml_form
+
+OOM_ANYWHERE = ("out of memory: the run needs more memory than the device has free. Lower max_length or "
+                "per_device_train_batch_size (or precompute_batch_size), set quantization=4bit, or set memory_budget "
+                "to what the device really has free; python -m lowmem_dpo.plan RECIPE.yaml shows what fits")
 
 
 def help_text(stage: str, command_doc: str) -> str:
@@ -52,12 +57,20 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
     # vocabulary changed; a built-in name (lowmem_dpo:tiny-llama, as sft writes it) is not a path. Nothing here
     # changes the vocabulary.
     warnings.filterwarnings("ignore", message="Could not find a config file in", category=UserWarning)
+    devices.configure_allocator()  # before anything touches CUDA (unless the user set the variable)
     try:
         return main(argv) or 0
     except UserError as e:
         rank = world().rank  # several processes (torchrun, mpirun): a recipe error is every rank's
         if rank == 0 or not isinstance(e, ConfigError):
             print(f"lowmem_dpo.{stage}: error: {f'[rank {rank}] ' if rank else ''}{e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:
+        if not devices.is_out_of_memory(e):
+            raise
+        del e  # its traceback holds the tensors
+        devices.dump_snapshot()
+        print(f"lowmem_dpo.{stage}: error: {OOM_ANYWHERE}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"lowmem_dpo.{stage}: interrupted; finished shards/checkpoints are kept.", file=sys.stderr)

@@ -74,8 +74,9 @@ class Config:
     device: str = _f("auto", "auto picks cuda when torch sees a GPU, else mps (Apple) when present, else cpu.",
                      choices=("auto", "cpu", "cuda", "mps"))
     dtype: str = _f("auto", "Dtype of the policy's unquantized weights and of its compute (also the compute dtype "
-                    "of a 4bit/8bit base). auto: bfloat16 on a CUDA GPU or a CPU with native bf16, else float32 "
-                    "(README, Devices). Memory: float32 costs 2x the bytes of the 16-bit types.",
+                    "of a 4bit/8bit base). auto: bfloat16 on a GPU or CPU with native bf16, float16 (with dynamic "
+                    "loss scaling) on a GPU without (T4, V100), else float32 (README, Devices). bfloat16 on a GPU "
+                    "without native bf16 is refused. Memory: float32 costs 2x the bytes of the 16-bit types.",
                     choices=("auto", "float32", "bfloat16", "float16"))
     quantization: str = _f("none", "Quantize the policy's frozen base weights with bitsandbytes (4bit: NF4 with "
                            "double quantization, ~0.56 bytes/param; 8bit: LLM.int8, ~1.06; none: 2 bytes/param in "
@@ -88,12 +89,18 @@ class Config:
                                   "null: the same as dtype.", choices=("auto", "float32", "bfloat16", "float16"),
                                   reference="value")
     gradient_checkpointing: str = _f("auto", "Recompute activations in backward: saves activation memory, costs "
-                                     "~30% more compute. auto: on for CUDA <= 24 GiB and mps, off for larger "
-                                     "GPUs and CPUs (README, Devices).",
-                                     choices=("auto", "true", "false"))
-    memory_budget: Optional[str] = _f(None, "Memory train plans for, e.g. 12GiB: with gradient_checkpointing=auto, "
-                                      "train turns checkpointing on when the planner predicts the run needs it. "
-                                      "null: the device's memory (GPU total, or physical RAM on a CPU).", resumable=True)
+                                     "~30% more compute. auto: on for a CUDA budget <= 24 GiB and mps, off for "
+                                     "larger budgets and CPUs, and on wherever the planner says the run needs it "
+                                     "(README, Devices).", choices=("auto", "true", "false"))
+    memory_budget: Optional[str] = _f(None, "Memory the run may use on its device, e.g. 11.25GiB (what torch gets of "
+                                      "a 12 GB card). On CUDA it is enforced (a larger card then behaves as the "
+                                      "small one) and picks the device rule; the planner fits train and precompute "
+                                      "to it (a smaller micro-batch, checkpointing, streamed layers). null: what "
+                                      "torch can get of the GPU now, or physical RAM on a CPU.", resumable=True)
+    memory_snapshot_on_oom: bool = _f(False, "CUDA: record the allocator's history and write torch's memory snapshot "
+                                      "(memory_snapshot.pickle, for https://pytorch.org/memory_viz) into output_dir "
+                                      "at the first out-of-memory error. Costs a little time per allocation.",
+                                      resumable=True)
     share_prompt: str = _f("auto", "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
                            "mask hiding chosen and rejected from each other. auto: the device rule (README, "
                            "Devices), if the first batch agrees.", choices=("auto", "true", "false"))

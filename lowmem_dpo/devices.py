@@ -1,81 +1,26 @@
-"""Per-device rules: which device, dtype, gradient checkpointing, optimizer and offload a run gets, and why.
+"""Per-device rules applied to this machine: which device, dtype, gradient checkpointing, optimizer, memory budget
+and offload a run gets, and why; and every call into torch.cuda.
 
-Hardware and optional-dependency code (bitsandbytes) lives here and in models.py, imported lazily, so
-everything imports on a CPU. The RULES table is the rule book; `auto` values in the config resolve through it
-and the train log prints each choice with its reason.
+The rule book and the decisions made from a device's numbers are pure functions in rules.py; this module reads
+the numbers (torch.cuda, oneDNN) and applies them. Hardware and optional-dependency code (bitsandbytes) lives here
+and in models.py, imported lazily, so everything imports on a CPU. The train log prints each choice with its
+reason.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from lowmem_dpo import distributed
 from lowmem_dpo.errors import UserError, log
-from lowmem_dpo.units import GiB
-
-# Optimizer names (as transformers' `optim`): torch's AdamW, or bitsandbytes' paged 8-bit AdamW, whose two
-# states take 2 bytes/param instead of 8 and whose pages move to CPU RAM when the GPU runs out, instead of OOM.
-ADAMW_TORCH = "adamw_torch"
-PAGED_ADAMW_8BIT = "paged_adamw_8bit"
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What one device kind gets. dtype and gradient_checkpointing apply where the config says auto; the
-    optimizer and offload are not config keys and always come from here."""
-
-    dtype: str  # weights and compute; also the compute dtype of a 4-bit/8-bit base
-    gradient_checkpointing: bool
-    optimizer: str  # ADAMW_TORCH or PAGED_ADAMW_8BIT
-    offload: str  # what lives off the device's memory, beyond the reference (always on disk: the cache)
-    why: str
-    # share_prompt=auto: the prompt once per pair (a custom attention mask). Off on GPUs until measured there: a
-    # custom mask rules out the fastest fused attention kernels.
-    share_prompt: bool = False
-
-
-_CKPT_SMALL_GPU = "checkpointing on: it trades ~30% compute for activation memory, which a 7B run needs here"
-_PAGED = ("paged 8-bit AdamW: LoRA optimizer state at 2 bytes/param, paged to CPU RAM under memory pressure "
-          "instead of an out-of-memory error")
-_CPU_FREE = "no checkpointing: RAM is plentiful and recomputation only costs time; torch AdamW (bitsandbytes' " \
-            "paged optimizers need CUDA)"
-
-_CUDA_OFFLOAD = ("optimizer state (paged); trailing decoder layers to CPU RAM when the planner says the run does "
-                 "not fit memory_budget")
-
-# device kind -> Rule. CUDA kinds by total memory (<= 12 GiB, <= 24 GiB, larger) and bf16 support; CPUs by
-# native bf16 (AVX512-BF16 or AMX, as oneDNN reports); Apple GPUs (mps).
-RULES: dict[str, Rule] = {
-    "cuda-12gb-bf16": Rule("bfloat16", True, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
-                           f"CUDA <= 12 GiB with bf16: bfloat16 halves memory; {_CKPT_SMALL_GPU}; {_PAGED}"),
-    "cuda-12gb": Rule("float32", True, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
-                      f"CUDA <= 12 GiB without bf16: float32 (fp16 training would need loss scaling); "
-                      f"{_CKPT_SMALL_GPU}; {_PAGED}"),
-    "cuda-24gb-bf16": Rule("bfloat16", True, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
-                           f"CUDA <= 24 GiB with bf16: bfloat16 halves memory; {_CKPT_SMALL_GPU}; {_PAGED}"),
-    "cuda-24gb": Rule("float32", True, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
-                      f"CUDA <= 24 GiB without bf16: float32 (fp16 training would need loss scaling); "
-                      f"{_CKPT_SMALL_GPU}; {_PAGED}"),
-    "cuda-large-bf16": Rule("bfloat16", False, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
-                            "CUDA > 24 GiB with bf16: bfloat16 halves memory; no checkpointing: a 7B LoRA run's "
-                            "activations fit at usual batch sizes and recomputation would cost ~30% step time "
-                            f"(set gradient_checkpointing=true for long sequences); {_PAGED}"),
-    "cuda-large": Rule("float32", False, PAGED_ADAMW_8BIT, _CUDA_OFFLOAD,
-                       "CUDA > 24 GiB without bf16: float32 (fp16 training would need loss scaling); no "
-                       f"checkpointing: activations fit at usual batch sizes; {_PAGED}"),
-    "mps": Rule("float32", True, ADAMW_TORCH, "none",
-                "Apple GPU (mps): float32 (bf16 there needs macOS 14+); checkpointing on: unified memory is shared "
-                "with the system; torch AdamW (bitsandbytes' paged optimizers need CUDA)"),
-    "cpu-bf16": Rule("bfloat16", False, ADAMW_TORCH, "none",
-                     "CPU with native bf16 (AVX512-BF16/AMX): bfloat16 runs matmuls ~2x faster than float32 and "
-                     f"halves memory, also as a 4-bit/8-bit base's compute dtype; {_CPU_FREE}", share_prompt=True),
-    "cpu": Rule("float32", False, ADAMW_TORCH, "none",
-                f"CPU without native bf16: float32 (16-bit matmuls are emulated and slow); {_CPU_FREE}",
-                share_prompt=True),
-}
+from lowmem_dpo.rules import ADAMW_TORCH, PAGED_ADAMW_8BIT, RULES, Rule, cuda_budget, cuda_kind, dtype_problem
+from lowmem_dpo.units import fmt, parse_size
 
 QUANTIZATION_NAMES = {"none": "none", "8bit": "LLM.int8", "4bit": "NF4 with double quantization"}
 
@@ -83,16 +28,18 @@ QUANTIZATION_NAMES = {"none": "none", "8bit": "LLM.int8", "4bit": "NF4 with doub
 @dataclass
 class Resolved:
     device: torch.device
-    kind: str  # a RULES key
+    kind: str  # a rules.RULES key
     dtype: torch.dtype  # the policy's weights and compute, also the compute dtype of its quantized base
     gradient_checkpointing: bool
-    optimizer: str  # ADAMW_TORCH or PAGED_ADAMW_8BIT
+    optimizer: str  # rules.ADAMW_TORCH or rules.PAGED_ADAMW_8BIT
     reasons: list[str] = field(default_factory=list)
     quantization: str = "none"  # the policy's base: none|8bit|4bit
     ref_dtype: torch.dtype | None = None  # the reference's (precompute's) dtype; None: the same as dtype
     ref_quantization: str | None = None  # the reference's base: none|8bit|4bit; None: the same as quantization
     offload: str = "none"
     share_prompt: bool = False  # the prompt once per pair, where the model supports it (headcheck.decide_sharing)
+    budget: int | None = None  # bytes the run may use on the device; None: the planner's default (RAM on a CPU)
+    micro_batch: int | None = None  # pairs per micro-batch the planner fits (policy.apply_plan); None: the recipe's
 
     def __post_init__(self):
         if self.ref_dtype is None:
@@ -112,25 +59,60 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def memory_tier(total_bytes: int) -> str:
-    """CUDA memory tier of a card: 12gb (<= 12 GiB), 24gb (<= 24 GiB) or large."""
-    if total_bytes <= 12 * GiB:
-        return "12gb"
-    if total_bytes <= 24 * GiB:
-        return "24gb"
-    return "large"
+def cuda_native_bf16() -> bool:
+    """Whether the current CUDA card computes bf16 natively (Ampere and later): by default torch also answers yes
+    for the slow emulation on Turing/Volta cards (T4, V100, RTX 20xx), which belong to the float16 rows."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def device_kind(device: torch.device) -> str:
+def cuda_memory(device: torch.device) -> tuple[int, int, int]:
+    """(free, held, total) bytes of a CUDA card as the driver sees it now: free for anyone, held by this process's
+    caching allocator, and the card's total (the first call creates the CUDA context, which free then excludes)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(torch.cuda.memory_reserved(device)), int(total)
+
+
+def run_cuda_budget(device: torch.device, memory_budget: str | None):
+    """rules.cuda_budget of this card, memory_budget enforced on torch's allocator when it is set."""
+    cap = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
+    budget = cuda_budget(*cuda_memory(device), cap)
+    if budget.fraction is not None:
+        # The out-of-memory back-off then fires at the budget: a large card behaves as the small one it emulates.
+        torch.cuda.set_per_process_memory_fraction(budget.fraction, device)
+    if budget.short:
+        log(f"warning: {budget.why}")
+    return budget
+
+
+def device_kind(device: torch.device, budget: int | None = None) -> str:
+    """The rules.RULES key of `device`; for CUDA, of the memory `budget` it may use (default: what is free)."""
     if device.type == "cuda":
-        tier = memory_tier(torch.cuda.get_device_properties(device).total_memory)
-        # Native bf16 only (Ampere and later): by default torch also answers yes for the slow emulation on
-        # Turing/Volta cards (T4, V100, RTX 20xx), which belong to the float32 rows.
-        bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        return f"cuda-{tier}" + ("-bf16" if bf16 else "")
+        if budget is None:
+            free, held, _ = cuda_memory(device)
+            budget = free + held
+        return cuda_kind(budget, cuda_native_bf16())
     if device.type == "mps":
         return "mps"
     return "cpu-bf16" if cpu_has_native_bf16() else "cpu"
+
+
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either (the second from 2.9)
+EXPANDABLE = "expandable_segments:True"
+
+
+def configure_allocator() -> str:
+    """Let CUDA's caching allocator grow segments in place (expandable_segments), unless the user set the
+    variable: a run whose batches change shape (every step's lengths differ) then leaves little memory reserved
+    but unusable. Before CUDA initializes, through the environment as torch documents it; after, through the
+    allocator's settings. Returns the line the log shows."""
+    mine = [name for name in ALLOC_CONF if name in os.environ]
+    if mine:
+        return f"CUDA allocator: {mine[0]}={os.environ[mine[0]]} (from the environment)"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(EXPANDABLE)
+    else:
+        os.environ[ALLOC_CONF[0]] = EXPANDABLE
+    return f"CUDA allocator: {EXPANDABLE} (set by lowmem_dpo; set {ALLOC_CONF[0]} to choose another)"
 
 
 def _pick_device(cfg) -> tuple[torch.device, str]:
@@ -150,33 +132,51 @@ def _pick_device(cfg) -> tuple[torch.device, str]:
     return torch.device(cfg.device), f"device={cfg.device} (from the recipe)"
 
 
-def _dtype(setting: str, key: str, rule: Rule) -> tuple[torch.dtype, str]:
+def _dtype(setting: str, key: str, rule: Rule, kind: str) -> tuple[torch.dtype, str]:
+    problem = dtype_problem(key, setting, kind)
+    if problem:
+        raise UserError(problem)
     if setting == "auto":
         return DTYPES[rule.dtype], f"{key}={rule.dtype} (auto)"
     return DTYPES[setting], f"{key}={setting} (from the recipe)"
 
 
 def resolve(cfg) -> Resolved:
-    """Resolve device, dtypes, gradient_checkpointing, optimizer and offload from the config and RULES."""
+    """Resolve device, memory budget, dtypes, gradient_checkpointing, optimizer and offload from the config and
+    rules.RULES. On CUDA: the allocator's settings, and memory_budget enforced."""
     device, device_reason = _pick_device(cfg)
+    reasons = [device_reason]
+    if device.type == "cuda":
+        reasons.append(configure_allocator())  # before the first allocation (distributed.init's NCCL group)
     device = distributed.init(device)  # under torchrun / accelerate launch: join the group, this rank's GPU
     w = distributed.world()
     if w.distributed:
-        device_reason += f"; process {w.rank} of {w.size} on {device} (data parallel)"
-    kind = device_kind(device)
+        reasons[0] += f"; process {w.rank} of {w.size} on {device} (data parallel)"
+    budget = None
+    if device.type == "cuda":
+        cuda = run_cuda_budget(device, cfg.memory_budget)
+        budget = cuda.budget
+        reasons.append(f"budget {fmt(budget)}: {cuda.why}")
+    elif cfg.memory_budget is not None:
+        budget = parse_size(cfg.memory_budget, "memory_budget")
+    kind = device_kind(device, budget)
     rule = RULES[kind]
-    reasons = [device_reason, f"device kind {kind}: {rule.why}"]
-    dtype, why = _dtype(cfg.dtype, "dtype", rule)
+    reasons.append(f"device kind {kind}: {rule.why}")
+    dtype, why = _dtype(cfg.dtype, "dtype", rule, kind)
     reasons.append(why)
     if cfg.quantization != "none":
         reasons.append(f"quantization={cfg.quantization} ({QUANTIZATION_NAMES[cfg.quantization]}, bitsandbytes; "
                        f"computes in {dtype_name(dtype)}, the dtype)")
-    ref_dtype, why = _dtype(cfg.reference_dtype, "ref_dtype", rule)
+    ref_dtype, why = _dtype(cfg.reference_dtype, "ref_dtype" if cfg.ref_dtype else "dtype", rule, kind)
     if cfg.ref_dtype is None:
         why = f"ref_dtype={dtype_name(ref_dtype)} (null: as dtype)"
     ref_q = (f"ref_quantization={cfg.reference_quantization} "
              f"({'null: as quantization' if cfg.ref_quantization is None else 'from the recipe'})")
     reasons.append(f"{why}, {ref_q}: the reference's settings in precompute and in the cache fingerprint")
+    if dtype == torch.float16:
+        reasons.append("float16: the loss is scaled dynamically (torch.amp.GradScaler) so that small gradients do "
+                       "not underflow; a step whose scaled gradients overflow is skipped and the scale halved (a "
+                       "scaler skip, logged as scaler_skips, not as divergence); the LoRA weights stay float32")
     if cfg.gradient_checkpointing == "auto":
         ckpt = rule.gradient_checkpointing
         reasons.append(f"gradient_checkpointing={str(ckpt).lower()} (auto)")
@@ -189,7 +189,7 @@ def resolve(cfg) -> Resolved:
     reasons.append(f"optimizer={rule.optimizer}, offload={rule.offload} (rule for {kind})")
     return Resolved(device, kind, dtype, ckpt, rule.optimizer, reasons, quantization=cfg.quantization,
                     ref_dtype=ref_dtype, ref_quantization=cfg.reference_quantization, offload=rule.offload,
-                    share_prompt=share)
+                    share_prompt=share, budget=budget)
 
 
 # -- bitsandbytes (optional at import time; needed for quantization and the paged optimizer) ----------------------
@@ -229,7 +229,7 @@ def make_optimizer(name: str, params: list, lr: float, weight_decay: float) -> t
         return bnb.optim.PagedAdamW8bit(params, lr=lr, weight_decay=weight_decay)
     if name == ADAMW_TORCH:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    raise AssertionError(f"unknown optimizer {name!r} in devices.RULES")
+    raise AssertionError(f"unknown optimizer {name!r} in rules.RULES")
 
 
 # -- forward-pass helpers ---------------------------------------------------------------------------------------
@@ -242,20 +242,31 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return contextlib.nullcontext()
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# -- out of memory ------------------------------------------------------------------------------------------
+# What an allocation failure says when it is not torch.OutOfMemoryError: the CPU allocator's, and cuBLAS' when it
+# cannot create its workspace on a full card ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate").
+OOM_TEXTS = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    """CUDA's (and mps') out-of-memory error, or the CPU allocator's failure."""
+    """CUDA's (and mps') out-of-memory error, cuBLAS' allocation failure, or the CPU allocator's failure."""
     if isinstance(e, torch.OutOfMemoryError):
         return True
-    return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e))
+    return isinstance(e, RuntimeError) and any(text in str(e) for text in OOM_TEXTS)
+
+
+@contextlib.contextmanager
+def out_of_memory_means(message: str):
+    """Out of memory inside the block becomes UserError(message) (exit 2, one line: what to lower), after the
+    memory snapshot when memory_snapshot_on_oom asked for one."""
+    try:
+        yield
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        del e  # its traceback holds the failed attempt's tensors
+        dump_snapshot()
+        raise UserError(message) from None
 
 
 def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: str, cleanup=None,
@@ -273,6 +284,7 @@ def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: st
                 raise
             del e  # its traceback holds the failed attempt's tensors
             failed = True
+            dump_snapshot()  # the first one only, when memory_snapshot_on_oom asked for it
         if any_rank(failed):
             if cleanup is not None:
                 cleanup()
@@ -287,37 +299,101 @@ def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: st
 
 def release_memory(device: torch.device) -> None:
     """Hand cached blocks back after an out-of-memory error, so a smaller retry starts from a clean pool."""
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def peak_memory_bytes(device: torch.device) -> int | None:
-    """Peak allocated bytes on CUDA since the last reset; None on CPU (see bench/ for RSS)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return None
+# memory_snapshot_on_oom: where the first out-of-memory error writes torch's memory snapshot (record_snapshots).
+_snapshot: dict[str, Path] = {}
+SNAPSHOT = "memory_snapshot.pickle"
 
 
-# -- CPU offload: the device_map's placement (the maps themselves: memory/search.py) ---------------------------
-def offloaded_layers(device_map: dict | None) -> list[str]:
-    """The device_map's entries that live off the execution device: "cpu" and "disk" ones when the map names
-    an accelerator, only "disk" ones when the CPU itself computes (as accelerate's dispatch decides)."""
-    device_map = device_map or {}
-    off = ("cpu", "disk") if any(v not in ("cpu", "disk") for v in device_map.values()) else ("disk",)
-    return [k for k, v in device_map.items() if v in off]
+def record_snapshots(device: torch.device, folder: str | Path) -> str:
+    """memory_snapshot_on_oom: record CUDA's allocation history from now on, so that the first out-of-memory error
+    writes it to folder/memory_snapshot.pickle (dump_snapshot). Returns the log line."""
+    if device.type != "cuda":
+        return f"memory_snapshot_on_oom: CUDA only; nothing is recorded on {device.type}"
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    _snapshot["path"] = Path(folder) / SNAPSHOT
+    return f"memory_snapshot_on_oom: recording CUDA allocations; an out-of-memory error writes {_snapshot['path']}"
 
 
-def release_freed_memory() -> None:
-    """Ask the C heap to return its freed pages to the OS (glibc's malloc_trim): after a load that built and
-    dropped large temporaries (quantizing every Linear), RSS falls to what is in use. A no-op without glibc."""
-    import ctypes
-    import gc
-
-    gc.collect()
+def dump_snapshot() -> Path | None:
+    """Write the recorded memory snapshot (once: the first out-of-memory error's), or None when none is recorded.
+    Open it at https://pytorch.org/memory_viz."""
+    path = _snapshot.pop("path", None)
+    if path is None:
+        return None
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl)
-        pass
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+    except Exception as e:  # a full disk must not hide the out-of-memory error itself
+        log(f"warning: out of memory, and the memory snapshot could not be written to {path} ({type(e).__name__})")
+        return None
+    log(f"out of memory: torch's memory snapshot is in {path} (open it at https://pytorch.org/memory_viz)")
+    return path
+
+
+# -- memory telemetry and loss scaling ---------------------------------------------------------------------------
+def memory_window(device: torch.device) -> dict[str, int]:
+    """The memory numbers of a metrics line on CUDA, then a new window: peak_allocated_bytes and
+    peak_reserved_bytes of torch's allocator since the last call (reserved - allocated: fragmentation), and
+    device_used_bytes, what the whole card has in use now (every process, the CUDA context: nvidia-smi's figure).
+    {} on other devices."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    out = {"peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+           "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)), "device_used_bytes": int(total - free)}
+    torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+def grad_scaler(device: torch.device, dtype: torch.dtype):
+    """float16 training's dynamic loss scaling: torch.amp.GradScaler (the loss times a scale that halves when
+    the scaled gradients overflow and doubles after 2000 clean steps), or None for other dtypes."""
+    return torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+
+
+# -- streaming decoder layers (streaming.py): host copies and a side stream on CUDA ------------------------------
+def host_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of `t` in CPU RAM that the device reads back: pinned (page-locked) for a CUDA device, so the copy
+    runs asynchronously at full PCIe speed; a plain CPU copy otherwise."""
+    host = t.detach().to("cpu", copy=True)
+    return host.pin_memory() if device.type == "cuda" else host
+
+
+def side_stream(device: torch.device):
+    """A second CUDA stream, for copies that overlap the compute; None elsewhere (copies are synchronous)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def on_stream(stream):
+    """The block's CUDA work on `stream` (None: the current stream)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def stream_done(stream):
+    """An event marking the work queued on `stream` so far (None without a stream)."""
+    return None if stream is None else stream.record_event()
+
+
+def use_on_current_stream(event, tensors: list[torch.Tensor]) -> None:
+    """Make the current stream wait for `event` (a copy on the side stream) before it reads `tensors`, and tell the
+    allocator they are used there, so their memory is not reused before the current stream is done with them."""
+    if event is None:
+        return
+    current = torch.cuda.current_stream(tensors[0].device) if tensors else torch.cuda.current_stream()
+    current.wait_event(event)
+    for t in tensors:
+        t.record_stream(current)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

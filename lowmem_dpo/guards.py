@@ -2,7 +2,7 @@
 
 Train (its DPO objective, through loop.py) logs each sign as a warning at the logging step where it shows; with
 early_stop_on_divergence=true it stops there (exit 2, the last checkpoint kept). Non-finite losses and gradients
-are handled in the loop's update (loop.apply_gradients: the update is skipped; max_nonfinite_steps in a row stop
+are handled in the loop's update (update.apply_gradients: the update is skipped; max_nonfinite_steps in a row stop
 the run).
 
 The margin and early-loss limits depend on the loss (loss.py): `LOSS_LIMITS` holds one row per loss type and

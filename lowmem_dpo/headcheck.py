@@ -95,7 +95,7 @@ def describe(head: logps.Head) -> str:
 def verify(model, batch: data.Batch, device: torch.device, dtype: torch.dtype) -> None:
     """Raise UserError when the chunked log-probs of an unknown architecture differ from its own forward on
     `batch` (already on `device`; the stage's forward precision `dtype`); log a note when they agree."""
-    with devices.autocast(device, dtype):
+    with devices.out_of_memory_means(OOM_CHECK), devices.autocast(device, dtype):
         check = check_head(model, batch.input_ids, batch.attention_mask)
     if check is None:
         return
@@ -113,6 +113,11 @@ def verify(model, batch: data.Batch, device: torch.device, dtype: torch.dtype) -
     log(f"model_type {t!r} is not in logps.HEADS; its head ({describe(check.head)}) matches the model's own "
         f"forward on the first batch (max difference {check.difference:.2g} nats per token over "
         f"{check.positions} positions, tolerance {check.tolerance:g})")
+
+
+OOM_CHECK = ("out of memory in the first batch's checks (a forward of at most 2 pairs): the model's weights leave no "
+             "room for activations. Set quantization=4bit or lower max_length (python -m lowmem_dpo.plan RECIPE.yaml "
+             "shows what fits the budget)")
 
 
 # decide_sharing's tolerance: the largest difference of a completion's mean log-prob per token (nats), shared
@@ -175,10 +180,9 @@ def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, 
                    f"{SHARE_MIN_PROMPT_SHARE:.0%} where sharing pays on this device (share_prompt=true forces it)")
     if problem is None:
         try:
-            difference = sharing_difference(model, pairs[:CHECK_ROWS], pad_id, resolved.device, dtype)
+            with devices.out_of_memory_means(OOM_CHECK):
+                difference = sharing_difference(model, pairs[:CHECK_ROWS], pad_id, resolved.device, dtype)
         except (TypeError, ValueError, RuntimeError) as e:  # a forward that takes no 4D mask or position_ids
-            if devices.is_out_of_memory(e):
-                raise
             difference, problem = float("inf"), f"its forward fails on a shared-prefix batch ({type(e).__name__}: " \
                                                  f"{str(e).splitlines()[0][:200]})"
         tolerance = SHARE_TOLERANCE.get(dtype, SHARE_TOLERANCE[torch.bfloat16])

@@ -40,6 +40,7 @@ from lowmem_dpo import (
     policy,
     resuming,
     tensorboard,
+    update,
 )
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
@@ -156,14 +157,21 @@ class Session:
     best: dict = field(default_factory=lambda: dict.fromkeys(BEST_KEYS))  # evaluation.note_best
     tensorboard: object = None  # report_to=tensorboard: tensorboard.open_writer's writer
     world: distributed.World = field(default_factory=distributed.world)  # this process among the launched ones
+    scaler: object = None  # float16: torch.amp.GradScaler (devices.grad_scaler); None otherwise
+    scaler_skips: int = 0  # updates the scaler skipped (scaled gradients overflowed), in all
 
-    def __post_init__(self):  # a new run: the data from its start, the recipe's split, an empty window
+    def __post_init__(self):  # a new run: the data from its start, the planner's split, an empty window
         if self.stream is None:
             self.stream = pair_stream(self.pairs, self.cfg.seed)
-        self.micro_batch = self.micro_batch or self.cfg.per_device_train_batch_size
-        self.grad_accum = self.grad_accum or self.cfg.gradient_accumulation_steps
+        self.micro_batch = self.micro_batch or self.resolved.micro_batch or self.cfg.per_device_train_batch_size
+        per_rank = self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps
+        self.grad_accum = self.grad_accum or math.ceil(per_rank / self.micro_batch)
         if self.window is None:
             self.window = self.objective.new_stats()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), the loss scaled first in float16 (the scaler's scale; update.apply_gradients unscales)."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     @property
     def pairs_per_step(self) -> int:  # all ranks'
@@ -177,10 +185,10 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
     if saved is None:
         s.replaces = [p for _, p in checkpoint.complete(s.cfg.output_dir)]
         return s
-    checkpoint.restore(resume_from, s.model, s.opt, s.sched)
+    checkpoint.restore(resume_from, s.model, s.opt, s.sched, s.scaler)
     resuming.follow_run_length(s, resume_from, saved)
     take(s.stream, saved.pairs_seen)  # the data order is a function of the seed: replay it
-    s.step, s.skipped_steps = saved.step, saved.skipped_steps
+    s.step, s.skipped_steps, s.scaler_skips = saved.step, saved.skipped_steps, saved.scaler_skips
     s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
     s.window = type(s.window)(**saved.window)
     s.metrics_lines = checkpoint.metrics_lines(resume_from)
@@ -198,13 +206,14 @@ def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: i
     steps = policy.total_steps(cfg, len(items), distributed.world().size)
     opt, sched, params = policy.setup_optimizer(cfg, model, steps, resolved)
     s = Session(cfg, resolved, model, opt, sched, params, items, pad_id, steps, objective, inputs=inputs or {},
-                eval_items=list(eval_items), tokenizer=tokenizer)
+                eval_items=list(eval_items), tokenizer=tokenizer,
+                scaler=devices.grad_scaler(resolved.device, resolved.dtype))
     return resume_or_start(s, *resume)
 
 
 def checkpoint_state(s: Session) -> checkpoint.TrainerState:
     return checkpoint.TrainerState(step=s.step, pairs_seen=s.step * s.pairs_per_step, micro_batch=s.micro_batch,
-                                   grad_accum=s.grad_accum, skipped_steps=s.skipped_steps,
+                                   grad_accum=s.grad_accum, skipped_steps=s.skipped_steps, scaler_skips=s.scaler_skips,
                                    window=dataclasses.asdict(s.window), config=dataclasses.asdict(s.cfg),
                                    inputs=s.inputs, **s.best, best_model_checkpoint=best_folder(s),
                                    world_size=s.world.size)
@@ -237,29 +246,6 @@ def backward_with_backoff(s: Session, items: list):
         any_rank=distributed.any_rank)
 
 
-def apply_gradients(s: Session, loss: float) -> float:
-    """The update after a step's backward: clip; AdamW unless `loss` (the step's mean) or the gradient norm is
-    non-finite; schedule; zero the gradients. Returns the gradient norm before clipping."""
-    max_norm = s.cfg.max_grad_norm if s.cfg.max_grad_norm is not None else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(s.params, max_norm).item()
-    s.step += 1
-    if guards.nonfinite(loss, grad_norm):
-        s.skipped_steps += 1
-        s.nonfinite_in_a_row += 1
-        log(f"warning: step {s.step}: non-finite loss ({loss:.4g}) or gradient "
-            f"norm ({grad_norm:.4g}); update skipped ({s.nonfinite_in_a_row} in a row)")
-        if s.nonfinite_in_a_row >= s.cfg.max_nonfinite_steps:
-            raise UserError(f"diverged: {s.nonfinite_in_a_row} steps in a row with a non-finite loss or gradient "
-                            f"(up to step {s.step}); the weights were not updated by them and "
-                            + output.last_checkpoint_note(s) + "; lower learning_rate or check the data and the cache")
-    else:
-        s.nonfinite_in_a_row = 0
-        s.opt.step()
-    s.sched.step()
-    s.opt.zero_grad(set_to_none=True)
-    return grad_norm
-
-
 def optimizer_step(s: Session) -> tuple[Stats, float, float]:
     """One optimizer step over the next pairs_per_step items: forward+backward by micro-batches, clip, AdamW,
     schedule. A non-finite loss or gradient skips the update (the schedule still advances);
@@ -269,7 +255,7 @@ def optimizer_step(s: Session) -> tuple[Stats, float, float]:
     stats = backward_with_backoff(s, items)
     distributed.sum_gradients(s.params)  # the step's gradient, the same on every rank
     stats = distributed.sum_stats(stats)  # the step's sums: the loss, the guards and the log see all ranks
-    return stats, apply_gradients(s, stats.means()["loss"]), lr
+    return stats, update.apply_gradients(s, stats.means()["loss"]), lr
 
 
 def timed(s: Session) -> tuple:
@@ -287,7 +273,8 @@ def save_checkpoint(s: Session, out_dir: Path, evaluated: dict | None) -> None:
     and output_dir/trainer_state.json."""
     evaluation.note_best(s, evaluated)
     state = checkpoint_state(s)
-    checkpoint.save(out_dir, state, s.model, s.opt, s.sched, s.metrics_lines, s.cfg.save_total_limit, s.replaces)
+    checkpoint.save(out_dir, state, s.model, s.opt, s.sched, s.metrics_lines, s.cfg.save_total_limit, s.replaces,
+                    s.scaler)
     s.replaces = []
     checkpoint.write_run_state(out_dir, state, s.steps, s.cfg.best_metric_name, s.cfg.best_is_greater,
                                s.metrics_lines)
@@ -342,6 +329,9 @@ def run(s: Session, progress: bool = True) -> TrainResult:
     out_dir = output.start_output(s) if main else Path(cfg.output_dir)
     for line in s.objective.intro(s):
         log(line)
+    if cfg.memory_snapshot_on_oom:
+        log(devices.record_snapshots(s.resolved.device, out_dir))
+    devices.memory_window(s.resolved.device)  # the first line's window starts here
     train_lines = [line for line in map(json.loads, s.metrics_lines) if "loss" in line]  # not eval lines
     last = train_lines[-1] if train_lines else {}
     bar = tqdm(total=s.steps, initial=s.step, desc=s.objective.name, unit="step", disable=not progress or not main,
@@ -350,11 +340,29 @@ def run(s: Session, progress: bool = True) -> TrainResult:
     # A resumed run's events after its checkpoint, or an earlier run's, are purged: the events follow metrics.jsonl.
     if main:
         s.tensorboard = tensorboard.open_writer(cfg.report_to, out_dir, purge_step=s.step + 1 if s.step else 0)
+    try:
+        last = steps(s, out_dir, bar, last)
+    finally:
+        bar.close()  # before any message that ends the run, which then stands on its own line
+    if s.tensorboard is not None:
+        s.tensorboard.close()
+    if s.skipped_steps:
+        log(f"note: {s.skipped_steps} updates were skipped for a non-finite loss or gradient")
+    if main:
+        finish(s, out_dir, last)
+    distributed.barrier()  # the other ranks end when the adapter is saved
+    return TrainResult(last, s.model)
+
+
+def steps(s: Session, out_dir: Path, bar, last: dict) -> dict:
+    """The loop itself: optimizer steps until s.steps, with their lines, evals and checkpoints; returns the last
+    train line."""
+    cfg, main = s.cfg, s.world.main
     with output.open_metrics(s, out_dir) if main else open(os.devnull, "w") as metrics_file:
         first = distributed.broadcast(evaluation.at_start(s) if main else None)  # step 0: the reference's samples
         if first is not None:
             output.write_line(s, metrics_file, first)
-        while s.step < s.steps:  # the loop
+        while s.step < s.steps:
             stats, grad_norm, lr, dt = timed(s)
             if not guards.nonfinite(stats.means()["loss"]):
                 s.window.add(stats)
@@ -364,15 +372,7 @@ def run(s: Session, progress: bool = True) -> TrainResult:
             evaluated = eval_step(s, metrics_file, bar) if evaluation.due(cfg, s.step, s.steps) else None
             if cfg.save_steps and (s.step % cfg.save_steps == 0 or s.step == s.steps) and main:
                 save_checkpoint(s, out_dir, evaluated)
-    bar.close()
-    if s.tensorboard is not None:
-        s.tensorboard.close()
-    if s.skipped_steps:
-        log(f"note: {s.skipped_steps} updates were skipped for a non-finite loss or gradient")
-    if main:
-        finish(s, out_dir, last)
-    distributed.barrier()  # the other ranks end when the adapter is saved
-    return TrainResult(last, s.model)
+    return last
 
 
 def finish(s: Session, out_dir: Path, last: dict) -> None:

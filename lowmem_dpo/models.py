@@ -8,14 +8,11 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo.devices import import_bitsandbytes, offloaded_layers, release_freed_memory
-from lowmem_dpo.errors import UserError, log
+from lowmem_dpo.devices import import_bitsandbytes, out_of_memory_means
+from lowmem_dpo.errors import UserError
 from lowmem_dpo.tiny import BUILTIN_PREFIX, ensure_builtin
-from lowmem_dpo.units import fmt
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-# What CPU->GPU copies of pageable memory reach on PCIe 4.0 x16 in practice; for the offload log's estimate.
-PCIE_BYTES_PER_S = 12e9
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
@@ -238,18 +235,17 @@ def disable_dropout(model: torch.nn.Module) -> None:
             m.p = 0.0
 
 
-def quantization_config(quantization: str, compute_dtype: torch.dtype, cpu_offload: bool = False):
+def quantization_config(quantization: str, compute_dtype: torch.dtype):
     """transformers' BitsAndBytesConfig: 4bit is NF4 with double quantization (the quantization constants are
     quantized too: ~0.37 bits/param less), computing in `compute_dtype`; 8bit is LLM.int8 (outlier features
-    above 6.0 in 16-bit). transformers keeps the LM head unquantized. cpu_offload: modules a device_map puts on
-    the CPU stay unquantized there (bitsandbytes quantizes on the GPU only)."""
+    above 6.0 in 16-bit). transformers keeps the LM head unquantized."""
     from transformers import BitsAndBytesConfig
 
     if quantization == "4bit":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=compute_dtype, llm_int8_enable_fp32_cpu_offload=cpu_offload)
+                                  bnb_4bit_compute_dtype=compute_dtype)
     if quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=cpu_offload)
+        return BitsAndBytesConfig(load_in_8bit=True)
     raise AssertionError(f"no bitsandbytes config for quantization={quantization!r}")
 
 
@@ -269,58 +265,17 @@ def _one_numeric_path(model: torch.nn.Module) -> None:
             m.support_avx512bf16_for_cpu = False
 
 
-def offloaded_bytes(model: torch.nn.Module, names: list[str]) -> int:
-    """Bytes of the parameters and buffers under the modules `names` (offloaded ones sit on the meta device
-    with their real shape and dtype)."""
-    total = 0
-    for name in names:
-        mod = model.get_submodule(name)
-        total += sum(t.numel() * t.element_size() for t in (*mod.parameters(), *mod.buffers()))
-    return total
+def release_freed_memory() -> None:
+    """Ask the C heap to return its freed pages to the OS (glibc's malloc_trim): after a load that built and
+    dropped large temporaries (quantizing every Linear), RSS falls to what is in use. A no-op without glibc."""
+    import ctypes
+    import gc
 
-
-def offload_message(model: torch.nn.Module, device_map: dict) -> str | None:
-    """The log line for a model loaded with layers off the device, or None when nothing is offloaded."""
-    off = offloaded_layers(device_map)
-    if not off:
-        return None
-    layers = sum(1 for k in device_map if k.startswith("model.layers."))
-    where = "CPU RAM" if all(device_map[k] == "cpu" for k in off) else "CPU RAM/disk" if any(
-        device_map[k] == "cpu" for k in off) else "disk"
-    n = sum(1 for k in off if k.startswith("model.layers."))
-    moved = offloaded_bytes(model, off)
-    cost = "" if where == "disk" else (
-        f" (~{moved / PCIE_BYTES_PER_S:.2f} s per forward at {PCIE_BYTES_PER_S / 1e9:.0f} GB/s; train's "
-        "backward streams them again)")
-    return (f"offload: {n} of {layers} decoder layers ({fmt(moved)}) in {where}; every forward moves them to "
-            f"the device{cost}: expect slower steps")
-
-
-def place_offloaded_adapters(model: torch.nn.Module, device: torch.device, init: bool = True) -> list[str]:
-    """Give the LoRA weights of offloaded layers real storage on `device`, freshly initialised (init=False: storage
-    only, for a loaded adapter whose saved weights go in next: adapters.load_adapter); returns the names of the
-    LoRA layers placed.
-
-    peft puts a new adapter on its base layer's device, and accelerate keeps an offloaded layer's weights on
-    the meta device between forwards, so those adapters would have no storage and backward would fail there.
-    LoRA weights are tiny (r x (in + out) per layer) and are what train updates: they stay resident while the
-    frozen base weights stream through the device. The init is peft's own (reset_lora_parameters), so with
-    the seed set the run is as deterministic as without offload."""
-    from peft.tuners.lora import LoraLayer
-
-    placed = []
-    for name, module in model.named_modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        for adapter in module.lora_A:
-            if module.lora_A[adapter].weight.device.type != "meta":
-                continue
-            module.lora_A[adapter].to_empty(device=device)
-            module.lora_B[adapter].to_empty(device=device)
-            if init:
-                module.reset_lora_parameters(adapter, model.peft_config[adapter].init_lora_weights)
-            placed.append(name)
-    return placed
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        pass
 
 
 def _own_unquantized_weights(model: torch.nn.Module) -> None:
@@ -334,18 +289,26 @@ def _own_unquantized_weights(model: torch.nn.Module) -> None:
     release_freed_memory()
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none",
-               device_map: dict | None = None, offload_folder: str | Path | None = None):
+def load_device(device: torch.device, quantization: str, streamed_layers: int) -> torch.device:
+    """Where load_model puts the weights: `device`, except for an unquantized model whose trailing layers will be
+    streamed (streaming.stream_layers): CPU RAM first, from where the rest moves to the device. bitsandbytes
+    quantizes on the device as it loads, and streaming then moves the quantized layers out."""
+    return torch.device("cpu") if streamed_layers and quantization == "none" else device
+
+
+OOM_LOADING = ("out of memory loading the model's weights onto the device: they alone do not fit. Set "
+               "quantization=4bit (python -m lowmem_dpo.plan RECIPE.yaml shows what fits the budget), or free the "
+               "GPU (nvidia-smi shows what else holds it)")
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"):
     """The causal LM in eval mode with dropout off, its weights frozen, on `device`.
 
     `dtype` is the dtype of every unquantized weight and, with quantization=4bit/8bit, the compute dtype of the
     quantized layers too. Nothing is cast beyond that: embeddings, norms and LM head stay in `dtype` (peft's
     prepare_model_for_kbit_training would cast them to float32: +0.5 GB on a 7B model with a 32k
-    vocabulary, +2.2 GB with 152k); the LoRA weights peft adds are float32.
-
-    device_map (CPU offload, memory.search.offload_device_map): modules mapped to "cpu" (or "disk", under
-    `offload_folder`) stay off `device`; accelerate's hooks copy each one's weights to the device for its
-    forward and drop them after. Log-probs are the same; steps are slower (the log says how much moves)."""
+    vocabulary, +2.2 GB with 152k); the LoRA weights peft adds are float32. Out of memory while loading is exit
+    2 with what to change."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {}
@@ -355,23 +318,17 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
         import_bitsandbytes(f"quantization={quantization}")
         # LLM.int8 logs a warning on every matmul whose input is not float16 (it casts by design): noise.
         logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-        offloads = device_map is not None and bool(offloaded_layers(device_map))
-        kwargs["quantization_config"] = quantization_config(quantization, dtype, cpu_offload=offloads)
-        if device_map is None:
-            # Quantized weights are placed on the device as they load: they cannot be moved afterwards.
-            device_map = {"": str(device)}
-    if offload_folder is not None:
-        kwargs["offload_folder"] = str(offload_folder)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map, **kwargs)
-    if device_map is None:
-        model.to(device)
+        kwargs["quantization_config"] = quantization_config(quantization, dtype)
+        # Quantized weights are placed on the device as they load: they cannot be moved afterwards.
+        kwargs["device_map"] = {"": str(device)}
+    with out_of_memory_means(OOM_LOADING):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        if quantization == "none":
+            model.to(device)
     if quantization != "none":
         _one_numeric_path(model)
         if device.type == "cpu":
             _own_unquantized_weights(model)
-    message = offload_message(model, device_map) if device_map is not None else None
-    if message:
-        log(message)
     model.config.use_cache = False
     disable_dropout(model)
     for p in model.parameters():

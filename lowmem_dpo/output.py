@@ -85,14 +85,16 @@ def save_final(s, out_dir: Path) -> None:
 # -- metrics.jsonl and the progress bar -----------------------------------------------------------------------
 def log_line(s, stats, grad_norm: float, lr: float, dt: float) -> dict:
     """The metrics.jsonl line for this step: the window's means (null when every step since the last line was
-    skipped as non-finite), the step's gradient norm, learning rate and timing."""
+    skipped as non-finite), the step's gradient norm, learning rate and timing; on CUDA the window's memory
+    (devices.memory_window: peak allocated and reserved since the last line, the card's used bytes); in float16
+    the loss scale and the scaler's skips so far."""
     means = dict.fromkeys(s.window.means()) if s.window.empty else s.window.means()
     line = {"step": s.step, **{k: None if v is None else round(v, 6) for k, v in means.items()},
             "grad_norm": round(grad_norm, 6) if math.isfinite(grad_norm) else None,
-            "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3)}
-    peak = devices.peak_memory_bytes(s.resolved.device)
-    if peak is not None:
-        line["peak_mem_bytes"] = peak
+            "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3),
+            **devices.memory_window(s.resolved.device)}
+    if s.scaler is not None:
+        line.update(loss_scale=s.scaler.get_scale(), scaler_skips=s.scaler_skips)
     return line
 
 

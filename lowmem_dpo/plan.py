@@ -8,12 +8,14 @@ No weights are loaded. The architecture comes from the config.json of a local mo
 meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B and their -Instruct variants).
 
 Prints the predicted peak of train and of precompute, term by term, for the recipe as given. If it does not fit
-the budget, searches the knobs in this order and prints the first plan that fits, as key=value overrides:
-gradient checkpointing on; quantization=4bit; halve per_device_train_batch_size and double
-gradient_accumulation_steps (the effective batch stays); halve precompute_batch_size (first, when only precompute
-is over); last, CPU offload of whole decoder layers (offload_bytes; train and precompute do it on CUDA by themselves). The formulas are small
-pure functions in lowmem_dpo/memory/ (model.py: predict; search.py: choose), documented term by term; train
-uses the same ones for its auto choices. --measure runs the harness in measure.py.
+the budget, searches the knobs in the order of their cost and prints the first plan that fits, as key=value
+overrides: halve per_device_train_batch_size and double gradient_accumulation_steps (the same pairs per step);
+gradient checkpointing on; quantization=4bit; halve precompute_batch_size (first, when only precompute is over);
+last, stream the trailing decoder layers from pinned CPU RAM (with the bytes copied per step and their time). Train
+applies the micro-batch, checkpointing (when auto) and streaming by itself, precompute its batch and streaming;
+quantization is advice (it changes the numbers and the cache). The formulas are small pure functions in
+lowmem_dpo/memory/ (model.py: predict; search.py: choose), documented term by term. --measure runs the harness in
+measure.py.
 
 The device planned for is the recipe's (device=cuda plans for a GPU on any machine; auto is this machine's).
 
@@ -21,8 +23,9 @@ Exit status: 0 when the recipe or the printed plan fits the budget, 1 when nothi
 `python -m lowmem_dpo.plan R.yaml && python -m lowmem_dpo.train R.yaml`), 2 for bad input.
 
 options:
-  --budget SIZE  device memory to fit, e.g. 12GiB, 11.5GB, 12000MiB or bytes. Default: the memory of the device
-                 planned for (the GPU's total memory; the machine's RAM on a CPU).
+  --budget SIZE  memory torch may allocate on the device, e.g. 11.25GiB (what torch gets of a 12 GB card: the CUDA
+                 context and the display take the rest), 11.5GB, 12000MiB or bytes. Default: the recipe's
+                 memory_budget, else what torch can get of this machine's GPU now, or its RAM on a CPU.
   --json OUT     write {"train", "precompute", "plan", "budget_bytes", ...} to OUT.
   --measure      run real steps on this machine with the recipe as given (precompute's forward on its longest
                  batch, then train.setup and --steps optimizer steps) and report measured_peak_bytes beside the
@@ -46,8 +49,8 @@ from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
 from lowmem_dpo.memory.model import Prediction, StagePrediction, predict
-from lowmem_dpo.memory.search import Plan, choose, stage_offload
-from lowmem_dpo.memory.setup import Setup, default_budget, planned_device, setup_from_config
+from lowmem_dpo.memory.search import Plan, choose, stage_stream
+from lowmem_dpo.memory.setup import Setup, planned_device, run_budget, setup_from_config
 from lowmem_dpo.recipe import load_config
 from lowmem_dpo.units import fmt, parse_size
 
@@ -154,7 +157,8 @@ def print_plan(chosen: Plan, budget: int) -> None:
     c = chosen.setup
     print(f"plan: quantization={c.quantization} gradient_checkpointing={str(c.gradient_checkpointing).lower()} "
           f"micro-batch {c.micro_batch} x {c.grad_accum} accumulation, precompute batch {c.precompute_batch}, "
-          f"offload {fmt(chosen.offload_bytes) if chosen.offload_bytes else 'none'}: "
+          + (f"stream {chosen.offload_layers} layers ({fmt(max(chosen.offload_bytes, chosen.precompute_offload_bytes))}"
+             " of CPU RAM): " if chosen.offload_layers else "no streamed layers: ")
           + ("the recipe as given " if not chosen.overrides and not chosen.offload_bytes else "")
           + (f"fits {fmt(budget)}" if chosen.fits else f"DOES NOT FIT {fmt(budget)} even with every knob"))
     if chosen.overrides or chosen.offload_bytes or chosen.precompute_offload_bytes:
@@ -174,7 +178,7 @@ def print_prediction(arch: Arch, setup: Setup, budget: int) -> None:
 
 def json_report(cfg: Config, arch: Arch, setup: Setup, pred: Prediction, chosen: Plan, budget: int) -> dict:
     """--json: the prediction of the recipe as given, the plan and the budget."""
-    as_given_offload = stage_offload(arch, setup, pred, "train", budget).cpu_bytes
+    as_given_offload = stage_stream(arch, setup, pred, "train", budget).cpu_bytes
     return {"model": cfg.model_name_or_path, "arch": dataclasses.asdict(arch), "device": setup.device,
             "device_kind": setup.kind, "budget_bytes": budget, "setup": dataclasses.asdict(setup),
             "train": pred.train.to_json(budget, as_given_offload),
@@ -184,7 +188,7 @@ def json_report(cfg: Config, arch: Arch, setup: Setup, pred: Prediction, chosen:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = planned_config(args)
-    budget = parse_size(args.budget) if args.budget else default_budget(planned_device(cfg))
+    budget = parse_size(args.budget) if args.budget else run_budget(cfg, planned_device(cfg))
     arch = load_arch(cfg.model_name_or_path)
     if args.measure and not args.slice and is_arch_only(cfg.model_name_or_path):
         raise UserError(f"--measure needs weights: model_name_or_path={cfg.model_name_or_path} is architecture-only "

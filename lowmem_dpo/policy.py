@@ -1,20 +1,20 @@
 """The policy a training stage trains (train's DPO, sft's SFT): the frozen base with one LoRA adapter, its
 optimizer and schedule, and the memory plan's choices for them.
 
-    setup_model      base (quantized, offloaded as asked) + the SFT adapter continued, or a fresh adapter
+    setup_model      base (quantized, streamed as asked) + the SFT adapter continued, or a fresh adapter
     setup_optimizer  the device rule's AdamW over the LoRA weights, warmup + decay
-    apply_plan       gradient_checkpointing=auto and CPU offload from the memory planner (memory/search.py)
+    apply_plan       the memory planner's knobs train can apply (memory/search.py): a smaller micro-batch,
+                     gradient_checkpointing=auto, and on CUDA, last, decoder layers streamed from CPU RAM
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, devices, models
+from lowmem_dpo import adapters, devices, models, rules, streaming
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.memory import search
@@ -53,21 +53,19 @@ def enable_checkpointing(base) -> None:
     base.enable_input_require_grads()
 
 
-def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, device_map: dict | None = None,
-                offload_folder: Path | None = None, source: models.ModelSource | None = None):
+def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, stream: streaming.Plan | None = None,
+                source: models.ModelSource | None = None):
     """Base model (frozen, dropout off, quantized if asked) + one LoRA adapter whose every parameter gets a
-    gradient, with or without a quantized base, gradient checkpointing and layers offloaded by `device_map`: the
-    SFT adapter of `source` continued, or a fresh one (on the base with the SFT adapter merged in, for
-    adapter_mode=new_on_merged)."""
-    base = models.load_model(model_path, resolved.device, resolved.dtype, resolved.quantization,
-                             device_map=device_map, offload_folder=offload_folder)
+    gradient, with or without a quantized base, gradient checkpointing and the decoder layers `stream` names
+    streamed from CPU RAM (apply_plan): the SFT adapter of `source` continued, or a fresh one (on the base with
+    the SFT adapter merged in, for adapter_mode=new_on_merged)."""
+    layers = stream.layers if stream else 0
+    base = models.load_model(model_path, models.load_device(resolved.device, resolved.quantization, layers),
+                             resolved.dtype, resolved.quantization)
     model = adapters.sft_policy(base, cfg, source) if source is not None else None
     if model is None:
         model = new_adapter(cfg, base)
-    placed = models.place_offloaded_adapters(model, resolved.device)
-    if placed:
-        log(f"offload: the LoRA weights of {len(placed)} adapted modules on offloaded layers stay on "
-            f"{resolved.device.type}; only the frozen base weights stream")
+    streaming.stream_layers(model, stream, resolved.device)  # the adapter's weights go to the device with the rest
     if resolved.gradient_checkpointing:
         enable_checkpointing(base)
     if resolved.dtype != torch.float32:
@@ -115,48 +113,52 @@ def total_steps(cfg: Config, num_items: int, world_size: int = 1) -> int:
     return max(1, math.ceil(cfg.num_train_epochs * num_items / items_per_step(cfg, world_size)))
 
 
-def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> dict | None:
-    """A training stage's `auto` memory choices from the same planner as `python -m lowmem_dpo.plan`: with
-    gradient_checkpointing=auto, checkpointing goes on when the planner says the run needs it to fit
-    memory_budget (default: the device's memory). Knobs that are not auto are only advised, with numbers.
-
-    Returns the device_map for CPU offload (on CUDA, when even the planner's other knobs leave train over the
-    budget: the trailing decoder layers stay in CPU RAM and stream through the GPU; checkpointing goes on), or
-    None."""
-    budget = run_budget(cfg, resolved.device.type)
+def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> streaming.Plan | None:
+    """A training stage's memory choices from the same planner as `python -m lowmem_dpo.plan`, in the order of
+    their cost (memory/search.py): the micro-batch halved with accumulation doubled (the same pairs per step, the
+    same numbers), gradient checkpointing on (when auto), and on CUDA, last, the trailing decoder layers streamed
+    from CPU RAM. A knob it cannot apply (quantization changes the numbers and the cache) is advised, with numbers.
+    Sets resolved.micro_batch and resolved.gradient_checkpointing; returns what to stream, or None."""
+    budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
     arch = search.arch_of_run(model_path, cfg, "using the device rule's choices")
     if arch is None:
         return None
-    chosen = search.choose(arch, cfg, budget)
-    peak = chosen.prediction.train.peak_bytes
-    overrides = dict(chosen.overrides)
-    if cfg.gradient_checkpointing == "auto" and overrides.pop("gradient_checkpointing", None) == "true":
+    setup = setup_from_config(cfg, budget)
+    knobs = ("micro_batch",) + (("checkpointing",) if cfg.gradient_checkpointing == "auto" else ()) + (
+        ("stream",) if resolved.device.type == "cuda" else ())
+    applied = search.choose(arch, setup, budget, knobs, stages=("train",))
+    s, stream = applied.setup, applied.streams.get("train")
+    if s.micro_batch != setup.micro_batch:
+        resolved.micro_batch = s.micro_batch
+        resolved.reasons.append(f"per_device_train_batch_size={s.micro_batch} gradient_accumulation_steps="
+                                f"{s.grad_accum} (the planner: {setup.micro_batch} pairs per micro-batch do not fit "
+                                f"{fmt(budget)}; the same {s.micro_batch * s.grad_accum} pairs per step, the same "
+                                "numbers)")
+    if s.gradient_checkpointing and not resolved.gradient_checkpointing:
         resolved.gradient_checkpointing = True
-        resolved.reasons.append(f"gradient_checkpointing=true (auto; the planner: needed to fit "
-                                f"{fmt(budget)}, train peak {fmt(peak)} with it)")
-    overrides.pop("precompute_batch_size", None)  # precompute's business, not train's
-    if overrides:
-        log(f"warning: the planner predicts this run does not fit {fmt(budget)}; it would with: "
-            + " ".join(f"{k}={v}" for k, v in overrides.items()) + " (python -m lowmem_dpo.plan shows the terms)")
+        resolved.reasons.append("gradient_checkpointing=true (" + (
+            f"auto; the planner: needed to fit {fmt(budget)}" if "gradient_checkpointing" in applied.overrides
+            else "streamed layers: without it every layer's activations stay until backward") + ")")
+    advice = search.choose(arch, setup, budget, stages=("train",))  # every knob, those train cannot turn too
+    better = {k: v for k, v in advice.overrides.items() if applied.overrides.get(k) != v}
+    peak = (stream.device_peak if stream else applied.prediction.train.peak_bytes)
+    if not applied.fits or (stream and better):
+        log(f"warning: the planner predicts this run does not fit {fmt(budget)} as configured"
+            + (f" (train peak {fmt(peak)} even with every knob it can turn)" if not applied.fits else
+               f" without streaming {stream.layers} decoder layers from CPU RAM")
+            + ("; it would with: " + " ".join(f"{k}={v}" for k, v in better.items()) if better and advice.fits
+               else "; lower max_length or per_device_train_batch_size")
+            + " (python -m lowmem_dpo.plan shows the terms)")
     else:
         resolved.reasons.append(f"planner: train peak {fmt(peak)} of a {fmt(budget)} budget")
-    if resolved.device.type != "cuda":
-        return None
-    # The run as configured (the advice above is not applied), with checkpointing: offload needs it.
-    setup = dataclasses.replace(setup_from_config(cfg, budget), gradient_checkpointing=True)
-    device_map = search.offload_map(arch, setup, budget, "train", resolved.device.index or 0)
-    if device_map is not None and not resolved.gradient_checkpointing:
-        # Without it autograd keeps every streamed layer's device copy until backward: nothing saved.
-        resolved.gradient_checkpointing = True
-        resolved.reasons.append("gradient_checkpointing=true (CPU offload: an offloaded layer's weights are "
-                                "streamed in again for its backward instead of staying on the device)")
-    return device_map
+    # Streaming that does not make the run fit would only make it slower: the out-of-memory back-off has the last word
+    return streaming.Plan(stream.layers, arch.layers_prefix) if stream and applied.fits else None
 
 
 def check_bitsandbytes(resolved: devices.Resolved) -> None:
     """Fail before tokenizing and loading, not after, when the run needs bitsandbytes and it cannot load."""
     needs_bnb = ([f"quantization={resolved.quantization}"] if resolved.quantization != "none" else []) + (
         [f"optimizer={resolved.optimizer} (the {resolved.kind} rule)"]
-        if resolved.optimizer == devices.PAGED_ADAMW_8BIT else [])
+        if resolved.optimizer == rules.PAGED_ADAMW_8BIT else [])
     if needs_bnb:
         devices.import_bitsandbytes(" and ".join(needs_bnb))

@@ -35,6 +35,7 @@ from lowmem_dpo import (
     inputs,
     models,
     preflight,
+    streaming,
 )
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config
@@ -44,6 +45,7 @@ from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 from lowmem_dpo.recipe import load_config
 from lowmem_dpo.sources import label
+from lowmem_dpo.units import fmt
 
 EVAL_PREFIX = "eval-"  # the eval_dataset rows' shards: eval-shard-00000.safetensors ...
 
@@ -77,17 +79,25 @@ def shard_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id:
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def offload_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> dict | None:
-    """On CUDA, when the planner predicts the reference does not fit memory_budget (default: the card's
-    memory), a device_map that streams the trailing decoder layers from CPU RAM through the GPU (no gradients
-    here, so only their weights move); None otherwise, and always on a CPU or mps."""
-    if resolved.device.type != "cuda":
-        return None
-    budget = run_budget(cfg, "cuda")
-    arch = search.arch_of_run(model_path, cfg, "no CPU offload")
+def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tuple[int, streaming.Plan | None]:
+    """Precompute's knobs from the planner (memory/search.py), in the order of their cost: the batch halved until
+    the reference's forward fits the budget (memory_budget, or the device's), and on CUDA, last, the trailing
+    decoder layers streamed from CPU RAM (no gradients here: each is copied once per batch). Returns (batch,
+    what to stream)."""
+    budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
+    arch = search.arch_of_run(model_path, cfg, f"precompute_batch_size={cfg.precompute_batch_size} as given")
     if arch is None:
-        return None
-    return search.offload_map(arch, setup_from_config(cfg, budget), budget, "precompute", resolved.device.index or 0)
+        return cfg.precompute_batch_size, None
+    knobs = ("precompute_batch",) + (("stream",) if resolved.device.type == "cuda" else ())
+    plan = search.choose(arch, setup_from_config(cfg, budget), budget, knobs, stages=("precompute",))
+    batch, stream = plan.setup.precompute_batch, plan.streams.get("precompute")
+    if batch != cfg.precompute_batch_size:
+        log(f"precompute_batch_size={batch} (the planner: {cfg.precompute_batch_size} pairs per forward do not fit "
+            f"{fmt(budget)}; the same numbers)")
+    if not plan.fits:
+        log(f"warning: the planner predicts precompute does not fit {fmt(budget)} even so (python -m "
+            "lowmem_dpo.plan shows the terms); an out-of-memory error halves the batch again")
+    return batch, streaming.Plan(stream.layers, arch.layers_prefix) if stream and plan.fits else None
 
 
 @dataclass
@@ -135,10 +145,11 @@ def start_build(cfg: Config, pairs: list[data.TokenizedPair], fp: str,
 
 
 def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad_id: int, need: int,
-                   progress: bool, shared: bool = False) -> None:
+                   progress: bool, shared: bool = False, batch_size: int | None = None) -> None:
     """Compute and write every shard the build lacks (several processes: each its own, every world-size-th of
     them, longest first, so each gets rows of every length). The bar counts this process's rows (one process:
-    all the build's, the finished shards' included)."""
+    all the build's, the finished shards' included). Out of memory halves the batch (batch_size, default
+    precompute_batch_size) for that shard and the ones after it, down to 1 pair."""
     from tqdm.auto import tqdm
 
     left = [k for k, finished in enumerate(b.done) if not finished]
@@ -150,17 +161,38 @@ def compute_shards(model, b: Build, cfg: Config, resolved: devices.Resolved, pad
     done = b.done_rows if processes == 1 else 0
     bar = tqdm(total=done + sum(len(b.shards[k]) for k in todo), initial=done, desc="precompute", unit="row",
                disable=not progress or not distributed.is_main(), dynamic_ncols=True)
-    for k in todo:
-        shard, name = b.shards[k], b.names[k]
-        tensors = shard_logps(model, shard, cfg.precompute_batch_size, pad_id, resolved, bar, shared)
-        try:
-            files.atomic_save_tensors(b.shard_dir / name, tensors)
-        except OSError as e:
-            if files.is_disk_full(e):
-                raise files.disk_full_error(b.shard_dir, name, need, "Finished shards are kept: the rerun "
-                                            "resumes after them; an existing cache there is untouched.") from None
-            raise
-    bar.close()
+    batch = batch_size or cfg.precompute_batch_size
+    try:
+        for k in todo:
+            shard, name = b.shards[k], b.names[k]
+            tensors, batch = shard_with_backoff(model, shard, name, batch, pad_id, resolved, bar, shared)
+            try:
+                files.atomic_save_tensors(b.shard_dir / name, tensors)
+            except OSError as e:
+                if files.is_disk_full(e):
+                    raise files.disk_full_error(b.shard_dir, name, need, "Finished shards are kept: the rerun "
+                                                "resumes after them; an existing cache there is untouched.") from None
+                raise
+    finally:
+        bar.close()  # before any error message, which then stands on its own line
+
+
+def shard_with_backoff(model, shard: list[data.TokenizedPair], name: str, batch: int, pad_id: int,
+                       resolved: devices.Resolved, bar, shared: bool) -> tuple[dict, int]:
+    """shard_logps of one shard, its batch halved on out-of-memory down to 1 pair (devices.halving_on_oom); the
+    tensors, and the batch that worked, where the next shards start."""
+    start = bar.n
+
+    def attempt(size: int):
+        bar.n = start  # a retry computes the shard from its start
+        return shard_logps(model, shard, size, pad_id, resolved, bar, shared), size
+
+    return devices.halving_on_oom(
+        attempt, batch, resolved.device,
+        lambda n: f"out of memory in precompute ({name}): retrying with precompute_batch_size={n}",
+        "out of memory in precompute with 1 pair per forward: lower max_length, or set ref_quantization=4bit "
+        "(python -m lowmem_dpo.plan RECIPE.yaml shows what fits); finished shards are kept, and the rerun resumes "
+        "after them")
 
 
 def part_entry(tok: data.TokenizedData, shards: list[str]) -> dict:
@@ -232,18 +264,23 @@ def run(cfg: Config, progress: bool = True) -> Path:
                             "Nothing was written; an existing cache there is untouched.")
     quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
     of_eval = "" if eval_tok is None else f" ({len(eval_tok.pairs)} of them eval_dataset's)"
+    if cfg.memory_snapshot_on_oom:
+        log(devices.record_snapshots(resolved.device, cache_dir))
+    batch, stream = memory_plan(cfg, resolved, ins.model_path)
     log(f"precompute: {rows} rows{of_eval} on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
-        f"{quantized}, batch {cfg.precompute_batch_size}, into {b.shard_dir}")
-    model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization,
-                              device_map=offload_plan(cfg, resolved, ins.model_path))
+        f"{quantized}, batch {batch}, into {b.shard_dir}")
+    model = models.load_model(ins.model_path, models.load_device(resolved.device, resolved.ref_quantization,
+                                                                 stream.layers if stream else 0),
+                              resolved.ref_dtype, resolved.ref_quantization)
     model = adapters.reference_model(model, ins.source)  # base + the SFT adapter, when there is one
+    streaming.stream_layers(model, stream, resolved.device)
     pad_id = data.pad_token_id(ins.tokenizer)
     headcheck.verify(model, data.collate(tok.pairs[:1], pad_id).to(resolved.device), resolved.device,
                      resolved.ref_dtype)  # an architecture logps.HEADS does not know: its own forward agrees
     shared = headcheck.decide_sharing(model, tok.pairs, pad_id, resolved, resolved.ref_dtype, cfg.share_prompt,
                                       cfg.max_length)
     t0 = time.perf_counter()
-    compute_shards(model, b, cfg, resolved, pad_id, need, progress, shared)
+    compute_shards(model, b, cfg, resolved, pad_id, need, progress, shared, batch)
     distributed.barrier()  # every process's shards are written
     elapsed, computed = time.perf_counter() - t0, rows - b.done_rows
     if not distributed.is_main():

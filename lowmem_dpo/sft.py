@@ -84,7 +84,7 @@ class SFT:
         stats = SFTStats()
         for batch in batches:
             logps, batch_stats = forward_rows(s, batch)
-            (-logps.sum() / max(1, n_targets)).backward()
+            s.backward(-logps.sum() / max(1, n_targets))
             stats.add(batch_stats)
         return stats
 
@@ -133,7 +133,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     adapters.check_mode(cfg, source, resolved.quantization, reference=False)
     resume = resuming.find_resume(cfg)
     # The planner plans a DPO step: 2 x per_device_train_batch_size sequences, twice an SFT step's.
-    device_map = policy.apply_plan(adapters.planned_lora(cfg, source), resolved, source.base_path)
+    stream = policy.apply_plan(adapters.planned_lora(cfg, source), resolved, source.base_path)
     policy.check_bitsandbytes(resolved)
     log(source.description)
     tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template)
@@ -141,7 +141,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, d.mixture)
     trains_on = inputs.run_inputs(files, d.train)  # no reference cache in SFT
     resuming.check_before_load(cfg, resume, trains_on, len(d.train))
-    model = policy.setup_model(cfg, resolved, source.base_path, device_map, source=source)
+    model = policy.setup_model(cfg, resolved, source.base_path, stream, source=source)
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
     pad_id = data.pad_token_id(tokenizer)

@@ -119,11 +119,13 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
 
 
 def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
-               resolved: devices.Resolved, shared: bool = False, step_pairs: list | None = None) -> StepStats:
+               resolved: devices.Resolved, shared: bool = False, step_pairs: list | None = None,
+               backward=torch.Tensor.backward) -> StepStats:
     """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params. The
     loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it), and
     the sft term the mean over all its chosen tokens. step_pairs: every pair of the step when `group` holds this
-    rank's share of them (loop.share), whose gradients the ranks sum; default: the group's pairs."""
+    rank's share of them (loop.share), whose gradients the ranks sum; default: the group's pairs. backward(loss):
+    the loop's (loop.Session.backward: scaled in float16)."""
     stats = StepStats(sft_weight=sft_weight(cfg))
     step_pairs = step_pairs if step_pairs is not None else [p for pairs in group for p in pairs]
     n_pairs = len(step_pairs)
@@ -133,7 +135,7 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
         loss = losses.sum() / n_pairs
         if stats.sft_weight is not None:
             loss = loss + stats.sft_weight * sft_shares(chosen_logps, chosen_tokens).sum()
-        loss.backward()
+        backward(loss)
         stats.add(batch_stats)
     return stats
 
@@ -163,7 +165,7 @@ class DPO:
 
     def backward(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> StepStats:
         return train_step(s.model, s.cfg, loop.split(loop.share(s, pairs), s.micro_batch), self.ref, s.pad_id,
-                          s.resolved, self.shared, step_pairs=pairs)
+                          s.resolved, self.shared, step_pairs=pairs, backward=s.backward)
 
     def eval_stats(self, s: loop.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
         return eval_stats(s.model, s.cfg, loop.split(loop.share(s, pairs), micro_batch), self.eval_ref, s.pad_id,
@@ -207,7 +209,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     ins = inputs.prepare(cfg, resolved)
     adapters.check_mode(cfg, ins.source, resolved.quantization)
     resume = resuming.find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast
-    device_map = policy.apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
+    stream = policy.apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
     cache_dir = Path(cfg.ref_cache_dir)
     if cfg.ref_source == "cache":
         # Before anything heavy loads: a stale cache is refused in seconds.
@@ -219,7 +221,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     trains_on = {**inputs.run_inputs(ins.fingerprint, d.train),
                  "reference cache": None if ref is None else ref.manifest["fingerprint"]}
     resuming.check_before_load(cfg, resume, trains_on, len(d.train))
-    model = policy.setup_model(cfg, resolved, ins.model_path, device_map, source=ins.source)
+    model = policy.setup_model(cfg, resolved, ins.model_path, stream, source=ins.source)
     pad_id = data.pad_token_id(ins.tokenizer)
     headcheck.verify(model, data.collate(d.train[:1], pad_id).to(resolved.device), resolved.device,
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lowmem_dpo import devices
+from lowmem_dpo import devices, rules
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.recipe import load_config
 
@@ -12,7 +12,7 @@ def test_auto_on_cpu_follows_the_table():
     r = devices.resolve(load_config(None, ["device=cpu"]))
     kind = "cpu-bf16" if devices.cpu_has_native_bf16() else "cpu"
     assert r.kind == kind and r.device == torch.device("cpu")
-    assert r.dtype == devices.DTYPES[devices.RULES[kind].dtype]
+    assert r.dtype == devices.DTYPES[rules.RULES[kind].dtype]
     assert r.gradient_checkpointing is False  # RAM is plentiful on a CPU: checkpointing only costs time
     assert any(reason.startswith("dtype=") and "auto" in reason for reason in r.reasons)
 

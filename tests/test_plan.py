@@ -177,25 +177,48 @@ def mistral_setup(**changes):
 
 
 def test_search_order_keeps_the_effective_batch():
+    """bf16 Mistral does not fit 12 GiB at any micro-batch or with checkpointing: 4-bit with checkpointing does,
+    and there the micro-batch is the largest that fits (not the 1 the first knob tried), the pairs per step kept.
+    The steps are listed in the knobs' order of cost."""
     arch = load_arch("mistralai/Mistral-7B-v0.1")
     chosen = choose(arch, mistral_setup(), 12 * GiB)
     assert chosen.fits and chosen.offload_bytes == 0
-    assert list(chosen.overrides)[:2] == ["gradient_checkpointing", "quantization"]
+    assert list(chosen.overrides) == ["per_device_train_batch_size", "gradient_accumulation_steps",
+                                      "gradient_checkpointing", "quantization"]
     assert chosen.overrides["quantization"] == "4bit" and chosen.setup.ref_quantization == "4bit"
     s = chosen.setup
-    assert s.micro_batch * s.grad_accum == 16 and s.micro_batch < 8
+    assert s.micro_batch * s.grad_accum == 16 and 1 < s.micro_batch < 8
     assert chosen.prediction.train.peak_bytes <= 12 * GiB < predict(arch, mistral_setup()).train.peak_bytes
     # one halving less would not fit: the search stops at the first setup that does
     bigger = dataclasses.replace(s, micro_batch=s.micro_batch * 2, grad_accum=s.grad_accum // 2)
     assert predict(arch, bigger).train.peak_bytes > 12 * GiB
+    assert chosen.steps[0].startswith(f"per_device_train_batch_size={s.micro_batch} ")
 
 
-def test_offload_of_whole_layers_when_nothing_else_fits():
+def test_the_micro_batch_comes_before_streaming():
+    """The 12 GB Llama recipe at 3072 tokens and 2 pairs per micro-batch does not fit 11.25 GiB: 1 pair does, with
+    nothing streamed (streaming 23 of 32 layers was the answer before the knobs were ordered by cost)."""
+    cfg = load_config(REPO / "recipes" / "llama3.1-8b-qlora-12gb.yaml", ["max_length=3072"])
+    arch = load_arch(cfg.model_name_or_path)
+    budget = int(11.25 * GiB)
+    setup = setup_from_config(cfg, budget)
+    assert setup.micro_batch == 2 and predict(arch, setup).train.peak_bytes > budget
+    train = choose(arch, setup, budget, ("micro_batch", "stream"), stages=("train",))
+    assert train.fits and train.setup.micro_batch == 1 and train.setup.grad_accum == 16 and not train.streams
+    # at 8192 the activations are over: every layer streamed does not make it fit, and the plan says so
+    long = choose(arch, setup_from_config(load_config(REPO / "recipes" / "llama3.1-8b-qlora-12gb.yaml",
+                                                      ["max_length=8192"]), budget), budget, stages=("train",))
+    assert not long.fits and long.streams["train"].layers == 32
+    assert long.streams["train"].device_peak > budget
+
+
+def test_streaming_when_nothing_else_fits():
+    """Last, the trailing layers streamed, each as loaded: 4-bit layers stream 4-bit bytes."""
     arch = load_arch("mistralai/Mistral-7B-v0.1")
     chosen = choose(arch, mistral_setup(), 4 * GiB)
-    streamed = layer_weight_bytes(arch, "bfloat16", "none")  # CPU-mapped layers stay unquantized
-    assert chosen.setup.micro_batch == 1 and chosen.offload_layers > 0
-    assert chosen.offload_bytes == chosen.offload_layers * streamed
+    streamed = layer_weight_bytes(arch, "bfloat16", "4bit")
+    assert chosen.setup.micro_batch == 1 and chosen.setup.quantization == "4bit" and chosen.offload_layers > 0
+    assert chosen.offload_bytes == chosen.streams["train"].layers * streamed
     assert chosen.fits
     hopeless = choose(arch, mistral_setup(), 1 * GiB)
     assert not hopeless.fits
@@ -210,9 +233,11 @@ def test_fitting_recipe_is_left_alone():
 
 @pytest.mark.parametrize("recipe", ["mistral-7b-qlora-12gb.yaml", "llama3.1-8b-qlora-12gb.yaml"])
 def test_12gb_recipes_plan_at_most_10_gib(recipe):
+    """What torch gets of a 12 GB card (11.25 GiB): the 12 GB rule, and room to spare at the recipe's length."""
     cfg = load_config(REPO / "recipes" / recipe)
-    pred = predict(load_arch(cfg.model_name_or_path), cfg, budget=12 * GiB)
+    pred = predict(load_arch(cfg.model_name_or_path), cfg, budget=int(11.25 * GiB))
     assert pred.setup.kind == "cuda-12gb-bf16" and pred.setup.quantization == "4bit"
+    assert pred.setup.dtype == "bfloat16"  # dtype: auto on a bf16 card
     assert pred.train.peak_bytes <= 10 * GiB and pred.precompute.peak_bytes <= 10 * GiB
     # the LM head term is a few chunks, not batch * seq * vocab * 4
     assert pred.train.phases["logits"] <= 256 * MiB

@@ -6,13 +6,12 @@ import math
 import sys
 import warnings
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import TINY_DATA, write_jsonl
 
-from lowmem_dpo import cache, data, devices, loop, models, policy, precompute, train
+from lowmem_dpo import cache, data, devices, loop, models, policy, precompute, rules, train
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.recipe import load_config
@@ -150,7 +149,7 @@ def test_missing_bitsandbytes_is_a_user_error(small, tmp_path, monkeypatch, caps
     with pytest.raises(UserError, match="pip install"):
         train.setup(small(quantization="8bit", ref_source="live"), progress=False)
     with pytest.raises(UserError, match="paged_adamw_8bit.*pip install"):
-        devices.make_optimizer(devices.PAGED_ADAMW_8BIT, [torch.nn.Parameter(torch.zeros(2))], 1e-3, 0.0)
+        devices.make_optimizer(rules.PAGED_ADAMW_8BIT, [torch.nn.Parameter(torch.zeros(2))], 1e-3, 0.0)
 
     cfg = small()
     code = run_cli(precompute.main, ["recipes/tiny-cpu.yaml", f"dataset={cfg.dataset[0].path}", "quantization=4bit",
@@ -178,42 +177,7 @@ def test_none_is_a_choice_of_ref_quantization_not_null(tmp_path):
     assert load_config(path) == cfg
 
 
-# -- device rules and the optimizer ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("gib, tier", [(11.7, "12gb"), (12, "12gb"), (15.7, "24gb"), (23.6, "24gb"), (24, "24gb"),
-                                       (40, "large"), (79.2, "large")])
-def test_cuda_memory_tiers(gib, tier):
-    assert devices.memory_tier(int(gib * devices.GiB)) == tier
-
-
-def test_every_device_kind_has_a_rule():
-    cuda = {f"cuda-{t}{b}" for t in ("12gb", "24gb", "large") for b in ("", "-bf16")}
-    assert set(devices.RULES) == cuda | {"mps", "cpu", "cpu-bf16"}
-    for kind, rule in devices.RULES.items():
-        assert rule.dtype in devices.DTYPES and rule.why and rule.offload
-        on_cuda = kind.startswith("cuda")
-        assert rule.optimizer == (devices.PAGED_ADAMW_8BIT if on_cuda else devices.ADAMW_TORCH), kind
-        assert rule.dtype == ("bfloat16" if kind.endswith("bf16") else "float32"), kind
-
-
-@pytest.mark.parametrize("gib, bf16, kind, ckpt", [
-    (12, True, "cuda-12gb-bf16", True),
-    (16, False, "cuda-24gb", True),
-    (80, True, "cuda-large-bf16", False),
-])
-def test_auto_on_a_cuda_card_follows_the_table(monkeypatch, gib, bf16, kind, ckpt):
-    """No GPU here: torch.cuda's answers are faked, the resolution is the real one."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d: SimpleNamespace(total_memory=int(gib * devices.GiB)))
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
-    r = devices.resolve(load_config(None, ["device=auto", "quantization=4bit"]))
-    assert (r.device.type, r.kind, r.gradient_checkpointing) == ("cuda", kind, ckpt)
-    assert r.dtype == r.ref_dtype == (torch.bfloat16 if bf16 else torch.float32)
-    assert r.optimizer == devices.PAGED_ADAMW_8BIT and r.quantization == r.ref_quantization == "4bit"
-    assert any(x.startswith("optimizer=paged_adamw_8bit") for x in r.reasons)
-
-
+# -- device rules and the optimizer (the CUDA decisions: test_rules.py) ------------------------------------------
 def test_auto_picks_mps_when_present(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("auto picks CUDA first")
@@ -221,7 +185,7 @@ def test_auto_picks_mps_when_present(monkeypatch):
         devices.resolve(load_config(None, ["device=mps"]))
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     r = devices.resolve(load_config(None, ["device=auto"]))
-    assert (r.device.type, r.kind, r.optimizer, r.dtype) == ("mps", "mps", devices.ADAMW_TORCH, torch.float32)
+    assert (r.device.type, r.kind, r.optimizer, r.dtype) == ("mps", "mps", rules.ADAMW_TORCH, torch.float32)
 
 
 def test_optimizer_follows_the_device_rule():
@@ -233,7 +197,7 @@ def test_optimizer_follows_the_device_rule():
 
     import bitsandbytes as bnb
 
-    opt, sched, params = policy.setup_optimizer(cfg, model, 10, replace(resolved, optimizer=devices.PAGED_ADAMW_8BIT))
+    opt, sched, params = policy.setup_optimizer(cfg, model, 10, replace(resolved, optimizer=rules.PAGED_ADAMW_8BIT))
     assert isinstance(opt, bnb.optim.PagedAdamW8bit)
     before = model.weight.detach().clone()
     model(torch.randn(4, 128)).square().sum().backward()

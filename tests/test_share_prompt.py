@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import TINY_DATA, build_tiny_model
 
-from lowmem_dpo import data, devices, headcheck, loop, precompute, train
+from lowmem_dpo import data, devices, headcheck, loop, precompute, rules, train
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.logps import completion_logps, shared_prefix_mask
 
@@ -156,7 +156,7 @@ def test_a_model_that_cannot_share_is_refused_or_falls_back(tokenizer, tmp_path,
 
     path = build_tiny_model("MistralConfig", dict(SMALL, sliding_window=16), tmp_path / "m", tokenizer)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, False, devices.ADAMW_TORCH,
+    resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, False, rules.ADAMW_TORCH,
                                 share_prompt=True)
     with pytest.raises(UserError, match="sliding window"):
         headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, "true", 64)
@@ -182,7 +182,7 @@ def test_auto_shares_only_when_the_prompts_are_a_large_share(tiny_path, pairs, c
     from lowmem_dpo.models import load_model
 
     model = load_model(tiny_path, torch.device("cpu"), torch.float32)
-    resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, False, devices.ADAMW_TORCH,
+    resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, False, rules.ADAMW_TORCH,
                                 share_prompt=True)
     short = copy.deepcopy(pairs)
     for p in short:

@@ -175,8 +175,9 @@ def test_bfloat16_cache_and_policy_agree_at_step_1(make_cfg):
 
 
 def test_auto_checkpointing_comes_from_the_planner(make_cfg):
-    """With a budget the plain run exceeds, the planner turns checkpointing on; with the machine's RAM it stays
-    off (the CPU rule). Both runs train."""
+    """With a budget the run exceeds without checkpointing even at 1 pair per micro-batch (the cheaper knob,
+    tried first), the planner turns checkpointing on; with the machine's RAM it stays off (the CPU rule). Both
+    runs train."""
     roomy = make_cfg(max_steps=1, gradient_checkpointing="auto")
     precompute.run(roomy, progress=False)
     assert train.setup(roomy, progress=False).resolved.gradient_checkpointing is False
@@ -184,8 +185,8 @@ def test_auto_checkpointing_comes_from_the_planner(make_cfg):
     from lowmem_dpo.memory.model import predict
 
     arch = load_arch("lowmem_dpo:tiny-llama")
-    no_ckpt = predict(arch, roomy).train.peak_bytes
-    with_ckpt = predict(arch, make_cfg(gradient_checkpointing="true")).train.peak_bytes
+    no_ckpt = predict(arch, make_cfg(per_device_train_batch_size=1)).train.peak_bytes
+    with_ckpt = predict(arch, make_cfg(gradient_checkpointing="true", per_device_train_batch_size=1)).train.peak_bytes
     assert with_ckpt < no_ckpt
     tight = make_cfg(max_steps=1, gradient_checkpointing="auto", memory_budget=str((no_ckpt + with_ckpt) // 2))
     s = train.setup(tight, progress=False)

@@ -8,11 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lowmem_dpo.devices import ADAMW_TORCH, PAGED_ADAMW_8BIT
 from lowmem_dpo.logps import CHUNK_ELEMENTS
 from lowmem_dpo.memory.arch import Arch, adapted
 from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup, setup_from_config
-from lowmem_dpo.units import MiB
+from lowmem_dpo.rules import ADAMW_TORCH, PAGED_ADAMW_8BIT
 
 # bitsandbytes NF4: 64 weights per quantization block; double quantization stores each block's absmax as 1 byte,
 # with one float32 absmax per 256 blocks.
@@ -21,9 +20,9 @@ NF4_BLOCK2 = 256
 # bitsandbytes' 8-bit optimizers keep 32-bit state for tensors under this many elements (min_8bit_size).
 BNB_MIN_8BIT_SIZE = 4096
 BNB_OPT_BLOCK = 256
-# Estimates for CUDA only (nothing here measures them): the CUDA context with cuBLAS/cuDNN handles, which
-# torch.cuda.max_memory_allocated does not count, and the caching allocator's fragmentation (reserved - allocated).
-CUDA_CONTEXT_BYTES = 512 * MiB
+# CUDA's caching allocator holds more than its live tensors (reserved - allocated): an estimate of that share of
+# the tensor peak, with expandable segments (devices.configure_allocator). The budget is what torch may allocate
+# (devices.run_cuda_budget), so the CUDA context is outside it and not counted here.
 CUDA_FRAGMENTATION = 0.05
 
 
@@ -271,11 +270,11 @@ def precompute_layer_bytes(arch: Arch, n_seq: int, seq_len: int, s: int, quantiz
 
 
 def framework_overhead(device: str, tensor_peak: int) -> int:
-    """Memory the device needs beyond live tensors. CUDA: the context (~512 MiB, not counted by torch) and the
-    caching allocator's fragmentation (~5% of the tensor peak): estimates. CPU and mps: 0 (the planner and
-    --measure count tensor memory; Python and the libraries' own RSS are not in the budget)."""
+    """Memory the budget must hold beyond live tensors. CUDA: the caching allocator's fragmentation (~5% of the
+    tensor peak: an estimate; a GPU run's metrics log peak_reserved_bytes beside peak_allocated_bytes). CPU and
+    mps: 0 (the planner and --measure count tensor memory; Python and the libraries' own RSS are not in it)."""
     if device == "cuda":
-        return CUDA_CONTEXT_BYTES + int(CUDA_FRAGMENTATION * tensor_peak)
+        return int(CUDA_FRAGMENTATION * tensor_peak)
     return 0
 
 
@@ -379,10 +378,3 @@ def predict(arch: Arch, cfg_like, budget: int | None = None) -> Prediction:
     rules; `budget` picks the memory tier of a GPU this machine lacks)."""
     setup = cfg_like if isinstance(cfg_like, Setup) else setup_from_config(cfg_like, budget)
     return Prediction(predict_train(arch, setup), predict_precompute(arch, setup), setup)
-
-
-def streamed_layer_bytes(arch: Arch, dtype: str, quantization: str) -> int:
-    """One offloaded decoder layer's weights as they sit in CPU RAM and stream through the device: bitsandbytes
-    quantizes on the GPU only, so with 4bit/8bit the layers a device_map puts on the CPU stay unquantized, in
-    `dtype` (transformers' llm_int8_enable_fp32_cpu_offload)."""
-    return layer_weight_bytes(arch, dtype, "none")

@@ -1,10 +1,18 @@
-"""The search: the first plan that fits a memory budget, and the CPU-offload device maps train and precompute
-load with. Every number is a prediction of model.py.
+"""The search: the first plan that fits a memory budget, its knobs taken in order of their cost, and the decoder
+layers a stage streams from CPU RAM when nothing else fits. Every number is a prediction of model.py.
 
-Knobs, in order, each tried only while the run is over the budget: gradient checkpointing on (train);
-quantization=4bit (the reference too, unless ref_quantization is set; when only precompute is over, halving
-precompute's batch comes first); halving the micro-batch while doubling accumulation (train); halving
-precompute's batch; last, CPU offload of whole decoder layers (train and precompute do it on CUDA by themselves).
+The knobs, cheapest first, each tried only while a stage is over the budget:
+  1. micro_batch      per_device_train_batch_size halved, gradient_accumulation_steps doubled: the same pairs per
+                      optimizer step (train applies it by itself: the numbers are the same);
+  2. checkpointing    gradient_checkpointing=true: ~30% more compute for the activations (train applies it when
+                      the key is auto);
+  3. quantization     quantization=4bit (the reference too, unless ref_quantization is set): other numbers and a
+                      new cache, so it is advice only;
+  4. precompute_batch precompute_batch_size halved: time only (precompute applies it; tried before 4bit when only
+                      precompute is over);
+  5. stream           the trailing decoder layers' frozen weights in pinned CPU RAM, copied to the GPU for each
+                      forward (streaming.py; train and precompute apply it on CUDA): last, every forward pays the copy.
+Once a heavier knob is on, the micro-batch is again the largest that fits with it.
 """
 
 from __future__ import annotations
@@ -15,13 +23,72 @@ from dataclasses import dataclass, field
 
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.memory.arch import Arch, adapted, load_arch
-from lowmem_dpo.memory.model import Prediction, layer_weight_bytes, predict, streamed_layer_bytes
+from lowmem_dpo.memory.model import Prediction, layer_weight_bytes, predict
 from lowmem_dpo.memory.setup import Setup, lora_targets, setup_from_config
 from lowmem_dpo.units import fmt
 
 STAGES = ("train", "precompute")
+KNOBS = ("micro_batch", "checkpointing", "quantization", "precompute_batch", "stream")
+# What pinned host-to-device copies reach on a consumer card's PCIe 4.0 x16 link (an estimate: x8 cards, e.g. the
+# RTX 4060, get half): the plan's time for the streamed bytes.
+STREAM_BYTES_PER_S = 20e9
+# Streamed layers on the device at once: the one computing and the next, prefetched on a side stream.
+STREAM_BUFFERS = 2
 
 
+# -- streaming ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stream:
+    """The trailing decoder layers of one stage whose frozen weights stay in pinned CPU RAM, copied to the device
+    for each forward (as loaded: a 4-bit layer streams its 4-bit bytes)."""
+
+    layers: int  # layers streamed (0: the stage fits as it is)
+    layer_bytes: int  # one layer's weights: saved on the device, held in CPU RAM, copied per forward
+    device_peak: int  # the stage's device peak while streaming them
+    copies_per_step: int  # how often each streamed layer is copied per optimizer step (precompute: per batch)
+
+    @property
+    def cpu_bytes(self) -> int:
+        return self.layers * self.layer_bytes
+
+    @property
+    def bytes_per_step(self) -> int:
+        return self.cpu_bytes * self.copies_per_step
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.bytes_per_step / STREAM_BYTES_PER_S
+
+    def to_json(self) -> dict:
+        return {"layers": self.layers, "cpu_bytes": self.cpu_bytes, "device_peak": self.device_peak,
+                "streamed_bytes_per_step": self.bytes_per_step,
+                "stream_seconds_per_step": round(self.seconds_per_step, 3)}
+
+
+def streamed_layers(peak: int, budget: int, per_layer: int, layers: int, buffers: int = STREAM_BUFFERS) -> int:
+    """The fewest trailing layers to stream so that `peak` fits `budget`: each one streamed saves `per_layer`
+    device bytes, and `buffers` layers' worth of device memory holds the ones being computed and prefetched, so
+    k = ceil((peak - budget + buffers*per_layer) / per_layer), at most `layers`; 0 when it fits as it is."""
+    if layers < 0 or per_layer <= 0:
+        raise ValueError(f"layers={layers}, per_layer={per_layer}: expected layers >= 0 and per_layer > 0")
+    if peak <= budget:
+        return 0
+    return min(layers, math.ceil((peak - budget + buffers * per_layer) / per_layer))
+
+
+def stage_stream(arch: Arch, setup: Setup, pred: Prediction, stage: str, budget: int) -> Stream:
+    """What `stage` (train | precompute) of `setup` streams to fit `budget`. Train copies each streamed layer twice
+    per micro-batch (its forward, and again for its backward: streaming.py), precompute once per batch."""
+    dtype, quantization = ((setup.dtype, setup.quantization) if stage == "train"
+                           else (setup.ref_dtype, setup.ref_quantization))
+    per_layer = layer_weight_bytes(arch, dtype, quantization)
+    peak = getattr(pred, stage).peak_bytes
+    k = streamed_layers(peak, budget, per_layer, arch.layers)
+    device_peak = peak - k * per_layer + min(k, STREAM_BUFFERS) * per_layer if k else peak
+    return Stream(k, per_layer, device_peak, 2 * setup.grad_accum if stage == "train" else 1)
+
+
+# -- the plan ----------------------------------------------------------------------------------------------------
 @dataclass
 class Plan:
     setup: Setup
@@ -29,174 +96,27 @@ class Plan:
     overrides: dict[str, str]  # config key -> value that turn the recipe into this plan
     steps: list[str]  # what the search changed, in order, and why
     fits: bool
-    offload_bytes: int = 0  # train: weights to keep in CPU RAM (whole decoder layers)
-    precompute_offload_bytes: int = 0
-    offload_layers: int = 0
+    streams: dict[str, Stream] = field(default_factory=dict)  # stage -> its streamed layers (stream knob)
+
+    @property
+    def offload_bytes(self) -> int:  # train's streamed layers in CPU RAM
+        return self.streams["train"].cpu_bytes if "train" in self.streams else 0
+
+    @property
+    def precompute_offload_bytes(self) -> int:
+        return self.streams["precompute"].cpu_bytes if "precompute" in self.streams else 0
+
+    @property
+    def offload_layers(self) -> int:
+        return max((s.layers for s in self.streams.values()), default=0)
 
     def to_json(self, budget: int) -> dict:
         return {"fits": self.fits, "overrides": self.overrides, "steps": self.steps,
                 "offload_bytes": self.offload_bytes, "precompute_offload_bytes": self.precompute_offload_bytes,
                 "offload_layers": self.offload_layers,
+                "stream": {stage: s.to_json() for stage, s in self.streams.items()},
                 "train": self.prediction.train.to_json(budget, self.offload_bytes),
                 "precompute": self.prediction.precompute.to_json(budget, self.precompute_offload_bytes)}
-
-
-# -- offload -----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Offload:
-    """Whole decoder layers of one stage kept in CPU RAM so its peak fits the budget."""
-
-    layers: int  # moved to CPU RAM (0: it fits as is)
-    layer_bytes: int  # one layer's weights on the device, as the stage loads them (quantized or not)
-    streamed_bytes: int  # one layer as it sits in CPU RAM and streams through the device buffer
-    device_peak: int  # the stage's device peak with those layers moved
-
-    @property
-    def cpu_bytes(self) -> int:
-        return self.layers * self.streamed_bytes
-
-
-def _offload(peak: int, budget: int, per_layer: int, layers: int, streamed: int | None = None) -> tuple[int, int]:
-    """Whole layers to keep in CPU RAM so `peak` fits: each one moved saves `per_layer` device bytes, and one
-    device buffer of `streamed` bytes (default per_layer) holds the layer running now, so
-    k = ceil((peak - budget + streamed) / per_layer). Returns (layers moved, CPU RAM they take)."""
-    streamed = per_layer if streamed is None else streamed
-    if peak <= budget:
-        return 0, 0
-    k = min(layers, math.ceil((peak - budget + streamed) / per_layer))
-    return k, k * streamed
-
-
-def stage_offload(arch: Arch, setup: Setup, pred: Prediction, stage: str, budget: int) -> Offload:
-    """The offload `stage` (train | precompute) of `setup` needs to fit `budget` (_offload's k), with the layer
-    sizes of that stage's dtype and quantization."""
-    dtype, quantization = ((setup.dtype, setup.quantization) if stage == "train"
-                           else (setup.ref_dtype, setup.ref_quantization))
-    per_layer = layer_weight_bytes(arch, dtype, quantization)
-    streamed = streamed_layer_bytes(arch, dtype, quantization)
-    peak = getattr(pred, stage).peak_bytes
-    k, _ = _offload(peak, budget, per_layer, arch.layers, streamed)
-    return Offload(k, per_layer, streamed, peak - k * per_layer + streamed if k else peak)
-
-
-# A Llama-style CausalLM's modules besides its decoder layers, before and after them (rotary_emb holds only a
-# buffer, listed so the map covers every module that owns tensors); arch.Arch.resident has any model's.
-OFFLOAD_RESIDENT = (("model.embed_tokens",), ("model.rotary_emb", "model.norm", "lm_head"))
-
-
-def layers_on_device(layers: int, layer_bytes: int, other_bytes: int, budget: int,
-                     buffer_bytes: int | None = None) -> int:
-    """How many leading decoder layers fit `budget` next to `other_bytes` (everything on the device that is not
-    a decoder layer's weights: embeddings, norm, LM head, activations, LoRA and optimizer state, overhead).
-
-    All `layers` fit when other + layers*layer_bytes <= budget. Otherwise n layers stay when
-    other + n*layer_bytes + buffer_bytes <= budget: the buffer (default one layer) is the device copy each
-    offloaded layer streams through; it is larger than a resident layer when the resident ones are quantized
-    and the offloaded ones are not (bitsandbytes quantizes on the GPU only). The same rule as _offload.
-    0 when not even one layer fits beside the buffer."""
-    if layers < 0 or layer_bytes <= 0:
-        raise ValueError(f"layers={layers}, layer_bytes={layer_bytes}: expected layers >= 0 and layer_bytes > 0")
-    if other_bytes + layers * layer_bytes <= budget:
-        return layers
-    buffer_bytes = layer_bytes if buffer_bytes is None else buffer_bytes
-    return max(0, min(layers - 1, (budget - other_bytes - buffer_bytes) // layer_bytes))
-
-
-def offload_device_map(layers: int, layer_bytes: int, other_bytes: int, budget: int, device: int | str = 0,
-                       layers_prefix: str = "model.layers",
-                       resident: tuple[tuple[str, ...], tuple[str, ...]] = OFFLOAD_RESIDENT,
-                       buffer_bytes: int | None = None) -> dict[str, int | str]:
-    """An accelerate/transformers device_map: the `resident` modules (those before the layer stack, those after)
-    and the leading layers that fit (layers_on_device) on `device`, the rest on "cpu" (kept in CPU RAM, copied to
-    the device for each forward by accelerate's hooks). Keys in model order: embeddings, layers, then norm and
-    head."""
-    n = layers_on_device(layers, layer_bytes, other_bytes, budget, buffer_bytes)
-    first, rest = resident
-    out: dict[str, int | str] = dict.fromkeys(first, device)
-    out.update({f"{layers_prefix}.{i}": device if i < n else "cpu" for i in range(layers)})
-    out.update(dict.fromkeys(rest, device))
-    return out
-
-
-def offload_map(arch: Arch, setup: Setup, budget: int, stage: str, device: int | str = 0) -> dict | None:
-    """The device_map that keeps `stage` (train | precompute) of the setup as given within `budget` by leaving
-    the trailing decoder layers in CPU RAM (offload_device_map), or None when it fits without. The numbers are
-    the prediction's: per-layer weight bytes and everything else on the device (peak minus the layers'
-    weights), so the layers moved are the k of _offload."""
-    pred = predict(arch, setup)
-    off = stage_offload(arch, setup, pred, stage, budget)
-    if not off.layers:
-        return None
-    peak = getattr(pred, stage).peak_bytes
-    return offload_device_map(arch.layers, off.layer_bytes, peak - arch.layers * off.layer_bytes, budget, device,
-                              layers_prefix=arch.layers_prefix, resident=arch.resident,
-                              buffer_bytes=off.streamed_bytes)
-
-
-# -- the search --------------------------------------------------------------------------------------------------
-@dataclass
-class _Search:
-    """The setup as the search changes it, its prediction, and what it changed (as overrides and as steps)."""
-
-    arch: Arch
-    budget: int
-    cur: Setup
-    pred: Prediction = None
-    overrides: dict[str, str] = field(default_factory=dict)
-    steps: list[str] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.pred = predict(self.arch, self.cur)
-
-    def fits(self, stage: str) -> bool:
-        return getattr(self.pred, stage).peak_bytes <= self.budget
-
-    def change(self, step: str, overrides: dict[str, str], **changes) -> None:
-        self.cur = dataclasses.replace(self.cur, **changes)
-        self.overrides.update(overrides)
-        self.pred = predict(self.arch, self.cur)
-        self.steps.append(step.format(train=fmt(self.pred.train.peak_bytes),
-                                      precompute=fmt(self.pred.precompute.peak_bytes)))
-
-    def checkpointing(self) -> None:
-        if not self.fits("train") and not self.cur.gradient_checkpointing:
-            self.change("gradient_checkpointing=true: activations kept for backward drop to the layer inputs "
-                        "(train peak {train})", {"gradient_checkpointing": "true"}, gradient_checkpointing=True)
-
-    def smaller_precompute_batch(self) -> None:
-        while not self.fits("precompute") and self.cur.precompute_batch > 1:
-            b = max(1, self.cur.precompute_batch // 2)
-            self.change(f"precompute_batch_size={b}: no effect on the results (precompute peak {{precompute}})",
-                        {"precompute_batch_size": str(b)}, precompute_batch=b)
-
-    def four_bit(self) -> None:
-        if not (self.fits("train") and self.fits("precompute")) and self.cur.quantization != "4bit":
-            ref_follows = self.cur.ref_quantization == self.cur.quantization
-            self.change("quantization=4bit: NF4 base weights, ~0.52 bytes/param (train peak {train}, precompute "
-                        "{precompute})", {"quantization": "4bit"}, quantization="4bit",
-                        ref_quantization="4bit" if ref_follows else self.cur.ref_quantization)
-
-    def smaller_micro_batch(self) -> None:
-        while not self.fits("train") and self.cur.micro_batch > 1:
-            b = _smaller_micro_batch(self.cur.micro_batch)
-            accum = self.cur.grad_accum * (self.cur.micro_batch // b)
-            self.change(f"per_device_train_batch_size={b} gradient_accumulation_steps={accum}: the same pairs per "
-                        "optimizer step (train peak {train})",
-                        {"per_device_train_batch_size": str(b), "gradient_accumulation_steps": str(accum)},
-                        micro_batch=b, grad_accum=accum)
-
-    def offload(self) -> tuple[bool, dict[str, Offload]]:
-        """(whether everything fits, the offload of each stage), the steps noted."""
-        ok, offloads = True, {}
-        for stage in STAGES:
-            off = offloads[stage] = stage_offload(self.arch, self.cur, self.pred, stage, self.budget)
-            if off.layers:
-                ok = ok and off.device_peak <= self.budget
-                self.steps.append(f"{stage}: CPU offload of {off.layers} of {self.arch.layers} decoder layers "
-                                  f"({fmt(off.cpu_bytes)} of CPU RAM), device peak {fmt(off.device_peak)}"
-                                  + ("" if off.device_peak <= self.budget else " - still over the budget")
-                                  + f"; {stage} streams them through the device by itself (CUDA)")
-        return ok, offloads
 
 
 def _smaller_micro_batch(b: int) -> int:
@@ -204,21 +124,103 @@ def _smaller_micro_batch(b: int) -> int:
     return max(d for d in range(1, b // 2 + 1) if b % d == 0)
 
 
-def choose(arch: Arch, cfg_like, budget: int) -> Plan:
-    """The recipe's own setup if it fits `budget`, else the first that does along the knobs of the module doc.
-    `cfg_like`: a Setup, or a Config (resolved as in predict)."""
-    cur = cfg_like if isinstance(cfg_like, Setup) else setup_from_config(cfg_like, budget)
-    search = _Search(arch, budget, cur)
-    search.checkpointing()
-    if search.fits("train") and not search.fits("precompute"):  # its batch costs nothing but time
-        search.smaller_precompute_batch()
-    search.four_bit()
-    search.smaller_micro_batch()
-    search.smaller_precompute_batch()
-    ok, offloads = search.offload()
-    steps = search.steps or ["fits as given"]
-    return Plan(search.cur, search.pred, search.overrides, steps, ok, offloads["train"].cpu_bytes,
-                offloads["precompute"].cpu_bytes, max(o.layers for o in offloads.values()))
+def _fits(arch: Arch, setup: Setup, stage: str, budget: int) -> bool:
+    return getattr(predict(arch, setup), stage).peak_bytes <= budget
+
+
+def _largest_micro_batch(arch: Arch, setup: Setup, budget: int) -> Setup:
+    """`setup` at the largest micro-batch (a divisor chain of its own, accumulation raised to keep the pairs per
+    step) whose train peak fits; at 1 when none does."""
+    while setup.micro_batch > 1 and not _fits(arch, setup, "train", budget):
+        b = _smaller_micro_batch(setup.micro_batch)
+        setup = dataclasses.replace(setup, micro_batch=b, grad_accum=setup.grad_accum * (setup.micro_batch // b))
+    return setup
+
+
+def _largest_precompute_batch(arch: Arch, setup: Setup, budget: int) -> Setup:
+    while setup.precompute_batch > 1 and not _fits(arch, setup, "precompute", budget):
+        setup = dataclasses.replace(setup, precompute_batch=max(1, setup.precompute_batch // 2))
+    return setup
+
+
+def _levels(start: Setup, knobs) -> list[dict]:
+    """The heavier knobs, cumulative: the setup as given, + checkpointing, + 4-bit quantization."""
+    levels = [{}]
+    if "checkpointing" in knobs and not start.gradient_checkpointing:
+        levels.append({"gradient_checkpointing": True})
+    if "quantization" in knobs and start.quantization != "4bit":
+        ref_follows = start.ref_quantization == start.quantization
+        levels.append({**levels[-1], "quantization": "4bit",
+                       "ref_quantization": "4bit" if ref_follows else start.ref_quantization})
+    return levels
+
+
+def _steps(arch: Arch, start: Setup, end: Setup, budget: int) -> tuple[list[str], dict[str, str]]:
+    """What turned `start` into `end`, in the knobs' order, each with the peaks it leaves; and the overrides."""
+    steps, overrides, cur = [], {}, start
+
+    def change(text: str, keys: dict[str, str], **changes) -> None:
+        nonlocal cur
+        cur = dataclasses.replace(cur, **changes)
+        overrides.update(keys)
+        pred = predict(arch, cur)
+        steps.append(text.format(train=fmt(pred.train.peak_bytes), precompute=fmt(pred.precompute.peak_bytes)))
+
+    if end.micro_batch != start.micro_batch:
+        change(f"per_device_train_batch_size={end.micro_batch} gradient_accumulation_steps={end.grad_accum}: the "
+               "same pairs per optimizer step (train peak {train})",
+               {"per_device_train_batch_size": str(end.micro_batch),
+                "gradient_accumulation_steps": str(end.grad_accum)},
+               micro_batch=end.micro_batch, grad_accum=end.grad_accum)
+    if end.gradient_checkpointing != start.gradient_checkpointing:
+        change("gradient_checkpointing=true: activations kept for backward drop to the layer inputs (train peak "
+               "{train})", {"gradient_checkpointing": "true"}, gradient_checkpointing=True)
+    if end.quantization != start.quantization:
+        change("quantization=4bit: NF4 base weights, ~0.52 bytes/param (train peak {train}, precompute "
+               "{precompute})", {"quantization": "4bit"}, quantization="4bit", ref_quantization=end.ref_quantization)
+    if end.precompute_batch != start.precompute_batch:
+        change(f"precompute_batch_size={end.precompute_batch}: no effect on the results (precompute peak "
+               "{precompute})", {"precompute_batch_size": str(end.precompute_batch)},
+               precompute_batch=end.precompute_batch)
+    return steps, overrides
+
+
+def stream_step(stage: str, s: Stream, layers: int, budget: int) -> str:
+    return (f"{stage}: stream {s.layers} of {layers} decoder layers from pinned CPU RAM ({fmt(s.cpu_bytes)}), "
+            f"device peak {fmt(s.device_peak)}" + ("" if s.device_peak <= budget else " - still over the budget")
+            + f"; {fmt(s.bytes_per_step)} copied per {'optimizer step' if stage == 'train' else 'batch'} "
+            f"(~{s.seconds_per_step:.2f} s at {STREAM_BYTES_PER_S / 1e9:.0f} GB/s; {stage} does it by itself on "
+            "CUDA)")
+
+
+def choose(arch: Arch, cfg_like, budget: int, knobs=KNOBS, stages=STAGES) -> Plan:
+    """The recipe's own setup if it fits `budget`, else the first that does along `knobs` (the module doc's
+    order; a stage turns only those it can apply, and asks for its own `stages`). `cfg_like`: a Setup, or a
+    Config (resolved as in predict)."""
+    start = cfg_like if isinstance(cfg_like, Setup) else setup_from_config(cfg_like, budget)
+    for changes in _levels(start, knobs):
+        cur = dataclasses.replace(start, **changes)
+        if "micro_batch" in knobs:
+            cur = _largest_micro_batch(arch, cur, budget)
+        if "precompute_batch" in knobs:
+            cur = _largest_precompute_batch(arch, cur, budget)
+        if all(_fits(arch, cur, stage, budget) for stage in stages):
+            break
+    steps, overrides = _steps(arch, start, cur, budget)
+    pred, streams, fits = predict(arch, cur), {}, True
+    for stage in stages:
+        if getattr(pred, stage).peak_bytes <= budget:
+            continue
+        if "stream" not in knobs:
+            fits = False
+            continue
+        if stage == "train" and not cur.gradient_checkpointing:  # streaming saves nothing with every layer's
+            cur = dataclasses.replace(cur, gradient_checkpointing=True)  # activations kept: train turns it on
+            pred = predict(arch, cur)
+        s = streams[stage] = stage_stream(arch, cur, pred, stage, budget)
+        fits = fits and s.device_peak <= budget
+        steps.append(stream_step(stage, s, arch.layers, budget))
+    return Plan(cur, pred, overrides, steps or ["fits as given"], fits, streams)
 
 
 def arch_of_run(model_path, cfg, instead: str) -> Arch | None:

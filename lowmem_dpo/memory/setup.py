@@ -1,4 +1,4 @@
-"""What a run is, for the memory model: a Config resolved through the device rules (devices.RULES) into the
+"""What a run is, for the memory model: a Config resolved through the device rules (rules.RULES) into the
 knobs a prediction depends on, and the memory budget it must fit."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowmem_dpo import devices
+from lowmem_dpo import devices, rules
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.ranks import local_size
 from lowmem_dpo.units import parse_size
@@ -21,13 +21,13 @@ class Setup:
     """The resolved knobs a prediction depends on (a Config plus the device rule's choices)."""
 
     device: str  # cuda | cpu | mps
-    kind: str  # the devices.RULES key
+    kind: str  # the rules.RULES key
     dtype: str  # the policy's weights and compute (also the compute dtype of a quantized base)
     quantization: str  # the policy's base: none | 8bit | 4bit
     ref_dtype: str  # the reference's, in precompute
     ref_quantization: str
     gradient_checkpointing: bool
-    optimizer: str  # devices.ADAMW_TORCH | devices.PAGED_ADAMW_8BIT
+    optimizer: str  # rules.ADAMW_TORCH | rules.PAGED_ADAMW_8BIT
     micro_batch: int  # preference pairs per micro-batch: 2x sequences per forward
     grad_accum: int
     precompute_batch: int  # pairs per precompute forward
@@ -69,14 +69,15 @@ def lora_targets(cfg) -> str | tuple[str, ...]:
 
 
 def device_kind_for(device: str, budget: int | None) -> str:
-    """The devices.RULES key a run on `device` resolves to. A GPU this machine has is asked; one it lacks is
-    assumed bf16-capable, with the memory tier of the budget."""
+    """The rules.RULES key a run on `device` resolves to. CUDA: the tier of the budget (not the card's total), with
+    this machine's card's bf16 support; a card this machine lacks is assumed bf16-capable."""
     if device == "cuda":
         if torch.cuda.is_available():
-            return devices.device_kind(torch.device("cuda"))
+            return devices.device_kind(torch.device("cuda"), budget)
         if budget is None:
-            raise UserError("device=cuda but no GPU here to read its memory from: pass --budget, e.g. 12GiB")
-        return f"cuda-{devices.memory_tier(budget)}-bf16"
+            raise UserError("device=cuda but no GPU here to read its memory from: pass --budget, e.g. 11.25GiB "
+                            "(what torch gets of a 12 GB card)")
+        return rules.cuda_kind(budget, native_bf16=True)
     return devices.device_kind(torch.device(device))
 
 
@@ -89,11 +90,11 @@ def planned_device(cfg) -> str:
 
 
 def setup_from_config(cfg, budget: int | None = None) -> Setup:
-    """Resolve a Config through the device rules (devices.RULES) the way train and precompute do, for the
+    """Resolve a Config through the device rules (rules.RULES) the way train and precompute do, for the
     device the recipe names (cuda plans for a GPU even on a machine without one)."""
     device = planned_device(cfg)
     kind = device_kind_for(device, budget)
-    rule = devices.RULES[kind]
+    rule = rules.RULES[kind]
     dtype = rule.dtype if cfg.dtype == "auto" else cfg.dtype
     ref_dtype = cfg.reference_dtype
     ref_dtype = rule.dtype if ref_dtype == "auto" else ref_dtype
@@ -114,9 +115,12 @@ def run_budget(cfg, device: str) -> int:
 
 
 def default_budget(device: str) -> int:
+    """What a run on `device` may use: on CUDA what torch can get of the card now (free, plus what this process
+    holds already); on a CPU the RAM, shared by the run's processes on this machine, each with its own model."""
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise UserError("device=cuda but no GPU here to read its memory from: pass --budget, e.g. 12GiB")
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    # RAM: shared by the run's processes on this machine, each holding its own model copy
+            raise UserError("device=cuda but no GPU here to read its memory from: pass --budget, e.g. 11.25GiB "
+                            "(what torch gets of a 12 GB card)")
+        free, held, _ = devices.cuda_memory(torch.device("cuda", torch.cuda.current_device()))
+        return free + held
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_size()

@@ -1,0 +1,416 @@
+"""The 12 GB recipes for real: one command for a CUDA machine, against TRL at its best, under what torch gets of a
+12 GB card.
+
+    python bench/gpu_check.py [--cap-gib 11.25] [--steps 20] [--recipes mistral,llama] [--tools ours,trl]
+        [--lengths recipe,2048,longest] [--no-step-compare] [--json bench/results/gpu_check.json]
+    python bench/gpu_check.py --smoke [...]         # the whole flow on the tiny built-in model, on this CPU
+    python bench/gpu_check.py --combine A.json B.json --json bench/results/gpu_check.json
+    make gpu-check
+
+For each shipped 12 GB recipe (recipes/mistral-7b-qlora-12gb.yaml, recipes/llama3.1-8b-qlora-12gb.yaml), on a
+random-weight model of its architecture (bench/random_weights.py, built on this machine's disk: no download):
+  ours  plan, precompute and --steps train steps of lowmem_dpo, as `python -m lowmem_dpo.train` runs them, with
+        memory_budget = the cap (which lowmem_dpo enforces with torch.cuda.set_per_process_memory_fraction);
+  trl   TRL 1.16's DPOTrainer at its best for this work at the same cap (set the same way), lengths and settings:
+        the same 4-bit NF4 base with bf16 compute, LoRA, paged 8-bit AdamW, precomputed reference log-probs,
+        gradient checkpointing (non-reentrant), expandable segments;
+at the recipe's max_length, at 2048, and at the longest max_length the planner says fits the cap (of 256-token
+steps). Each run is a process of its own (its cap, its peaks, a clean allocator); an out-of-memory error is a
+result (oom: true), not a crash. Every run takes one pair per... as the recipe says (per_device_train_batch_size),
+with gradient_accumulation_steps=1 so that 20 steps take minutes (accumulation costs no memory), no eval and no
+checkpoints; the rows are synthetic reviews of about max_length tokens (bench/full_scale.long_row), nothing cut.
+Then the CPU-vs-GPU step: the bench recipe bench/recipes/llama-25m-cpu.yaml's median train step on cuda and on
+cpu (--no-step-compare skips it).
+
+Writes one JSON: {"device", "machine", "cap_gib", "command", "runs": [...]}, rewritten after every run. A run has
+tool (lowmem_dpo | trl), recipe, variant (null for a recipe as shipped, else what differs: "max_length=2048",
+"longest", "device=cpu"), max_length, cap_gib, planned_gib (the planner's train peak for the run as train applies
+it), allocated_gib / reserved_gib (the largest per-step peaks of torch's allocator over the train steps),
+device_used_gib (the card's used memory at its highest, all processes and the CUDA context), oom, median_step_s and
+tokens_per_s (steps 2.., non-padding tokens), step1_loss_minus_ln2, and what it ran with (micro_batch, grad_accum,
+streamed_layers, overrides), its wall time, and its error and log tail when it failed. Timings on an H100 are not
+a consumer card's; memory figures carry over.
+
+--smoke swaps every model for lowmem_dpo:tiny-llama, runs on the CPU (the cap is then only the planner's budget)
+and shortens the lengths, so the script is known to work end to end before a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+for p in (str(ROOT), str(BENCH)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+GiB = 1 << 30
+RECIPES = {"mistral": ("recipes/mistral-7b-qlora-12gb.yaml", "mistral-7b-v0.1"),
+           "llama": ("recipes/llama3.1-8b-qlora-12gb.yaml", "llama-3.1-8b")}
+STEP_RECIPE = "bench/recipes/llama-25m-cpu.yaml"
+SMOKE_MODEL = "lowmem_dpo:tiny-llama"
+SMOKE_LENGTHS = {"recipe": 96, "2048": 128}  # --smoke: the tiny model's stand-ins for 1024 and 2048
+WORK = ROOT / "bench" / "out" / "gpu_check"
+RESULT = ROOT / "bench" / "results" / "gpu_check.json"
+LENGTH_STEP = 256  # the longest max_length is searched in these steps
+DISTINCT_ROWS = 8  # synthetic rows per length, repeated to fill the steps
+
+
+def log(msg: str) -> None:
+    print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
+
+
+# -- the runs ----------------------------------------------------------------------------------------------------
+def data_file(model: str, max_length: int, rows: int) -> Path:
+    """Synthetic reviews of about max_length tokens (prompt ~1/4), DISTINCT_ROWS of them repeated to `rows`."""
+    from full_scale import long_row
+
+    from lowmem_dpo.models import load_tokenizer, resolve_model_path
+    from lowmem_dpo.tiny import write_jsonl
+
+    path = WORK / "data" / f"{Path(model).name.replace(':', '-')}-{max_length}-{rows}.jsonl"
+    if not path.is_file():
+        tokenizer = load_tokenizer(resolve_model_path(model))
+        distinct = [long_row(tokenizer, max_length, i) for i in range(DISTINCT_ROWS)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl([distinct[i % DISTINCT_ROWS] for i in range(rows)], path)
+    return path
+
+
+def run_overrides(name: str, recipe_cfg, model: str, max_length: int, steps: int, cap_gib: float, device: str,
+                  work: Path) -> dict:
+    """The recipe's keys a check run changes: the model and rows, where it writes, its length and run length,
+    no eval, no checkpoints, one step's pairs at a time, the cap."""
+    rows = steps * recipe_cfg.per_device_train_batch_size
+    prompt_cap = recipe_cfg.max_prompt_length
+    return {"model_name_or_path": model, "dataset": str(data_file(model, max_length, rows)),
+            "output_dir": str(work / "out"), "ref_cache_dir": str(work / "cache"), "device": device,
+            "max_length": max_length, "max_prompt_length": prompt_cap if prompt_cap and prompt_cap < max_length // 2
+            else None, "max_steps": steps, "gradient_accumulation_steps": 1, "logging_steps": 1, "save_steps": 0,
+            "eval_fraction": 0.0, "eval_steps": None, "load_best_model_at_end": False, "resume": "never",
+            "memory_budget": f"{cap_gib}GiB"}
+
+
+def planned_train(cfg) -> tuple[float | None, dict]:
+    """The planner's train peak (GiB) for the run as train applies it (policy.apply_plan's knobs), and the plan's
+    micro-batch, accumulation and streamed layers."""
+    from lowmem_dpo import models
+    from lowmem_dpo.memory import search
+    from lowmem_dpo.memory.arch import load_arch
+    from lowmem_dpo.memory.setup import run_budget, setup_from_config
+
+    path = models.resolve_model_path(cfg.model_name_or_path)
+    arch = load_arch(str(path))
+    budget = run_budget(cfg, cfg.device)
+    knobs = ("micro_batch", "stream") + (("checkpointing",) if cfg.gradient_checkpointing == "auto" else ())
+    plan = search.choose(arch, setup_from_config(cfg, budget), budget, knobs, stages=("train",))
+    stream = plan.streams.get("train")
+    peak = stream.device_peak if stream else plan.prediction.train.peak_bytes
+    return round(peak / GiB, 3), {"micro_batch": plan.setup.micro_batch, "grad_accum": plan.setup.grad_accum,
+                                  "streamed_layers": stream.layers if stream else 0}
+
+
+def summarize(lines: list[dict], tokens_key: str = "tokens_per_s") -> dict:
+    """The run's figures from its per-step lines (step, loss, step_time_s, tokens_per_s, memory keys)."""
+    steps = [line for line in lines if "loss" in line]
+    timed = [line for line in steps if line["step"] >= 2] or steps
+    peak = {k: max((line[k] for line in steps if line.get(k) is not None), default=None)
+            for k in ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes")}
+    first = next((line for line in steps if line["step"] == 1), None)
+    return {"allocated_gib": _gib(peak["peak_allocated_bytes"]), "reserved_gib": _gib(peak["peak_reserved_bytes"]),
+            "device_used_gib": _gib(peak["device_used_bytes"]),
+            "median_step_s": round(statistics.median(line["step_time_s"] for line in timed), 4) if timed else None,
+            "tokens_per_s": round(statistics.median(line[tokens_key] for line in timed), 1) if timed else None,
+            "step1_loss_minus_ln2": None if first is None or first.get("loss") is None
+            else round(first["loss"] - math.log(2), 6), "steps_done": len(steps)}
+
+
+def _gib(n) -> float | None:
+    return None if n is None else round(n / GiB, 3)
+
+
+def run_ours(args) -> dict:
+    """lowmem_dpo's plan, precompute and train in this process (a child of the check)."""
+    from lowmem_dpo import precompute, train
+    from lowmem_dpo.errors import UserError
+    from lowmem_dpo.recipe import build_config, load_config
+
+    recipe_cfg = load_config(args.recipe, args.set)
+    overrides = run_overrides(args.name, recipe_cfg, args.model, args.max_length, args.steps, args.cap_gib,
+                              args.device, Path(args.work))
+    cfg = build_config({**_values(recipe_cfg), **overrides})
+    planned, applied = planned_train(cfg)
+    out = {"planned_gib": planned, **applied}
+    try:
+        precompute.run(cfg, progress=False)
+        train.run(cfg, progress=False)
+    except UserError as e:
+        out.update(oom="out of memory" in str(e), error=str(e))
+    lines = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()] \
+        if (Path(cfg.output_dir) / "metrics.jsonl").is_file() else []
+    return {**out, **summarize(lines)}
+
+
+def _values(cfg) -> dict:
+    import dataclasses
+
+    from lowmem_dpo.sources import yaml_form
+
+    return {f.name: yaml_form(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def run_trl(args) -> dict:
+    """TRL 1.16's DPOTrainer at its best for the same work (a child of the check): see the module doc."""
+    import datasets
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    from lowmem_dpo import devices, models
+    from lowmem_dpo.recipe import load_config
+
+    cfg = load_config(args.recipe, args.set)
+    cuda = args.device == "cuda"
+    if cuda:
+        devices.configure_allocator()
+        free, held, total = devices.cuda_memory(torch.device("cuda"))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
+    bf16 = devices.cuda_native_bf16() if cuda else devices.cpu_has_native_bf16()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    path = models.resolve_model_path(args.model)
+    work = Path(args.work)
+    rows = [json.loads(x) for x in data_file(args.model, args.max_length, args.steps * cfg.per_device_train_batch_size)
+            .read_text().splitlines()]
+    quant = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=dtype) if cfg.quantization == "4bit" else None)
+    lines: list[dict] = []
+
+    class Meter(TrainerCallback):  # each step's time, tokens and peaks, reset per step as ours are
+        def on_step_begin(self, a, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            line = {"step": state.global_step}
+            if cuda:
+                torch.cuda.synchronize()
+                line.update(devices.memory_window(torch.device("cuda")))
+            line["step_time_s"] = time.perf_counter() - self.t0
+            lines.append(line)
+
+    out: dict = {"planned_gib": None, "micro_batch": cfg.per_device_train_batch_size, "grad_accum": 1,
+                 "streamed_layers": 0}
+    trainer = None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quant,
+                                                     device_map={"": 0} if cuda else None)
+        if quant is not None:  # --smoke on a CPU: bitsandbytes' packed CPU kernel refuses the tiny model's shapes
+            models._one_numeric_path(model)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        targs = DPOConfig(
+            output_dir=str(work / "trl"), per_device_train_batch_size=cfg.per_device_train_batch_size,
+            gradient_accumulation_steps=1, max_length=args.max_length, max_steps=args.steps, logging_steps=1,
+            learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps,
+            beta=cfg.beta, seed=cfg.seed, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=not cuda,
+            precompute_ref_log_probs=True, precompute_ref_batch_size=cfg.precompute_batch_size,
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=bf16,
+            optim="paged_adamw_8bit" if cuda else "adamw_torch")
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=cfg.peft_target_modules, task_type="CAUSAL_LM")
+        trainer = DPOTrainer(model=model, args=targs, train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=tokenizer, peft_config=lora, callbacks=[Meter()])
+        trainer.train()
+    except Exception as e:
+        if not devices.is_out_of_memory(e):
+            raise
+        out.update(oom=True, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    history = {h["step"]: h for h in (trainer.state.log_history if trainer is not None else []) if "loss" in h}
+    for line in lines:
+        line["loss"] = history.get(line["step"], {}).get("loss")
+    summary = summarize(lines, tokens_key="step_time_s")
+    if summary["median_step_s"]:  # TRL logs no token count: the pairs' real tokens, which ours count alike
+        from lowmem_dpo.models import load_tokenizer
+
+        tok = load_tokenizer(path)
+        per_pair = statistics.mean(2 * len(tok(r["prompt"])["input_ids"]) + len(tok(r["chosen"])["input_ids"])
+                                   + len(tok(r["rejected"])["input_ids"]) for r in rows[:DISTINCT_ROWS])
+        summary["tokens_per_s"] = round(per_pair * cfg.per_device_train_batch_size / summary["median_step_s"], 1)
+    return {**out, **summary}
+
+
+def child(args) -> int:
+    """One run in this process: its result JSON to --out, whatever happens."""
+    t0 = time.perf_counter()
+    try:
+        result = (run_ours if args.child == "ours" else run_trl)(args)
+    except Exception as e:
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+# -- the check -----------------------------------------------------------------------------------------------------
+def longest_length(recipe: str, model: str, cap_gib: float, device: str, limit: int) -> int:
+    """The longest max_length (in LENGTH_STEP steps, at most `limit`) whose train and precompute the planner fits
+    in the cap, with the knobs train and precompute apply by themselves."""
+    from lowmem_dpo import models
+    from lowmem_dpo.memory import search
+    from lowmem_dpo.memory.arch import load_arch
+    from lowmem_dpo.memory.setup import setup_from_config
+    from lowmem_dpo.recipe import load_config
+
+    arch = load_arch(str(models.resolve_model_path(model)))
+    budget = int(cap_gib * GiB)
+    best = 0
+    for length in range(LENGTH_STEP, limit + 1, LENGTH_STEP):
+        cfg = load_config(recipe, [f"model_name_or_path={model}", f"max_length={length}", "max_prompt_length=null",
+                                   f"device={device}"])
+        setup = setup_from_config(cfg, budget)
+        train = search.choose(arch, setup, budget, ("micro_batch", "stream"), stages=("train",))
+        pre = search.choose(arch, setup, budget, ("precompute_batch", "stream"), stages=("precompute",))
+        if not (train.fits and pre.fits):
+            break
+        best = length
+    return best
+
+
+def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, device: str, variant) -> dict:
+    """One run in a process of its own; its result with what it was."""
+    work = WORK / "runs" / f"{name}-{tool}-{length}-{device}"
+    out = work / "result.json"
+    work.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", tool, "--name", name, "--recipe", recipe,
+            "--model", model, "--max-length", str(length), "--cap-gib", str(args.cap_gib), "--steps",
+            str(args.steps), "--device", device, "--work", str(work), "--out", str(out)]
+    log(f"{tool} {name} max_length={length} on {device}: {shlex.join(argv[2:])}")
+    with open(work / "log.txt", "w") as logfile:
+        rc = subprocess.run(argv, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT).returncode
+    result = json.loads(out.read_text()) if out.is_file() else {"error": f"the run died (exit {rc})"}
+    if result.get("error"):
+        result["log_tail"] = (work / "log.txt").read_text(errors="replace")[-3000:]
+    entry = {"tool": "lowmem_dpo" if tool == "ours" else "trl", "recipe": Path(recipe).stem, "variant": variant,
+             "max_length": length, "cap_gib": args.cap_gib if device == "cuda" else None, "device": device,
+             "oom": False, **result}
+    log(f"  -> {json.dumps({k: entry.get(k) for k in ('oom', 'planned_gib', 'allocated_gib', 'reserved_gib', 'median_step_s', 'step1_loss_minus_ln2', 'error')})}")
+    return entry
+
+
+def lengths(args, recipe: str, model: str, device: str) -> list[tuple[int, str | None]]:
+    """(max_length, variant) of each run of a recipe, from --lengths."""
+    from lowmem_dpo.recipe import load_config
+
+    shipped = load_config(recipe).max_length
+    out = []
+    for what in args.lengths.split(","):
+        if what == "recipe":
+            out.append((SMOKE_LENGTHS["recipe"] if args.smoke else shipped, None))
+        elif what == "longest":
+            limit = 512 if args.smoke else args.longest_limit
+            out.append((longest_length(recipe, model, args.cap_gib, device, limit), "longest"))
+        else:
+            n = SMOKE_LENGTHS["2048"] if args.smoke and what == "2048" else int(what)
+            out.append((n, f"max_length={what}"))
+    return [(n, v) for i, (n, v) in enumerate(out) if n and n not in [m for m, _ in out[:i]]]
+
+
+def write(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def check(args) -> int:
+    import torch
+    from machine import machine_info
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = "cuda" if cuda else "cpu"
+    if not cuda and not args.smoke:
+        log("no CUDA GPU here: run with --smoke on a CPU, or on a CUDA machine")
+        return 2
+    report = {"device": torch.cuda.get_device_name() if cuda else "cpu (--smoke)", "machine": machine_info(),
+              "cap_gib": args.cap_gib, "smoke": args.smoke, "command": shlex.join(["python", *sys.argv]),
+              "runs": []}
+    out = Path(args.json)
+    for name in args.recipes.split(","):
+        recipe, arch = RECIPES[name]
+        if args.smoke:
+            model = SMOKE_MODEL
+        else:
+            import random_weights
+
+            model = str(random_weights.ensure_model(arch, log=log))
+        for length, variant in lengths(args, recipe, model, device):
+            for tool in args.tools.split(","):
+                report["runs"].append(spawn(tool, name, recipe, model, length, args, device, variant))
+                write(report, out)
+    if args.step_compare:
+        model = SMOKE_MODEL if args.smoke else "lowmem_dpo:llama-25m"
+        for dev in (["cuda"] if cuda else []) + ["cpu"]:
+            entry = spawn("ours", "step", STEP_RECIPE, model, 256 if not args.smoke else 96, args, dev,
+                          f"device={dev}")
+            report["runs"].append(entry)
+            write(report, out)
+    log(f"wrote {out}")
+    return 0
+
+
+def combine(paths: list[str], out: Path) -> int:
+    """One JSON from several calls' (each a part of the check, e.g. one per recipe): the first one's header, every
+    run."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    report = {**parts[0], "runs": [r for p in parts for r in p["runs"]],
+              "commands": [p["command"] for p in parts]}
+    write(report, out)
+    log(f"wrote {out}: {len(report['runs'])} runs from {len(parts)} files")
+    return 0
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cap-gib", type=float, default=11.25, help="memory torch may use (a 12 GB card's share)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--recipes", default="mistral,llama")
+    ap.add_argument("--tools", default="ours,trl")
+    ap.add_argument("--lengths", default="recipe,2048,longest", help="recipe, a number, or longest")
+    ap.add_argument("--longest-limit", type=int, default=32768, help="the longest max_length tried")
+    ap.add_argument("--no-step-compare", dest="step_compare", action="store_false")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json", default=str(RESULT))
+    ap.add_argument("--combine", nargs="+", metavar="JSON")
+    # a child run (internal)
+    ap.add_argument("--child", choices=("ours", "trl"))
+    for name in ("--name", "--recipe", "--model", "--device", "--work", "--out"):
+        ap.add_argument(name)
+    ap.add_argument("--max-length", type=int)
+    ap.add_argument("--set", nargs="*", default=[])
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.child:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        return child(args)
+    if args.combine:
+        return combine(args.combine, Path(args.json))
+    return check(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""bench/gpu_check.py --smoke: the GPU check's whole flow (a run of each tool in its own process, the JSON it
+writes) on the tiny built-in model on this CPU, so the command is known to work before a GPU is lent."""
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import REPO
+
+FIELDS = ("tool", "recipe", "variant", "max_length", "cap_gib", "planned_gib", "allocated_gib", "reserved_gib",
+          "device_used_gib", "oom", "median_step_s", "tokens_per_s", "step1_loss_minus_ln2")
+
+
+def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
+    out = tmp_path / "gpu_check.json"
+    p = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--recipes", "llama", "--lengths", "recipe",
+                        "--steps", "3", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and report["device"] == "cpu (--smoke)"
+    runs = report["runs"]
+    assert [(r["tool"], r["recipe"], r["variant"]) for r in runs] == [
+        ("lowmem_dpo", "llama3.1-8b-qlora-12gb", None), ("trl", "llama3.1-8b-qlora-12gb", None),
+        ("lowmem_dpo", "llama-25m-cpu", "device=cpu")]
+    for r in runs:
+        assert set(FIELDS) <= set(r) and r.get("error") is None, r
+        assert r["oom"] is False and r["steps_done"] == 3
+        assert r["median_step_s"] > 0 and r["tokens_per_s"] > 0
+        assert abs(r["step1_loss_minus_ln2"]) < 1e-2  # both tools start at ln 2: the reference is the policy
+    ours = runs[0]
+    assert ours["max_length"] == 96 and ours["planned_gib"] > 0 and ours["micro_batch"] == 2
+    assert math.isclose(runs[1]["max_length"], ours["max_length"])
