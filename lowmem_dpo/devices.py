@@ -144,10 +144,11 @@ def _dtype(setting: str, key: str, rule: Rule, kind: str) -> tuple[torch.dtype, 
 def resolve(cfg) -> Resolved:
     """Resolve device, memory budget, dtypes, gradient_checkpointing, optimizer and offload from the config and
     rules.RULES. On CUDA: the allocator's settings, and memory_budget enforced."""
+    allocator = configure_allocator()  # before CUDA starts (_pick_device asks torch.cuda for the current device)
     device, device_reason = _pick_device(cfg)
     reasons = [device_reason]
     if device.type == "cuda":
-        reasons.append(configure_allocator())  # before the first allocation (distributed.init's NCCL group)
+        reasons.append(allocator)
     device = distributed.init(device)  # under torchrun / accelerate launch: join the group, this rank's GPU
     w = distributed.world()
     if w.distributed:
@@ -314,7 +315,7 @@ def record_snapshots(device: torch.device, folder: str | Path) -> str:
     writes it to folder/memory_snapshot.pickle (dump_snapshot). Returns the log line."""
     if device.type != "cuda":
         return f"memory_snapshot_on_oom: CUDA only; nothing is recorded on {device.type}"
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")  # C++ stacks: slow
     _snapshot["path"] = Path(folder) / SNAPSHOT
     return f"memory_snapshot_on_oom: recording CUDA allocations; an out-of-memory error writes {_snapshot['path']}"
 
@@ -356,12 +357,12 @@ def grad_scaler(device: torch.device, dtype: torch.dtype):
     return torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
 
-# -- streaming decoder layers (streaming.py): host copies and a side stream on CUDA ------------------------------
-def host_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of `t` in CPU RAM that the device reads back: pinned (page-locked) for a CUDA device, so the copy
-    runs asynchronously at full PCIe speed; a plain CPU copy otherwise."""
-    host = t.detach().to("cpu", copy=True)
-    return host.pin_memory() if device.type == "cuda" else host
+# -- streaming decoder layers (streaming.py): host memory and a side stream on CUDA -------------------------------
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` of CPU RAM (uint8) that the device reads from: pinned (page-locked) for a CUDA device, so copies run
+    asynchronously at full PCIe speed. One buffer for a whole layer: torch rounds each pinned allocation up to a
+    power of two, which per tensor would pin ~10-15% more."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
 
 def side_stream(device: torch.device):
@@ -374,20 +375,17 @@ def on_stream(stream):
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
-def stream_done(stream):
-    """An event marking the work queued on `stream` so far (None without a stream)."""
-    return None if stream is None else stream.record_event()
+def mark(device: torch.device, stream=None):
+    """An event after the work queued so far on `stream` (None: the current stream of `device`); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return (stream or torch.cuda.current_stream(device)).record_event()
 
 
-def use_on_current_stream(event, tensors: list[torch.Tensor]) -> None:
-    """Make the current stream wait for `event` (a copy on the side stream) before it reads `tensors`, and tell the
-    allocator they are used there, so their memory is not reused before the current stream is done with them."""
-    if event is None:
-        return
-    current = torch.cuda.current_stream(tensors[0].device) if tensors else torch.cuda.current_stream()
-    current.wait_event(event)
-    for t in tensors:
-        t.record_stream(current)
+def wait(event, stream=None, device: torch.device | None = None) -> None:
+    """Make `stream` (None: the current stream of `device`) wait for `event` (None: nothing to wait for)."""
+    if event is not None:
+        (stream or torch.cuda.current_stream(device)).wait_event(event)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -296,9 +296,13 @@ def load_device(device: torch.device, quantization: str, streamed_layers: int) -
     return torch.device("cpu") if streamed_layers and quantization == "none" else device
 
 
-OOM_LOADING = ("out of memory loading the model's weights onto the device: they alone do not fit. Set "
-               "quantization=4bit (python -m lowmem_dpo.plan RECIPE.yaml shows what fits the budget), or free the "
-               "GPU (nvidia-smi shows what else holds it)")
+def oom_loading(quantization: str) -> str:
+    """What to do when the weights alone do not fit the device."""
+    smaller = "Set quantization=4bit" if quantization != "4bit" else "Use a smaller model or a card with more memory"
+    return (f"out of memory loading the model's weights onto the device: they alone do not fit. {smaller} "
+            "(python -m lowmem_dpo.plan RECIPE.yaml shows what fits the budget), or free the GPU (nvidia-smi shows "
+            "what else holds it)")
+
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantization: str = "none"):
@@ -321,7 +325,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
         kwargs["quantization_config"] = quantization_config(quantization, dtype)
         # Quantized weights are placed on the device as they load: they cannot be moved afterwards.
         kwargs["device_map"] = {"": str(device)}
-    with out_of_memory_means(OOM_LOADING):
+    with out_of_memory_means(oom_loading(quantization)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
         if quantization == "none":
             model.to(device)

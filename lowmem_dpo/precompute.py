@@ -281,6 +281,8 @@ def run(cfg: Config, progress: bool = True) -> Path:
                                       cfg.max_length)
     t0 = time.perf_counter()
     compute_shards(model, b, cfg, resolved, pad_id, need, progress, shared, batch)
+    del model  # the reference's memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
+    devices.release_memory(resolved.device)
     distributed.barrier()  # every process's shards are written
     elapsed, computed = time.perf_counter() - t0, rows - b.done_rows
     if not distributed.is_main():

@@ -39,13 +39,14 @@ class Plan:
 
 @dataclass
 class Slot:
-    """One streamed tensor: the model's own (its storage empty between uses) and its copy in CPU RAM."""
+    """One streamed tensor: the model's own (its storage empty between uses) and its copy in CPU RAM (a view into
+    its layer's one host buffer)."""
 
     tensor: torch.Tensor
     host: torch.Tensor
 
     def fill(self) -> None:
-        self.tensor.untyped_storage().resize_(self.host.untyped_storage().nbytes())
+        self.tensor.untyped_storage().resize_(self.host.numel() * self.host.element_size())
         self.tensor.data.copy_(self.host, non_blocking=True)  # .data: no version bump for autograd's saved copies
 
     def free(self) -> None:
@@ -73,13 +74,20 @@ class _Refetch(torch.autograd.Function):
 
 
 class Streamer:
-    """The streamed layers of one model: their slots by layer index, what is on the device, the side stream."""
+    """The streamed layers of one model: their slots by layer index, what is on the device, the side stream.
+
+    Stream order, on CUDA: a layer's copy runs on the side stream, and the compute stream waits for it before the
+    layer runs (`use`). Memory is handed back at once when a layer is released (no record_stream: its blocks
+    return to the side stream's pool), so the side stream waits, before its next copy, for the compute stream to
+    have passed the last release (`freed`): a reused block is never written while a kernel still reads it. At most
+    two streamed layers are on the device, the one computing and the next (memory.search.STREAM_BUFFERS)."""
 
     def __init__(self, slots: dict[int, list[Slot]], device: torch.device):
         self.slots = slots
         self.device = device
         self.stream = devices.side_stream(device)
         self.ready: dict[int, object] = {}  # layer index -> the event of its copy (None: usable now)
+        self.freed = None  # the compute stream's event at the last release
         self.end_queued = False
 
     def fetch(self, i: int) -> None:
@@ -87,22 +95,22 @@ class Streamer:
         if i not in self.slots or i in self.ready:
             return
         with devices.on_stream(self.stream):
+            devices.wait(self.freed, self.stream)
             for slot in self.slots[i]:
                 slot.fill()
-        self.ready[i] = devices.stream_done(self.stream)
+        self.ready[i] = devices.mark(self.device, self.stream)
 
     def use(self, i: int) -> None:
-        """Layer i's weights, copied, before the current stream computes with them."""
+        """Layer i's weights, copied, before the compute stream runs the layer."""
         self.fetch(i)
-        event = self.ready.get(i)
-        if event is not None:
-            devices.use_on_current_stream(event, [slot.tensor for slot in self.slots[i]])
-            self.ready[i] = None
+        devices.wait(self.ready.get(i), device=self.device)
+        self.ready[i] = None
 
     def release(self, i: int) -> None:
         if self.ready.pop(i, False) is not False:
             for slot in self.slots[i]:
                 slot.free()
+            self.freed = devices.mark(self.device)
 
     def release_all(self) -> None:
         for i in list(self.ready):
@@ -110,6 +118,8 @@ class Streamer:
         self.end_queued = False
 
     def before_forward(self, i: int) -> None:
+        if self.end_queued and not _in_backward():  # a backward that raised never ran its end-of-backward release
+            self.release_all()
         self.use(i)
         self.fetch(i - 1 if _in_backward() else i + 1)  # the next layer this pass reaches
 
@@ -161,10 +171,27 @@ def _owns_storage(t: torch.Tensor) -> bool:
     return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def _host_copies(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copies of a layer's `tensors` in one host buffer (devices.host_buffer), each at a 64-byte aligned offset."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // 64) * 64
+    buffer = devices.host_buffer(total, device)
+    copies = []
+    for t, offset in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        host = buffer[offset:offset + n].view(t.dtype).view(t.shape)
+        host.copy_(t.detach())
+        copies.append(host)
+    return copies
+
+
 def stream_layers(model: torch.nn.Module, plan: Plan | None, device: torch.device) -> Streamer | None:
     """Stream the decoder layers `plan` names from CPU RAM and move everything else of `model` to `device`; None
     without a plan. Call it once the adapters are on the model (their weights stay on the device). Logs what moves
-    and its size."""
+    and its size. An 8-bit base is refused: LLM.int8 keeps a second reference to each weight (Int8Params.CB) that
+    would stay on the device (the planner never asks: memory.search streams 16-bit and 4-bit layers only)."""
     if plan is None or plan.layers <= 0:
         return None
     layers = causal_lm(model).get_submodule(plan.prefix)
@@ -175,15 +202,15 @@ def stream_layers(model: torch.nn.Module, plan: Plan | None, device: torch.devic
         shared.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     slots, moved = {}, 0
     for i in range(first, len(layers)):
-        slots[i] = []
-        for t in _frozen_tensors(layers[i]):
-            if not _owns_storage(t) or len(shared.get(t.untyped_storage().data_ptr(), [t])) > 1:
-                continue
-            host = devices.host_copy(t, device)
+        tensors = [t for t in _frozen_tensors(layers[i])
+                   if _owns_storage(t) and len(shared.get(t.untyped_storage().data_ptr(), [t])) == 1]
+        if any(hasattr(t, "CB") for t in tensors):
+            raise AssertionError("streaming an 8-bit (LLM.int8) layer: memory.search never plans it")
+        slots[i] = [Slot(t, host) for t, host in zip(tensors, _host_copies(tensors, device))]
+        for t in tensors:
             # its own storage on the device, resizable (a memory-mapped weight's is not), emptied below
             t.data = torch.empty_like(t.data, device=device)
-            slots[i].append(Slot(t, host))
-            moved += host.untyped_storage().nbytes()
+        moved += sum(slot.host.untyped_storage().nbytes() for slot in slots[i][:1])  # the layer's one buffer
     streamed = {id(slot.tensor) for layer in slots.values() for slot in layer}
     for p in model.parameters():
         if id(p) not in streamed and p.device != device:

@@ -91,8 +91,10 @@ def test_a_4bit_layer_streams_its_4bit_bytes(tiny_path):
     # linear_weight_bytes adds the code tables and second-level scales, which are small and stay on the device
     assert packed == sum(math.ceil(i * o / 2) + math.ceil(i * o / 64) for i, o in arch.linears().values())
     assert packed < sum(linear_weight_bytes(i, o, "4bit", 4) for i, o in arch.linears().values())
-    assert sum(s.host.untyped_storage().nbytes() for s in streamer.slots[1]) < layer_weight_bytes(
-        arch, "bfloat16", "none") / 3
+    buffer = streamer.slots[1][0].host.untyped_storage()  # the layer's one host buffer, every copy a view into it
+    assert all(s.host.untyped_storage().data_ptr() == buffer.data_ptr() for s in streamer.slots[1])
+    assert sum(s.host.numel() * s.host.element_size() for s in streamer.slots[1]) <= buffer.nbytes() < \
+        layer_weight_bytes(arch, "bfloat16", "none") / 3
 
 
 def test_inference_frees_each_layer_after_its_forward(tiny_path, tokenizer):
@@ -214,3 +216,15 @@ def test_train_streams_only_when_nothing_cheaper_fits(make_cfg, capsys):
 
     assert policy.apply_plan(make_cfg(memory_budget="1KiB"), cpu, resolve_model_path("lowmem_dpo:tiny-llama")) is None
     assert cpu.micro_batch == 1  # on a CPU too the micro-batch comes first; nothing streams there
+
+
+def test_an_8bit_base_is_not_streamed(make_cfg):
+    """LLM.int8 keeps a second reference to each weight (Int8Params.CB) that would stay on the device: the planner
+    streams no 8-bit layer and says what would."""
+    arch = load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
+    cfg = make_cfg(model_name_or_path="lowmem_dpo:arch/mistral-7b-v0.1", device="cuda", dtype="bfloat16",
+                   quantization="8bit", gradient_checkpointing="true", max_length=512, per_device_train_batch_size=1)
+    plan = choose(arch, setup_from_config(cfg, 4 * GiB), 4 * GiB, ("micro_batch", "stream"))
+    assert not plan.fits and plan.streams == {}
+    assert any("no streamed layers with an 8-bit base" in step and "quantization=4bit streams" in step
+               for step in plan.steps)

@@ -12,6 +12,7 @@ The knobs, cheapest first, each tried only while a stage is over the budget:
                       precompute is over);
   5. stream           the trailing decoder layers' frozen weights in pinned CPU RAM, copied to the GPU for each
                       forward (streaming.py; train and precompute apply it on CUDA): last, every forward pays the copy.
+                      16-bit and 4-bit bases only.
 Once a heavier knob is on, the micro-batch is again the largest that fits with it.
 """
 
@@ -211,8 +212,12 @@ def choose(arch: Arch, cfg_like, budget: int, knobs=KNOBS, stages=STAGES) -> Pla
     for stage in stages:
         if getattr(pred, stage).peak_bytes <= budget:
             continue
-        if "stream" not in knobs:
+        quantization = cur.quantization if stage == "train" else cur.ref_quantization
+        if "stream" not in knobs or quantization == "8bit":  # LLM.int8 holds each weight twice: not streamed
             fits = False
+            if "stream" in knobs:
+                steps.append(f"{stage}: no streamed layers with an 8-bit base (LLM.int8 keeps a second reference "
+                             "to each weight); quantization=4bit streams")
             continue
         if stage == "train" and not cur.gradient_checkpointing:  # streaming saves nothing with every layer's
             cur = dataclasses.replace(cur, gradient_checkpointing=True)  # activations kept: train turns it on
