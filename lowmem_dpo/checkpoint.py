@@ -7,7 +7,8 @@ Layout, one folder per checkpoint, under output_dir/checkpoints/:
     checkpoint-STEP/adapter_config.json, adapter_model.safetensors   the PEFT adapter at STEP (loadable as is)
     checkpoint-STEP/optimizer.pt, scheduler.pt                        their state_dicts (torch.save)
     checkpoint-STEP/scaler.pt                                         float16: the loss scaler's state_dict
-    checkpoint-STEP/rng.pt                                            torch's CPU (and CUDA) RNG states
+    checkpoint-STEP/rng.pt                                            torch's CPU (and CUDA) RNG states, each
+                                                                      process's (dropout masks differ by rank)
     checkpoint-STEP/metrics.jsonl, samples.jsonl                      output_dir's, as they were at STEP
     checkpoint-STEP/trainer_state.json                                step, position in the data order, batch
                                                                       split, the run's config, the digests
@@ -103,12 +104,21 @@ def resume_note(output_dir: str | Path) -> str:
             if newest else "No checkpoint was written yet.")
 
 
+def rng_state() -> dict:
+    """This process's random state: torch's CPU generator, and CUDA's where there is a GPU."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
 def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics_lines: list[str],
-         keep: int, replaces: list[Path] = (), scaler=None) -> Path:
+         keep: int, replaces: list[Path] = (), scaler=None, rng_states: list[dict] | None = None) -> Path:
     """Write checkpoint-{state.step} atomically, then remove `replaces` (an earlier run's checkpoints, when
     this one started over) and keep only the newest `keep` and the best (state.best_global_step's), which is
     never pruned. output_dir's samples.jsonl goes in too, as metrics_lines do. A full disk stops the run with
-    exit 2 and leaves the previous checkpoints as they were."""
+    exit 2 and leaves the previous checkpoints as they were. `rng_states`: every rank's rng_state(), in rank order
+    (distributed.gather); default this process's."""
     folder = root(output_dir)
     final = folder / f"checkpoint-{state.step}"
     need = size_bytes(model, opt)
@@ -124,10 +134,8 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
         torch.save(sched.state_dict(), tmp / "scheduler.pt")
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / SCALER)
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, tmp / "rng.pt")
+        ranks = rng_states or [rng_state()]
+        torch.save({**ranks[0], "ranks": ranks} if len(ranks) > 1 else ranks[0], tmp / "rng.pt")
         (tmp / "metrics.jsonl").write_text("".join(metrics_lines), encoding="utf-8")
         if (Path(output_dir) / SAMPLES).is_file():
             shutil.copyfile(Path(output_dir) / SAMPLES, tmp / SAMPLES)
@@ -238,15 +246,18 @@ def load_adapter_weights(path: Path, model) -> None:
                         f"({len(result.unexpected_keys)} unexpected keys); pass resume=never to start over")
 
 
-def restore(path: Path, model, opt, sched, scaler=None) -> None:
+def restore(path: Path, model, opt, sched, scaler=None, rank: int = 0) -> None:
     """Load the adapter weights, optimizer, scheduler, loss scaler (float16) and RNG states of checkpoint `path`
-    into the run."""
+    into the run; the RNG state is process `rank`'s (a checkpoint of one process, or written before each rank's
+    was kept: its one state)."""
     load_adapter_weights(path, model)
     opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
     sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     if scaler is not None and (path / SCALER).is_file():
         scaler.load_state_dict(torch.load(path / SCALER, weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=True)
+    if "ranks" in rng:
+        rng = rng["ranks"][rank]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])

@@ -91,7 +91,21 @@ def _to_str(name: str, raw) -> str:
     return str(raw)
 
 
-CONVERTERS = {bool: _to_bool, int: _to_int, float: _to_float, list: _to_list, str: _to_str}
+def _to_dict(name: str, raw) -> dict:
+    """A mapping: from a recipe as YAML wrote it, from an override as YAML flow text (key={a: 1, b: 2})."""
+    if isinstance(raw, str):
+        import yaml
+
+        try:
+            raw = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raw = None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}={raw!r}: expected a mapping such as {{min_lr_rate: 0.1}}")
+    return {str(k): v for k, v in raw.items()}
+
+
+CONVERTERS = {bool: _to_bool, int: _to_int, float: _to_float, list: _to_list, str: _to_str, dict: _to_dict}
 
 
 def coerce(name: str, raw, tp, choices: tuple = ()):

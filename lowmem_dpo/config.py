@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,11 @@ import yaml
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.sources import Source, repeated, yaml_form
 from lowmem_dpo.units import parse_size
+
+# transformers.get_scheduler's names that an optimizer-step schedule can use (reduce_lr_on_plateau needs an eval
+# metric every step, greedy a loss signal: not these).
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 
 
 def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, reference=None,
@@ -144,16 +150,27 @@ class Config:
     # -- DPO loss ------------------------------------------------------------------------------------------------
     beta: float = _f(0.1, "DPO temperature: strength of the pull towards the reference.", min=0.0,
                      min_exclusive=True)
-    loss_type: list = _f(["sigmoid"], "sigmoid (DPO), hinge (SLiC), ipo (length-normalised, as TRL), robust (rDPO), "
-                         "sft (mean NLL of the chosen tokens); a list sums its terms, weighted by loss_weights, as "
-                         "TRL: [sigmoid, sft] is RPO.", choices=("sigmoid", "hinge", "ipo", "robust", "sft"))
+    loss_type: list = _f(["sigmoid"], "sigmoid (DPO), cdpo (conservative DPO: sigmoid with label_smoothing), hinge "
+                         "(SLiC), ipo (length-normalised, as TRL), robust (rDPO), sft (mean NLL of the chosen "
+                         "tokens); a list sums its terms, weighted by loss_weights, as TRL: [sigmoid, sft] is RPO.",
+                         choices=("sigmoid", "cdpo", "hinge", "ipo", "robust", "sft"))
     loss_weights: Optional[list[float]] = _f(None, "One weight per loss_type entry; null: 1 each.", min=0.0)
-    label_smoothing: float = _f(0.0, "Assumed fraction of flipped labels (cDPO for sigmoid, rDPO for robust).",
+    label_smoothing: float = _f(0.0, "Assumed fraction of flipped labels, for robust (rDPO) and cdpo (conservative "
+                                "DPO); as in TRL 1.16 it does not change sigmoid (train warns when no term uses it).",
                                 min=0.0, max=0.5)
     # -- optimizer and schedule ----------------------------------------------------------------------------------
     learning_rate: float = _f(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
-    lr_scheduler_type: str = _f("linear", "Decay after warmup.", choices=("linear", "cosine", "constant"))
-    warmup_steps: int = _f(0, "Optimizer steps of linear warmup from 0.", min=0)
+    lr_scheduler_type: str = _f("linear", "transformers' schedule by its name (get_scheduler): the rate each step "
+                                "applies is HF Trainer's. constant ignores warmup (constant_with_warmup has it); "
+                                "cosine_with_min_lr and warmup_stable_decay take lr_scheduler_kwargs.",
+                                choices=SCHEDULERS)
+    lr_scheduler_kwargs: Optional[dict] = _f(None, "The schedule's own arguments, as transformers' "
+                                             "lr_scheduler_kwargs, e.g. {min_lr_rate: 0.1} for cosine_with_min_lr or "
+                                             "{num_cycles: 2} for cosine_with_restarts.")
+    warmup_steps: float = _f(0, "Optimizer steps of linear warmup from 0; below 1, a ratio of the run's steps "
+                             "(ceil(ratio x steps)), as transformers 5 reads it. 0: warmup_ratio's.", min=0.0)
+    warmup_ratio: float = _f(0.0, "The warmup as a share of the run's steps, ceil(ratio x steps), when "
+                             "warmup_steps is 0 (transformers 4's key).", min=0.0, max=1.0)
     weight_decay: float = _f(0.0, "AdamW weight decay on the LoRA parameters.", min=0.0)
     max_grad_norm: Optional[float] = _f(1.0, "Clip the gradient norm to this; null disables clipping.", min=0.0,
                                         min_exclusive=True)
@@ -229,6 +246,7 @@ class Config:
             problems.append(f"label_smoothing={self.label_smoothing}: loss_type=robust needs it below 0.5 "
                             "(it divides by 1 - 2*label_smoothing)")
         problems += self._eval_problems()
+        problems += self._schedule_problems()
         if self.memory_budget is not None:
             try:
                 parse_size(self.memory_budget, "memory_budget")
@@ -257,6 +275,31 @@ class Config:
                             f"loss_type={self.loss_type}: give one per loss, in its order (or null: 1 each)")
         return problems
 
+    def no_effect(self) -> list[str]:
+        """Keys set to values that change nothing in this run (as in TRL and transformers, which ignore them too):
+        the warnings train logs."""
+        notes = []
+        if self.label_smoothing > 0 and not {"cdpo", "robust"} & set(self.loss_type):
+            notes.append(f"label_smoothing={self.label_smoothing} does not change loss_type={self.loss_type} (TRL "
+                         "1.16's sigmoid ignores it too); for conservative DPO use loss_type=cdpo")
+        if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
+            notes.append("lr_scheduler_type=constant has no warmup (as transformers'); use constant_with_warmup")
+        return notes
+
+    def _schedule_problems(self) -> list[str]:
+        problems = []
+        if self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps):
+            problems.append(f"warmup_steps={self.warmup_steps}: a number of steps is whole; below 1 it is a ratio "
+                            "of the run's steps")
+        if self.warmup_steps > 0 and self.warmup_ratio > 0:
+            problems.append(f"warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio}: set one")
+        try:
+            make_schedule(self, torch_optimizer(), 10)  # the schedule's own arguments, checked by transformers
+        except (TypeError, ValueError) as e:
+            problems.append(f"lr_scheduler_type={self.lr_scheduler_type} with lr_scheduler_kwargs="
+                            f"{self.lr_scheduler_kwargs}: {str(e).splitlines()[0]}")
+        return problems
+
     def _eval_problems(self) -> list[str]:
         problems = []
         if self.eval_dataset is not None and self.eval_fraction > 0:
@@ -266,9 +309,9 @@ class Config:
             close = difflib.get_close_matches(self.metric_for_best_model, EVAL_METRICS, n=2)
             problems.append(f"metric_for_best_model={self.metric_for_best_model}: not an eval metric; one of "
                             f"{', '.join(close or EVAL_METRICS)}")
-        if self.best_metric_name == "eval_gen/repetition" and not self.eval_generations:
-            problems.append("metric_for_best_model=eval_gen/repetition measures the samples: set eval_generations "
-                            "above 0")
+        if self.best_metric_name.startswith("eval_gen/") and not self.eval_generations:
+            problems.append(f"metric_for_best_model={self.best_metric_name} measures the samples: set "
+                            "eval_generations above 0")
         if self.load_best_model_at_end:
             if not self.has_eval:
                 problems.append("load_best_model_at_end=true needs eval data: set eval_dataset or eval_fraction")
@@ -330,7 +373,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 # larger is better: metric_for_best_model is one of them.
 EVAL_METRICS = {"eval_loss": False, "eval_rewards/chosen": True, "eval_rewards/rejected": False,
                 "eval_rewards/accuracies": True, "eval_rewards/margins": True, "eval_logps/chosen": True,
-                "eval_logps/rejected": False, "eval_gen/repetition": False}
+                "eval_logps/rejected": False, "eval_gen/repetition": False, "eval_gen/empty": False}
 # A lora_target_modules entry with one of these is a regex ('.' alone is not: self_attn.q_proj is a name).
 REGEX_CHARS = frozenset("*+?[](){}|^$\\")
 HINTS = typing.get_type_hints(Config)
@@ -346,6 +389,30 @@ def keys_where(**meta) -> frozenset[str]:
 RESUMABLE = keys_where(resumable=True)
 # Keys that set the run's length: changed on resume, the run continues to the new total (resuming.follow_run_length).
 RUN_LENGTH = keys_where(resumable="length")
+
+
+def warmup(cfg: Config, total_steps: int) -> int:
+    """Warmup steps of a run of `total_steps`, as transformers' TrainingArguments.get_warmup_steps: warmup_steps
+    (a ratio of the total when below 1), else ceil(warmup_ratio x total)."""
+    if cfg.warmup_steps >= 1:
+        return int(cfg.warmup_steps)
+    return math.ceil(total_steps * (cfg.warmup_steps or cfg.warmup_ratio))
+
+
+def make_schedule(cfg: Config, optimizer, total_steps: int):
+    """transformers' scheduler of `lr_scheduler_type` over `total_steps` optimizer steps (get_scheduler, HF
+    Trainer's call): a LambdaLR whose last_epoch is the steps taken."""
+    from transformers import get_scheduler
+
+    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup(cfg, total_steps),
+                         num_training_steps=total_steps, scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
+
+
+def torch_optimizer():
+    """A throwaway optimizer over one scalar, for checking a schedule's arguments."""
+    import torch
+
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
 
 
 def cache_settings(cfg: Config) -> dict:

@@ -107,6 +107,15 @@ def broadcast(obj):
     return box[0]
 
 
+def gather(obj) -> list:
+    """Every rank's `obj` (a picklable value), in rank order, on every rank; [obj] in one process."""
+    if not active():
+        return [obj]
+    out = [None] * world().size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def sum_gradients(params: list[torch.Tensor]) -> None:
     """Sum each trainable parameter's gradient over the ranks, in place: one all-reduce of one flat buffer (the
     LoRA gradients are a few MB). A parameter without a gradient keeps none (every rank runs the same graph, so

@@ -14,7 +14,6 @@ The loop (loop.py) calls these with its session (loop.Session; not imported here
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -23,9 +22,7 @@ from pathlib import Path
 from lowmem_dpo import checkpoint, devices, distributed, files, guards, samples
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
-
-REPETITION = "eval_gen/repetition"  # guards.repetition of the samples' tokens (seq-rep-4)
-GEN_LENGTH = "eval_gen/length"  # mean tokens the samples wrote
+from lowmem_dpo.logps import eval_mode
 
 
 def due(cfg: Config, step: int, steps: int) -> bool:
@@ -35,17 +32,6 @@ def due(cfg: Config, step: int, steps: int) -> bool:
         return False
     every = cfg.eval_steps if cfg.eval_steps is not None else cfg.save_steps
     return step == steps or bool(every) and step % every == 0
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """The model in eval mode (no LoRA dropout) for the block, its training mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 def halving(s, run, size: int, what: str, every_rank: bool = False):
@@ -71,7 +57,8 @@ def sample_items(items: list, n: int) -> list:
 
 def sample_metrics(s, step: int) -> dict:
     """Greedy samples for the first eval_generations distinct eval prompts, appended to output_dir/samples.jsonl
-    with `step`; one shown in the log. Returns their repetition and mean length ({} without samples)."""
+    with `step`; one shown in the log. Returns their repetition, mean length and share of empty answers
+    (guards.generation_stats; {} without samples)."""
     items = sample_items(s.eval_items, s.cfg.eval_generations)
     if not items:
         return {}
@@ -83,9 +70,7 @@ def sample_metrics(s, step: int) -> dict:
     written = halving(s, write, len(items), "the samples")
     samples.append(Path(s.cfg.output_dir) / checkpoint.SAMPLES, step, written)
     log(samples.log_line(step, written[0]))
-    ids = [w.ids for w in written]
-    return {REPETITION: round(guards.repetition(ids), 6),
-            GEN_LENGTH: round(sum(len(i) for i in ids) / len(ids), 3)}
+    return guards.generation_stats([w.ids for w in written])
 
 
 def at_start(s) -> dict | None:
@@ -118,20 +103,20 @@ def evaluate(s) -> dict:
     return line
 
 
-def baseline(metrics_lines: list[str]) -> float | None:
-    """The step-0 repetition (the reference's samples) from the run's metrics lines, if it was measured."""
+def baseline(metrics_lines: list[str]) -> dict | None:
+    """The step-0 line (the reference's samples) from the run's metrics lines, if it was measured."""
     for text in metrics_lines:
         line = json.loads(text)
-        if line.get("step") == 0 and line.get(REPETITION) is not None:
-            return line[REPETITION]
+        if line.get("step") == 0 and line.get(guards.GEN_REPETITION) is not None:
+            return line
     return None
 
 
 def collapse_sign(s, line: dict) -> str | None:
     """guards.collapse_sign of this eval's samples against step 0's."""
-    if line.get(REPETITION) is None:
+    if line.get(guards.GEN_REPETITION) is None:
         return None
-    return guards.collapse_sign(baseline(s.metrics_lines), line[REPETITION])
+    return guards.collapse_sign(baseline(s.metrics_lines), line)
 
 
 def postfix(line: dict) -> dict[str, str]:

@@ -50,6 +50,12 @@ class LossLimits:
     early_loss: Callable[[float], float] | None  # label_smoothing -> limit on the loss; None: no early-loss sign
 
 
+def cdpo_loss(margin: float, label_smoothing: float) -> float:
+    """Conservative DPO's loss (loss.py) at reward margin beta * Delta = `margin`, as a float."""
+    e = label_smoothing
+    return (1 - e) * math.log1p(math.exp(-margin)) + e * math.log1p(math.exp(margin))
+
+
 def robust_loss(margin: float, label_smoothing: float) -> float:
     """rDPO's loss (loss.py) at reward margin beta * Delta = `margin`, as a float."""
     e = label_smoothing
@@ -59,9 +65,11 @@ def robust_loss(margin: float, label_smoothing: float) -> float:
 
 
 LOSS_LIMITS = {
-    # sigmoid: as the module's numbers always were. With label smoothing e its loss never goes below the
-    # binary entropy H(e) (>= 0.056 for e >= 0.01), so the early sign only shows without it.
+    # sigmoid: as the module's numbers always were (label smoothing does not change it: loss.py).
     "sigmoid": LossLimits(lambda beta, n: 10.0, _SEPARATED_WHY, lambda e: 0.05),
+    # cdpo: the sigmoid's limits; with label smoothing e its loss never goes below the binary entropy H(e), so the
+    # early limit is its value at the margin where the sigmoid loss is 0.05 (0.05 itself at e = 0).
+    "cdpo": LossLimits(lambda beta, n: 10.0, _SEPARATED_WHY, lambda e: cdpo_loss(SEPARATED, e)),
     # robust: the sigmoid's limits; its loss falls below 0 with label smoothing, so the early limit is its value
     # at the margin where the sigmoid loss is 0.05 (0.05 itself at e = 0; the loss falls monotonically).
     "robust": LossLimits(lambda beta, n: 10.0, _SEPARATED_WHY, lambda e: robust_loss(SEPARATED, e)),
@@ -130,6 +138,14 @@ def warning_signs(means: dict, step: int, total_steps: int, beta: float, chosen_
 COLLAPSE_RISE = 0.3  # seq-rep-4 this far above step 0's (the reference's) ...
 COLLAPSE_LEVEL = 0.5  # ... and at least this high: at least half the 4-grams repeat
 COLLAPSE_N = 4
+# The other collapse, to nothing: seq-rep-n ignores answers shorter than n tokens, so a policy that answers with EOS
+# at once scores 0.0. Against step 0's samples: the share of empty answers up by half of all samples, or the mean
+# length down to a quarter of step 0's (when step 0 wrote at least a few tokens).
+EMPTY_RISE = 0.5
+SHORT_FRACTION = 0.25
+SHORT_MIN_START = 4.0
+# The samples' measures in metrics.jsonl (evaluation.sample_metrics), and what the collapse sign reads.
+GEN_REPETITION, GEN_LENGTH, GEN_EMPTY = "eval_gen/repetition", "eval_gen/length", "eval_gen/empty"
 
 
 def repetition(seqs: list[list[int]], n: int = COLLAPSE_N) -> float:
@@ -143,12 +159,32 @@ def repetition(seqs: list[list[int]], n: int = COLLAPSE_N) -> float:
     return sum(reps) / len(reps) if reps else 0.0
 
 
-def collapse_sign(base: float | None, now: float) -> str | None:
-    """The warning sign when the generations' repetition `now` is far above step 0's `base` (None: compared
-    against 0); None otherwise."""
-    start = 0.0 if base is None else base
-    if now - start >= COLLAPSE_RISE and now >= COLLAPSE_LEVEL:
-        return (f"generations collapsing into repetition: seq-rep-{COLLAPSE_N} {now:.2f} against {start:.2f} at "
-                f"step 0 (limits: +{COLLAPSE_RISE:g} and >= {COLLAPSE_LEVEL:g}); read output_dir/samples.jsonl, "
-                "lower learning_rate or raise beta, and keep the best checkpoint rather than the last")
+def generation_stats(seqs: list[list[int]]) -> dict[str, float]:
+    """The samples' measures: seq-rep-4, mean length in tokens, and the share of empty answers (EOS at once)."""
+    return {GEN_REPETITION: round(repetition(seqs), 6),
+            GEN_LENGTH: round(sum(len(s) for s in seqs) / max(1, len(seqs)), 3),
+            GEN_EMPTY: round(sum(not s for s in seqs) / max(1, len(seqs)), 6)}
+
+
+_READ = ("read output_dir/samples.jsonl, lower learning_rate or raise beta, and keep the best checkpoint rather than "
+         "the last")
+
+
+def collapse_sign(base: dict | None, now: dict) -> str | None:
+    """The warning sign when the generations (`now`: generation_stats' keys) collapse against step 0's (`base`;
+    None, or a line without a measure: compared against none): into repetition, far above step 0's; into empty
+    answers; or into answers a quarter as long. None otherwise."""
+    base = base or {}
+    rep, start = now.get(GEN_REPETITION), base.get(GEN_REPETITION) or 0.0
+    if rep is not None and rep - start >= COLLAPSE_RISE and rep >= COLLAPSE_LEVEL:
+        return (f"generations collapsing into repetition: seq-rep-{COLLAPSE_N} {rep:.2f} against {start:.2f} at "
+                f"step 0 (limits: +{COLLAPSE_RISE:g} and >= {COLLAPSE_LEVEL:g}); {_READ}")
+    empty, empty0 = now.get(GEN_EMPTY), base.get(GEN_EMPTY) or 0.0
+    if empty is not None and empty - empty0 >= EMPTY_RISE:
+        return (f"generations collapsing into empty answers: {empty:.0%} of the samples end at once against "
+                f"{empty0:.0%} at step 0 (limit: +{EMPTY_RISE:.0%}); {_READ}")
+    length, length0 = now.get(GEN_LENGTH), base.get(GEN_LENGTH)
+    if length is not None and length0 is not None and length0 >= SHORT_MIN_START and length <= SHORT_FRACTION * length0:
+        return (f"generations collapsing into short answers: {length:.1f} tokens on average against {length0:.1f} at "
+                f"step 0 (limit: {SHORT_FRACTION:g} of it); {_READ}")
     return None

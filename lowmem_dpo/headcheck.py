@@ -44,14 +44,11 @@ def _own_forward(lm, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
     backbone = getattr(lm, lm.base_model_prefix)
     seen = []
     handle = backbone.register_forward_hook(lambda module, args, out: seen.append(out[0]))
-    modes = {m: m.training for m in lm.modules()}
-    lm.eval()
     try:
-        logits = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits  # (n, t, V)
+        with logps.eval_mode(lm):
+            logits = lm(input_ids=ids, attention_mask=mask, use_cache=False).logits  # (n, t, V)
     finally:
         handle.remove()
-        for m, training in modes.items():
-            m.training = training
     return seen[-1], logits
 
 
@@ -157,9 +154,10 @@ def sharing_problem(model, max_length: int) -> str | None:
 @torch.no_grad()
 def sharing_difference(model, pairs: list, pad_id: int, device: torch.device, dtype: torch.dtype) -> float:
     """The largest difference of a completion's mean log-prob per token between the shared-prefix forward and
-    the unshared one, on `pairs`."""
+    the unshared one, on `pairs`; in eval mode, so that LoRA dropout (a continued SFT adapter's B is not 0) draws
+    no different noise into the two forwards."""
     plain, shared = data.collate(pairs, pad_id).to(device), data.collate_shared(pairs, pad_id).to(device)
-    with devices.autocast(device, dtype):
+    with devices.autocast(device, dtype), logps.eval_mode(model):
         a, b = logps.batch_logps(model, plain), logps.batch_logps(model, shared)
     if not torch.equal(a.n_tokens, b.n_tokens):
         return float("inf")

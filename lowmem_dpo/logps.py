@@ -14,6 +14,7 @@ attributes generically and says so; headcheck.check_head then compares this path
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -108,6 +109,19 @@ def head_of(config) -> tuple[Head, bool]:
         return HEADS[model_type](config), True
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return _detected(text), False
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """`model` in eval mode for the block (no dropout, LoRA's included), every module's own mode restored after:
+    the eval, the samples and the first batch's checks compute what the policy is, not one dropout draw of it."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes.items():
+            m.training = training
 
 
 def causal_lm(model):

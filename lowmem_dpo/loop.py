@@ -185,7 +185,7 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
     if saved is None:
         s.replaces = [p for _, p in checkpoint.complete(s.cfg.output_dir)]
         return s
-    checkpoint.restore(resume_from, s.model, s.opt, s.sched, s.scaler)
+    checkpoint.restore(resume_from, s.model, s.opt, s.sched, s.scaler, rank=s.world.rank)
     resuming.follow_run_length(s, resume_from, saved)
     take(s.stream, saved.pairs_seen)  # the data order is a function of the seed: replay it
     s.step, s.skipped_steps, s.scaler_skips = saved.step, saved.skipped_steps, saved.scaler_skips
@@ -270,11 +270,14 @@ def timed(s: Session) -> tuple:
 # -- output (output.py writes the files) -------------------------------------------------------------------------
 def save_checkpoint(s: Session, out_dir: Path, evaluated: dict | None) -> None:
     """checkpoint-STEP, the best so far updated first when this step was evaluated (the best is never pruned),
-    and output_dir/trainer_state.json."""
+    and output_dir/trainer_state.json; with every rank's random state (each rank calls this: rank 0 writes)."""
+    rng_states = distributed.gather(checkpoint.rng_state())
+    if not s.world.main:
+        return
     evaluation.note_best(s, evaluated)
     state = checkpoint_state(s)
     checkpoint.save(out_dir, state, s.model, s.opt, s.sched, s.metrics_lines, s.cfg.save_total_limit, s.replaces,
-                    s.scaler)
+                    s.scaler, rng_states)
     s.replaces = []
     checkpoint.write_run_state(out_dir, state, s.steps, s.cfg.best_metric_name, s.cfg.best_is_greater,
                                s.metrics_lines)
@@ -370,7 +373,7 @@ def steps(s: Session, out_dir: Path, bar, last: dict) -> dict:
             if s.step == 1 or s.step % cfg.logging_steps == 0 or s.step == s.steps:
                 last = log_step(s, metrics_file, stats, grad_norm, lr, dt, bar)
             evaluated = eval_step(s, metrics_file, bar) if evaluation.due(cfg, s.step, s.steps) else None
-            if cfg.save_steps and (s.step % cfg.save_steps == 0 or s.step == s.steps) and main:
+            if cfg.save_steps and (s.step % cfg.save_steps == 0 or s.step == s.steps):
                 save_checkpoint(s, out_dir, evaluated)
     return last
 

@@ -3,8 +3,10 @@
 With log-ratios  r_c = pi(y_c|x) - ref(y_c|x),  r_r = pi(y_r|x) - ref(y_r|x)  (sequence log-prob sums) and
 Delta = r_c - r_r, each variant returns a per-pair loss:
 
-  sigmoid  DPO, Rafailov et al. 2023 (arXiv:2305.18290), eq. 7; with label_smoothing e it is conservative DPO
-           (Mitchell 2023):  -(1 - e) log s(b Delta) - e log s(-b Delta)
+  sigmoid  DPO, Rafailov et al. 2023 (arXiv:2305.18290), eq. 7:  -log s(b Delta). label_smoothing does not
+           change it, as in TRL 1.16 (train warns when it is set and no term uses it)
+  cdpo     conservative DPO (Mitchell 2023), the sigmoid loss with label_smoothing e, as TRL < 1.0 computed
+           sigmoid:  -(1 - e) log s(b Delta) - e log s(-b Delta)
   hinge    SLiC, Zhao et al. 2023 (arXiv:2305.10425):  max(0, 1 - b Delta)
   ipo      IPO, Azar et al. 2023 (arXiv:2310.12036), eq. 17, on per-token (length-normalised) log-ratios as TRL
            1.16 does:  (r_c / n_c - r_r / n_r - 1 / (2 b))^2
@@ -23,11 +25,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")  # preference losses; "sft" is the NLL term (sft_shares)
+LOSS_TYPES = ("sigmoid", "cdpo", "hinge", "ipo", "robust")  # preference losses; "sft" is the NLL term (sft_shares)
+SMOOTHED = ("cdpo", "robust")  # the loss types label_smoothing changes
 
 
 # Each: (delta (B,), norm_delta (B,) or None) -> per-pair loss (B,)
 def _sigmoid(delta, norm_delta, *, beta, label_smoothing):
+    return -F.logsigmoid(beta * delta)
+
+
+def _cdpo(delta, norm_delta, *, beta, label_smoothing):
     return -(1 - label_smoothing) * F.logsigmoid(beta * delta) - label_smoothing * F.logsigmoid(-beta * delta)
 
 
@@ -44,7 +51,7 @@ def _ipo(delta, norm_delta, *, beta, label_smoothing):
     return (norm_delta - 1 / (2 * beta)) ** 2
 
 
-_LOSSES = {"sigmoid": _sigmoid, "hinge": _hinge, "ipo": _ipo, "robust": _robust}
+_LOSSES = {"sigmoid": _sigmoid, "cdpo": _cdpo, "hinge": _hinge, "ipo": _ipo, "robust": _robust}
 
 
 def dpo_loss(

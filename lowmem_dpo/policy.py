@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo import adapters, devices, models, rules, streaming
-from lowmem_dpo.config import Config
+from lowmem_dpo.config import Config, make_schedule
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
@@ -80,25 +80,12 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, strea
     return model
 
 
-def get_lr(step: int, cfg: Config, total_steps: int) -> float:
-    """Learning rate multiplier for optimizer step `step` (0-based): linear warmup, then the decay."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / (cfg.warmup_steps + 1)
-    if cfg.lr_scheduler_type == "constant":
-        return 1.0
-    progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-    if cfg.lr_scheduler_type == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return max(0.0, 1.0 - progress)
-
-
 def setup_optimizer(cfg: Config, model, total_steps: int, resolved: devices.Resolved):
-    """The device rule's optimizer (paged 8-bit AdamW on CUDA, torch AdamW elsewhere) over the LoRA weights,
-    with the warmup + decay schedule."""
+    """The device rule's optimizer (paged 8-bit AdamW on CUDA, torch AdamW elsewhere) over the LoRA weights, with
+    transformers' schedule of lr_scheduler_type (config.make_schedule): each step's rate is HF Trainer's."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = devices.make_optimizer(resolved.optimizer, params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: get_lr(s, cfg, total_steps))
-    return opt, sched, params
+    return opt, make_schedule(cfg, opt, total_steps), params
 
 
 def items_per_step(cfg: Config, world_size: int = 1) -> int:

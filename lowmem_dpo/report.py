@@ -45,7 +45,7 @@ DPI = 100
 # What the summary shows of the last train and eval lines: (metrics.jsonl key, label).
 TRAIN_SHOWN = (("loss", "loss"), ("rewards/accuracies", "accuracy"), ("rewards/margins", "margin"))
 EVAL_SHOWN = (("eval_loss", "loss"), ("eval_rewards/accuracies", "accuracy"), ("eval_rewards/margins", "margin"),
-              ("eval_gen/repetition", "repetition"), ("eval_gen/length", "length"))
+              ("eval_gen/repetition", "repetition"), ("eval_gen/length", "length"), ("eval_gen/empty", "empty"))
 SAMPLE_CHARS = (80, 120)  # prompt, completion: longer ones are shortened in the summary
 
 
@@ -195,13 +195,17 @@ def best_line(state: dict | None) -> str:
 
 
 def repetition_line(run: Run) -> str | None:
-    """The generations' repetition at step 0 (the reference) against the last eval, with the collapse sign."""
-    steps, values = series(run.evals, "eval_gen/repetition")
-    if not steps:
+    """The generations' repetition, mean length and empty answers at step 0 (the reference) against the last
+    eval, with the collapse sign."""
+    measured = [x for x in run.evals if x.get(guards.GEN_REPETITION) is not None]
+    if not measured:
         return None
-    base = values[0] if steps[0] == 0 else None
-    text = f"repetition: {_num(base)} at step 0 -> {_num(values[-1])} at step {steps[-1]}"
-    sign = guards.collapse_sign(base, values[-1])
+    base = measured[0] if measured[0]["step"] == 0 else None
+    last = measured[-1]
+    text = "; ".join(f"{label}: {_num((base or {}).get(key))} at step 0 -> {_num(last.get(key))} at step {last['step']}"
+                     for key, label in ((guards.GEN_REPETITION, "repetition"), (guards.GEN_LENGTH, "length"),
+                                        (guards.GEN_EMPTY, "empty answers")))
+    sign = guards.collapse_sign(base, last)
     return f"{text}; warning: {sign}" if sign else text
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo import data, devices, files
+from lowmem_dpo.logps import eval_mode
 
 
 @dataclass
@@ -56,16 +57,13 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | N
     config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, use_cache=True,
                               eos_token_id=eos_id, pad_token_id=pad_id)
     ids, mask = _left_padded(prompts, pad_id, device)
-    saved_config, modes = hf_model.generation_config, {m: m.training for m in model.modules()}
+    saved_config = hf_model.generation_config
     hf_model.generation_config = GenerationConfig()
-    model.eval()
     try:
-        with torch.no_grad(), devices.autocast(device, dtype):
+        with torch.no_grad(), devices.autocast(device, dtype), eval_mode(model):
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)  # (B, T + new)
     finally:
         hf_model.generation_config = saved_config
-        for m, training in modes.items():  # each module's own mode, as it was
-            m.training = training
     completions = []
     for row in out[:, ids.shape[1]:].tolist():
         cut = row.index(eos_id) if eos_id in row else len(row)  # finished rows: EOS, then pad_id

@@ -129,6 +129,8 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
         raise UserError(f"metric_for_best_model={cfg.metric_for_best_model} is a DPO metric; sft evaluates "
                         f"{' and '.join(SFT_METRICS)}: set one of them")
     resolved = devices.resolve(cfg)
+    for note in cfg.no_effect():
+        log(f"warning: {note}")
     source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)
     adapters.check_mode(cfg, source, resolved.quantization, reference=False)
     resume = resuming.find_resume(cfg)

@@ -206,6 +206,8 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     """Check the cache, tokenize, load the model with its one adapter (fresh, or the SFT adapter continued), build
     the optimizer; with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it."""
     resolved = devices.resolve(cfg)
+    for note in cfg.no_effect():
+        log(f"warning: {note}")
     ins = inputs.prepare(cfg, resolved)
     adapters.check_mode(cfg, ins.source, resolved.quantization)
     resume = resuming.find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast

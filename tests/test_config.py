@@ -51,7 +51,7 @@ def test_comma_separated_list():
     ("beta=0", "beta=0.0: out of range, expected > 0.0"),
     ("label_smoothing=0.7", "label_smoothing=0.7: out of range, expected <= 0.5"),
     ("per_device_train_batch_size=0", "expected >= 1"),
-    ("loss_type=kto", "loss_type='kto': expected one of sigmoid, hinge, ipo, robust"),
+    ("loss_type=kto", "loss_type='kto': expected one of sigmoid, cdpo, hinge, ipo, robust"),
     ("device=tpu", "expected one of auto, cpu, cuda"),
     ("max_length=null", "max_length=null: expected int, and this key cannot be null"),
     ("learnin_rate=1e-4", "learnin_rate: unknown key"),
@@ -164,6 +164,7 @@ ALTERNATIVES = {
     "greater_is_better": True, "load_best_model_at_end": True, "eval_generations": 2, "max_new_tokens": 8,
     "report_to": "tensorboard", "share_prompt": "false", "loss_weights": [2.0], "max_train_samples": 5,
     "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}", "memory_snapshot_on_oom": True,
+    "lr_scheduler_kwargs": {"num_cycles": 2}, "warmup_ratio": 0.1,
 }
 
 
@@ -181,7 +182,8 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
         return inputs.fingerprint_components(cfg, devices.resolve(cfg), tiny_path)
 
     pinned = {"ref_dtype": "float32", "ref_quantization": "none"}
-    needs = {"load_best_model_at_end": {"eval_fraction": 0.1}}  # what a key's alternative is valid with
+    needs = {"load_best_model_at_end": {"eval_fraction": 0.1},  # what a key's alternative is valid with
+             "lr_scheduler_kwargs": {"lr_scheduler_type": "cosine_with_restarts"}}
     assert set(ALTERNATIVES) == set(FIELDS)
     for key, value in ALTERNATIVES.items():
         base = make_cfg(**pinned, **needs.get(key, {}))

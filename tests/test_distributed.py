@@ -123,6 +123,33 @@ def test_train_on_two_processes_equals_one_at_twice_the_batch_and_resumes(run, c
     assert code == 2 and "written by a run on 2 process(es), this one has 1" in err and "Traceback" not in err
 
 
+def test_a_resumed_two_process_run_with_dropout_equals_the_uninterrupted_one(run):
+    """lora_dropout 0.1: each rank draws its own masks, so each rank's random state is saved and restored. A
+    2-process run killed after its step-3 checkpoint (its aftermath: that checkpoint alone in a fresh output_dir)
+    and resumed ends with the uninterrupted 6-step run's adapter."""
+    root, recipe = run
+    rows = [json.loads(line) for line in open(TINY_DATA)][:96]
+    for i, row in enumerate(rows):  # lengths that differ from pair to pair: each rank draws masks of its own size
+        row["chosen"] += " very" * (i % 7)
+        row["rejected"] += " quite" * (i % 5)
+    data = root / "uneven.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    keys = [f"dataset={data}", f"ref_cache_dir={root / 'cache-uneven'}", "per_device_train_batch_size=2",
+            "gradient_accumulation_steps=2", "lora_dropout=0.1", "eval_generations=0"]
+    precompute.run(load_config(recipe, keys), progress=False)
+    whole, resumed = root / "dropout-whole", root / "dropout-resumed"
+    p = torchrun("train", recipe, *keys, f"output_dir={whole}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rng = torch.load(whole / "checkpoints/checkpoint-3/rng.pt", weights_only=True)
+    assert len(rng["ranks"]) == 2 and not torch.equal(rng["ranks"][0]["cpu"], rng["ranks"][1]["cpu"])
+    shutil.copytree(whole / "checkpoints/checkpoint-3", resumed / "checkpoints/checkpoint-3")
+    p = torchrun("train", recipe, *keys, f"output_dir={resumed}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming from" in p.stderr
+    want, got = adapter(whole), adapter(resumed)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_sft_on_two_processes_equals_one_at_twice_the_batch(run):
     """sft's loss is the mean NLL over all of a step's completion tokens, every rank's."""
     root, _ = run

@@ -17,6 +17,8 @@ from lowmem_dpo.loss import LOSS_TYPES, dpo_loss
 #   robust, e = 0: it is the sigmoid loss, 0.05. e = 0.1: at x0 = ln(1 / (e^0.05 - 1)) = ln(19.50416) = 2.970628,
 #     log s(x0) = -0.05 and log s(-x0) = -ln(20.50416) = -3.020628, so
 #     (-(0.9)(-0.05) + 0.1 (-3.020628)) / 0.8 = (0.045 - 0.3020628) / 0.8 = -0.3213285.
+#   cdpo, e = 0: the sigmoid loss, 0.05. e = 0.1: at the same x0, 0.9 * 0.05 + 0.1 * 3.020628 = 0.3470628 (its loss
+#     never goes below the binary entropy H(0.1) = 0.325).
 #   hinge: no early limit (0 once every margin reaches 1, by design).
 #   ipo: margin = n (twice the optimum n/2: beta * n * 1/(2 beta) = n/2 over n tokens), whatever beta;
 #     beta 0.1, 20 tokens -> 20; beta 0.5, 64 tokens -> 64. No early limit (0 at the optimum).
@@ -25,6 +27,8 @@ CASES = [
     ("sigmoid", 0.5, 0.0, 300.0, 10.0, 0.05),
     ("robust", 0.1, 0.0, 20.0, 10.0, 0.05),
     ("robust", 0.1, 0.1, 20.0, 10.0, -0.3213285),
+    ("cdpo", 0.1, 0.0, 20.0, 10.0, 0.05),
+    ("cdpo", 0.1, 0.1, 20.0, 10.0, 0.3470628),
     ("hinge", 0.1, 0.0, 20.0, 10.0, None),
     ("ipo", 0.1, 0.0, 20.0, 20.0, None),
     ("ipo", 0.5, 0.0, 64.0, 64.0, None),

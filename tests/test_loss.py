@@ -22,10 +22,13 @@ def test_sigmoid_by_hand():
     assert rc.item() == pytest.approx(0.5) and rr.item() == pytest.approx(-0.5)
 
 
-def test_sigmoid_label_smoothing_by_hand():
-    """cDPO, e = 0.1: 0.9 * 0.31326169 + 0.1 * 1.31326169 = 0.28193552 + 0.13132617 = 0.41326169."""
-    losses, _, _ = dpo_loss(PC, PR, RC, RR, beta=0.5, label_smoothing=0.1)
+def test_label_smoothing_is_cdpo_s_not_sigmoid_s():
+    """cdpo, e = 0.1: 0.9 * 0.31326169 + 0.1 * 1.31326169 = 0.28193552 + 0.13132617 = 0.41326169. sigmoid with the
+    same e is plain DPO's 0.31326169, as TRL 1.16 computes it (tests/test_vs_trl.py checks against TRL itself)."""
+    losses, _, _ = dpo_loss(PC, PR, RC, RR, beta=0.5, loss_type="cdpo", label_smoothing=0.1)
     assert losses.item() == pytest.approx(0.41326169, abs=1e-6)
+    losses, _, _ = dpo_loss(PC, PR, RC, RR, beta=0.5, label_smoothing=0.1)
+    assert losses.item() == pytest.approx(0.31326169, abs=1e-6)
 
 
 def test_hinge_by_hand():

@@ -62,7 +62,8 @@ def test_repetition_matches_an_independent_count(n):
     (0.60, 0.85, False),  # a reference that already repeats, and a rise too small to blame on training
 ])
 def test_collapse_sign(base, now, fires):
-    sign = guards.collapse_sign(base, now)
+    rep = guards.GEN_REPETITION
+    sign = guards.collapse_sign(None if base is None else {rep: base}, {rep: now})
     assert (sign is not None) == fires
     if fires:
         start = 0.0 if base is None else base
@@ -79,7 +80,35 @@ def test_collapsed_text_is_flagged_and_fluent_text_is_not(tokenizer):
     healthy = rep(["The lamp is great and bright.", "The soup is cold, sour and dirty; I would not order it."])
     collapsed = rep(["novel " * 16, "The pil pil pil pil pil pil pil pil pil pil pil pil"])
     assert healthy == 0.0 and collapsed > 0.7
-    assert guards.collapse_sign(healthy, collapsed) is not None and guards.collapse_sign(healthy, healthy) is None
+    rep = guards.GEN_REPETITION
+    assert guards.collapse_sign({rep: healthy}, {rep: collapsed}) is not None
+    assert guards.collapse_sign({rep: healthy}, {rep: healthy}) is None
+
+
+# Step 0's samples (the reference) against an eval's: (repetition, mean length, empty share) each, by hand.
+@pytest.mark.parametrize("base, now, fires", [
+    ((0.2, 12.0, 0.0), (0.0, 11.0, 0.0), None),  # healthy
+    ((0.2, 12.0, 0.0), (0.0, 0.0, 1.0), "empty answers: 100% of the samples end at once against 0%"),  # EOS at once
+    ((0.2, 12.0, 0.25), (0.0, 2.0, 0.75), "empty answers: 75% of the samples end at once against 25%"),
+    ((0.2, 12.0, 0.0), (0.0, 2.5, 0.25), "short answers: 2.5 tokens on average against 12.0"),  # <= 1/4 of 12
+    ((0.2, 12.0, 0.0), (0.0, 3.5, 0.25), None),  # above a quarter, and only a quarter empty
+    ((0.2, 3.0, 0.0), (0.0, 0.5, 0.0), None),  # step 0 already this short: not a collapse it can measure
+    ((0.2, 12.0, 0.0), (0.9, 30.0, 0.0), "into repetition"),  # the repetition sign first
+    (None, (0.0, 0.0, 1.0), "empty answers: 100%"),  # no step-0 line: against none
+])
+def test_collapse_into_nothing_is_seen(base, now, fires):
+    """A policy that answers with EOS at once scores seq-rep 0.0: the mean length and the empty answers see it."""
+    keys = (guards.GEN_REPETITION, guards.GEN_LENGTH, guards.GEN_EMPTY)
+    sign = guards.collapse_sign(None if base is None else dict(zip(keys, base)), dict(zip(keys, now)))
+    assert (sign is None) == (fires is None)
+    if fires:
+        assert fires in sign and "samples.jsonl" in sign
+
+
+def test_generation_stats_by_hand():
+    stats = guards.generation_stats([[1, 2, 3, 4, 1, 2, 3, 4], [], [5], []])
+    # seq-rep-4 of the first: 5 4-grams, 4 distinct -> 0.2 (the others are shorter than 4); lengths 8, 0, 1, 0
+    assert stats == {guards.GEN_REPETITION: 0.2, guards.GEN_LENGTH: 2.25, guards.GEN_EMPTY: 0.5}
 
 
 # -- greedy generation on real tiny models -------------------------------------------------------------------------

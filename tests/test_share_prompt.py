@@ -195,3 +195,30 @@ def test_auto_shares_only_when_the_prompts_are_a_large_share(tiny_path, pairs, c
     assert headcheck.decide_sharing(model, short, 0, resolved, torch.float32, "true", 64) is True
     assert headcheck.prompt_share(pairs) >= 0.25
     assert headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, "auto", 64) is True
+
+
+def test_the_sharing_check_sees_no_dropout_noise(tiny_path, pairs):
+    """A continued SFT adapter (B != 0) with lora_dropout 0.5, the policy in train mode: in train mode its two
+    forwards would differ by dropout noise alone (far above the float32 tolerance); the check runs in eval mode,
+    so share_prompt=true is taken, and the policy is left in train mode."""
+    from peft import LoraConfig, get_peft_model
+
+    from lowmem_dpo.models import load_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(load_model(tiny_path, torch.device("cpu"), torch.float32),
+                           LoraConfig(r=8, lora_alpha=64, lora_dropout=0.5, target_modules="all-linear",
+                                      init_lora_weights=False))
+    model.train()
+    with torch.no_grad():  # what the check would see in train mode: two dropout draws
+        train_mode = (logps_of(model, data.collate(pairs[:2], 0)) - logps_of(model, data.collate(pairs[:2], 0)))
+    assert train_mode.abs().max() > 1e-2
+    resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, True, rules.ADAMW_TORCH,
+                                share_prompt=True)
+    assert headcheck.sharing_difference(model, pairs[:2], 0, resolved.device, torch.float32) < 1e-4
+    assert headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, "true", 64) is True
+    assert model.training and all(m.training for m in model.modules())
+
+
+def logps_of(model, batch):
+    return completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask).logps

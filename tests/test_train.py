@@ -2,12 +2,14 @@
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from lowmem_dpo import data, loop, policy, precompute, train
+from lowmem_dpo import data, devices, loop, policy, precompute, train
 from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.models import load_model
 from lowmem_dpo.recipe import build_config
@@ -125,16 +127,76 @@ def test_adapter_round_trips_through_peft(make_cfg, tiny_path, tokenizer):
     assert not torch.allclose(got, base, atol=1e-3)  # the adapter changes the model
 
 
-@pytest.mark.parametrize("kind, expected", [
-    ("linear", [0.25, 0.5, 0.75, 1.0, 0.75, 0.5, 0.25, 0.0]),
-    ("cosine", [0.25, 0.5, 0.75, 1.0, 0.8535534, 0.5, 0.1464466, 0.0]),
-    ("constant", [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0]),
+def hf_rates(name: str, total: int, warmup: int, kwargs: dict | None = None, lr: float = 1.0) -> list[float]:
+    """The rate each of `total` optimizer steps applies under transformers' own get_scheduler, stepped as HF
+    Trainer steps it (optimizer.step, then scheduler.step): step k uses the schedule at k - 1."""
+    from transformers import get_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total,
+                          scheduler_specific_kwargs=kwargs)
+    rates = []
+    for _ in range(total):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return rates
+
+
+@pytest.mark.parametrize("name, keys, warmup", [
+    ("linear", {"warmup_steps": 3}, 3),
+    ("linear", {"warmup_ratio": 0.3}, 3),  # ceil(0.3 x 8) = 3, as transformers 4's warmup_ratio
+    ("linear", {"warmup_steps": 0.3}, 3),  # transformers 5 spells the ratio as warmup_steps below 1
+    ("cosine", {"warmup_steps": 2}, 2),
+    ("cosine_with_restarts", {"warmup_steps": 1, "lr_scheduler_kwargs": {"num_cycles": 2}}, 1),
+    ("polynomial", {"warmup_steps": 1, "lr_scheduler_kwargs": {"power": 2.0}}, 1),
+    ("constant", {"warmup_steps": 3}, 3),  # transformers' constant ignores warmup
+    ("constant_with_warmup", {"warmup_steps": 3}, 3),
+    ("inverse_sqrt", {"warmup_steps": 2}, 2),
+    ("cosine_with_min_lr", {"warmup_steps": 2, "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}, 2),
+    ("cosine_warmup_with_min_lr", {"warmup_steps": 2, "lr_scheduler_kwargs": {"min_lr": 1e-3}}, 2),
+    ("warmup_stable_decay", {"warmup_steps": 2, "lr_scheduler_kwargs": {"num_decay_steps": 3}}, 2),
 ])
-def test_lr_schedule(kind, expected):
-    """3 warmup steps: (s+1)/4; then 4 decay steps over progress (s-3)/4."""
-    cfg = build_config({"warmup_steps": 3, "lr_scheduler_type": kind})
-    got = [policy.get_lr(s, cfg, 7) for s in range(8)]
-    assert got == pytest.approx(expected)
+def test_the_schedule_is_transformers(name, keys, warmup):
+    """Every rate equals transformers' get_scheduler's for the same settings (warmup from 0 included)."""
+    cfg = build_config({"lr_scheduler_type": name, "learning_rate": 0.5, **keys})
+    opt, sched, _ = policy.setup_optimizer(cfg, torch.nn.Linear(2, 2), 8, devices.resolve(build_config(
+        {"device": "cpu"})))
+    got = []
+    for _ in range(8):
+        got.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert got == pytest.approx(hf_rates(name, 8, warmup, keys.get("lr_scheduler_kwargs"), lr=0.5), abs=1e-12)
+    if name == "linear":
+        assert got[0] == 0.0  # warmup starts from 0
+
+
+def test_metrics_log_the_rate_each_step_used(make_cfg):
+    """metrics.jsonl's learning_rate is the rate its step applied (HF Trainer logs the next step's)."""
+    cfg = make_cfg(max_steps=6, lr_scheduler_type="cosine_with_min_lr", warmup_steps=2, learning_rate=1e-2,
+                   lr_scheduler_kwargs={"min_lr_rate": 0.1}, eval_fraction=0.0)
+    precompute.run(cfg, progress=False)
+    train.run(cfg, progress=False)
+    lines = [json.loads(x) for x in open(Path(cfg.output_dir) / "metrics.jsonl")]
+    rates = {line["step"]: line["learning_rate"] for line in lines if "loss" in line}
+    want = hf_rates("cosine_with_min_lr", 6, 2, {"min_lr_rate": 0.1}, lr=1e-2)
+    assert rates == {step: pytest.approx(want[step - 1], abs=1e-15) for step in range(1, 7)}
+    assert rates[1] == 0.0
+
+
+@pytest.mark.parametrize("keys, fragment", [
+    ({"lr_scheduler_type": "cosine_with_min_lr"}, "lr_scheduler_type=cosine_with_min_lr with lr_scheduler_kwargs=None"),
+    ({"lr_scheduler_type": "linear", "lr_scheduler_kwargs": {"power": 2}}, "lr_scheduler_kwargs={'power': 2}"),
+    ({"warmup_steps": 2, "warmup_ratio": 0.1}, "set one"),
+    ({"warmup_steps": 2.5}, "a number of steps is whole"),
+    ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "expected one of linear, cosine"),
+])
+def test_a_schedule_transformers_refuses_is_refused_at_load(keys, fragment):
+    from lowmem_dpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        build_config(keys)
 
 
 def test_pair_stream_covers_each_epoch_once_and_splits_in_order():
