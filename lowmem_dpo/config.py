@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -22,13 +21,9 @@ from typing import ClassVar, Optional
 import yaml
 
 from lowmem_dpo.errors import UserError
+from lowmem_dpo.schedule import SCHEDULERS, make_schedule, throwaway_optimizer
 from lowmem_dpo.sources import Source, repeated, yaml_form
 from lowmem_dpo.units import parse_size
-
-# transformers.get_scheduler's names that an optimizer-step schedule can use (reduce_lr_on_plateau needs an eval
-# metric every step, greedy a loss signal: not these).
-SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 
 
 def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, reference=None,
@@ -294,7 +289,7 @@ class Config:
         if self.warmup_steps > 0 and self.warmup_ratio > 0:
             problems.append(f"warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio}: set one")
         try:
-            make_schedule(self, torch_optimizer(), 10)  # the schedule's own arguments, checked by transformers
+            make_schedule(self, throwaway_optimizer(), 10)  # the schedule's own arguments, checked by transformers
         except (TypeError, ValueError) as e:
             problems.append(f"lr_scheduler_type={self.lr_scheduler_type} with lr_scheduler_kwargs="
                             f"{self.lr_scheduler_kwargs}: {str(e).splitlines()[0]}")
@@ -389,30 +384,6 @@ def keys_where(**meta) -> frozenset[str]:
 RESUMABLE = keys_where(resumable=True)
 # Keys that set the run's length: changed on resume, the run continues to the new total (resuming.follow_run_length).
 RUN_LENGTH = keys_where(resumable="length")
-
-
-def warmup(cfg: Config, total_steps: int) -> int:
-    """Warmup steps of a run of `total_steps`, as transformers' TrainingArguments.get_warmup_steps: warmup_steps
-    (a ratio of the total when below 1), else ceil(warmup_ratio x total)."""
-    if cfg.warmup_steps >= 1:
-        return int(cfg.warmup_steps)
-    return math.ceil(total_steps * (cfg.warmup_steps or cfg.warmup_ratio))
-
-
-def make_schedule(cfg: Config, optimizer, total_steps: int):
-    """transformers' scheduler of `lr_scheduler_type` over `total_steps` optimizer steps (get_scheduler, HF
-    Trainer's call): a LambdaLR whose last_epoch is the steps taken."""
-    from transformers import get_scheduler
-
-    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup(cfg, total_steps),
-                         num_training_steps=total_steps, scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
-
-
-def torch_optimizer():
-    """A throwaway optimizer over one scalar, for checking a schedule's arguments."""
-    import torch
-
-    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
 
 
 def cache_settings(cfg: Config) -> dict:

@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo import adapters, devices, models, rules, streaming
-from lowmem_dpo.config import Config, make_schedule
+from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
+from lowmem_dpo.schedule import make_schedule
 from lowmem_dpo.units import fmt
 
 
@@ -82,7 +83,7 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, strea
 
 def setup_optimizer(cfg: Config, model, total_steps: int, resolved: devices.Resolved):
     """The device rule's optimizer (paged 8-bit AdamW on CUDA, torch AdamW elsewhere) over the LoRA weights, with
-    transformers' schedule of lr_scheduler_type (config.make_schedule): each step's rate is HF Trainer's."""
+    transformers' schedule of lr_scheduler_type (schedule.make_schedule): each step's rate is HF Trainer's."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = devices.make_optimizer(resolved.optimizer, params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     return opt, make_schedule(cfg, opt, total_steps), params

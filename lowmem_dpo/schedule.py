@@ -1,0 +1,36 @@
+"""The learning-rate schedule of a run: transformers' own (get_scheduler), with its warmup read as transformers reads
+it. `cfg` is a config.Config (lr_scheduler_type, lr_scheduler_kwargs, warmup_steps, warmup_ratio); the config
+checks a schedule's arguments with make_schedule at load, policy.setup_optimizer builds the run's."""
+
+from __future__ import annotations
+
+import math
+
+# transformers.get_scheduler's names that an optimizer-step schedule can use (reduce_lr_on_plateau needs an eval
+# metric every step, greedy a loss signal: not these).
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+
+
+def warmup(cfg, total_steps: int) -> int:
+    """Warmup steps of a run of `total_steps`, as transformers' TrainingArguments.get_warmup_steps: warmup_steps
+    (a ratio of the total when below 1), else ceil(warmup_ratio x total)."""
+    if cfg.warmup_steps >= 1:
+        return int(cfg.warmup_steps)
+    return math.ceil(total_steps * (cfg.warmup_steps or cfg.warmup_ratio))
+
+
+def make_schedule(cfg, optimizer, total_steps: int):
+    """transformers' scheduler of `lr_scheduler_type` over `total_steps` optimizer steps (get_scheduler, HF
+    Trainer's call): a LambdaLR whose last_epoch is the steps taken."""
+    from transformers import get_scheduler
+
+    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup(cfg, total_steps),
+                         num_training_steps=total_steps, scheduler_specific_kwargs=cfg.lr_scheduler_kwargs)
+
+
+def throwaway_optimizer():
+    """A throwaway optimizer over one scalar, for checking a schedule's arguments."""
+    import torch
+
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
