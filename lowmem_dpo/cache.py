@@ -44,8 +44,13 @@ def fingerprint_digest(components: dict) -> str:
 
 
 def rebuild_command(cfg, recipe: str | None) -> str:
-    """The command that builds the cache a recipe needs, for messages."""
-    return f"python -m lowmem_dpo.precompute {recipe or 'RECIPE.yaml'} ref_cache_dir={cfg.ref_cache_dir}"
+    """The command that builds the cache this run needs, for messages: precompute with the run's recipe and the
+    same overrides (a dataset, a max_length given on the command line is the cache's too); a config built in
+    code names its cache folder."""
+    import shlex
+
+    args = list(cfg.overrides) or [f"ref_cache_dir={cfg.ref_cache_dir}"]
+    return shlex.join(["python", "-m", "lowmem_dpo.precompute", recipe or "RECIPE.yaml", *args])
 
 
 # -- reading ---------------------------------------------------------------------------------------------------
@@ -115,25 +120,26 @@ def load_ref_logps(cache_dir: str | os.PathLike) -> tuple[torch.Tensor, torch.Te
 
 
 # -- checking --------------------------------------------------------------------------------------------------
-def check_fingerprint(cache_dir: Path, components: dict, rebuild_cmd: str) -> dict:
-    """The cache's manifest if it matches `components`; otherwise a UserError saying what changed."""
+def check_fingerprint(cache_dir: Path, components: dict, rebuild_cmd: str, cfg=None) -> dict:
+    """The cache's manifest if it matches `components`; otherwise a UserError naming what changed, in words (cfg:
+    the run's Config, for the files' names)."""
     manifest = read_manifest(cache_dir)
     if manifest is None:
         raise UserError(f"no reference cache in {str(cache_dir)!r}; build it with: {rebuild_cmd}")
     if manifest.get("fingerprint") == fingerprint_digest(components):
         return manifest
     old = manifest.get("components", {})
-    detail = ", ".join(f"{k} ({_short(old.get(k))} -> {_short(components.get(k))})"
+    detail = "; ".join(describe_change(k, old.get(k), components.get(k), cfg)
                        for k in changed_components(old, components))
-    raise UserError(f"the reference cache in {str(cache_dir)!r} was built for other inputs: {detail or 'format'} "
-                    f"changed. Rebuild it with: {rebuild_cmd}")
+    raise UserError(f"the reference cache in {str(cache_dir)!r} was built for other inputs: {detail or 'its format'} "
+                    f"changed since. Rebuild it with: {rebuild_cmd}")
 
 
-def check_for_training(cache_dir: Path, components: dict, rebuild_cmd: str) -> dict:
+def check_for_training(cache_dir: Path, components: dict, rebuild_cmd: str, cfg=None) -> dict:
     """check_fingerprint; when only the reference's precision differs, the message also says which settings
     train against the cache as built (it may hold a higher-precision reference on purpose)."""
     try:
-        return check_fingerprint(cache_dir, components, rebuild_cmd)
+        return check_fingerprint(cache_dir, components, rebuild_cmd, cfg)
     except UserError as e:
         old = (read_manifest(cache_dir) or {}).get("components", {})
         changed = set(changed_components(old, components))
@@ -190,7 +196,47 @@ def _first(rows: torch.Tensor, n: int = 5) -> str:
     return shown + (", ..." if len(rows) > n else "")
 
 
-def _short(v) -> str:
-    if isinstance(v, str) and len(v) == 64:
-        return v[:12]
-    return json.dumps(v, sort_keys=True)[:80]
+# The fingerprint's components (inputs.fingerprint_components) in words, for "what changed".
+WHAT = {"model": "the base model's weights or config", "adapter": "the SFT adapter's files",
+        "tokenizer": "the tokenizer's files", "chat_template": "the chat template's text", "format": "the cache format"}
+
+
+def describe_change(key: str, old, new, cfg=None) -> str:
+    """One changed component of the fingerprint in words: which file's content, which key's value."""
+    if key in WHAT:
+        return WHAT[key] + (" (added)" if old is None else " (removed)" if new is None else "")
+    if key == "dataset":
+        paths = [s.path for s in cfg.dataset] if cfg is not None else []
+        return _data_change("dataset", old, new, paths)
+    if key == "eval_dataset":
+        return _data_change("eval_dataset", old, new, [cfg.eval_dataset] if cfg is not None else [])
+    return f"{key} {old} -> {new}"
+
+
+def _data_change(key: str, old, new, paths: list) -> str:
+    """What differs between two data components (inputs.dataset_component): a file's content, a split, a
+    mixture's fractions and rows, the cap, the seed."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return f"{key} ({'added' if old is None else 'removed' if new is None else 'its form'})"
+    if ("sources" in old) != ("sources" in new):
+        return f"{key}: its sources (one source taken whole, against a mixture or a selection)"
+    if "sources" not in old:
+        return _source_change(key, old, new, paths[0] if paths else key)
+    parts = []
+    if len(old["sources"]) != len(new["sources"]):
+        parts.append(f"{key}: {len(old['sources'])} -> {len(new['sources'])} sources")
+    for i, (a, b) in enumerate(zip(old["sources"], new["sources"])):
+        if a != b:
+            parts.append(_source_change(f"{key}[{i}]", a, b, paths[i] if i < len(paths) else f"{key}[{i}]"))
+    parts += [f"{key} {k} {old.get(k)} -> {new.get(k)}" for k in ("max_train_samples", "seed")
+              if old.get(k) != new.get(k)]
+    return "; ".join(parts)
+
+
+def _source_change(key: str, old: dict, new: dict, path: str) -> str:
+    parts = []
+    if old.get("files") != new.get("files") or old.get("fingerprint") != new.get("fingerprint"):
+        parts.append(f"the content of {path}")
+    parts += [f"{key}.{k} {old.get(k)} -> {new.get(k)}" for k in ("split", "fraction", "rows", "hub")
+              if old.get(k) != new.get(k)]
+    return ", ".join(parts) or key

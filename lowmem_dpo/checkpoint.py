@@ -34,7 +34,7 @@ import torch
 
 from lowmem_dpo import files
 from lowmem_dpo.coerce import coerce
-from lowmem_dpo.config import HINTS, RESUMABLE, RUN_LENGTH
+from lowmem_dpo.config import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGTH
 from lowmem_dpo.errors import ConfigError, UserError, log
 
 FOLDER = "checkpoints"
@@ -198,10 +198,12 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     """Config keys whose values differ from the checkpoint's, except those declared resumable (config.py): those
     that change nothing the run computes, and those that set its length (RUN_LENGTH)."""
     keys = (set(saved) | set(current)) - RESUMABLE - RUN_LENGTH
-    return sorted(k for k in keys if _declared(k, saved.get(k)) != _declared(k, current.get(k)))
+    # a key the checkpoint lacks (added to lowmem_dpo since it was written) ran at its default
+    saved = {**{k: FIELD_DEFAULTS[k] for k in keys if k in FIELD_DEFAULTS and k not in saved}, **saved}
+    return sorted(k for k in keys if declared(k, saved.get(k)) != declared(k, current.get(k)))
 
 
-def _declared(key: str, value):
+def declared(key: str, value):
     """A config value as its key's declared type, so that an older spelling compares equal (loss_type: sigmoid was
     a string before it could be a list); as it is when it does not coerce."""
     try:

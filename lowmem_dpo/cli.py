@@ -20,13 +20,21 @@ OOM_ANYWHERE = ("out of memory: the run needs more memory than the device has fr
                 "to what the device really has free; python -m lowmem_dpo.plan RECIPE.yaml shows what fits")
 
 
+def shown(value) -> str:
+    """A default as a recipe writes it, on one line (YAML's flow style, without the end-of-document marker it puts
+    after a lone scalar)."""
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 def help_text(stage: str, command_doc: str) -> str:
     """--help of a stage that takes a recipe: its command doc, then every Config key with type, default and doc."""
     lines = [command_doc.strip(), "", f"usage: python -m lowmem_dpo.{stage} RECIPE.yaml [key=value ...]", "",
              "keys (type, default: doc):"]
     for f in dataclasses.fields(Config):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name} ({describe(HINTS[f.name])}, default {yaml.safe_dump(yaml_form(default)).strip()!s}"
+        lines.append(f"  {f.name} ({describe(HINTS[f.name])}, default {shown(yaml_form(default))}"
                      f"{' ; choices ' + '|'.join(f.metadata['choices']) if f.metadata['choices'] else ''}): "
                      f"{f.metadata['doc']}")
     return "\n".join(lines)

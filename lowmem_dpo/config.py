@@ -64,11 +64,18 @@ class Config:
                                "(README, Mixtures).", reference="files")
     dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders); "
                             "a mixture's source may name its own.", reference="files")
+    prompt_column: Optional[str] = _f(None, "The column holding the prompts when it is not called prompt (e.g. "
+                                      "question), in dataset and eval_dataset. null: prompt, or implicit prompts "
+                                      "(the shared start of chosen and rejected) when there is none.",
+                                      reference="files")
     max_train_samples: Optional[int] = _f(None, "Take at most this many rows of the dataset (of the mixture), "
                                           "chosen by seed and each row's content, before eval_fraction holds "
                                           "prompts out. null: all.", min=1, reference="files")
-    output_dir: str = _f("runs/tiny", "Where train writes config.yaml, metrics.jsonl and the final LoRA adapter.",
+    output_dir: str = _f("runs/tiny", "Where train writes config.yaml, metrics.jsonl and the final LoRA adapter. A "
+                         "folder holding anything but a lowmem_dpo run is refused (overwrite_output_dir).",
                          resumable=True)
+    overwrite_output_dir: bool = _f(False, "Write into an output_dir that holds other files (its tokenizer and "
+                                    "adapter files are replaced).", resumable=True)
     ref_cache_dir: str = _f("runs/tiny-ref-cache", "Where precompute writes the reference log-prob cache and "
                             "where train reads it.", resumable=True)
     # -- precision and device ------------------------------------------------------------------------------------
@@ -94,13 +101,11 @@ class Config:
                                      "larger budgets and CPUs, and on wherever the planner says the run needs it "
                                      "(README, Devices).", choices=("auto", "true", "false"))
     memory_budget: Optional[str] = _f(None, "Memory the run may use on its device, e.g. 11.25GiB (what torch gets of "
-                                      "a 12 GB card). On CUDA it is enforced (a larger card then behaves as the "
-                                      "small one) and picks the device rule; the planner fits train and precompute "
-                                      "to it (a smaller micro-batch, checkpointing, streamed layers). null: what "
-                                      "torch can get of the GPU now, or physical RAM on a CPU.", resumable=True)
-    memory_snapshot_on_oom: bool = _f(False, "CUDA: record the allocator's history and write torch's memory snapshot "
-                                      "(memory_snapshot.pickle, for https://pytorch.org/memory_viz) into output_dir "
-                                      "at the first out-of-memory error. Costs a little time per allocation.",
+                                      "a 12 GB card): enforced on CUDA, it picks the device rule, and the planner "
+                                      "fits train and precompute to it. null: what torch can get of the GPU now, or "
+                                      "physical RAM on a CPU.", resumable=True)
+    memory_snapshot_on_oom: bool = _f(False, "CUDA: at the first out-of-memory error, write torch's memory snapshot "
+                                      "(memory_snapshot.pickle, for pytorch.org/memory_viz) into output_dir.",
                                       resumable=True)
     share_prompt: str = _f("auto", "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
                            "mask hiding chosen and rejected from each other. auto: the device rule (README, "
@@ -197,30 +202,27 @@ class Config:
     save_steps: int = _f(50, "Checkpoint every this many optimizer steps into output_dir/checkpoints/checkpoint-"
                          "STEP (adapter, optimizer, scheduler, RNG, data position, metrics; ~3x the adapter's size);"
                          " 0 never.", min=0, resumable=True)
-    save_total_limit: int = _f(2, "Checkpoints to keep (the newest); older ones are removed once a new one is "
+    save_total_limit: int = _f(2, "Checkpoints to keep (the newest, and the best); older ones go once a new one is "
                                "complete. 0 keeps all.", min=0, resumable=True)
     resume: str = _f("auto", "auto: continue from the newest complete checkpoint in output_dir/checkpoints if there "
                      "is one (rerun the same command after a crash); never: start over; or the path of a "
                      "checkpoint-STEP folder.", resumable=True)
     # -- guards ----------------------------------------------------------------------------------------------------
     max_nonfinite_steps: int = _f(3, "A non-finite loss or gradient skips that update; this many in a row stop the "
-                                  "run as diverged (the last checkpoint stays).", min=1,
-                                  resumable=True)
-    early_stop_on_divergence: bool = _f(False, "Stop (exit 2, last checkpoint kept) when the DPO warning signs show: "
-                                        "reward margin exploding, loss collapsing towards 0 early, chosen "
-                                        "log-probs falling fast. Off: they are only logged as warnings.",
-                                        resumable=True)
+                                  "run as diverged (the last checkpoint stays).", min=1, resumable=True)
+    early_stop_on_divergence: bool = _f(False, "Stop (exit 2, last checkpoint kept) on a warning sign (README, "
+                                        "Guards). Off: they are only logged as warnings.", resumable=True)
     # -- precompute ----------------------------------------------------------------------------------------------
     precompute_batch_size: int = _f(8, "Pairs per reference forward in precompute (no grads: can exceed the "
                                     "training batch).", min=1, resumable=True)
     cache_shard_rows: int = _f(1024, "Rows per cache shard; a killed precompute resumes from its last shard.",
                                min=1, resumable=True)
-    ref_source: str = _f("cache", "cache: reference log-probs from ref_cache_dir (no reference forward). live: "
-                         "recompute them each step with the adapter disabled (for verification; costs a forward).",
-                         choices=("cache", "live"))
+    ref_source: str = _f("cache", "cache: reference log-probs from ref_cache_dir. live: recomputed each step with "
+                         "the adapter disabled (for verification; costs a forward).", choices=("cache", "live"))
 
     # Keys the recipe or an override set (build_config fills it), as opposed to defaults: warnings name only these.
     explicit_keys: ClassVar[frozenset] = frozenset()
+    overrides: ClassVar[tuple] = ()  # the key=value overrides it was loaded with, for the commands messages give
 
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> list[str]:
@@ -364,6 +366,8 @@ class Config:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+FIELD_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                  for f in dataclasses.fields(Config)}
 # The eval metrics (metrics.jsonl names: TRL's for DPO, eval_loss for SFT, and the samples' measures) and whether
 # larger is better: metric_for_best_model is one of them.
 EVAL_METRICS = {"eval_loss": False, "eval_rewards/chosen": True, "eval_rewards/rejected": False,

@@ -65,7 +65,8 @@ def sample_metrics(s, step: int) -> dict:
 
     def write(n: int) -> list:
         return [w for i in range(0, len(items), n) for w in samples.generate(
-            s.model, items[i:i + n], s.tokenizer, s.cfg.max_new_tokens, s.resolved.device, s.resolved.dtype)]
+            s.model, items[i:i + n], s.tokenizer, s.cfg.max_new_tokens, s.resolved.device, s.resolved.dtype,
+            shown=[s.prompts.get(item.row) for item in items[i:i + n]])]
 
     written = halving(s, write, len(items), "the samples")
     samples.append(Path(s.cfg.output_dir) / checkpoint.SAMPLES, step, written)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowmem_dpo import cache, data, distributed, models
@@ -20,7 +20,7 @@ from lowmem_dpo.sources import Source, label
 COMPONENT_NAMES = {"ref_dtype": "dtype", "ref_quantization": "quantization"}
 # The keys declared reference="files" (config.py), each read by file_components: a new one needs a line there.
 FILE_KEYS = frozenset({"model_name_or_path", "sft_adapter", "dataset", "dataset_split", "max_train_samples",
-                       "eval_dataset", "eval_split", "chat_template"})
+                       "eval_dataset", "eval_split", "chat_template", "prompt_column"})
 
 
 @dataclass
@@ -75,6 +75,8 @@ def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, to
         out["eval_dataset"] = data_component(cfg.eval_dataset, cfg.eval_split)
     if cfg.chat_template is not None:  # the text it names, by content (a file's path may stay as its text changes)
         out["chat_template"] = hashlib.sha256(models.chat_template_text(cfg.chat_template).encode()).hexdigest()
+    if cfg.prompt_column is not None:  # which column the prompts are
+        out["prompt_column"] = cfg.prompt_column
     return out
 
 
@@ -112,7 +114,8 @@ def tokenized_mixture(cfg: Config, tokenizer, progress: bool = True) -> tuple[da
 def mixture(cfg: Config) -> data.Mixture:
     """The rows of cfg.dataset (its sources loaded and taken, not tokenized): Mixture.row(pair.row) is a pair's
     row."""
-    return data.load_mixture(cfg.dataset, cfg.dataset_split, cfg.seed, cfg.max_train_samples, data.load_rows)
+    return data.load_mixture(cfg.dataset, cfg.dataset_split, cfg.seed, cfg.max_train_samples,
+                             lambda path, part: data.load_rows(path, part, prompt_column=cfg.prompt_column))
 
 
 @dataclass
@@ -127,6 +130,7 @@ class Data:
     eval_tok: data.TokenizedData | None = None  # every row of eval_dataset, tokenized (what precompute caches)
     mixture: data.Mixture | None = None  # cfg.dataset's sources as loaded: file_components reads a hub one's
     #                                      fingerprint from them
+    prompts: dict = field(default_factory=dict)  # eval item's row -> its prompt as the samples show it
 
 
 def _tokenize(cfg: Config, tokenizer, sources: list[Source], split: str, progress: bool, sft: bool,
@@ -134,7 +138,8 @@ def _tokenize(cfg: Config, tokenizer, sources: list[Source], split: str, progres
     """(mixture, TokenizedData) of a dataset's sources (split: the default split; cap: max_train_samples), taken
     (data/mix.py), checked and tokenized: SFT rows (prompt + completion or chosen) or pairs; messages name each
     row's source and its place there."""
-    load = (lambda path, part: data.load_rows(path, part, required=("prompt",))) if sft else data.load_rows
+    required = ("prompt",) if sft else data.REQUIRED
+    load = lambda path, part: data.load_rows(path, part, required, cfg.prompt_column)  # noqa: E731
     tokenize = data.tokenize_completions if sft else data.tokenize_rows
     mix = data.load_mixture(sources, split, cfg.seed, cap, load)
     return mix, data.tokenize_mixture(mix, lambda rows, spec, where: tokenize(
@@ -170,13 +175,20 @@ def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) 
     progress = progress and distributed.is_main()  # several processes tokenize alike: one bar
     mix, tok = _tokenize(cfg, tokenizer, cfg.dataset, cfg.dataset_split, progress, sft, cfg.max_train_samples)
     if cfg.eval_dataset is not None:
-        _, eval_tok = _tokenize(cfg, tokenizer, [Source(cfg.eval_dataset)], cfg.eval_split, progress, sft)
+        eval_mix, eval_tok = _tokenize(cfg, tokenizer, [Source(cfg.eval_dataset)], cfg.eval_split, progress, sft)
         log(f"eval: {len(eval_tok.pairs)} pairs from {cfg.eval_dataset}")
-        return Data(tok, tok.pairs, eval_tok.pairs[:cfg.eval_max_pairs], "eval", eval_tok, mix)
+        evals = eval_tok.pairs[:cfg.eval_max_pairs]
+        return Data(tok, tok.pairs, evals, "eval", eval_tok, mix, shown_prompts(eval_mix, evals))
     if cfg.eval_fraction > 0:
         train, evals = _held_out(cfg, mix, tok)
-        return Data(tok, train, evals[:cfg.eval_max_pairs], "train", mixture=mix)
+        evals = evals[:cfg.eval_max_pairs]
+        return Data(tok, train, evals, "train", mixture=mix, prompts=shown_prompts(mix, evals))
     return Data(tok, tok.pairs, [], None, mixture=mix)
+
+
+def shown_prompts(mix: data.Mixture, items: list) -> dict[int, str]:
+    """Each item's row -> its prompt as the samples show it (data.shown_prompt of the row's prompt)."""
+    return {item.row: data.shown_prompt(mix.row(item.row).get("prompt")) for item in items}
 
 
 def tokens_digest(items: list) -> str:

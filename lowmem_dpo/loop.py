@@ -154,6 +154,7 @@ class Session:
     replaces: list[Path] = field(default_factory=list)  # an earlier run's checkpoints, removed at the first save
     eval_items: list = field(default_factory=list)  # held-out items evaluated every eval_steps ([]: no eval)
     tokenizer: object = None  # decodes the samples
+    prompts: dict = field(default_factory=dict)  # eval item's row -> its prompt as the samples show it
     best: dict = field(default_factory=lambda: dict.fromkeys(BEST_KEYS))  # evaluation.note_best
     tensorboard: object = None  # report_to=tensorboard: tensorboard.open_writer's writer
     world: distributed.World = field(default_factory=distributed.world)  # this process among the launched ones
@@ -199,14 +200,15 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
 
 def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: int, objective: Objective,
           resume: tuple[Path | None, checkpoint.TrainerState | None], inputs: dict | None = None,
-          eval_items: list = (), tokenizer=None) -> Session:
+          eval_items: list = (), tokenizer=None, prompts: dict | None = None) -> Session:
     """The session of a stage's set-up model: its optimizer and schedule over the run's steps, at checkpoint
     `resume` (find_resume's pair, its inputs already checked against `inputs`) or at the start. `eval_items` are
-    evaluated (Objective.evaluate) every eval_steps, their prompts answered with `tokenizer`'s decoding."""
+    evaluated (Objective.evaluate) every eval_steps, their prompts answered with `tokenizer`'s decoding and shown
+    as `prompts` has them (inputs.Data.prompts)."""
     steps = policy.total_steps(cfg, len(items), distributed.world().size)
     opt, sched, params = policy.setup_optimizer(cfg, model, steps, resolved)
     s = Session(cfg, resolved, model, opt, sched, params, items, pad_id, steps, objective, inputs=inputs or {},
-                eval_items=list(eval_items), tokenizer=tokenizer,
+                eval_items=list(eval_items), tokenizer=tokenizer, prompts=prompts or {},
                 scaler=devices.grad_scaler(resolved.device, resolved.dtype))
     return resume_or_start(s, *resume)
 

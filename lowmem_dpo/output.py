@@ -26,6 +26,40 @@ def last_checkpoint_note(s) -> str:
             else "no checkpoint was written (save_steps)")
 
 
+# A lowmem_dpo run's config.yaml has these keys (with every other key of config.Config): what check_output_dir
+# recognises as a folder this tool wrote; or a folder of nothing but what a run writes besides the adapter
+# (checkpoints copied or left by a run killed early).
+RUN_KEYS = ("model_name_or_path", "ref_cache_dir", "output_dir", "loss_type")
+RUN_FILES = {"checkpoints", "config.yaml", "metrics.jsonl", "samples.jsonl", "trainer_state.json", "runs",
+             "curves.png", "memory_snapshot.pickle"}
+
+
+def check_output_dir(cfg) -> None:
+    """Before anything heavy: refuse an output_dir that holds files and is not a lowmem_dpo run (its config.yaml
+    names RUN_KEYS), since train writes its config, tokenizer and adapter files there, unless
+    overwrite_output_dir is set. An empty or new folder, or an earlier run (resumed or started over), is fine."""
+    import yaml
+
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir={str(out)!r} is a file: name a folder (it is created if missing)")
+    if cfg.overwrite_output_dir or not out.is_dir():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    try:
+        ours = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        ours = None
+    if isinstance(ours, dict) and all(k in ours for k in RUN_KEYS) or set(entries) <= RUN_FILES:
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise UserError(f"output_dir={str(out)!r} holds files that are not a lowmem_dpo run ({shown}): train would "
+                    "write its config, tokenizer and adapter files among them. Name a new or empty folder, or set "
+                    "overwrite_output_dir=true to write there anyway")
+
+
 def start_output(s) -> Path:
     """output_dir with the resolved config.yaml; the resolved choices in the log."""
     out_dir = Path(s.cfg.output_dir)

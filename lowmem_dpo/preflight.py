@@ -143,7 +143,7 @@ def refresh(cache_dir: Path) -> dict:
 def run(cfg, recipe: str | None = None) -> dict:
     """The report of the cache that matches cfg (refused, with the rebuild command, when it does not)."""
     ins = inputs.prepare(cfg, devices.resolve(cfg))
-    cache.check_fingerprint(Path(cfg.ref_cache_dir), ins.fingerprint, cache.rebuild_command(cfg, recipe))
+    cache.check_fingerprint(Path(cfg.ref_cache_dir), ins.fingerprint, cache.rebuild_command(cfg, recipe), cfg)
     return refresh(Path(cfg.ref_cache_dir))
 
 

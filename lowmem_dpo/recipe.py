@@ -78,4 +78,6 @@ def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> 
     for key, value in parse_overrides(list(overrides)).items():
         values[key] = value
         sources[key] = "override"
-    return build_config(values, sources)
+    cfg = build_config(values, sources)
+    cfg.overrides = tuple(overrides)
+    return cfg

@@ -24,10 +24,12 @@ def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | Non
     if resume_from is None:
         return None, None
     saved = checkpoint.read_state(resume_from)
+    check_older_semantics(cfg, resume_from, saved)
     changed = checkpoint.config_changes(saved.config, dataclasses.asdict(cfg))
     if changed:
         raise UserError(f"{resume_from} was written by a run with other settings ("
-                        + ", ".join(f"{k}: {saved.config.get(k)!r} -> {getattr(cfg, k, None)!r}" for k in changed)
+                        + ", ".join(f"{k}: {checkpoint.declared(k, saved.config.get(k))!r} -> {getattr(cfg, k, None)!r}"
+                                    for k in changed)
                         + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
                         " are replaced as the new run saves)")
     processes = distributed.world().size
@@ -37,6 +39,25 @@ def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | Non
                         f"x processes, so the run would change; resume with {saved.world_size} (torchrun "
                         "--nproc-per-node), or pass resume=never to start over")
     return resume_from, saved
+
+
+def check_older_semantics(cfg: Config, resume_from: Path, saved: checkpoint.TrainerState) -> None:
+    """A checkpoint written before the schedules were transformers' and before sigmoid ignored label_smoothing (its
+    config has no warmup_ratio): a run whose numbers those changed is refused, or told what changes."""
+    if "warmup_ratio" in saved.config:
+        return
+    old_types = saved.config.get("loss_type")
+    old_types = [old_types] if isinstance(old_types, str) else list(old_types or [])
+    if saved.config.get("label_smoothing") and "sigmoid" in old_types:  # that run's sigmoid is today's cdpo
+        saved.config["loss_type"] = ["cdpo" if t == "sigmoid" else t for t in old_types]
+    if cfg.label_smoothing > 0 and "sigmoid" in cfg.loss_type:
+        raise UserError(f"{resume_from} was written when loss_type=sigmoid with label_smoothing="
+                        f"{cfg.label_smoothing} was conservative DPO; sigmoid now ignores label_smoothing, as TRL "
+                        "1.16's does. To continue it as it was, set loss_type=cdpo (the same loss under its own "
+                        "name); or pass resume=never to start over")
+    if cfg.warmup_steps or cfg.lr_scheduler_type == "constant":
+        log(f"note: {resume_from} was written before the learning-rate schedule was transformers': from here on "
+            "its warmup (and a constant schedule, which has none in transformers) follow transformers'")
 
 
 def _length_changes(cfg: Config, saved: checkpoint.TrainerState) -> str:

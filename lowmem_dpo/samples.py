@@ -23,7 +23,7 @@ from lowmem_dpo.logps import eval_mode
 
 @dataclass
 class Sample:
-    prompt: str
+    prompt: str  # as shown: a conversation's last user message (data.shown_prompt), a text prompt as it is
     completion: str  # the policy's greedy completion
     chosen: str  # the data's chosen completion (SFT: its completion)
     ids: list[int]  # the completion's token ids, without EOS (for guards.repetition)
@@ -71,16 +71,19 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | N
     return completions
 
 
-def generate(model, items: list, tokenizer, max_new_tokens: int, device, dtype) -> list[Sample]:
+def generate(model, items: list, tokenizer, max_new_tokens: int, device, dtype,
+             shown: list[str | None] | None = None) -> list[Sample]:
     """Greedy samples for `items` (data.TokenizedPair, or data.TokenizedCompletion whose completion stands as
-    chosen), decoded without special tokens."""
+    chosen), decoded without special tokens. `shown`: each item's prompt as the log shows it (a conversation's last
+    user message: data.shown_prompt); None (or a None entry): the prompt's tokens decoded."""
     prompts = [item.prompt_ids for item in items]
     outs = greedy(model, prompts, max_new_tokens, tokenizer.eos_token_id, data.pad_token_id(tokenizer), device,
                   dtype)
     samples = []
-    for item, ids in zip(items, outs):
+    for item, ids, text in zip(items, outs, shown or [None] * len(items)):
         chosen = item.chosen_ids if isinstance(item, data.TokenizedPair) else item.completion_ids
-        samples.append(Sample(prompt=tokenizer.decode(item.prompt_ids, skip_special_tokens=True),
+        samples.append(Sample(prompt=text if text is not None else tokenizer.decode(item.prompt_ids,
+                                                                                     skip_special_tokens=True),
                               completion=tokenizer.decode(ids, skip_special_tokens=True),
                               chosen=tokenizer.decode(chosen, skip_special_tokens=True), ids=ids))
     return samples

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, data, devices, headcheck, inputs, loop, models, policy, resuming
+from lowmem_dpo import adapters, data, devices, headcheck, inputs, loop, models, output, policy, resuming
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
@@ -128,6 +128,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     if cfg.has_eval and cfg.best_metric_name not in SFT_METRICS:
         raise UserError(f"metric_for_best_model={cfg.metric_for_best_model} is a DPO metric; sft evaluates "
                         f"{' and '.join(SFT_METRICS)}: set one of them")
+    output.check_output_dir(cfg)  # a folder of other files is refused before anything loads
     resolved = devices.resolve(cfg)
     for note in cfg.no_effect():
         log(f"warning: {note}")
@@ -149,7 +150,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     pad_id = data.pad_token_id(tokenizer)
     headcheck.verify(model, data.collate_completions(d.train[:2], pad_id).to(resolved.device), resolved.device,
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-    return loop.start(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer)
+    return loop.start(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer, d.prompts)
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

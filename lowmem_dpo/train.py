@@ -28,6 +28,7 @@ from lowmem_dpo import (
     headcheck,
     inputs,
     loop,
+    output,
     policy,
     resuming,
 )
@@ -205,6 +206,7 @@ class DPO:
 def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.Session:
     """Check the cache, tokenize, load the model with its one adapter (fresh, or the SFT adapter continued), build
     the optimizer; with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it."""
+    output.check_output_dir(cfg)  # a folder of other files is refused before anything loads
     resolved = devices.resolve(cfg)
     for note in cfg.no_effect():
         log(f"warning: {note}")
@@ -215,7 +217,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     cache_dir = Path(cfg.ref_cache_dir)
     if cfg.ref_source == "cache":
         # Before anything heavy loads: a stale cache is refused in seconds.
-        cache.check_for_training(cache_dir, ins.fingerprint, cache.rebuild_command(cfg, recipe))
+        cache.check_for_training(cache_dir, ins.fingerprint, cache.rebuild_command(cfg, recipe), cfg)
     policy.check_bitsandbytes(resolved)
     log(ins.source.description)
     d = inputs.load_data(cfg, ins.tokenizer, progress)  # logs the rows it skips and the eval split
@@ -234,8 +236,8 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
             f"share_prompt and this run {'shares' if shared else 'does not share'} prompts: in "
             f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
             "off ln 2; rebuild the cache (rm -r it, then precompute) for an exact start")
-    return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref, shared, sft_weight(cfg)), resume, trains_on, d.eval,
-                      ins.tokenizer)
+    return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref, shared, sft_weight(cfg)), resume,
+                      trains_on, d.eval, ins.tokenizer, d.prompts)
 
 
 def reference_caches(cfg: Config, cache_dir: Path, d: inputs.Data, recipe: str | None) -> tuple:

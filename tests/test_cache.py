@@ -64,7 +64,7 @@ def test_changed_inputs_are_refused_with_what_changed(make_cfg, tmp_path):
         other.model_name_or_path)))
     with pytest.raises(UserError) as e:
         cache.check_fingerprint(cache.Path(cfg.ref_cache_dir), fp, "REBUILD")
-    assert "max_length (64 -> 48)" in str(e.value) and "REBUILD" in str(e.value)
+    assert "max_length 64 -> 48" in str(e.value) and "REBUILD" in str(e.value)
 
     rows = [json.loads(line) for line in TINY_DATA.read_text().splitlines()]
     rows[0]["chosen"] = "The lamp is great and great."

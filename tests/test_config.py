@@ -164,7 +164,8 @@ ALTERNATIVES = {
     "greater_is_better": True, "load_best_model_at_end": True, "eval_generations": 2, "max_new_tokens": 8,
     "report_to": "tensorboard", "share_prompt": "false", "loss_weights": [2.0], "max_train_samples": 5,
     "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}", "memory_snapshot_on_oom": True,
-    "lr_scheduler_kwargs": {"num_cycles": 2}, "warmup_ratio": 0.1,
+    "lr_scheduler_kwargs": {"num_cycles": 2}, "warmup_ratio": 0.1, "overwrite_output_dir": True,
+    "prompt_column": "question",
 }
 
 
@@ -198,6 +199,7 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
                                           "save_total_limit", "resume", "memory_budget", "precompute_batch_size",
                                           "cache_shard_rows", "early_stop_on_divergence", "max_nonfinite_steps",
                                           "strict", "eval_steps", "load_best_model_at_end", "eval_generations",
-                                          "max_new_tokens", "report_to", "memory_snapshot_on_oom"}
+                                          "max_new_tokens", "report_to", "memory_snapshot_on_oom",
+                                          "overwrite_output_dir"}
     assert keys_where(resumable="length") == {"max_steps", "num_train_epochs"}  # the run continues to the new total
     assert keys_where(reference="files") == inputs.FILE_KEYS  # each has its digest in inputs.file_components

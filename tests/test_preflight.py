@@ -98,4 +98,4 @@ def test_report_counts_truncation_and_is_refreshed_from_the_cache(make_cfg, tmp_
     assert out.startswith("preflight: 7 pairs of 8 rows (1 skipped: 1 prompt_too_long); truncated: 1 chosen")
     assert f"{rep['margin']['p50']:.3f}" in out
     assert run_cli(preflight.main, args[:-1] + ["max_length=48"], "preflight", preflight.__doc__) == 2
-    assert "max_length (64 -> 48)" in capsys.readouterr().err
+    assert "max_length 64 -> 48" in capsys.readouterr().err

@@ -485,3 +485,27 @@ def test_a_nonfinite_reference_logp_is_refused(built, tmp_path, capsys):
     assert (f"has no finite chosen and rejected reference log-probs for 1 of the rows this run trains on "
             f"(rows {row}); remove it and rebuild it") in err
     assert "Traceback" not in err
+
+
+def test_a_checkpoint_from_before_the_transformers_schedules(tmp_path):
+    """A checkpoint whose config has no warmup_ratio (written before keys were added and before sigmoid ignored
+    label_smoothing): keys it lacks ran at their defaults; its sigmoid with label_smoothing was conservative DPO,
+    so it continues as loss_type=cdpo and is refused as sigmoid."""
+    import dataclasses
+
+    from lowmem_dpo import resuming
+    from lowmem_dpo.config import keys_where
+
+    cfg = build_config({**RUN, "label_smoothing": 0.1, "ref_cache_dir": str(tmp_path / "c")})
+    old = dataclasses.asdict(cfg)
+    for key in ("warmup_ratio", "lr_scheduler_kwargs", "prompt_column", "overwrite_output_dir",
+                "memory_snapshot_on_oom"):
+        del old[key]
+    saved = checkpoint.TrainerState(step=5, pairs_seen=20, micro_batch=4, grad_accum=1, skipped_steps=0, window={},
+                                    config=old)
+    with pytest.raises(UserError, match="set loss_type=cdpo"):
+        resuming.check_older_semantics(cfg, tmp_path, saved)
+    cdpo = dataclasses.replace(cfg, loss_type=["cdpo"])
+    resuming.check_older_semantics(cdpo, tmp_path, saved)  # rewrites that run's sigmoid as today's cdpo
+    assert checkpoint.config_changes(saved.config, dataclasses.asdict(cdpo)) == []
+    assert "warmup_ratio" in keys_where(resumable=False) - set(old)  # compared as its default, 0.0: no change

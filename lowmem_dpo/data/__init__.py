@@ -23,9 +23,9 @@ from lowmem_dpo.data.encode import (
 )
 from lowmem_dpo.data.mix import Mixture, load_mixture, tokenize_mixture
 from lowmem_dpo.data.rows import REQUIRED, data_files, load_rows
-from lowmem_dpo.data.split import held_out, holdout_rows, prompt_keys
+from lowmem_dpo.data.split import held_out, holdout_rows, prompt_keys, shown_prompt
 
 __all__ = ["Batch", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
            "TokenizedData", "TokenizedPair", "check_skips", "manifest_skips", "tokenize_completions", "tokenize_rows",
            "REQUIRED", "data_files", "load_rows", "held_out", "holdout_rows",
-           "prompt_keys", "Mixture", "load_mixture", "tokenize_mixture"]
+           "prompt_keys", "shown_prompt", "Mixture", "load_mixture", "tokenize_mixture"]

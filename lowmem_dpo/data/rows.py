@@ -180,9 +180,48 @@ def row_locator(spec: str, num_rows: int) -> Callable[[int], str]:
     return where
 
 
-def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUIRED):
+def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUIRED, prompt_column: str | None = None):
     """A `datasets.Dataset` of preference rows (or rows with the `required` columns) from a local file, a
-    save_to_disk folder or a hub name."""
+    save_to_disk folder or a hub name; `prompt_column` (the config key) is read as the prompt."""
+    ds = _load(spec, split, tuple(prompt_column if k == "prompt" and prompt_column else k for k in required))
+    if prompt_column and prompt_column != "prompt":
+        if prompt_column not in ds.column_names:
+            raise UserError(f"prompt_column={prompt_column}: dataset {spec!r} has no such column (it has "
+                            f"{', '.join(ds.column_names)})")
+        if "prompt" in ds.column_names:
+            ds = ds.remove_columns("prompt")
+        ds = ds.rename_column(prompt_column, "prompt")
+    elif "prompt" in required and "prompt" not in ds.column_names and all(k in ds.column_names for k in IMPLICIT):
+        unread = [c for c in ds.column_names if c not in IMPLICIT and _texty(ds.features[c])]
+        if unread:
+            raise UserError(f"dataset {spec!r} has chosen and rejected but no prompt column, and a column this tool "
+                            f"does not read: {', '.join(unread)}. If it holds the prompts, set "
+                            f"prompt_column={unread[0]}; to take each prompt as the shared start of chosen and "
+                            "rejected (implicit prompts, as TRL), remove that column")
+        log(f"dataset {spec!r} has no prompt column: each row's prompt is the shared start of its chosen and "
+            "rejected (implicit prompts, as TRL)")
+        ds = ds.map(with_prompt, keep_in_memory=True, load_from_cache_file=False)
+    missing = [k for k in required if k not in ds.column_names]
+    if missing:
+        raise UserError(f"dataset {spec!r} lacks column(s) {', '.join(missing)} (has {', '.join(ds.column_names)});"
+                        f" each row needs {', '.join(required)}" + ("" if prompt_column else
+                                                                     " (another column as the prompt: prompt_column)"))
+    if len(ds) == 0:
+        raise UserError(f"dataset {spec!r} has no rows")
+    return ds
+
+
+def _texty(feature) -> bool:
+    """Whether a column holds text or conversations (what could be prompts), not numbers or labels."""
+    import datasets
+
+    if isinstance(feature, datasets.Value):
+        return feature.dtype in ("string", "large_string")
+    return isinstance(feature, (list, datasets.Sequence, getattr(datasets, "List", datasets.Sequence)))
+
+
+def _load(spec: str, split: str, required: tuple[str, ...]):
+    """The rows of a local file (checked first), a save_to_disk folder or a hub name, as `datasets` reads them."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -218,14 +257,4 @@ def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUI
     except Exception as e:  # datasets raises many types for unreadable data: report, no traceback
         raise UserError(f"dataset {spec!r} could not be read: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
                         " (check that the file matches its extension)") from None
-    if "prompt" in required and "prompt" not in ds.column_names and all(k in ds.column_names for k in IMPLICIT):
-        log(f"dataset {spec!r} has no prompt column: each row's prompt is the shared start of its chosen and "
-            "rejected (implicit prompts, as TRL)")
-        ds = ds.map(with_prompt, keep_in_memory=True, load_from_cache_file=False)
-    missing = [k for k in required if k not in ds.column_names]
-    if missing:
-        raise UserError(f"dataset {spec!r} lacks column(s) {', '.join(missing)} (has {', '.join(ds.column_names)});"
-                        f" each row needs {', '.join(required)}")
-    if len(ds) == 0:
-        raise UserError(f"dataset {spec!r} has no rows")
     return ds

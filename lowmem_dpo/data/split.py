@@ -23,6 +23,19 @@ def prompt_key(value) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
+def shown_prompt(value) -> str:
+    """A prompt as the log and the report show it: the text itself, or a conversation's last user message (its
+    text parts), not the chat template's rendering with the roles glued to the text."""
+    if isinstance(value, str):
+        return value.strip()
+    messages = [m for m in value or [] if isinstance(m, dict)]
+    users = [m for m in messages if m.get("role") == "user"] or messages
+    content = users[-1].get("content") if users else ""
+    if isinstance(content, list):  # content parts: {"type": "text", "text": ...}
+        content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return str(content or "").strip()
+
+
 def holdout_score(key: str) -> float:
     """sha256 of the key as a number in [0, 1) (its first 8 bytes)."""
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2.0 ** 64
