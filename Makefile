@@ -39,7 +39,7 @@ demo: $(VENV)/.install-report
 	$(PY) -m lowmem_dpo.train $(RECIPE)
 	$(PY) -m lowmem_dpo.report runs/tiny
 
-# Stacked SFT -> DPO on the tiny model (README, Stacked SFT -> DPO)
+# Stacked SFT -> DPO on the tiny model (docs/stacked-sft-dpo.md)
 demo-sft: $(VENV)/.install-base
 	$(PY) -m lowmem_dpo.sft recipes/tiny-sft.yaml
 	$(PY) -m lowmem_dpo.precompute recipes/tiny-dpo-after-sft.yaml

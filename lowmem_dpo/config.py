@@ -61,7 +61,7 @@ class Config:
     dataset: list[Source] = _f([Source("data/tiny-prefs.jsonl")], "Preference rows {prompt, chosen, rejected}: a "
                                ".jsonl/.json/.parquet/.csv file, a datasets save_to_disk folder, or a hub dataset "
                                "name (online); or a mixture, a list of these or of {path, split, fraction | rows} "
-                               "(README, Mixtures).", reference="files")
+                               "(docs/data.md, Mixtures).", reference="files")
     dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders); "
                             "a mixture's source may name its own.", reference="files")
     prompt_column: Optional[str] = _f(None, "The column holding the prompts when it is not called prompt (e.g. "
@@ -83,7 +83,7 @@ class Config:
                      choices=("auto", "cpu", "cuda", "mps"))
     dtype: str = _f("auto", "Dtype of the policy's unquantized weights and of its compute (also the compute dtype "
                     "of a 4bit/8bit base). auto: bfloat16 on a GPU or CPU with native bf16, float16 (with dynamic "
-                    "loss scaling) on a GPU without (T4, V100), else float32 (README, Devices). bfloat16 on a GPU "
+                    "loss scaling) on a GPU without (T4, V100), else float32 (docs/devices-and-memory.md). bfloat16 on a GPU "
                     "without native bf16 is refused. Memory: float32 costs 2x the bytes of the 16-bit types.",
                     choices=("auto", "float32", "bfloat16", "float16"))
     quantization: str = _f("none", "Quantize the policy's frozen base weights with bitsandbytes (4bit: NF4 with "
@@ -99,7 +99,7 @@ class Config:
     gradient_checkpointing: str = _f("auto", "Recompute activations in backward: saves activation memory, costs "
                                      "~30% more compute. auto: on for a CUDA budget <= 24 GiB and mps, off for "
                                      "larger budgets and CPUs, and on wherever the planner says the run needs it "
-                                     "(README, Devices).", choices=("auto", "true", "false"))
+                                     "(docs/devices-and-memory.md).", choices=("auto", "true", "false"))
     memory_budget: Optional[str] = _f(None, "Memory the run may use on its device, e.g. 11.25GiB (what torch gets of "
                                       "a 12 GB card): enforced on CUDA, it picks the device rule, and the planner "
                                       "fits train and precompute to it. null: what torch can get of the GPU now, or "
@@ -108,8 +108,8 @@ class Config:
                                       "(memory_snapshot.pickle, for pytorch.org/memory_viz) into output_dir.",
                                       resumable=True)
     share_prompt: str = _f("auto", "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
-                           "mask hiding chosen and rejected from each other. auto: the device rule (README, "
-                           "Devices), if the first batch agrees.", choices=("auto", "true", "false"))
+                           "mask hiding chosen and rejected from each other. auto: the device rule (docs/"
+                           "devices-and-memory.md), if the first batch agrees.", choices=("auto", "true", "false"))
     # -- tokenization (these change the reference numbers) -----------------------------------------------------
     max_length: int = _f(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
                          "prompt alone reaches it are dropped. Activation memory grows linearly with it.",
@@ -120,9 +120,9 @@ class Config:
                                       "tokenizer's: a file (e.g. template.jinja) or the template text itself. Its "
                                       "text enters the cache fingerprint.", reference="files")
     strict: bool = _f(False, "Refuse the data instead of skipping unusable rows (an empty value, chosen identical to "
-                      "rejected, a prompt alone reaching max_length); README, Data checks. Not a cache key: it only "
+                      "rejected, a prompt alone reaching max_length); docs/data.md, Data checks. Not a cache key: it only "
                       "turns skips into errors, the rows kept are the same.", resumable=True)
-    # -- evaluation (README, Evaluation) ---------------------------------------------------------------------------
+    # -- evaluation (docs/evaluation.md) --------------------------------------------------------------------------------
     eval_dataset: Optional[str] = _f(None, "Held-out rows in the training data's format (any source `dataset` "
                                      "accepts); precompute caches their reference log-probs with the training "
                                      "rows. null: none, or eval_fraction.", reference="files")
@@ -210,8 +210,8 @@ class Config:
     # -- guards ----------------------------------------------------------------------------------------------------
     max_nonfinite_steps: int = _f(3, "A non-finite loss or gradient skips that update; this many in a row stop the "
                                   "run as diverged (the last checkpoint stays).", min=1, resumable=True)
-    early_stop_on_divergence: bool = _f(False, "Stop (exit 2, last checkpoint kept) on a warning sign (README, "
-                                        "Guards). Off: they are only logged as warnings.", resumable=True)
+    early_stop_on_divergence: bool = _f(False, "Stop (exit 2, last checkpoint kept) on a warning sign (docs/"
+                                        "training.md, Guards and warning signs). Off: they are only logged as warnings.", resumable=True)
     # -- precompute ----------------------------------------------------------------------------------------------
     precompute_batch_size: int = _f(8, "Pairs per reference forward in precompute (no grads: can exceed the "
                                     "training batch).", min=1, resumable=True)

@@ -1,4 +1,4 @@
-"""The `dataset` key: one source of rows, or a mixture of several (README, Data: Mixtures).
+"""The `dataset` key: one source of rows, or a mixture of several (docs/data.md, Mixtures).
 
     dataset: data/prefs.jsonl                       # one source (also as an override: dataset=data/prefs.jsonl)
     dataset:                                        # a mixture

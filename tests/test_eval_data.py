@@ -4,8 +4,6 @@ training rows (one build, one fingerprint), and the errors."""
 import hashlib
 import json
 import math
-import subprocess
-import sys
 
 import datasets
 import pytest
@@ -150,14 +148,20 @@ def test_fingerprint_has_eval_dataset_only_when_set(make_cfg, tmp_path):
     assert cache.fingerprint_digest(changed) != cache.fingerprint_digest(with_eval)
 
 
-def run_precompute(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lowmem_dpo.precompute", "recipes/tiny-cpu.yaml",
-                           f"ref_cache_dir={tmp_path / 'cache'}", "load_best_model_at_end=false", "eval_fraction=0",
-                           *overrides], capture_output=True, text=True, cwd=REPO, timeout=300)
+def run_precompute(tmp_path, capsys, *overrides: str):
+    """python -m lowmem_dpo.precompute, in this process (its entry point, run_cli): exit code and stderr."""
+    from types import SimpleNamespace
+
+    from lowmem_dpo.cli import run_cli
+
+    capsys.readouterr()
+    code = run_cli(precompute.main, [str(REPO / "recipes/tiny-cpu.yaml"), f"ref_cache_dir={tmp_path / 'cache'}",
+                                     "load_best_model_at_end=false", "eval_fraction=0", *overrides], "precompute", "")
+    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("case", ["none_held", "all_held", "eval_all_skipped"])
-def test_eval_data_errors_exit_2_from_precompute(tmp_path, case):
+def test_eval_data_errors_exit_2_from_precompute(tmp_path, case, capsys):
     rows = tiny_rows()
     if case == "none_held":
         fraction = min(score(r["prompt"]) for r in rows) / 2
@@ -169,7 +173,7 @@ def test_eval_data_errors_exit_2_from_precompute(tmp_path, case):
     else:
         bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "chosen": "same", "rejected": "same"}] * 2)
         args, expect = [f"eval_dataset={bad}"], f"dataset '{bad}': all 2 rows were skipped"
-    p = run_precompute(tmp_path, *args)
+    p = run_precompute(tmp_path, capsys, *args)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert expect in p.stderr
     assert not (tmp_path / "cache" / cache.MANIFEST).exists()

@@ -252,14 +252,30 @@ def test_parse_size():
 
 
 # -- CLI -------------------------------------------------------------------------------------------------------
-def _run(*args):
-    return subprocess.run([sys.executable, "-m", "lowmem_dpo.plan", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=300)
+def _run(capsys, *args):
+    """python -m lowmem_dpo.plan ARGS, in this process (its entry point, run_cli): exit code and output."""
+    from types import SimpleNamespace
+
+    from lowmem_dpo import plan
+    from lowmem_dpo.cli import run_cli
+
+    capsys.readouterr()
+    code = run_cli(plan.main, [str(REPO / args[0]) if args and args[0].endswith(".yaml") else args[0], *args[1:]],
+                   "plan", plan.__doc__)
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
-def test_cli_table_and_json(tmp_path):
+def test_the_command_itself_runs():
+    """One run as a user starts it (the module's own __main__), the rest in-process."""
+    p = subprocess.run([sys.executable, "-m", "lowmem_dpo.plan", "recipes/mistral-7b-qlora-12gb.yaml", "--budget",
+                        "11.25GiB"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 0 and "fits 11.25 GiB" in p.stdout, p.stderr
+
+
+def test_cli_table_and_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    p = _run("recipes/mistral-7b-qlora-12gb.yaml", "per_device_train_batch_size=16", "--budget", "12GiB",
+    p = _run(capsys, "recipes/mistral-7b-qlora-12gb.yaml", "per_device_train_batch_size=16", "--budget", "12GiB",
              "--json", str(out))
     assert p.returncode == 0, p.stderr
     assert "peak" in p.stdout and "overrides: " in p.stdout
@@ -272,9 +288,9 @@ def test_cli_table_and_json(tmp_path):
         16 * 8 // int(report["plan"]["overrides"]["per_device_train_batch_size"]))
 
 
-def test_cli_exits_1_when_nothing_fits(tmp_path):
+def test_cli_exits_1_when_nothing_fits(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    p = _run("recipes/mistral-7b-qlora-12gb.yaml", "--budget", "1GiB", "--json", str(out))
+    p = _run(capsys, "recipes/mistral-7b-qlora-12gb.yaml", "--budget", "1GiB", "--json", str(out))
     assert p.returncode == 1, p.stderr
     assert "DOES NOT FIT 1.00 GiB even with every knob" in p.stdout
     assert json.loads(out.read_text())["plan"]["fits"] is False
@@ -289,7 +305,7 @@ def test_cli_exits_1_when_nothing_fits(tmp_path):
     (["--bogus"], "unrecognized arguments: --bogus"),
     ([], "device=cuda but no GPU here to read its memory from: pass --budget"),
 ])
-def test_cli_errors_exit_2_in_one_line(args, fragment):
-    p = _run("recipes/mistral-7b-qlora-12gb.yaml", *args)
+def test_cli_errors_exit_2_in_one_line(args, fragment, capsys):
+    p = _run(capsys, "recipes/mistral-7b-qlora-12gb.yaml", *args)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert fragment in p.stderr and len(p.stderr.strip().splitlines()) == 1

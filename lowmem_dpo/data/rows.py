@@ -1,7 +1,7 @@
 """Preference (and SFT) rows: read a file, a save_to_disk folder or a hub dataset through `datasets`, after
 checking a local file's structure ourselves, because `datasets`' errors carry no line numbers.
 
-Structural problems refuse the data with a UserError naming the file and the line (JSON Lines) or row (README,
+Structural problems refuse the data with a UserError naming the file and the line (JSON Lines) or row (docs/data.md,
 "Data checks"): no rows, bytes that are not UTF-8, a line that is not a JSON object, a row without prompt,
 chosen or rejected, a value that is neither text (or null) nor a list of {role, content} messages, text mixed
 with conversations. Well-formed rows that DPO cannot use are encode.py's business (SKIPS).

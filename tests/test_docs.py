@@ -1,0 +1,66 @@
+"""The README and docs/ tell the truth about the code: every config key is documented, every relative link and
+anchor resolves, and the README stays a front door."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+from conftest import REPO
+
+from lowmem_dpo.config import Config
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md"]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    out, seen = set(), {}
+    in_code = False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"#{1,6} (.+)", line)
+        if m:
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            out.add(base if n == 0 else f"{base}-{n}")
+            seen[base] = n + 1
+    return out
+
+
+def test_every_config_key_is_in_the_docs():
+    text = "\n".join(p.read_text(encoding="utf-8") for p in (REPO / "docs").glob("*.md"))
+    missing = [f.name for f in dataclasses.fields(Config) if f"`{f.name}`" not in text]
+    assert missing == []
+
+
+def test_every_link_resolves():
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: outside the repository
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists() or REPO not in [dest, *dest.parents]:
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_the_readme_is_a_front_door():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 250
+    assert "make demo" in readme and "make test" in readme
+    assert "../shared" not in readme and not re.search(r"issue \d+", readme, re.I)
+    for page in PAGES[:-1]:
+        assert not re.search(r"\bissue \d+", page.read_text(encoding="utf-8"), re.I), page.name
