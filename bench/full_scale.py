@@ -89,9 +89,9 @@ METHOD = {
         "timed as the lines arrive. bf16 weights are memory-mapped: their pages are read at the first forward, "
         "not in load_s. 4bit quantizes every decoder Linear on the CPU while loading. The run's load_s is "
         "precompute's.",
-    "rows_per_s": "precompute's rows (pairs) / seconds from the end of its load to its 'wrote reference cache' "
-        f"line ({PRECOMPUTE_ROWS} pairs in one batch of {PRECOMPUTE_ROWS}); manifest_rows_per_s is the stage's "
-        "own figure (rounded to 3 decimals).",
+    "rows_per_s": "precompute's rows (pairs) / seconds from the end of its load to its 'computed N rows' "
+        f"line ({PRECOMPUTE_ROWS} pairs in one batch of {PRECOMPUTE_ROWS}); build_rows_per_s is the stage's "
+        "own figure, its forwards only (ref_cache_dir/build.json, rounded to 3 decimals).",
     "median_step_s": "median over the --steps steps of metrics.jsonl step_time_s (train's own wall time of "
         "loop.optimizer_step: forward, DPO loss against the cached reference, backward, clip, AdamW; "
         "logging_steps 1). Step 1 includes first-touch page faults of the weights.",
@@ -370,7 +370,7 @@ def add_planned(out: dict, planned: int | None) -> None:
 
 
 def precompute_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bool) -> dict:
-    from lowmem_dpo import cache
+    from lowmem_dpo import cache, precompute
 
     cache_dir, meter_json = run_dir / "ref-cache", run_dir / "precompute-meter.json"
     shutil.rmtree(cache_dir, ignore_errors=True)  # from scratch: rows/s of a real build
@@ -383,18 +383,20 @@ def precompute_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bo
     add_tensor_peak(out, meter_json)
     if out["exit_code"] != 0:
         return out
-    manifest = cache.read_manifest(cache_dir) or {}
-    rows = manifest.get("num_pairs")
-    end = first_time(stage, lambda s: s.startswith("wrote reference cache"))
+    build = json.loads((cache_dir / precompute.BUILD).read_text())
+    rows = build["computed"]
+    end = first_time(stage, lambda s: s.startswith(f"computed {rows} rows"))
     load_end = stage.marks.get("load_end")
     out["rows"] = rows
-    out["manifest_rows_per_s"] = manifest.get("rows_per_s")
+    out["build_rows_per_s"] = build["rows_per_s"]
     out["rows_per_s"] = (round(rows / (end - load_end), 4) if rows and end and load_end and end > load_end
-                         else manifest.get("rows_per_s"))
-    ref = cache.load_ref_cache(cache_dir)
-    n_tokens = int(ref.chosen_tokens.sum() + ref.rejected_tokens.sum())
-    out["ref_logps_finite"] = bool(torch.isfinite(ref.chosen).all() and torch.isfinite(ref.rejected).all())
-    out["ref_logp_per_token"] = round(float((ref.chosen.sum() + ref.rejected.sum()) / max(1, n_tokens)), 4)
+                         else build["rows_per_s"])
+    with cache.open_store(cache_dir) as store:
+        values = store.values(store.side(build["model_side"]))
+    logps = torch.tensor([[v.chosen, v.rejected] for v in values], dtype=torch.float64)  # (rows, 2)
+    n_tokens = sum(v.chosen_tokens + v.rejected_tokens for v in values)
+    out["ref_logps_finite"] = bool(torch.isfinite(logps).all())
+    out["ref_logp_per_token"] = round(float(logps.sum() / max(1, n_tokens)), 4)
     return out
 
 

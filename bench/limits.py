@@ -2,7 +2,7 @@
 
     python bench/step_time.py RECIPE.yaml --devices cpu --steps N --json OUT   # runs these per device
 
-1. `precompute_vs_bare_forward`: precompute's own code path (`precompute.shard_logps`: collate, forward under
+1. `precompute_vs_bare_forward`: precompute's own code path (`precompute.rows_logps`: collate, forward under
    the reference's autocast, completion log-probs, copies to the CPU) against a bare
    `model(input_ids, attention_mask).logits` of the same loaded model over the same batches (pre-collated, same
    inference mode and autocast). Rows/s ours / rows/s bare; the goal is >= 0.9 (>= 1.3 on prompt-heavy data,
@@ -30,20 +30,19 @@ def _sync(device: torch.device) -> None:
 
 # -- 1. precompute against a bare forward -------------------------------------------------------------------------
 def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
-    """Rows/s of `precompute.shard_logps` and of a bare forward over precompute's batches, timed batch by batch
+    """Rows/s of `precompute.rows_logps` and of a bare forward over precompute's batches, timed batch by batch
     back to back (the order alternates between repeats), after one untimed batch of each."""
     from lowmem_dpo import data, devices, headcheck, inputs, precompute
-    from lowmem_dpo.models import load_model
 
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
     tok = inputs.tokenized(cfg, ins.tokenizer, progress=False)
     bs = cfg.precompute_batch_size
-    # precompute's batches: its shard plan (longest rows first), cut into batches within each shard
-    batches = [shard[i:i + bs] for shard in precompute.shard_plan(tok.pairs, cfg.cache_shard_rows)
-               for i in range(0, len(shard), bs)]
-    model = load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization,
-                       device_map=precompute.offload_plan(cfg, resolved, ins.model_path))
+    # precompute's batches: longest rows first, cut into batches within each commit's rows
+    order = precompute.by_length(tok.pairs)
+    commits = [order[i:i + cfg.cache_shard_rows] for i in range(0, len(order), cfg.cache_shard_rows)]
+    batches = [rows[i:i + bs] for rows in commits for i in range(0, len(rows), bs)]
+    model, _ = precompute.load_model(cfg, resolved, ins, len(order))  # as precompute loads it
     pad_id = data.pad_token_id(ins.tokenizer)
     collated = [data.collate(b, pad_id).to(resolved.device) for b in batches]
     device = resolved.device
@@ -52,7 +51,7 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
                                       cfg.max_length)
 
     def ours(k: int) -> None:
-        precompute.shard_logps(model, batches[k], bs, pad_id, resolved, shared=shared)
+        precompute.rows_logps(model, batches[k], bs, pad_id, resolved, shared=shared)
 
     @torch.inference_mode()
     def bare(k: int) -> None:
@@ -88,7 +87,7 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
         "batch_pairs": bs,
         "dtype": devices.dtype_name(resolved.ref_dtype),
         "repeats": repeats,
-        "ours": "precompute.shard_logps per batch: collate, forward (LM head on completion positions only), "
+        "ours": "precompute.rows_logps per batch: collate, forward (LM head on completion positions only), "
                 "log-probs, .cpu()" + ("; each prompt once (share_prompt)" if shared else ""),
         "share_prompt": shared,
         "bare": "model(input_ids, attention_mask).logits on pre-collated batches (full-vocabulary LM head), "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import shutil
+import json
 import time
 from pathlib import Path
 
@@ -13,42 +13,43 @@ from timing import PeakMemory, guarded, summarize, synchronize
 
 
 def clear_cache(cache_dir: Path) -> bool:
-    """Remove a previous reference cache (manifest and shard folders only) so precompute is timed from scratch."""
+    """Remove a previous reference cache (its store and build record) so precompute is timed from scratch."""
+    from lowmem_dpo import precompute, store
+
     removed = False
-    if (cache_dir / "manifest.json").is_file():
-        (cache_dir / "manifest.json").unlink()
-        removed = True
-    for d in cache_dir.glob("shards-*"):
-        shutil.rmtree(d, ignore_errors=True)
-        removed = True
+    for path in [*cache_dir.glob(store.INDEX + "*"), cache_dir / precompute.BUILD]:
+        if path.is_file():
+            path.unlink()
+            removed = True
     return removed
 
 
 def bench_precompute(cfg, device: str, reuse: bool) -> dict:
-    from lowmem_dpo import cache, precompute
+    from lowmem_dpo import precompute
 
     cache_dir = Path(cfg.ref_cache_dir)
     if not reuse:
         clear_cache(cache_dir)
-    before = cache.read_manifest(cache_dir)
+    build = cache_dir / precompute.BUILD
+    before = json.loads(build.read_text()) if build.is_file() else None
     with PeakMemory(device) as pm:
         t0 = time.perf_counter()
         precompute.run(cfg, progress=False)
         synchronize(device)
         wall = time.perf_counter() - t0
-    manifest = cache.read_manifest(cache_dir) or {}
-    rows = manifest.get("num_pairs", 0)
-    # with --reuse-cache an up-to-date cache is kept: precompute.run only checks it, and the manifest's rows/s
-    # are those of the earlier build
-    rebuilt = before is None or before.get("created") != manifest.get("created")
+    after = json.loads(build.read_text())
+    # with --reuse-cache a cache holding every row is kept: precompute.run computes nothing, and the rows/s are
+    # those of the earlier build
+    rebuilt = after["computed"] > 0
+    rows = after["computed"] + after["reused"]
     return {
         "cache_dir": str(cache_dir),
         "rebuilt": rebuilt,
         "rows": rows,
         "batch_size": cfg.precompute_batch_size,
-        # rows_per_s: the forward loop only, as precompute records it in the manifest (model load, hashing and
+        # rows_per_s: the forward loop only, as precompute records it in build.json (model load, hashing and
         # tokenization excluded). rows_per_s_wall: the whole precompute.run call.
-        "rows_per_s": manifest.get("rows_per_s"),
+        "rows_per_s": after["rows_per_s"] if rebuilt else (before or {}).get("rows_per_s"),
         "wall_s": round(wall, 3),
         "rows_per_s_wall": round(rows / wall, 3) if wall > 0 and rebuilt else None,
         "peak_memory": pm.result, "peak_mem_bytes": pm.result.get("peak_bytes"),

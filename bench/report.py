@@ -79,7 +79,7 @@ def limits_table(report: dict) -> list[str]:
     """Precompute against a bare forward, and the train step's counted FLOP/s against the matmul peak."""
     goals = {r["precompute_vs_bare_forward"].get("goal", 0.9) for r in report["devices"].values()
              if r.get("precompute_vs_bare_forward")} or {0.9}
-    lines = ["", f"| device | precompute rows/s (shard_logps) | bare forward rows/s | precompute / bare (goal >= "
+    lines = ["", f"| device | precompute rows/s (rows_logps) | bare forward rows/s | precompute / bare (goal >= "
              f"{max(goals):g}) "
              "| step GFLOP (counted) | step GFLOP/s | matmul GFLOP/s bf16 / fp32 | step / matmul (dtype) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -107,7 +107,7 @@ def limits_table(report: dict) -> list[str]:
         lines.append(f"| {dev} | {pre} | {train} |")
     if not rows:
         return []
-    return lines + ["", "- precompute / bare: rows/s of precompute.shard_logps over precompute's batches against a "
+    return lines + ["", "- precompute / bare: rows/s of precompute.rows_logps over precompute's batches against a "
                     "bare `model(input_ids, attention_mask).logits` of the same model on the same batches "
                     "(medians of repeats, timed back to back).",
                     "- step GFLOP: FlopCounterMode over loop.optimizer_step (matmuls and attention only); "

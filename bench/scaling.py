@@ -49,7 +49,7 @@ def measure(recipe: str, procs: int, steps: int, work: Path, shard_rows: int) ->
     shutil.rmtree(out_dir, ignore_errors=True)
     base = ["device=cpu", f"ref_cache_dir={cache_dir}", f"cache_shard_rows={shard_rows}"]
     torchrun(procs, "precompute", recipe, base, threads)
-    manifest = json.loads((cache_dir / "manifest.json").read_text())
+    build = json.loads((cache_dir / "build.json").read_text())
     torchrun(procs, "train", recipe, [*base, f"output_dir={out_dir}", f"max_steps={steps}", "logging_steps=1",
                                       "save_steps=0", "eval_generations=0"], threads)
     lines = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
@@ -57,8 +57,8 @@ def measure(recipe: str, procs: int, steps: int, work: Path, shard_rows: int) ->
     cfg = load_config(recipe, base)
     pairs_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * procs
     step = statistics.median(times)
-    return {"processes": procs, "threads_per_process": threads, "precompute_rows": manifest["num_rows"],
-            "precompute_rows_per_s": manifest["rows_per_s"], "train_pairs_per_step": pairs_per_step,
+    return {"processes": procs, "threads_per_process": threads, "precompute_rows": build["computed"],
+            "precompute_rows_per_s": build["rows_per_s"], "train_pairs_per_step": pairs_per_step,
             "train_step_s": round(step, 4), "train_pairs_per_s": round(pairs_per_step / step, 3)}
 
 

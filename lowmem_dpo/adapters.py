@@ -8,7 +8,7 @@
 adapter is active at any time, never two: with adapter_mode=continue the policy *is* the SFT adapter, trained on
 (no second copy in memory: the reference is the cache); with adapter_mode=new_on_merged the SFT adapter is merged
 into the base weights first, then a fresh adapter is added. The reference is base + SFT adapter in both modes
-(merging changes the numbers only by rounding), so the mode is not part of the cache fingerprint.
+(merging changes the numbers only by rounding), so the mode is not part of the cache's model side.
 """
 
 from __future__ import annotations

@@ -1,23 +1,21 @@
-"""The reference log-prob cache on disk: manifest, shards, fingerprint check, `load_ref_logps`.
+"""The reference cache's keys: each row's reference values are stored (store.py) under its model side and its
+row key, so a row computed once is never computed again, whatever else changed in the data.
 
-Layout under `ref_cache_dir`:
-    manifest.json                    written last, atomically: the cache is valid iff it exists
-    shards-<fp16>/shard-00000.safetensors ...   per-row `rows` (int64), `chosen`, `rejected` (float32) logps
-                                                and `chosen_tokens`, `rejected_tokens` (int32) counts
-    shards-<fp16>/eval-shard-00000.safetensors ...  the same for the rows of eval_dataset, when it is set
-    shards-<fp16>/build.json         how rows are split into shards (so a killed build resumes)
-    preflight.json                   the preflight report (preflight.py)
+    model side  what the values depend on besides the row: the base's weights and config, the SFT adapter's
+                files, the reference's dtype and quantization, how log-probs are computed (LOGPS_RULES), and in a
+                16-bit dtype the forward's layout (share_prompt rounds differently). Hashed once per build
+                (side_components, side_digest).
+    row key     a digest of the row's own token ids, prompt, chosen and rejected, after truncation (row_key): the
+                ids train feeds the model. A changed text, chat template, tokenizer or max_length that changes a
+                row's ids gives it a new key; one that leaves them alone keeps its value (the same ids through the
+                same weights give the same numbers).
 
-The fingerprint hashes everything the numbers depend on (inputs.fingerprint_components: the keys a Config field
-declares reference="value" or "files"). Training knobs are not in it. Precompute writes the cache; this module
-reads and checks it.
+Reordering the rows, taking a subset, a mixture's fractions, max_train_samples and the eval split never change a
+row's key: precompute computes only the rows the store lacks, and train looks each of its rows up. Old values stay
+until `python -m lowmem_dpo.precompute RECIPE --prune` drops what the recipe does not use.
 
-The manifest's top-level counts and shards are the training dataset's; with eval_dataset, its "eval" entry
-holds the same for the eval rows (part_manifest): one build, one fingerprint, for both.
-
-Row order: tensors are indexed by dataset row as loaded (eval shards: by eval_dataset row). Rows skipped by
-tokenization (data.SKIPS, e.g. a prompt alone reaching max_length) hold NaN in `chosen`/`rejected` and 0 tokens;
-train never samples them.
+The cache of the format before this one (manifest.json and shards, keyed by one fingerprint over the whole data)
+is converted once, with a message, when it was built for the recipe's data (convert_legacy).
 """
 
 from __future__ import annotations
@@ -25,132 +23,46 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+import shlex
+from array import array
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from lowmem_dpo.errors import UserError
+from lowmem_dpo import store as stores
+from lowmem_dpo.errors import UserError, log
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-# The fingerprint components that are the reference's precision: a cache that differs only in them can serve
-# train as built (ref_quantization, ref_dtype; see check_for_training).
+FORMAT_VERSION = 2  # the per-row store (store.py); 1 was manifest.json and shards
+FINGERPRINT_FORMAT = 1  # the "format" in inputs.fingerprint_components: what a format-1 cache's fingerprint holds
+LOGPS_RULES = 1  # bump when logps.completion_logps gives other numbers for the same ids and weights
+LEGACY_MANIFEST = "manifest.json"
+# A side's components that are the reference's precision: a cache holding another precision can serve train as
+# built (ref_dtype, ref_quantization), and the message says so.
 PRECISION_COMPONENTS = {"dtype", "quantization"}
 
 
-def fingerprint_digest(components: dict) -> str:
-    return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()
+# -- the keys ----------------------------------------------------------------------------------------------------
+def side_components(weights: dict, dtype: str, quantization: str, shared: bool) -> dict:
+    """The model side: `weights` (inputs.side_files: the base's and the SFT adapter's file digests), the
+    reference's dtype and quantization, the log-prob rules, and the forward's layout where it changes rounding (a
+    16-bit dtype: the shared-prompt forward rounds differently; in float32 the two agree to ~1e-6)."""
+    out = {"format": FORMAT_VERSION, "logps": LOGPS_RULES, **weights, "dtype": dtype, "quantization": quantization}
+    if dtype != "float32":
+        out["layout"] = "shared" if shared else "unshared"
+    return out
 
 
-def rebuild_command(cfg, recipe: str | None) -> str:
-    """The command that builds the cache this run needs, for messages: precompute with the run's recipe and the
-    same overrides (a dataset, a max_length given on the command line is the cache's too); a config built in
-    code names its cache folder."""
-    import shlex
-
-    args = list(cfg.overrides) or [f"ref_cache_dir={cfg.ref_cache_dir}"]
-    return shlex.join(["python", "-m", "lowmem_dpo.precompute", recipe or "RECIPE.yaml", *args])
+def side_digest(components: dict) -> str:
+    return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()[:32]
 
 
-# -- reading ---------------------------------------------------------------------------------------------------
-@dataclass
-class RefCache:
-    """Reference log-probs per dataset row (NaN / 0 tokens for skipped rows), of one part of the cache."""
-
-    chosen: torch.Tensor  # (num_rows,) fp32
-    rejected: torch.Tensor  # (num_rows,) fp32
-    chosen_tokens: torch.Tensor  # (num_rows,) int32
-    rejected_tokens: torch.Tensor  # (num_rows,) int32
-    manifest: dict  # part_manifest: the eval part's counts and shards in place of the training rows'
-
-
-def read_manifest(cache_dir: Path) -> dict | None:
-    path = Path(cache_dir) / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except ValueError:
-        return None
-
-
-def part_manifest(manifest: dict, part: str = "train") -> dict | None:
-    """The manifest of one part of the cache: "train" (the rows of dataset: the manifest itself) or "eval" (the
-    rows of eval_dataset: the manifest with its "eval" entry's num_rows, num_pairs, dropped_rows, skipped,
-    truncated and shards in place of the training rows'); None when the cache has no such part."""
-    if part == "train":
-        return manifest
-    if part != "eval":
-        raise ValueError(f"cache part {part!r}: 'train' or 'eval'")
-    return {**manifest, **manifest["eval"]} if manifest.get("eval") else None
-
-
-def load_ref_cache(cache_dir: str | os.PathLike, part: str = "train") -> RefCache:
-    """The cached reference of one part (part_manifest): "train" in dataset row order, "eval" in eval_dataset
-    row order."""
-    from safetensors.torch import load_file
-
-    cache_dir = Path(cache_dir)
-    manifest = read_manifest(cache_dir)
-    if manifest is None:
-        raise UserError(f"no reference cache in {str(cache_dir)!r}: run `python -m lowmem_dpo.precompute "
-                        "RECIPE.yaml` first")
-    manifest = part_manifest(manifest, part)
-    if manifest is None:
-        raise UserError(f"the reference cache in {str(cache_dir)!r} holds no eval rows (it was built without "
-                        "eval_dataset): rerun `python -m lowmem_dpo.precompute RECIPE.yaml` with eval_dataset set")
-    n = manifest["num_rows"]
-    chosen = torch.full((n,), float("nan"))
-    rejected = torch.full((n,), float("nan"))
-    chosen_tokens = torch.zeros(n, dtype=torch.int32)
-    rejected_tokens = torch.zeros(n, dtype=torch.int32)
-    for name in manifest["shards"]:
-        t = load_file(cache_dir / manifest["shard_dir"] / name)
-        rows = t["rows"]
-        chosen[rows], rejected[rows] = t["chosen"], t["rejected"]
-        chosen_tokens[rows], rejected_tokens[rows] = t["chosen_tokens"], t["rejected_tokens"]
-    return RefCache(chosen, rejected, chosen_tokens, rejected_tokens, manifest)
-
-
-def load_ref_logps(cache_dir: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected): float32 reference log-prob sums in dataset row order; NaN for skipped rows."""
-    c = load_ref_cache(cache_dir)
-    return c.chosen, c.rejected
-
-
-# -- checking --------------------------------------------------------------------------------------------------
-def check_fingerprint(cache_dir: Path, components: dict, rebuild_cmd: str, cfg=None) -> dict:
-    """The cache's manifest if it matches `components`; otherwise a UserError naming what changed, in words (cfg:
-    the run's Config, for the files' names)."""
-    manifest = read_manifest(cache_dir)
-    if manifest is None:
-        raise UserError(f"no reference cache in {str(cache_dir)!r}; build it with: {rebuild_cmd}")
-    if manifest.get("fingerprint") == fingerprint_digest(components):
-        return manifest
-    old = manifest.get("components", {})
-    detail = "; ".join(describe_change(k, old.get(k), components.get(k), cfg)
-                       for k in changed_components(old, components))
-    raise UserError(f"the reference cache in {str(cache_dir)!r} was built for other inputs: {detail or 'its format'} "
-                    f"changed since. Rebuild it with: {rebuild_cmd}")
-
-
-def check_for_training(cache_dir: Path, components: dict, rebuild_cmd: str, cfg=None) -> dict:
-    """check_fingerprint; when only the reference's precision differs, the message also says which settings
-    train against the cache as built (it may hold a higher-precision reference on purpose)."""
-    try:
-        return check_fingerprint(cache_dir, components, rebuild_cmd, cfg)
-    except UserError as e:
-        old = (read_manifest(cache_dir) or {}).get("components", {})
-        changed = set(changed_components(old, components))
-        if not changed or not changed <= PRECISION_COMPONENTS:
-            raise
-        raise UserError(f"{e} ; or train against it as built: ref_quantization={old['quantization']} "
-                        f"ref_dtype={old['dtype']} (the dtype and quantization above are the reference's)") from None
-
-
-def changed_components(old: dict, new: dict) -> list[str]:
-    return [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+def row_key(pair) -> bytes:
+    """16 bytes of sha256 over a pair's token ids (data.TokenizedPair: prompt, chosen, rejected, each with its
+    length, so the boundaries count)."""
+    ids = [len(pair.prompt_ids), *pair.prompt_ids, len(pair.chosen_ids), *pair.chosen_ids,
+           len(pair.rejected_ids), *pair.rejected_ids]
+    return hashlib.sha256(array("q", ids).tobytes()).digest()[:16]
 
 
 def completion_tokens(prompt_ids: list[int], completion_ids: list[int]) -> int:
@@ -159,50 +71,168 @@ def completion_tokens(prompt_ids: list[int], completion_ids: list[int]) -> int:
     return len(completion_ids) - (1 if completion_ids and not prompt_ids else 0)
 
 
-def check_rows(ref: RefCache, pairs: list, cache_dir: Path, rebuild_cmd: str) -> None:
-    """Refuse a cache that does not serve the pairs (data.TokenizedPair) this run trains on: a row it lacks, a
-    chosen or rejected log-prob that is not finite, or completion token counts other than this run's
-    tokenization gives (a tokenizer or tokenizers/transformers library change since precompute: the fingerprint
-    holds the tokenizer's files, not the library). Each names the first rows and how to rebuild."""
-    # The fingerprint matched, so precompute would call this cache up to date: the rebuild starts from nothing.
-    redo = f"remove it and rebuild it: rm -r {cache_dir} && {rebuild_cmd}"
-    where = f"the reference cache in {str(cache_dir)!r}"
-    rows = torch.tensor([p.row for p in pairs])  # (P,)
-    if int(rows.max()) >= len(ref.chosen):
-        raise UserError(f"{where} holds {len(ref.chosen)} rows; this run trains on rows up to {int(rows.max())}; "
-                        + redo)
-    finite = torch.isfinite(ref.chosen[rows]) & torch.isfinite(ref.rejected[rows])  # (P,)
-    if not finite.all():
-        raise UserError(f"{where} has no finite chosen and rejected reference log-probs for "
-                        f"{int((~finite).sum())} of the rows this run trains on (rows {_first(rows[~finite])}); "
-                        + redo)
-    cached = torch.stack([ref.chosen_tokens[rows], ref.rejected_tokens[rows]], 1)  # (P, 2)
-    counts = [(completion_tokens(p.prompt_ids, p.chosen_ids), completion_tokens(p.prompt_ids, p.rejected_ids))
-              for p in pairs]
-    now = torch.tensor(counts, dtype=cached.dtype)  # (P, 2)
-    differ = (cached != now).any(1)  # (P,)
-    if differ.any():
-        i = int(differ.nonzero()[0])
-        raise UserError(f"{where} counts other completion tokens than this run's tokenization for "
-                        f"{int(differ.sum())} rows (rows {_first(rows[differ])}; row {int(rows[i])}: chosen "
-                        f"{int(cached[i, 0])}, rejected {int(cached[i, 1])} cached, {int(now[i, 0])} and "
-                        f"{int(now[i, 1])} now): the tokenizer or the tokenizers/transformers library changed "
-                        f"since precompute; {redo}")
+# -- reading -----------------------------------------------------------------------------------------------------
+@dataclass
+class RefCache:
+    """Reference log-probs of one part's rows (the dataset's, or eval_dataset's), indexed by row; NaN and 0 tokens
+    for rows it does not serve (skipped by tokenization, or held out)."""
+
+    chosen: torch.Tensor  # (num_rows,) fp32
+    rejected: torch.Tensor  # (num_rows,) fp32
+    chosen_tokens: torch.Tensor  # (num_rows,) int32
+    rejected_tokens: torch.Tensor  # (num_rows,) int32
+    side: str = ""  # the model side its values were computed under (side_digest)
+    shared: bool | None = None  # the layout of those values in a 16-bit dtype; None in float32
+    counts: dict = field(default_factory=dict)  # the part's rows: tokenization's counts (precompute.part_counts)
+
+    @classmethod
+    def empty(cls, num_rows: int, **kwargs) -> "RefCache":
+        return cls(torch.full((num_rows,), float("nan")), torch.full((num_rows,), float("nan")),
+                   torch.zeros(num_rows, dtype=torch.int32), torch.zeros(num_rows, dtype=torch.int32), **kwargs)
+
+    def fill(self, pairs: list, keys: list[bytes], values: dict) -> None:
+        """Put the values of `pairs` (`keys`: their row keys, in `values`) at their rows."""
+        for p, key in zip(pairs, keys):
+            v = values.get(key)
+            if v is not None:
+                self.chosen[p.row], self.rejected[p.row] = v.chosen, v.rejected
+                self.chosen_tokens[p.row], self.rejected_tokens[p.row] = v.chosen_tokens, v.rejected_tokens
 
 
-def _first(rows: torch.Tensor, n: int = 5) -> str:
-    """The first n row indices, for messages."""
-    shown = ", ".join(str(r) for r in sorted(rows.tolist())[:n])
-    return shown + (", ..." if len(rows) > n else "")
+@dataclass(frozen=True)
+class Side:
+    """A model side of this run, in the layout it prefers, with its twin in the other layout (16-bit only)."""
+
+    components: dict
+    other: dict | None = None  # the other layout's components; None in float32
+
+    @property
+    def digest(self) -> str:
+        return side_digest(self.components)
+
+    @property
+    def shared(self) -> bool | None:
+        layout = self.components.get("layout")
+        return None if layout is None else layout == "shared"
+
+    @property
+    def identity(self) -> str:
+        """The side whatever the layout: what a checkpoint records of the reference it trained against."""
+        return side_digest({k: v for k, v in self.components.items() if k != "layout"})
+
+    def layouts(self) -> dict:
+        """layout (None in float32, else whether shared) -> its components."""
+        if self.other is None:
+            return {None: self.components}
+        return {self.shared: self.components, not self.shared: self.other}
+
+    def at(self, shared: bool | None) -> "Side":
+        """This side preferring layout `shared` (None: as it is)."""
+        if shared is None or self.other is None or shared == self.shared:
+            return self
+        return Side(self.other, self.components)
 
 
-# The fingerprint's components (inputs.fingerprint_components) in words, for "what changed".
+def run_side(weights: dict, dtype: str, quantization: str, shared: bool = False) -> Side:
+    """A run's Side: in a 16-bit dtype both layouts, `shared` preferred; in float32 one."""
+    components = side_components(weights, dtype, quantization, shared)
+    other = side_components(weights, dtype, quantization, not shared) if "layout" in components else None
+    return Side(components, other)
+
+
+def open_store(cache_dir: Path, create: bool = False) -> stores.Store | None:
+    """The cache folder's store; None when it has none (and `create` is off)."""
+    try:
+        return stores.Store(cache_dir, create=create)
+    except FileNotFoundError:
+        return None
+
+
+def lookup(store: stores.Store, side: Side, keys: list[bytes]) -> tuple[dict, bool]:
+    """The values `store` holds for row `keys` under `side`, and under its twin for the rows the preferred layout
+    lacks; and whether any came from the twin."""
+    found = store.get(store.side(side.digest), keys)
+    from_other = False
+    if side.other is not None and len(found) < len(set(keys)):
+        twin = store.get(store.side(side_digest(side.other)), [k for k in keys if k not in found])
+        from_other = bool(twin)
+        found.update(twin)
+    return found, from_other
+
+
+def part_counts(tok) -> dict:
+    """A part's rows as tokenization counted them (data.TokenizedData), for the preflight report."""
+    return {"num_rows": tok.num_rows, "num_pairs": len(tok.pairs), "dropped_rows": tok.dropped,
+            "skipped": tok.skipped, "truncated": {part: len(rows) for part, rows in tok.truncated.items()}}
+
+
+def reference(store: stores.Store, side: Side, tok, name_row=str) -> tuple[RefCache, list]:
+    """The RefCache of one part's rows (tok: the dataset's or eval_dataset's data.TokenizedData) from the store,
+    in the side's preferred layout and its twin's; and the pairs it lacks. A value whose token counts are not its
+    row's (a key is the row's token ids: only a damaged file holds one) is refused, naming the rows."""
+    keys = [row_key(p) for p in tok.pairs]  # hashed once: a key is sha256 over the row's ids
+    found, from_other = lookup(store, side, keys)
+    wrong = [p for p, k in zip(tok.pairs, keys) if (v := found.get(k)) is not None and (v.chosen_tokens, v.rejected_tokens)
+             != (completion_tokens(p.prompt_ids, p.chosen_ids), completion_tokens(p.prompt_ids, p.rejected_ids))]
+    if wrong:
+        raise UserError(f"the reference cache in {str(store.path.parent)!r} is damaged: its values for {len(wrong)} "
+                        f"rows disagree with their token counts ({'; '.join(name_row(p.row) for p in wrong[:3])}); "
+                        "remove the cache folder and run precompute again")
+    ref = RefCache.empty(tok.num_rows, side=side.digest, counts=part_counts(tok),
+                         shared=None if side.shared is None else side.shared != from_other)
+    ref.fill(tok.pairs, keys, found)
+    return ref, [p for p, k in zip(tok.pairs, keys) if k not in found]
+
+
+def missing_message(cache_dir: Path, rows: list, total: int, name_row, command: str, store=None,
+                    side: Side | None = None) -> str:
+    """What to say when `rows` (pairs) of a run's `total` have no value: which, in its file's lines, and the
+    command that computes them (only them); when the store knows no part of this model side, what differs from
+    the side it knows best."""
+    shown = "; ".join(name_row(p.row) for p in rows[:3]) + (f"; and {len(rows) - 3} more" if len(rows) > 3 else "")
+    why = "new, or changed since precompute ran"
+    if store is not None and side is not None and store.side(side.digest) is None and not (
+            side.other and store.side(side_digest(side.other))):
+        why = nearest_difference(store, side.components) or why
+    return (f"the reference cache in {str(cache_dir)!r} has no reference values for {len(rows)} of the {total} rows "
+            f"this run uses ({shown}): {why}. Compute them (only them) with: {command}")
+
+
+def nearest_difference(store: stores.Store, components: dict) -> str | None:
+    """What differs between this model side and the one the store holds most rows of, in words."""
+    usage = [u for u in store.usage() if u.rows]
+    if not usage:
+        return None
+    near = usage[0].components
+    changed = [describe_change(k, near.get(k), components.get(k)) for k in sorted(set(near) | set(components))
+               if near.get(k) != components.get(k) and k != "layout"]
+    if not changed:
+        return None
+    hint = ""
+    if {k for k in set(near) | set(components) if near.get(k) != components.get(k)} <= PRECISION_COMPONENTS | {
+            "layout"}:
+        hint = (f"; or train against the values it holds: ref_quantization={near.get('quantization')} "
+                f"ref_dtype={near.get('dtype')}")
+    return "the cache holds values for another model side (" + "; ".join(changed) + " changed)" + hint
+
+
+def rebuild_command(cfg, recipe: str | None) -> str:
+    """The command that fills the cache this run needs, for messages: precompute with the run's recipe and the
+    same overrides (a dataset, a max_length given on the command line is the cache's too); a config built in code
+    names its cache folder."""
+    args = list(cfg.overrides) or [f"ref_cache_dir={cfg.ref_cache_dir}"]
+    return shlex.join(["python", "-m", "lowmem_dpo.precompute", recipe or "RECIPE.yaml", *args])
+
+
+# -- what changed, in words ------------------------------------------------------------------------------------
 WHAT = {"model": "the base model's weights or config", "adapter": "the SFT adapter's files",
-        "tokenizer": "the tokenizer's files", "chat_template": "the chat template's text", "format": "the cache format"}
+        "tokenizer": "the tokenizer's files", "chat_template": "the chat template's text", "format": "the cache format",
+        "logps": "the log-prob rules"}
 
 
 def describe_change(key: str, old, new, cfg=None) -> str:
-    """One changed component of the fingerprint in words: which file's content, which key's value."""
+    """One changed component (of a model side, or of the format-1 fingerprint) in words: which file's content,
+    which key's value."""
     if key in WHAT:
         return WHAT[key] + (" (added)" if old is None else " (removed)" if new is None else "")
     if key == "dataset":
@@ -240,3 +270,66 @@ def _source_change(key: str, old: dict, new: dict, path: str) -> str:
     parts += [f"{key}.{k} {old.get(k)} -> {new.get(k)}" for k in ("split", "fraction", "rows", "hub")
               if old.get(k) != new.get(k)]
     return ", ".join(parts) or key
+
+
+# -- the format before: one fingerprint, manifest.json and shards ---------------------------------------------
+def fingerprint_digest(components: dict) -> str:
+    """The format-1 cache's fingerprint of inputs.fingerprint_components."""
+    return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()
+
+
+def read_legacy(cache_dir: Path) -> dict | None:
+    """A format-1 cache's manifest, or None."""
+    try:
+        return json.loads((Path(cache_dir) / LEGACY_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _legacy_values(cache_dir: Path, manifest: dict, part: dict, pairs: list) -> dict:
+    """The values a format-1 cache's part (its manifest, or its "eval" entry) holds for `pairs`, by row key."""
+    from safetensors.torch import load_file
+
+    by_row = {p.row: p for p in pairs}
+    out = {}
+    for name in part["shards"]:
+        t = load_file(Path(cache_dir) / manifest["shard_dir"] / name)
+        for i, row in enumerate(t["rows"].tolist()):
+            p = by_row.get(row)
+            if p is not None and torch.isfinite(t["chosen"][i]) and torch.isfinite(t["rejected"][i]):
+                out[row_key(p)] = stores.Value(float(t["chosen"][i]), float(t["rejected"][i]),
+                                               int(t["chosen_tokens"][i]), int(t["rejected_tokens"][i]))
+    return out
+
+
+def convert_legacy(cache_dir: Path, store: stores.Store, fingerprint: dict, side: Side, pairs: list,
+                   eval_pairs: list | None, cfg=None) -> int:
+    """Convert a format-1 cache in `cache_dir` once, when its fingerprint is this run's (`fingerprint`:
+    inputs.fingerprint_components): its rows go into the store under this side in the layout it was built with,
+    and its files move to legacy-v1/. Another run's format-1 cache is left alone, with a message. Returns the rows
+    converted."""
+    manifest = read_legacy(cache_dir)
+    if manifest is None:
+        return 0
+    if manifest.get("fingerprint") != fingerprint_digest(fingerprint):
+        old = manifest.get("components", {})
+        what = "; ".join(describe_change(k, old.get(k), fingerprint.get(k), cfg)
+                         for k in sorted(set(old) | set(fingerprint)) if old.get(k) != fingerprint.get(k))
+        log(f"note: {cache_dir} holds a reference cache of the format before rows were keyed by content, built for "
+            f"other inputs ({what or 'its format'} changed): its values cannot be matched to these rows and are "
+            f"not used; its files ({LEGACY_MANIFEST}, {manifest.get('shard_dir')}/) stay until you remove them")
+        return 0
+    shared = bool(manifest.get("share_prompt", False))
+    components = side.components if side.shared in (None, shared) else side.other
+    values = _legacy_values(cache_dir, manifest, manifest, pairs)
+    if manifest.get("eval") and eval_pairs:
+        values.update(_legacy_values(cache_dir, manifest, manifest["eval"], eval_pairs))
+    store.put(store.side(side_digest(components), components), values)
+    moved = Path(cache_dir) / "legacy-v1"
+    moved.mkdir(exist_ok=True)
+    for name in (LEGACY_MANIFEST, manifest.get("shard_dir")):
+        if name and (Path(cache_dir) / name).exists():
+            os.replace(Path(cache_dir) / name, moved / name)
+    log(f"converted the reference cache in {cache_dir} to the per-row format: {len(values)} rows, kept as they were "
+        f"computed; the old files are in {moved} (remove them when you like)")
+    return len(values)

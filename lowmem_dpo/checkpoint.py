@@ -213,8 +213,12 @@ def declared(key: str, value):
 
 
 def input_changes(saved: dict, current: dict) -> list[str]:
-    """The inputs (inputs.run_inputs' names) whose digests differ from the checkpoint's, in the record's order."""
-    return [k for k in [*saved, *(k for k in current if k not in saved)] if saved.get(k) != current.get(k)]
+    """The inputs (inputs.run_inputs' names) whose digests differ from the checkpoint's, in the record's order. A
+    checkpoint written before the cache was keyed by row content recorded the whole cache's fingerprint (64 hex
+    digits, where a model side's identity has 32): the data and the weights it covered are compared on their own."""
+    legacy = len(saved.get("reference cache") or "") == 64
+    return [k for k in [*saved, *(k for k in current if k not in saved)]
+            if saved.get(k) != current.get(k) and not (legacy and k == "reference cache")]
 
 
 def check_inputs(resume: tuple[Path | None, TrainerState | None], current: dict) -> None:

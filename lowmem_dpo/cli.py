@@ -81,5 +81,5 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
         print(f"lowmem_dpo.{stage}: error: {OOM_ANYWHERE}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"lowmem_dpo.{stage}: interrupted; finished shards/checkpoints are kept.", file=sys.stderr)
+        print(f"lowmem_dpo.{stage}: interrupted; committed cache rows and checkpoints are kept.", file=sys.stderr)
         return 130

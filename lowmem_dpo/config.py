@@ -30,10 +30,9 @@ def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fal
        resumable=False):
     """A config field with its one-line doc, validation bounds, and what a change of its value changes.
 
-    reference: the key changes the reference log-probs, so it enters the cache fingerprint (and train refuses a
-      cache built at another value): "value" by its value (cache_settings), "files" by the content of the files
-      it names (inputs.file_components: model weights, tokenizer, adapter, dataset; max_train_samples with the
-      dataset's rows it selects). None: it does not.
+    reference: the key changes the reference log-probs: "value" by its value, "files" by the files it names
+      (inputs.file_components; a checkpoint records their digests). None: it does not. The cache is keyed by
+      row ids and model side (cache.py); this list is what the format-1 cache's fingerprint held.
     resumable: the key may change between a run and its resumption from a checkpoint: it changes neither the
       numbers the run computes nor the data it sees (output places, logging, saving, guards). "length": the key
       sets how long the run is (max_steps, num_train_epochs): changing it continues the run, the schedule
@@ -56,8 +55,8 @@ class Config:
                                  "a PEFT LoRA adapter folder (e.g. the SFT stage's output_dir), whose "
                                  "adapter_config.json names the base.", reference="files")
     sft_adapter: Optional[str] = _f(None, "A PEFT LoRA adapter folder from an SFT stage, on model_name_or_path (a "
-                                    "base): the reference is base + adapter (its files enter the cache "
-                                    "fingerprint) and train continues it (adapter_mode).", reference="files")
+                                    "base): the reference is base + adapter (its files are in the cache's "
+                                    "model side) and train continues it (adapter_mode).", reference="files")
     dataset: list[Source] = _f([Source("data/tiny-prefs.jsonl")], "Preference rows {prompt, chosen, rejected}: a "
                                ".jsonl/.json/.parquet/.csv file, a datasets save_to_disk folder, or a hub dataset "
                                "name (online); or a mixture, a list of these or of {path, split, fraction | rows} "
@@ -117,8 +116,8 @@ class Config:
     max_prompt_length: Optional[int] = _f(None, "If set, the prompt is first cut from the left to this many tokens.",
                                           min=1, reference="value")
     chat_template: Optional[str] = _f(None, "Jinja chat template for conversational rows, in place of the "
-                                      "tokenizer's: a file (e.g. template.jinja) or the template text itself. Its "
-                                      "text enters the cache fingerprint.", reference="files")
+                                      "tokenizer's: a file (e.g. template.jinja) or the template text itself. A new "
+                                      "template gives the rows new token ids: precompute computes them again.", reference="files")
     strict: bool = _f(False, "Refuse the data instead of skipping unusable rows (an empty value, chosen identical to "
                       "rejected, a prompt alone reaching max_length); docs/data.md, Data checks. Not a cache key: it only "
                       "turns skips into errors, the rows kept are the same.", resumable=True)
@@ -215,7 +214,8 @@ class Config:
     # -- precompute ----------------------------------------------------------------------------------------------
     precompute_batch_size: int = _f(8, "Pairs per reference forward in precompute (no grads: can exceed the "
                                     "training batch).", min=1, resumable=True)
-    cache_shard_rows: int = _f(1024, "Rows per cache shard; a killed precompute resumes from its last shard.",
+    cache_shard_rows: int = _f(64, "Rows per commit to the reference cache: a killed precompute loses at most "
+                               "this many computed rows, and a torchrun build hands out this many at a time.",
                                min=1, resumable=True)
     ref_source: str = _f("cache", "cache: reference log-probs from ref_cache_dir. live: recomputed each step with "
                          "the adapter disabled (for verification; costs a forward).", choices=("cache", "live"))

@@ -173,7 +173,7 @@ def resolve(cfg) -> Resolved:
         why = f"ref_dtype={dtype_name(ref_dtype)} (null: as dtype)"
     ref_q = (f"ref_quantization={cfg.reference_quantization} "
              f"({'null: as quantization' if cfg.ref_quantization is None else 'from the recipe'})")
-    reasons.append(f"{why}, {ref_q}: the reference's settings in precompute and in the cache fingerprint")
+    reasons.append(f"{why}, {ref_q}: the reference's settings in precompute and in the cache's model side")
     if dtype == torch.float16:
         reasons.append("float16: the loss is scaled dynamically (torch.amp.GradScaler) so that small gradients do "
                        "not underflow; a step whose scaled gradients overflow is skipped and the scale halved (a "

@@ -1,7 +1,7 @@
 """Files that are complete or absent: atomic writes, free-space checks before writing, and content digests.
 
-Everything lowmem_dpo writes (cache shards and manifest, checkpoints, the adapter, reports) goes through a temp
-file in the same folder, fsync and a rename. File digests are remembered by (path, size, mtime) in
+Everything lowmem_dpo writes (checkpoints, the adapter, reports; the reference cache is SQLite's, store.py) goes
+through a temp file in the same folder, fsync and a rename. File digests are remembered by (path, size, mtime) in
 $LOWMEM_DPO_HOME/file-digests.json, so a multi-GB model is hashed once.
 """
 
@@ -46,12 +46,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def atomic_save_tensors(path: Path, tensors: dict) -> None:
-    from safetensors.torch import save
-
-    atomic_write_bytes(path, save({k: v.contiguous().cpu() for k, v in tensors.items()}))
 
 
 def fsync_tree(folder: Path) -> None:

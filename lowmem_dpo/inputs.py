@@ -1,5 +1,6 @@
-"""What every stage reads: the model folder, the tokenizer, the tokenized data, and the cache fingerprint of
-those inputs. Shared by precompute, preflight and train so they tokenize and fingerprint the same way."""
+"""What every stage reads: the model folder, the tokenizer, the tokenized data, the digests of those inputs, and
+the reference cache's model side and values for a run's rows. Shared by precompute, preflight and train so they
+tokenize and look rows up the same way."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowmem_dpo import cache, data, distributed, models
+from lowmem_dpo import cache, data, devices, distributed, models
 from lowmem_dpo.config import Config, cache_settings
 from lowmem_dpo.devices import Resolved, dtype_name
 from lowmem_dpo.errors import UserError, log
@@ -28,7 +29,8 @@ class Inputs:
     model_path: Path  # the base model folder
     source: models.ModelSource  # the base and the SFT adapter on it, if any
     tokenizer: object
-    fingerprint: dict  # components; cache.fingerprint_digest() of it keys the cache
+    fingerprint: dict  # fingerprint_components: the model side's weights (run_side), what a checkpoint records
+    #                    (run_inputs), and what a format-1 cache was keyed by (cache.convert_legacy)
 
 
 def data_component(spec: str, split: str, rows=None) -> dict:
@@ -91,7 +93,47 @@ def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, ad
     values = {**cache_settings(cfg), "ref_dtype": dtype_name(resolved.ref_dtype),  # auto: as the device resolves it
               "ref_quantization": resolved.ref_quantization}
     files = file_components(cfg, model_path, adapter_path, tokenizer_path or model_path)
-    return {"format": cache.FORMAT_VERSION, **files, **{COMPONENT_NAMES.get(k, k): v for k, v in values.items()}}
+    return {"format": cache.FINGERPRINT_FORMAT, **files, **{COMPONENT_NAMES.get(k, k): v for k, v in values.items()}}
+
+
+def run_side(cfg: Config, resolved: Resolved, ins: Inputs, shared: bool = False) -> cache.Side:
+    """The model side (cache.py) of a run's reference: the base's weights and config, the SFT adapter's files, the
+    reference's resolved dtype and quantization; `shared` the preferred layout in 16 bits."""
+    weights = {k: ins.fingerprint[k] for k in ("model", "adapter")}
+    return cache.run_side(weights, dtype_name(resolved.ref_dtype), resolved.ref_quantization, shared)
+
+
+def cached_reference(cfg: Config, ins: Inputs, side: cache.Side, d: Data, recipe: str | None = None) -> tuple:
+    """(the dataset's rows' reference values, eval_dataset's or None) from the cache in ref_cache_dir, looked up by
+    each row's key under `side`; a UserError naming the rows without one and the command that computes them. A
+    cache of the format before, built for these inputs, is converted first (cache.convert_legacy)."""
+    cache_dir = Path(cfg.ref_cache_dir)
+    command = cache.rebuild_command(cfg, recipe)
+    legacy = cache.read_legacy(cache_dir) is not None
+    store = cache.open_store(cache_dir, create=legacy)
+    if store is None:
+        raise UserError(f"no reference cache in {str(cache_dir)!r}; build it with: {command}")
+    refs = {}
+    with store:
+        if legacy:
+            cache.convert_legacy(cache_dir, store, ins.fingerprint, side, d.tok.pairs,
+                                 d.eval_tok.pairs if d.eval_tok is not None else None, cfg)
+        for part, tok in [("train", d.tok), ("eval", d.eval_tok)]:
+            if tok is None:
+                continue
+            name = lambda row, part=part: d.name_row(row, part)  # noqa: E731
+            refs[part], lacking = cache.reference(store, side, tok, name)
+            if lacking:
+                raise UserError(cache.missing_message(cache_dir, lacking, len(tok.pairs), name, command, store,
+                                                      side))
+    return refs["train"], refs.get("eval")
+
+
+def reference_of(cfg: Config) -> tuple:
+    """cached_reference of a config, with no model loaded: what train would serve (tests and benchmarks)."""
+    resolved = devices.resolve(cfg)
+    ins = prepare(cfg, resolved)
+    return cached_reference(cfg, ins, run_side(cfg, resolved, ins), load_data(cfg, ins.tokenizer, progress=False))
 
 
 def prepare(cfg: Config, resolved: Resolved) -> Inputs:
@@ -131,6 +173,12 @@ class Data:
     mixture: data.Mixture | None = None  # cfg.dataset's sources as loaded: file_components reads a hub one's
     #                                      fingerprint from them
     prompts: dict = field(default_factory=dict)  # eval item's row -> its prompt as the samples show it
+    eval_mixture: data.Mixture | None = None  # eval_dataset's rows as loaded
+
+    def name_row(self, row: int, part: str = "train") -> str:
+        """A row for messages: its file and line ("data/a.jsonl row 3 at line 4"); part "eval": eval_dataset's."""
+        mix = self.eval_mixture if part == "eval" else self.mixture
+        return mix.name(row) if mix is not None else f"row {row}"
 
 
 def _tokenize(cfg: Config, tokenizer, sources: list[Source], split: str, progress: bool, sft: bool,
@@ -178,7 +226,7 @@ def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) 
         eval_mix, eval_tok = _tokenize(cfg, tokenizer, [Source(cfg.eval_dataset)], cfg.eval_split, progress, sft)
         log(f"eval: {len(eval_tok.pairs)} pairs from {cfg.eval_dataset}")
         evals = eval_tok.pairs[:cfg.eval_max_pairs]
-        return Data(tok, tok.pairs, evals, "eval", eval_tok, mix, shown_prompts(eval_mix, evals))
+        return Data(tok, tok.pairs, evals, "eval", eval_tok, mix, shown_prompts(eval_mix, evals), eval_mix)
     if cfg.eval_fraction > 0:
         train, evals = _held_out(cfg, mix, tok)
         evals = evals[:cfg.eval_max_pairs]

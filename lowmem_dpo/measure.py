@@ -161,16 +161,16 @@ def _longest_rows(cfg: Config, tokenizer, n: int, out: Path) -> list[Source]:
 
 
 def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Resolved):
-    """(PeakMeter, pairs) of precompute.shard_logps over one batch of the longest rows, the reference loaded as
+    """(PeakMeter, pairs) of precompute.rows_logps over one batch of the longest rows, the reference loaded as
     precompute loads it."""
     tok = inputs.tokenized(mcfg, ins.tokenizer, progress=False)
-    batch_pairs = precompute.shard_plan(tok.pairs, len(tok.pairs))[0][:mcfg.precompute_batch_size]
+    batch_pairs = precompute.by_length(tok.pairs)[:mcfg.precompute_batch_size]
     model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
     pad_id = data.pad_token_id(ins.tokenizer)
     shared = headcheck.decide_sharing(model, tok.pairs, pad_id, resolved, resolved.ref_dtype, mcfg.share_prompt,
                                       mcfg.max_length)  # on the rows precompute.run decides on
     with PeakMeter(resolved.device) as meter:
-        precompute.shard_logps(model, batch_pairs, mcfg.precompute_batch_size, pad_id, resolved, shared=shared)
+        precompute.rows_logps(model, batch_pairs, mcfg.precompute_batch_size, pad_id, resolved, shared=shared)
     del model
     gc.collect()
     return meter, batch_pairs, shared
@@ -206,7 +206,7 @@ def measure(cfg: Config, steps: int = 2) -> dict:
     """Measured peaks of precompute and train for `cfg` on this machine (PeakMeter), on the dataset's longest
     rows, in a temporary folder (the recipe's output_dir and ref_cache_dir are not touched).
 
-    precompute: the reference loaded as precompute loads it, then precompute.shard_logps over one batch of
+    precompute: the reference loaded as precompute loads it, then precompute.rows_logps over one batch of
       precompute_batch_size of the longest rows. train: precompute.run into a temporary cache, then
       train.setup and `steps` loop.optimizer_step calls (the second step has the optimizer state)."""
     resolved = devices.resolve(cfg)

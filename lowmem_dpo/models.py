@@ -84,7 +84,7 @@ def read_adapter_config(path: Path, key: str) -> dict:
 
 
 def adapter_files(path: Path) -> list[Path]:
-    """adapter_config.json and the adapter's weights: the files its content is (for the cache fingerprint)."""
+    """adapter_config.json and the adapter's weights: the files its content is (for the cache's model side)."""
     weights = [path / n for n in ADAPTER_WEIGHTS if (path / n).is_file()]
     if not weights:
         raise UserError(f"adapter folder {str(path)!r} has {ADAPTER_CONFIG} but no "

@@ -2,8 +2,8 @@
 
     python -m lowmem_dpo.preflight RECIPE.yaml [key=value ...]   # print the report of an existing cache
 
-Precompute writes the report at its end, as `preflight.json` beside the cache's manifest, and prints its
-summary; it refreshes both from the cache when it finds the cache up to date. Nothing here loads a model.
+Precompute writes the report at its end, as `preflight.json` in ref_cache_dir, and prints its summary, also when
+it had nothing to compute. Nothing here loads a model.
 
 Per kept pair (c, r: the reference's summed completion log-probs of chosen and rejected; nc, nr: their token
 counts), the report gives the distribution (mean, min, 5/25/50/75/95th percentiles, max) of
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import cache, data, devices, files, inputs
+from lowmem_dpo import cache, devices, files, inputs
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.errors import log
 from lowmem_dpo.recipe import load_config
@@ -77,22 +77,24 @@ def ill_posed(report: dict, thresholds: dict = THRESHOLDS) -> list[str]:
     return warnings
 
 
-def report(ref: cache.RefCache, thresholds: dict = THRESHOLDS) -> dict:
-    """The preflight report of a loaded cache."""
+def report(ref: cache.RefCache, eval_ref: cache.RefCache | None = None, thresholds: dict = THRESHOLDS) -> dict:
+    """The preflight report of the dataset's rows (ref: their cached values and tokenization counts); eval_ref:
+    eval_dataset's, counted only."""
     stats = pair_stats(ref.chosen, ref.rejected, ref.chosen_tokens, ref.rejected_tokens)
+    counts = ref.counts
     out = {
-        "fingerprint": ref.manifest["fingerprint"],
-        "rows": ref.manifest["num_rows"],
+        "model_side": ref.side,
+        "rows": counts["num_rows"],
         "pairs": len(stats["margin"]),
-        "skipped": {reason: len(rows) for reason, rows in data.manifest_skips(ref.manifest).items()},
-        "truncated": ref.manifest.get("truncated"),  # None: a cache built before truncation was counted
+        "skipped": {reason: len(rows) for reason, rows in counts["skipped"].items()},
+        "truncated": counts.get("truncated"),
         **{name: distribution(x) for name, x in stats.items()},
         "share_chosen_less_likely_per_token": round((stats["per_token_margin"] < 0).double().mean().item(), 4),
         "share_chosen_longer": round((stats["length_ratio"] > 1).double().mean().item(), 4),
         "thresholds": dict(thresholds),
     }
-    ev = ref.manifest.get("eval")
-    if ev is not None:  # eval_dataset's rows: counted, not part of the distributions
+    if eval_ref is not None:  # eval_dataset's rows: counted, not part of the distributions
+        ev = eval_ref.counts
         out["eval"] = {"rows": ev["num_rows"], "pairs": ev["num_pairs"], "skipped": len(ev["dropped_rows"])}
     out["warnings"] = ill_posed(out, thresholds)
     return out
@@ -123,10 +125,9 @@ def summary_lines(rep: dict) -> list[str]:
     return lines
 
 
-def refresh(cache_dir: Path) -> dict:
-    """Compute the report of the cache in cache_dir and write it beside the manifest (atomically, only when it
-    changed, so an up-to-date cache's files keep their times; a folder that cannot be written is only logged)."""
-    rep = report(cache.load_ref_cache(cache_dir))
+def save(cache_dir: Path, rep: dict) -> dict:
+    """Write the report as cache_dir/preflight.json (atomically, only when it changed, so an unchanged cache's
+    files keep their times; a folder that cannot be written is only logged); returns it."""
     path = Path(cache_dir) / REPORT
     try:
         old = json.loads(path.read_text())
@@ -141,10 +142,13 @@ def refresh(cache_dir: Path) -> dict:
 
 
 def run(cfg, recipe: str | None = None) -> dict:
-    """The report of the cache that matches cfg (refused, with the rebuild command, when it does not)."""
-    ins = inputs.prepare(cfg, devices.resolve(cfg))
-    cache.check_fingerprint(Path(cfg.ref_cache_dir), ins.fingerprint, cache.rebuild_command(cfg, recipe), cfg)
-    return refresh(Path(cfg.ref_cache_dir))
+    """The report of the recipe's rows from the cache (refused, with the command that fills it, when rows lack
+    values)."""
+    resolved = devices.resolve(cfg)
+    ins = inputs.prepare(cfg, resolved)
+    ref, eval_ref = inputs.cached_reference(cfg, ins, inputs.run_side(cfg, resolved, ins),
+                                            inputs.load_data(cfg, ins.tokenizer, progress=False), recipe)
+    return save(Path(cfg.ref_cache_dir), report(ref, eval_ref))
 
 
 def main(argv: list[str]) -> int:

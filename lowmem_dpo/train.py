@@ -15,7 +15,6 @@ sft_adapter) names an SFT LoRA adapter, that adapter is the one trained (adapter
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -214,45 +213,40 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     adapters.check_mode(cfg, ins.source, resolved.quantization)
     resume = resuming.find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast
     stream = policy.apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
-    cache_dir = Path(cfg.ref_cache_dir)
-    if cfg.ref_source == "cache":
-        # Before anything heavy loads: a stale cache is refused in seconds.
-        cache.check_for_training(cache_dir, ins.fingerprint, cache.rebuild_command(cfg, recipe), cfg)
     policy.check_bitsandbytes(resolved)
     log(ins.source.description)
     d = inputs.load_data(cfg, ins.tokenizer, progress)  # logs the rows it skips and the eval split
-    ref, eval_ref = reference_caches(cfg, cache_dir, d, recipe)
+    side = inputs.run_side(cfg, resolved, ins)
+    # Before anything heavy loads: rows without a reference value are refused in seconds.
+    ref, eval_ref = reference_caches(cfg, ins, side, d, recipe)
     trains_on = {**inputs.run_inputs(ins.fingerprint, d.train),
-                 "reference cache": None if ref is None else ref.manifest["fingerprint"]}
+                 "reference cache": None if ref is None else side.identity}
     resuming.check_before_load(cfg, resume, trains_on, len(d.train))
     model = policy.setup_model(cfg, resolved, ins.model_path, stream, source=ins.source)
     pad_id = data.pad_token_id(ins.tokenizer)
     headcheck.verify(model, data.collate(d.train[:1], pad_id).to(resolved.device), resolved.device,
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-    shared = headcheck.decide_sharing(model, d.train, pad_id, resolved, resolved.dtype, cfg.share_prompt,
+    # the same rows as precompute's decision (every row of dataset), so that the two agree on the layout
+    shared = headcheck.decide_sharing(model, d.tok.pairs, pad_id, resolved, resolved.dtype, cfg.share_prompt,
                                       cfg.max_length)
-    if ref is not None and ref.manifest.get("share_prompt", False) != shared and resolved.dtype != torch.float32:
-        log(f"note: the reference cache was computed {'with' if ref.manifest.get('share_prompt') else 'without'} "
-            f"share_prompt and this run {'shares' if shared else 'does not share'} prompts: in "
-            f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
-            "off ln 2; rebuild the cache (rm -r it, then precompute) for an exact start")
+    if ref is not None and side.other is not None:  # 16-bit: the values of this run's layout first
+        ref, eval_ref = reference_caches(cfg, ins, side.at(shared), d, recipe)
+        if ref.shared != shared:
+            log(f"note: the reference values were computed {'with' if ref.shared else 'without'} share_prompt and "
+                f"this run {'shares' if shared else 'does not share'} prompts: in "
+                f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
+                "off ln 2")
     return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref, shared, sft_weight(cfg)), resume,
                       trains_on, d.eval, ins.tokenizer, d.prompts)
 
 
-def reference_caches(cfg: Config, cache_dir: Path, d: inputs.Data, recipe: str | None) -> tuple:
-    """The cached reference of the training pairs and of the eval pairs (None, None with ref_source=live), each
-    checked to serve its pairs."""
+def reference_caches(cfg: Config, ins: inputs.Inputs, side: cache.Side, d: inputs.Data, recipe: str | None) -> tuple:
+    """The reference values of the dataset's rows and of the eval rows (inputs.cached_reference; None, None with
+    ref_source=live)."""
     if cfg.ref_source != "cache":
         return None, None
-    rebuild = cache.rebuild_command(cfg, recipe)
-    ref = cache.load_ref_cache(cache_dir)
-    cache.check_rows(ref, d.train, cache_dir, rebuild)
-    eval_ref = None
-    if d.eval:
-        eval_ref = ref if d.eval_part == "train" else cache.load_ref_cache(cache_dir, d.eval_part)
-        cache.check_rows(eval_ref, d.eval, cache_dir, rebuild)
-    return ref, eval_ref
+    ref, eval_ref = inputs.cached_reference(cfg, ins, side, d, recipe)
+    return ref, (eval_ref or ref if d.eval else None)
 
 
 def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.TrainResult:

@@ -89,3 +89,30 @@ def import_bench(*names: str) -> tuple:
         return tuple(importlib.import_module(name) for name in names)
     finally:
         sys.path.remove(str(REPO / "bench"))
+
+
+def cached(cfg):
+    """(the dataset rows' reference values, eval_dataset's or None) as train would serve them from cfg's cache:
+    inputs.reference_of, no model loaded."""
+    from lowmem_dpo import inputs
+
+    return inputs.reference_of(cfg)
+
+
+def stored_rows(cache_dir) -> int:
+    """Rows the cache folder's store holds (every model side); 0 without a store."""
+    from lowmem_dpo import cache
+
+    store = cache.open_store(Path(cache_dir))
+    if store is None:
+        return 0
+    with store:
+        return store.db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+
+
+def stored_sides(cache_dir) -> list[dict]:
+    """The components of every model side the cache folder's store holds rows of, most rows first."""
+    from lowmem_dpo import cache
+
+    with cache.open_store(Path(cache_dir)) as store:
+        return [u.components for u in store.usage() if u.rows]

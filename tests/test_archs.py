@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, cached, stored_rows
 
-from lowmem_dpo import cache, data, headcheck, logps, precompute, sft, train
+from lowmem_dpo import data, headcheck, logps, precompute, sft, train
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.logps import Head, completion_logps, head_of
 from lowmem_dpo.models import load_model
@@ -92,7 +92,7 @@ def test_logps_equal_the_models_own_forward(name, arch_dir, tokenizer, monkeypat
 def test_cache_holds_own_logps_and_train_starts_at_ln2(name, arch_dir, make_cfg, tmp_path, tokenizer):
     cfg = make_cfg(model_name_or_path=str(arch_dir(name)), dataset=tiny_rows(tmp_path), max_steps=1)
     precompute.run(cfg, progress=False)
-    ref = cache.load_ref_cache(cfg.ref_cache_dir)
+    ref = cached(cfg)[0]
     pairs = data.tokenize_rows(data.load_rows(cfg.dataset[0].path), tokenizer, 64, None, progress=False).pairs
     batch = data.collate(pairs, data.pad_token_id(tokenizer))
     with torch.no_grad():
@@ -112,7 +112,7 @@ def test_unknown_architecture_that_differs_is_refused(arch_dir, make_cfg, tmp_pa
     cfg = make_cfg(**run)
     with pytest.raises(UserError, match=r"model_type 'hyperclovax' is not in .* differ .* by up to \d"):
         precompute.run(cfg, progress=False)
-    assert cache.read_manifest(cfg.ref_cache_dir) is None
+    assert stored_rows(cfg.ref_cache_dir) == 0
     with pytest.raises(UserError, match="'hyperclovax'"):
         train.run(make_cfg(**run, ref_source="live"), progress=False)
     with pytest.raises(UserError, match="'hyperclovax'"):

@@ -159,7 +159,7 @@ ALTERNATIVES = {
     "seed": 1, "lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.1, "lora_target_modules": ["q_proj"],
     "adapter_mode": "new_on_merged", "logging_steps": 5, "save_steps": 10, "save_total_limit": 3,
     "resume": "never", "max_nonfinite_steps": 5, "early_stop_on_divergence": True, "precompute_batch_size": 4,
-    "cache_shard_rows": 64, "ref_source": "live", "eval_dataset": "held-out.jsonl", "eval_split": "validation",
+    "cache_shard_rows": 32, "ref_source": "live", "eval_dataset": "held-out.jsonl", "eval_split": "validation",
     "eval_fraction": 0.1, "eval_steps": 5, "eval_max_pairs": 8, "metric_for_best_model": "eval_rewards/accuracies",
     "greater_is_better": True, "load_best_model_at_end": True, "eval_generations": 2, "max_new_tokens": 8,
     "report_to": "tensorboard", "share_prompt": "false", "loss_weights": [2.0], "max_train_samples": 5,

@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA
+from conftest import REPO, TINY_DATA, cached
 from safetensors.torch import load_file
 
-from lowmem_dpo import cache, checkpoint, devices, loop, precompute, train
+from lowmem_dpo import checkpoint, devices, loop, precompute, train
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.memory.arch import load_arch
@@ -162,15 +162,16 @@ def test_precompute_halves_its_batch_on_out_of_memory(tmp_path, capsys):
     finally:
         handle.remove()
     err = capsys.readouterr().err
-    assert "out of memory in precompute (shard-00000.safetensors): retrying with precompute_batch_size=4" in err
+    assert "out of memory in precompute: retrying with precompute_batch_size=4" in err
     assert "retrying with precompute_batch_size=2" in err
-    want, got = cache.load_ref_logps(tmp_path / "plain"), cache.load_ref_logps(tmp_path / "limited")
-    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in zip(want, got))
+    want, got = cached(plain)[0], cached(config(tmp_path, dtype="float32", ref_cache_dir=str(tmp_path / "limited")))[0]
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=0) for a, b in ((want.chosen, got.chosen),
+                                                                    (want.rejected, got.rejected)))
 
 
 def test_precompute_out_of_memory_at_one_pair_exits_2_and_resumes(tmp_path, capsys):
-    """Out of memory even at 1 pair after a few shards: exit 2 naming what to lower, the finished shards kept; the
-    rerun (memory back) resumes after them."""
+    """Out of memory even at 1 pair after a few batches: exit 2 naming what to lower, the committed rows kept; the
+    rerun (memory back) computes only the rest."""
     args = [str(REPO / "recipes" / "tiny-cpu.yaml"), f"dataset={TINY_DATA}", f"ref_cache_dir={tmp_path / 'c'}",
             "cache_shard_rows=64", "precompute_batch_size=64", "dtype=float32", "share_prompt=false"]
     handle = _too_big(10_000, after_calls=3)
@@ -181,9 +182,9 @@ def test_precompute_out_of_memory_at_one_pair_exits_2_and_resumes(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lowmem_dpo.precompute: error: out of memory in precompute with 1 pair per forward: "
                               "lower max_length, or set ref_quantization=4bit")
-    assert "finished shards are kept" in err[-1] and "Traceback" not in "".join(err)
+    assert "the rows computed so far are kept" in err[-1] and "Traceback" not in "".join(err)
     assert run_cli(precompute.main, args, "precompute", precompute.__doc__) == 0
-    assert "resuming: 3 of 6 shards already finished" in capsys.readouterr().err
+    assert "computed 192 rows, reused 192" in capsys.readouterr().err  # 3 batches of 64 were committed
 
 
 def test_out_of_memory_loading_the_model_exits_2(tmp_path, monkeypatch, capsys):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, write_jsonl
+from conftest import REPO, TINY_DATA, cached, write_jsonl
 
 from lowmem_dpo import cache, data, precompute, train
 from lowmem_dpo.cli import run_cli
@@ -115,10 +115,9 @@ def test_cache_and_train_agree_on_skipped_rows_and_strict_refuses_an_up_to_date_
     path, expected = skip_rows(tmp_path)
     cfg = make_cfg(dataset=str(path))
     precompute.run(cfg, progress=False)
-    chosen, _ = cache.load_ref_logps(cfg.ref_cache_dir)
-    manifest = cache.read_manifest(cfg.ref_cache_dir)
-    assert manifest["skipped"] == expected and manifest["dropped_rows"] == [1, 2, 4, 5]
-    assert torch.isnan(chosen).nonzero().flatten().tolist() == manifest["dropped_rows"]
+    ref = cached(cfg)[0]
+    assert ref.counts["skipped"] == expected and ref.counts["dropped_rows"] == [1, 2, 4, 5]
+    assert torch.isnan(ref.chosen).nonzero().flatten().tolist() == ref.counts["dropped_rows"]
     session = train.setup(cfg, progress=False)  # checks the cache covers every row it trains on
     assert sorted(p.row for p in session.pairs) == [0, 3, 6]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA
+from conftest import REPO, TINY_DATA, cached
 from safetensors.torch import load_file
 
 from lowmem_dpo import cache, distributed, precompute, ranks, sft, train
@@ -63,30 +63,25 @@ def run(tmp_path_factory, tiny_path):
     return root, recipe
 
 
-def test_precompute_on_two_processes_equals_one_and_resumes_from_finished_shards(run):
+def test_precompute_on_two_processes_equals_one_and_computes_only_what_is_missing(run):
+    """2 processes split one build into one store: the values equal one process's. With rows deleted from the
+    store (a killed build's aftermath, made by hand), the rerun computes only those."""
     root, recipe = run
     two = root / "cache2"
     p = torchrun("precompute", recipe, f"ref_cache_dir={two}")
     assert p.returncode == 0, p.stderr[-3000:]
-    a, b = cache.load_ref_cache(root / "cache1"), cache.load_ref_cache(two)
+    cfg1 = load_config(recipe, [f"ref_cache_dir={root / 'cache1'}"])
+    cfg2 = load_config(recipe, [f"ref_cache_dir={two}"])
+    a, b = cached(cfg1)[0], cached(cfg2)[0]
     assert (a.chosen - b.chosen).abs().max() < 1e-5 and (a.rejected - b.rejected).abs().max() < 1e-5
-    assert json.loads((two / cache.MANIFEST).read_text())["fingerprint"] == \
-        json.loads((root / "cache1" / cache.MANIFEST).read_text())["fingerprint"]
-    assert p.stderr.count("wrote reference cache") == 1  # rank 0 writes the manifest and logs, once
-    # A killed build (its aftermath made by hand: the manifest not yet written, 3 of the 8 shards missing):
-    # the rerun computes only those.
-    (two / cache.MANIFEST).unlink()
-    shard_dir = next(two.glob("shards-*"))
-    shards = sorted(shard_dir.glob("shard-*.safetensors"))
-    assert len(shards) == 8
-    kept = {s.name: s.stat().st_mtime_ns for s in shards[3:]}
-    for s in shards[:3]:
-        s.unlink()
+    assert p.stderr.count("computed 384 rows, reused 0") == 1  # rank 0 reports, once
+    with cache.open_store(two) as store:
+        store.db.execute("DELETE FROM rows WHERE key IN (SELECT key FROM rows LIMIT 100)")
+        store.db.commit()
     p = torchrun("precompute", recipe, f"ref_cache_dir={two}")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "resuming: 5 of 8 shards already finished" in p.stderr
-    assert {s.name: s.stat().st_mtime_ns for s in sorted(shard_dir.glob("shard-*"))[3:]} == kept
-    c = cache.load_ref_cache(two)
+    assert "computed 100 rows, reused 284" in p.stderr
+    c = cached(cfg2)[0]
     assert (a.chosen - c.chosen).abs().max() < 1e-5
 
 

@@ -8,7 +8,7 @@ import math
 import datasets
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, write_jsonl
+from conftest import REPO, TINY_DATA, cached, write_jsonl
 
 from lowmem_dpo import cache, data, devices, inputs, models, precompute, preflight
 from lowmem_dpo.logps import completion_logps
@@ -86,7 +86,7 @@ def one_forward_logps(model, pair) -> tuple[float, float]:
     return c.logps.item(), r.logps.item()
 
 
-def test_precompute_caches_eval_dataset_in_the_same_build(make_cfg, tiny_path, tokenizer, tmp_path):
+def test_precompute_caches_eval_dataset_in_the_same_build(make_cfg, tiny_path, tokenizer, tmp_path, capsys):
     rows = tiny_rows()
     train_path = write_jsonl(tmp_path / "train.jsonl", rows[:10])
     eval_rows = rows[200:207]
@@ -95,36 +95,28 @@ def test_precompute_caches_eval_dataset_in_the_same_build(make_cfg, tiny_path, t
     cfg = make_cfg(dataset=str(train_path), eval_dataset=str(eval_path), cache_shard_rows=4,
                    precompute_batch_size=3)
     precompute.run(cfg, progress=False)
-    manifest = cache.read_manifest(cfg.ref_cache_dir)
-    assert manifest["num_rows"] == 10 and manifest["shards"] == ["shard-00000.safetensors",
-                                                                 "shard-00001.safetensors", "shard-00002.safetensors"]
-    ev = manifest["eval"]
-    assert (ev["num_rows"], ev["num_pairs"], ev["dropped_rows"]) == (7, 6, [2])
-    assert ev["shards"] == ["eval-shard-00000.safetensors", "eval-shard-00001.safetensors"]
-    assert all((cache.Path(cfg.ref_cache_dir) / manifest["shard_dir"] / n).is_file() for n in ev["shards"])
+    assert "computed 16 rows, reused 0" in capsys.readouterr().err  # 10 + 6, in one build
 
     model = models.load_model(tiny_path, torch.device("cpu"), torch.float32)
-    ref = cache.load_ref_cache(cfg.ref_cache_dir, "eval")
-    assert ref.chosen.shape == (7,) and math.isnan(ref.chosen[2]) and ref.manifest["num_rows"] == 7
+    train_ref, ref = cached(cfg)
+    assert ref.chosen.shape == (7,) and math.isnan(ref.chosen[2]) and ref.counts["num_rows"] == 7
+    assert (ref.counts["num_pairs"], ref.counts["dropped_rows"]) == (6, [2])
     for p in data.tokenize_rows(data.load_rows(str(eval_path)), tokenizer, 64, None, progress=False).pairs:
         c, r = one_forward_logps(model, p)
         assert ref.chosen[p.row].item() == pytest.approx(c, abs=1e-4)
         assert ref.rejected[p.row].item() == pytest.approx(r, abs=1e-4)
-    train_ref = cache.load_ref_cache(cfg.ref_cache_dir)
     assert train_ref.chosen.shape == (10,) and torch.isfinite(train_ref.chosen).all()
     p = data.tokenize_rows(data.load_rows(str(train_path)), tokenizer, 64, None, progress=False).pairs[9]
     assert train_ref.chosen[9].item() == pytest.approx(one_forward_logps(model, p)[0], abs=1e-4)
 
     d = inputs.load_data(cfg, tokenizer, progress=False)
     assert d.eval_part == "eval" and [p.row for p in d.eval] == [0, 1, 3, 4, 5, 6] and d.train == d.tok.pairs
-    cache.check_rows(ref, d.eval, cache.Path(cfg.ref_cache_dir), "REBUILD")  # the eval part serves the eval rows
-    rep = preflight.refresh(cache.Path(cfg.ref_cache_dir))
+    rep = preflight.run(cfg)
     assert rep["eval"] == {"rows": 7, "pairs": 6, "skipped": 1} and rep["rows"] == 10
     assert "eval: 6 pairs of 7 rows" in preflight.summary_lines(rep)[0]
 
-    before = (cache.Path(cfg.ref_cache_dir) / cache.MANIFEST).stat().st_mtime_ns
     precompute.run(make_cfg(dataset=str(train_path), eval_dataset=str(eval_path), eval_max_pairs=2), progress=False)
-    assert (cache.Path(cfg.ref_cache_dir) / cache.MANIFEST).stat().st_mtime_ns == before  # up to date
+    assert "computed 0 rows, reused 16" in capsys.readouterr().err
 
 
 def components(cfg) -> dict:
@@ -176,41 +168,24 @@ def test_eval_data_errors_exit_2_from_precompute(tmp_path, case, capsys):
     p = run_precompute(tmp_path, capsys, *args)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert expect in p.stderr
-    assert not (tmp_path / "cache" / cache.MANIFEST).exists()
+    assert not (tmp_path / "cache" / "index.sqlite").exists()  # refused before anything was written
 
 
-def test_killed_build_resumes_eval_shards_and_a_cache_without_them_refuses_part_eval(make_cfg, tmp_path,
-                                                                                     monkeypatch):
-    from lowmem_dpo import files
+def test_eval_rows_without_values_are_refused_naming_eval_dataset(make_cfg, tmp_path, capsys):
+    """A cache built without eval_dataset serves train's rows; a run that adds eval_dataset is refused, naming its
+    file's rows and the command; that command computes only the eval rows."""
+    from lowmem_dpo import train
     from lowmem_dpo.errors import UserError
 
     rows = tiny_rows()
-    cfg = make_cfg(dataset=str(write_jsonl(tmp_path / "t.jsonl", rows[:6])), cache_shard_rows=3,
-                   eval_dataset=str(write_jsonl(tmp_path / "e.jsonl", rows[300:306])))
-    real_save, saved = files.atomic_save_tensors, []
-
-    def dying_save(path, tensors):
-        if len(saved) == 3:  # both training shards and the first eval shard are written
-            raise KeyboardInterrupt("simulated kill")
-        saved.append(path.name)
-        real_save(path, tensors)
-
-    monkeypatch.setattr(files, "atomic_save_tensors", dying_save)
-    with pytest.raises(KeyboardInterrupt):
-        precompute.run(cfg, progress=False)
-    assert saved == ["shard-00000.safetensors", "shard-00001.safetensors", "eval-shard-00000.safetensors"]
-    monkeypatch.setattr(files, "atomic_save_tensors", real_save)
-    computed = []
-    real_shard_logps = precompute.shard_logps
-    monkeypatch.setattr(precompute, "shard_logps", lambda m, pairs, *a: computed.append([p.row for p in pairs])
-                        or real_shard_logps(m, pairs, *a))
-    precompute.run(cfg, progress=False)
-    assert len(computed) == 1 and len(computed[0]) == 3  # only the missing eval shard
-    ref = cache.load_ref_cache(cfg.ref_cache_dir, "eval")
-    assert torch.isfinite(ref.chosen).all() and ref.chosen.shape == (6,)
-
-    plain = make_cfg(dataset=cfg.dataset, ref_cache_dir=str(tmp_path / "plain"))
+    eval_path = write_jsonl(tmp_path / "e.jsonl", rows[300:306])
+    plain = make_cfg(dataset=str(write_jsonl(tmp_path / "t.jsonl", rows[:6])))
     precompute.run(plain, progress=False)
-    assert "eval" not in cache.read_manifest(plain.ref_cache_dir)
-    with pytest.raises(UserError, match="holds no eval rows.*rerun `python -m lowmem_dpo.precompute"):
-        cache.load_ref_cache(plain.ref_cache_dir, "eval")
+    cfg = make_cfg(dataset=plain.dataset, eval_dataset=str(eval_path))
+    with pytest.raises(UserError, match=f"no reference values for 6 of the 6 rows this run uses \\({eval_path} row 0 "
+                                        "at line 1; .*python -m lowmem_dpo.precompute"):
+        train.run(cfg, progress=False)
+    capsys.readouterr()
+    precompute.run(cfg, progress=False)
+    assert "computed 6 rows, reused 6" in capsys.readouterr().err
+    assert torch.isfinite(cached(cfg)[1].chosen).all()

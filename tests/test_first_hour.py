@@ -4,6 +4,7 @@ in-process through run_cli: its exit code and its message)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import REPO, TINY_DATA, write_jsonl
@@ -28,23 +29,26 @@ def built_cache(tmp_path_factory):
     return root
 
 
-def test_the_rebuild_command_keeps_the_overrides_and_names_what_changed(tmp_path, capsys):
-    """train with the user's own data and max_length against the recipe's cache: the message names what changed
-    in words (which file, which key) and the command to copy keeps every override; copied, it builds the cache
-    train then accepts."""
-    mine = write_jsonl(tmp_path / "mine.jsonl", [json.loads(x) for x in open(TINY_DATA)][:60])
+def test_the_fill_command_keeps_the_overrides_and_names_the_rows(tmp_path, capsys):
+    """train with the user's own data (one row edited) and max_length against the recipe's cache: the message
+    names the rows without a value by file and line, and the command to copy keeps every override; copied, it
+    computes only those rows, and train is content."""
+    rows = [json.loads(x) for x in open(TINY_DATA)][:60]
+    rows[7]["chosen"] += " Truly."
+    mine = write_jsonl(tmp_path / "mine.jsonl", rows)
     cache = tmp_path / "cache"
     assert run_cli(precompute.main, [RECIPE, f"ref_cache_dir={cache}", "dtype=float32"], "precompute", "doc") == 0
     args = [RECIPE, f"dataset={mine}", "max_length=48", f"ref_cache_dir={cache}", "dtype=float32",
             f"output_dir={tmp_path / 'out'}", "max_steps=1", "eval_fraction=0", "load_best_model_at_end=false"]
     code, err = stage(train.main, args, "train", capsys)
     last = err.strip().splitlines()[-1]
-    assert code == 2 and f"the content of {mine}; max_length 64 -> 48 changed since" in last
-    assert '{"files"' not in last and "…" not in last  # no cut JSON fragment
-    command = last.split("Rebuild it with: ")[1]
+    assert code == 2 and f"{mine} row 7 at line 8" in last and "new, or changed since precompute ran" in last
+    missing = int(re.search(r"has no reference values for (\d+) of the (\d+) rows", last)[1])
+    command = last.split("Compute them (only them) with: ")[1]
     assert command == "python -m lowmem_dpo.precompute " + " ".join([RECIPE, *args[1:]])
-    # copied: the rows and length the user asked for, and train is content
+    # copied: the rows and length the user asked for, only the missing rows computed, and train is content
     assert run_cli(precompute.main, command.split()[3:], "precompute", "doc") == 0
+    assert f"computed {missing} rows, reused {60 - missing}" in capsys.readouterr().err
     code, err = stage(train.main, args, "train", capsys)
     assert code == 0, err[-2000:]
 
@@ -139,4 +143,4 @@ def test_an_interrupt_is_said_on_its_own_line(built_cache, tmp_path, capsys):
     finally:
         handle.remove()
     assert code == 130
-    assert "\nlowmem_dpo.train: interrupted; finished shards/checkpoints are kept." in err
+    assert "\nlowmem_dpo.train: interrupted; committed cache rows and checkpoints are kept." in err

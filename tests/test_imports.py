@@ -97,7 +97,7 @@ def test_imports_run_one_way():
 
 def test_ground_floor_imports_nothing_above_it():
     ground = {"lowmem_dpo.errors", "lowmem_dpo.ranks", "lowmem_dpo.units", "lowmem_dpo.files", "lowmem_dpo.coerce",
-              "lowmem_dpo.sources", "lowmem_dpo.schedule", "lowmem_dpo.rules",
+              "lowmem_dpo.sources", "lowmem_dpo.schedule", "lowmem_dpo.rules", "lowmem_dpo.store",
               "lowmem_dpo.config"}
     for name in ground:
         assert GRAPH[name] <= ground, (name, GRAPH[name] - ground)

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TINY_DATA, write_jsonl
+from conftest import TINY_DATA, stored_sides, write_jsonl
 
-from lowmem_dpo import cache, data, devices, loop, models, policy, precompute, rules, train
+from lowmem_dpo import data, devices, loop, models, policy, precompute, rules, train
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.recipe import load_config
@@ -109,7 +109,7 @@ def test_a_quantized_load_keeps_no_weight_file_mapped(tiny_path, quantization):
 def test_quantized_reference_and_policy_start_at_ln2(small, quantization, dtype):
     cfg = small(quantization=quantization, dtype=dtype, max_steps=1)
     precompute.run(cfg, progress=False)
-    components = cache.read_manifest(cfg.ref_cache_dir)["components"]
+    (components,) = stored_sides(cfg.ref_cache_dir)
     assert components["quantization"] == quantization and components["dtype"] == dtype
     train.run(cfg, progress=False)
     (m,) = metrics(cfg)
@@ -123,7 +123,7 @@ def test_cache_is_keyed_by_the_reference_settings(small, monkeypatch):
     use differ from the cache's."""
     pinned = small(quantization="4bit", ref_quantization="none", max_steps=1)
     precompute.run(pinned, progress=False)
-    assert cache.read_manifest(pinned.ref_cache_dir)["components"]["quantization"] == "none"
+    assert [c["quantization"] for c in stored_sides(pinned.ref_cache_dir)] == ["none"]
 
     real_load = models.load_model
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model for a stale cache"))
@@ -132,7 +132,7 @@ def test_cache_is_keyed_by_the_reference_settings(small, monkeypatch):
     msg = str(e.value)
     assert "quantization none -> 4bit" in msg and "python -m lowmem_dpo.precompute" in msg
     assert "ref_quantization=none ref_dtype=float32" in msg  # how to use the cache as built
-    with pytest.raises(UserError, match=r"dtype float32 -> bfloat16 changed since"):
+    with pytest.raises(UserError, match=r"dtype float32 -> bfloat16 changed"):
         train.run(small(quantization="4bit", ref_quantization="none", ref_dtype="bfloat16"), progress=False)
     monkeypatch.setattr(models, "load_model", real_load)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, TINY_DATA, write_jsonl
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from lowmem_dpo import cache, checkpoint, files, guards, loop, output, precompute, train
 from lowmem_dpo.cli import run_cli
@@ -305,12 +305,7 @@ def test_a_wrong_reference_is_flagged_and_stops_with_early_stop(built, tmp_path,
     """A cache whose chosen log-probs are 200 nats too low (what a reference that is not the policy's start
     gives): margin 0.1 * 200 = 20 at step 1 and a loss of ~0. Logged as warnings; with
     early_stop_on_divergence=true the run stops there with exit 2."""
-    manifest = cache.read_manifest(tmp_path / "cache")
-    for name in manifest["shards"]:
-        path = tmp_path / "cache" / manifest["shard_dir"] / name
-        tensors = load_file(str(path))
-        tensors["chosen"] = tensors["chosen"] - 200.0
-        save_file(tensors, str(path))
+    _edit_store(tmp_path / "cache", "UPDATE rows SET chosen = chosen - 200")
     out = tmp_path / "out"
     assert run_cli(train.main, [str(built), f"output_dir={out}", "max_steps=5"], "train", "") == 0
     err = capsys.readouterr().err
@@ -326,13 +321,7 @@ def test_a_run_of_nonfinite_losses_logs_nulls_and_stops_as_diverged(built, tmp_p
     """Reference values at float32's limits (finite, so the cache passes its checks) make every loss
     infinite: the log lines of the skipped steps carry null metrics (not 0, which would read as a perfect
     loss), and the third in a row stops the run with exit 2 and no traceback; no adapter is saved."""
-    manifest = cache.read_manifest(tmp_path / "cache")
-    for name in manifest["shards"]:
-        path = tmp_path / "cache" / manifest["shard_dir"] / name
-        tensors = load_file(str(path))
-        tensors["chosen"] = torch.full_like(tensors["chosen"], 3.4e38)
-        tensors["rejected"] = torch.full_like(tensors["rejected"], -3.4e38)
-        save_file(tensors, str(path))
+    _edit_store(tmp_path / "cache", "UPDATE rows SET chosen = 3.4e38, rejected = -3.4e38")
     out = tmp_path / "out"
     code = run_cli(train.main, [str(built), f"output_dir={out}", "logging_steps=1", "max_steps=10"], "train", "")
     err = capsys.readouterr().err
@@ -374,14 +363,15 @@ def test_resume_refused_on_swapped_data_until_resume_never(tmp_path, capsys):
     capsys.readouterr()
     assert _train(path, out) == 2
     err = capsys.readouterr().err
-    assert (f"{out / 'checkpoints' / 'checkpoint-5'} was trained on other inputs: data, tokenization, reference "
-            "cache changed since") in err
+    # the reference cache's model side is the same: its values are the swapped rows' own, under their new keys
+    assert f"{out / 'checkpoints' / 'checkpoint-5'} was trained on other inputs: data, tokenization changed since" \
+        in err
     assert "Pass resume=never to start over" in err and "Traceback" not in err
     assert metrics(out) == before
     assert _train(path, out, "resume=never") == 0
     assert "starting over (resume=never)" in capsys.readouterr().err
     after = checkpoint.read_state(out / "checkpoints" / "checkpoint-5").inputs
-    assert [k for k in recorded if recorded[k] != after[k]] == ["data", "tokenization", "reference cache"]
+    assert [k for k in recorded if recorded[k] != after[k]] == ["data", "tokenization"]
     # the new run's step 1 scored the swapped pairs: its chosen log-prob is the old run's rejected one
     assert metrics(out)[0]["logps/chosen"] == pytest.approx(before[0]["logps/rejected"], rel=1e-5)
 
@@ -442,49 +432,41 @@ def test_a_checkpoint_without_its_inputs_resumes_with_a_warning(built, tmp_path,
         " its data, model weights, adapter weights, tokenizer, tokenization, reference cache are" in err
 
 
-def _edit_shard(cache_dir: Path, edit) -> int:
-    """Apply edit(tensors, i) to the shard row i of the first trained row (finite, in the first shard), saved
-    back with safetensors; returns that row's index in the dataset."""
-    manifest = cache.read_manifest(cache_dir)
-    path = cache_dir / manifest["shard_dir"] / manifest["shards"][0]
-    tensors = load_file(str(path))
-    i = int(torch.isfinite(tensors["chosen"]).nonzero()[0])
-    edit(tensors, i)
-    save_file(tensors, str(path))
-    return int(tensors["rows"][i])
+def _edit_store(cache_dir: Path, sql: str) -> None:
+    """Change the values in a real cache's store (what a damaged file, or a wrong reference, would hold)."""
+    with cache.open_store(cache_dir) as store:
+        store.db.execute(sql)
+        store.db.commit()
 
 
-def test_cached_token_counts_other_than_train_tokenization_are_refused(built, tmp_path, capsys):
-    """A tokenizer library that splits one completion into one more token than the library precompute ran
-    under (simulated: that row's cached chosen token count raised by 1 in its shard; the tokenizer files, and so
-    the fingerprint, stay as a library upgrade leaves them). Train stops with exit 2 before the model loads,
-    naming the row and the rebuild."""
-    counts = {}
-
-    def one_more(t, i):
-        counts.update(chosen=int(t["chosen_tokens"][i]), rejected=int(t["rejected_tokens"][i]))
-        t["chosen_tokens"][i] += 1
-
-    row = _edit_shard(tmp_path / "cache", one_more)
+def test_values_that_disagree_with_their_token_counts_are_refused(built, tmp_path, capsys):
+    """A row's stored chosen token count raised by 1 (a damaged store: a row's key is its token ids, so a true
+    value cannot disagree with them): train stops with exit 2 before the model loads, naming the row."""
+    with cache.open_store(tmp_path / "cache") as store:
+        key = store.db.execute("SELECT key FROM rows LIMIT 1").fetchone()[0]
+        store.db.execute("UPDATE rows SET chosen_tokens = chosen_tokens + 1 WHERE key = ?", (key,))
+        store.db.commit()
     out = tmp_path / "out"
     assert _train(built, out) == 2
     err = capsys.readouterr().err
-    assert (f"counts other completion tokens than this run's tokenization for 1 rows (rows {row}; row {row}: chosen "
-            f"{counts['chosen'] + 1}, rejected {counts['rejected']} cached, {counts['chosen']} and "
-            f"{counts['rejected']} now): the tokenizer or the tokenizers/transformers library changed since "
-            "precompute") in err
-    assert f"rm -r {tmp_path / 'cache'} && python -m lowmem_dpo.precompute {built}" in err
-    assert "Traceback" not in err and not out.exists()
+    assert "values for 1 rows disagree with their token counts" in err and "line" in err
+    assert "remove the cache folder" in err and "Traceback" not in err and not out.exists()
 
 
-def test_a_nonfinite_reference_logp_is_refused(built, tmp_path, capsys):
-    """A NaN written into one trained row's rejected log-prob in a real cache shard: exit 2 at load, naming it."""
-    row = _edit_shard(tmp_path / "cache", lambda t, i: t["rejected"].__setitem__(i, float("nan")))
-    assert _train(built, tmp_path / "out") == 2
+def test_a_reference_that_gives_nonfinite_logps_is_refused(built, tmp_path, capsys):
+    """A reference whose forward overflows (simulated: its embeddings' output times NaN, a real forward hook):
+    precompute stops with exit 2 before storing anything for those rows, naming them."""
+    def overflow(module, args, output):
+        if isinstance(module, torch.nn.Embedding):
+            return output * float("nan")
+
+    handle = torch.nn.modules.module.register_module_forward_hook(overflow)
+    try:
+        code = run_cli(precompute.main, [str(built), f"ref_cache_dir={tmp_path / 'nan'}"], "precompute", "")
+    finally:
+        handle.remove()
     err = capsys.readouterr().err
-    assert (f"has no finite chosen and rejected reference log-probs for 1 of the rows this run trains on "
-            f"(rows {row}); remove it and rebuild it") in err
-    assert "Traceback" not in err
+    assert code == 2 and "non-finite reference log-probs for" in err and "Traceback" not in err
 
 
 def test_a_checkpoint_from_before_the_transformers_schedules(tmp_path):

@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, write_jsonl
+from conftest import REPO, TINY_DATA, cached, stored_sides, write_jsonl
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from lowmem_dpo import adapters, cache, data, devices, inputs, loop, policy, precompute, sft, train
+from lowmem_dpo import adapters, data, devices, inputs, loop, policy, precompute, sft, train
 from lowmem_dpo.checkpoint import read_state
 from lowmem_dpo.cli import run_cli
 from lowmem_dpo.errors import UserError
@@ -116,9 +116,10 @@ def test_stacked_dpo_reference_is_base_plus_sft_adapter_and_continues_it(sft_dir
 
     cfg = tiny_cfg(tmp_path, model_name_or_path=str(sft_dir), dataset=str(rows64), lora_r=16)  # lora_r conflicts: named, ignored
     precompute.run(cfg, progress=False)
-    manifest = cache.read_manifest(tmp_path / "cache")
-    assert manifest["components"]["adapter"] is not None
-    chosen, rejected = cache.load_ref_logps(tmp_path / "cache")
+    (side,) = stored_sides(tmp_path / "cache")
+    assert side["adapter"] is not None
+    ref = cached(cfg)[0]
+    chosen, rejected = ref.chosen, ref.rejected
 
     # The cache equals base + SFT adapter loaded independently with peft, and not the base alone.
     sft_model = PeftModel.from_pretrained(load_model(tiny_path, torch.device("cpu"), torch.float32), str(sft_dir))

@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_DATA, write_jsonl
+from conftest import TINY_DATA, cached, write_jsonl
 from safetensors.torch import load_file
 from test_streaming import some_batch, some_pairs
 
-from lowmem_dpo import adapters, cache, data, devices, policy, precompute, streaming, train
+from lowmem_dpo import adapters, data, devices, policy, precompute, streaming, train
 from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.models import load_model, model_source
 
@@ -53,16 +53,17 @@ def test_precompute_and_train_with_a_streamed_layer(make_cfg, sft_adapter, rows3
     """precompute.run streaming layer 1 (memory_plan streams on CUDA only: set here): the cached reference is base
     + adapter, as precompute computes it with the model resident; train.run continuing the adapter, streaming the
     same layer, starts from ln 2 (its policy is that reference)."""
-    def cached(name, stream, **keys):
+    def built(name, stream, **keys):
         monkeypatch.setattr(precompute, "memory_plan", lambda cfg, *args: (cfg.precompute_batch_size, stream))
         cfg = make_cfg(dataset=str(rows32), ref_cache_dir=str(tmp_path / name), **keys)
         precompute.run(cfg, progress=False)
-        return torch.stack(cache.load_ref_logps(tmp_path / name))  # (2, rows)
+        ref = cached(cfg)[0]
+        return torch.stack([ref.chosen, ref.rejected])  # (2, rows)
 
-    off = cached("off", LAYER_1, sft_adapter=str(sft_adapter))
+    off = built("off", LAYER_1, sft_adapter=str(sft_adapter))
     assert "stream: decoder layers 1-1 (1 of 2" in capsys.readouterr().err
-    whole = cached("whole", None, sft_adapter=str(sft_adapter))
-    base = cached("base", None)
+    whole = built("whole", None, sft_adapter=str(sft_adapter))
+    base = built("base", None)
     assert off.shape == (2, 32) and torch.isfinite(off).all()
     assert torch.allclose(off, whole, atol=1e-6, rtol=0)
     assert (off - base).abs().max() > 0.1  # the adapter is in the reference

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cached
 from safetensors.torch import load_file
 
 from lowmem_dpo import data, devices, loop, policy, precompute, train
@@ -61,13 +62,13 @@ def test_sft_term_adds_the_reference_chosen_nll_at_step_1(make_cfg, tmp_path, to
     """loss_type [sigmoid, sft], weights [1, 1] (TRL 1.16's RPO spelling): step 1 logs ln 2 plus the reference's
     mean NLL per chosen token over the step's pairs, read from the cache; loss_weights scale the term, and a
     step split into micro-batches gives the same loss and gradient (the term is the step's token mean)."""
-    from lowmem_dpo import cache, inputs
+    from lowmem_dpo import inputs
 
     cfg = make_cfg(max_steps=1, loss_type="sigmoid,sft", loss_weights="1,1", per_device_train_batch_size=8)
     precompute.run(cfg, progress=False)
     train.run(cfg, progress=False)
     (m,) = metrics(cfg)
-    ref = cache.load_ref_cache(cfg.ref_cache_dir)
+    ref = cached(cfg)[0]
     pairs = inputs.tokenized(cfg, tokenizer, progress=False).pairs
     first = loop.take(loop.pair_stream(pairs, cfg.seed), 8)  # step 1's pairs, as the run draws them
     rows = torch.tensor([p.row for p in first])

@@ -17,7 +17,6 @@ from lowmem_dpo.data.encode import (
                                     TokenizedData,
                                     TokenizedPair,
                                     check_skips,
-                                    manifest_skips,
                                     tokenize_completions,
                                     tokenize_rows,
 )
@@ -26,6 +25,6 @@ from lowmem_dpo.data.rows import REQUIRED, data_files, load_rows
 from lowmem_dpo.data.split import held_out, holdout_rows, prompt_keys, shown_prompt
 
 __all__ = ["Batch", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
-           "TokenizedData", "TokenizedPair", "check_skips", "manifest_skips", "tokenize_completions", "tokenize_rows",
+           "TokenizedData", "TokenizedPair", "check_skips", "tokenize_completions", "tokenize_rows",
            "REQUIRED", "data_files", "load_rows", "held_out", "holdout_rows",
            "prompt_keys", "shown_prompt", "Mixture", "load_mixture", "tokenize_mixture"]

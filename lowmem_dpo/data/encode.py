@@ -12,7 +12,7 @@ Conversational rows (lists of {role, content}) are rendered with the tokenizer's
 
 Well-formed rows that DPO cannot use are skipped, counted and logged with their first rows (`SKIPS`);
 `strict=true` refuses them instead, naming the first. Every row skipped: refused. strict only turns skips into
-errors, the rows kept are the same, so it is not part of the cache fingerprint.
+errors, the rows kept are the same, so it changes nothing in the cache.
 """
 
 from __future__ import annotations
@@ -215,15 +215,6 @@ def check_skips(skipped: dict[str, list[int]], num_rows: int, kept: int, spec: s
     detail = "; ".join(f"{len(rows)} because {_reason_text(r, max_length)} (first: {where(rows[0])}; "
                        f"{SKIPS[r][1]})" for r, rows in skipped.items())
     raise UserError(f"dataset {spec!r}: all {num_rows} rows were skipped, so no row is left to use: {detail}")
-
-
-def manifest_skips(manifest: dict) -> dict[str, list[int]]:
-    """Rows a cache left out, by SKIPS reason (caches built before reasons were recorded only left out rows
-    whose prompt reached max_length)."""
-    if "skipped" in manifest:
-        return manifest["skipped"]
-    dropped = manifest.get("dropped_rows", [])
-    return {"prompt_too_long": dropped} if dropped else {}
 
 
 def summary_lines(tok: TokenizedData, max_length: int, max_prompt_length: int | None,

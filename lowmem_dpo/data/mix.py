@@ -116,6 +116,12 @@ class Mixture:
         part, i = self.parts[k], row - self.parts[k].offset
         return k, (i if part.indices is None else part.indices[i])
 
+    def name(self, row: int) -> str:
+        """The mixture's row for messages: its source and its place there ("data/a.jsonl row 3 at line 4")."""
+        k, i = self.locate(row)
+        part = self.parts[k]
+        return f"{part.source.path} {row_locator(part.source.path, len(part.loaded))(i)}"
+
     def row(self, row: int) -> dict:
         """The mixture's row as its source has it (every column)."""
         k, i = self.locate(row)

@@ -22,7 +22,7 @@ REQUIRED = ("prompt", "chosen", "rejected")
 
 
 def data_files(spec: str) -> list[Path]:
-    """The local files whose bytes define the dataset's content (for the cache fingerprint); [] for hub data."""
+    """The local files whose bytes define the dataset's content (for the digests a checkpoint records); [] for hub data."""
     path = Path(spec)
     if path.is_file():
         return [path]
