@@ -51,7 +51,7 @@ def bench_precompute(cfg, device: str, reuse: bool) -> dict:
         # tokenization excluded). rows_per_s_wall: the whole precompute.run call.
         "rows_per_s": after["rows_per_s"] if rebuilt else (before or {}).get("rows_per_s"),
         "wall_s": round(wall, 3),
-        "rows_per_s_wall": round(rows / wall, 3) if wall > 0 and rebuilt else None,
+        "rows_per_s_wall": round(after["computed"] / wall, 3) if wall > 0 and rebuilt else None,
         "peak_memory": pm.result, "peak_mem_bytes": pm.result.get("peak_bytes"),
     }
 

@@ -4,8 +4,8 @@
 
 Each run gets the machine's cores split between its processes (OMP_NUM_THREADS = cores / processes), so the
 1-process run uses every core too. per_device_train_batch_size stays as the recipe says, as transformers counts
-it: N processes train on N times the pairs per step. Precompute's rows/s is the manifest's (wall time of the
-whole build, every process's shards); train's pairs/s is the step's pairs over the median step time of the
+it: N processes train on N times the pairs per step. Precompute's rows/s is build.json's (the forwards of the
+whole build, every process's blocks of rows); train's pairs/s is the step's pairs over the median step time of the
 steps after the first (metrics.jsonl's step_time_s, rank 0's clock after the gradient sum). On one machine's CPU
 cores, processes only split the same cores: expect little or no gain here; the point is GPUs, one per process.
 """
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("recipe")
     ap.add_argument("--procs", default="1,2", help="process counts, comma-separated")
     ap.add_argument("--steps", type=int, default=8, help="train steps per run (the first is not counted)")
-    ap.add_argument("--shard-rows", type=int, default=12, help="cache_shard_rows: a shard is one process's unit "
-                    "of precompute work, so the rows must make several shards per process")
+    ap.add_argument("--shard-rows", type=int, default=12, help="cache_shard_rows: a block of rows is one process's "
+                    "unit of precompute work, so the rows must make several blocks per process")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     ensure_dataset(load_config(args.recipe))

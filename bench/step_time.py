@@ -201,7 +201,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, metavar="T",
                     help="torch.set_num_threads(T) for the whole run (default: torch's default, the usable cores)")
     ap.add_argument("--reuse-cache", action="store_true", help="keep an up-to-date reference cache instead of "
-                    "rebuilding it (precompute rows/s then come from the manifest of the earlier build)")
+                    "rebuilding it (precompute rows/s then come from build.json of the earlier build)")
     args = ap.parse_args(argv)
     args.devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     bad = [d for d in args.devices if d not in KNOWN_DEVICES]

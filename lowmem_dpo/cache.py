@@ -21,6 +21,7 @@ is converted once, with a message, when it was built for the recipe's data (conv
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shlex
@@ -166,11 +167,13 @@ def part_counts(tok) -> dict:
             "skipped": tok.skipped, "truncated": {part: len(rows) for part, rows in tok.truncated.items()}}
 
 
-def reference(store: stores.Store, side: Side, tok, name_row=str) -> tuple[RefCache, list]:
-    """The RefCache of one part's rows (tok: the dataset's or eval_dataset's data.TokenizedData) from the store,
-    in the side's preferred layout and its twin's; and the pairs it lacks. A value whose token counts are not its
-    row's (a key is the row's token ids: only a damaged file holds one) is refused, naming the rows."""
-    keys = [row_key(p) for p in tok.pairs]  # hashed once: a key is sha256 over the row's ids
+def reference(store: stores.Store, side: Side, tok, name_row=str, keys: list[bytes] | None = None
+              ) -> tuple[RefCache, list]:
+    """The RefCache of one part's rows (tok: the dataset's or eval_dataset's data.TokenizedData; keys: their row
+    keys, when the caller has them) from the store, in the side's preferred layout and its twin's; and the pairs
+    it lacks. A value whose token counts are not its row's (a key is the row's token ids: only a damaged file
+    holds one) is refused, naming the rows."""
+    keys = keys if keys is not None else [row_key(p) for p in tok.pairs]
     found, from_other = lookup(store, side, keys)
     wrong = [p for p, k in zip(tok.pairs, keys) if (v := found.get(k)) is not None and (v.chosen_tokens, v.rejected_tokens)
              != (completion_tokens(p.prompt_ids, p.chosen_ids), completion_tokens(p.prompt_ids, p.rejected_ids))]
@@ -286,20 +289,27 @@ def read_legacy(cache_dir: Path) -> dict | None:
         return None
 
 
-def _legacy_values(cache_dir: Path, manifest: dict, part: dict, pairs: list) -> dict:
-    """The values a format-1 cache's part (its manifest, or its "eval" entry) holds for `pairs`, by row key."""
+def _legacy_values(cache_dir: Path, manifest: dict, part: dict, pairs: list) -> tuple[dict, int]:
+    """The values a format-1 cache's part (its manifest, or its "eval" entry) holds for `pairs`, by row key; and
+    how many it holds for rows whose token counts are not this tokenization's (a tokenizers upgrade since: they
+    are left to compute)."""
     from safetensors.torch import load_file
 
     by_row = {p.row: p for p in pairs}
-    out = {}
+    out, other = {}, 0
     for name in part["shards"]:
         t = load_file(Path(cache_dir) / manifest["shard_dir"] / name)
         for i, row in enumerate(t["rows"].tolist()):
             p = by_row.get(row)
-            if p is not None and torch.isfinite(t["chosen"][i]) and torch.isfinite(t["rejected"][i]):
-                out[row_key(p)] = stores.Value(float(t["chosen"][i]), float(t["rejected"][i]),
-                                               int(t["chosen_tokens"][i]), int(t["rejected_tokens"][i]))
-    return out
+            if p is None or not (torch.isfinite(t["chosen"][i]) and torch.isfinite(t["rejected"][i])):
+                continue
+            counts = (int(t["chosen_tokens"][i]), int(t["rejected_tokens"][i]))
+            if counts != (completion_tokens(p.prompt_ids, p.chosen_ids), completion_tokens(p.prompt_ids,
+                                                                                           p.rejected_ids)):
+                other += 1
+                continue
+            out[row_key(p)] = stores.Value(float(t["chosen"][i]), float(t["rejected"][i]), *counts)
+    return out, other
 
 
 def convert_legacy(cache_dir: Path, store: stores.Store, fingerprint: dict, side: Side, pairs: list,
@@ -321,15 +331,20 @@ def convert_legacy(cache_dir: Path, store: stores.Store, fingerprint: dict, side
         return 0
     shared = bool(manifest.get("share_prompt", False))
     components = side.components if side.shared in (None, shared) else side.other
-    values = _legacy_values(cache_dir, manifest, manifest, pairs)
+    values, other = _legacy_values(cache_dir, manifest, manifest, pairs)
     if manifest.get("eval") and eval_pairs:
-        values.update(_legacy_values(cache_dir, manifest, manifest["eval"], eval_pairs))
+        more, other_eval = _legacy_values(cache_dir, manifest, manifest["eval"], eval_pairs)
+        values.update(more)
+        other += other_eval
     store.put(store.side(side_digest(components), components), values)
-    moved = Path(cache_dir) / "legacy-v1"
-    moved.mkdir(exist_ok=True)
+    names = itertools.chain(["legacy-v1"], (f"legacy-v1-{i}" for i in itertools.count(2)))
+    moved = next(Path(cache_dir) / n for n in names if not (Path(cache_dir) / n).exists())
+    moved.mkdir()
     for name in (LEGACY_MANIFEST, manifest.get("shard_dir")):
         if name and (Path(cache_dir) / name).exists():
             os.replace(Path(cache_dir) / name, moved / name)
+    skipped = (f"; {other} rows whose token counts differ from this tokenization (a tokenizers upgrade since) are "
+               "left to compute" if other else "")
     log(f"converted the reference cache in {cache_dir} to the per-row format: {len(values)} rows, kept as they were "
-        f"computed; the old files are in {moved} (remove them when you like)")
+        f"computed{skipped}; the old files are in {moved} (remove them when you like)")
     return len(values)

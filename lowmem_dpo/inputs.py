@@ -16,7 +16,7 @@ from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.files import files_digest
 from lowmem_dpo.sources import Source, label
 
-# cache_settings key -> its name in the fingerprint (the manifest's "components"), where the two differ: the
+# cache_settings key -> its name in the fingerprint (a format-1 manifest's "components"), where the two differ: the
 # cache has always called the reference's resolved precision "dtype" and "quantization".
 COMPONENT_NAMES = {"ref_dtype": "dtype", "ref_quantization": "quantization"}
 # The keys declared reference="files" (config.py), each read by file_components: a new one needs a line there.
@@ -109,24 +109,31 @@ def cached_reference(cfg: Config, ins: Inputs, side: cache.Side, d: Data, recipe
     cache of the format before, built for these inputs, is converted first (cache.convert_legacy)."""
     cache_dir = Path(cfg.ref_cache_dir)
     command = cache.rebuild_command(cfg, recipe)
-    legacy = cache.read_legacy(cache_dir) is not None
+    legacy = distributed.broadcast(cache.read_legacy(cache_dir) is not None if distributed.is_main() else None)
     store = cache.open_store(cache_dir, create=legacy)
     if store is None:
         raise UserError(f"no reference cache in {str(cache_dir)!r}; build it with: {command}")
     refs = {}
     with store:
         if legacy:
-            cache.convert_legacy(cache_dir, store, ins.fingerprint, side, d.tok.pairs,
-                                 d.eval_tok.pairs if d.eval_tok is not None else None, cfg)
+            convert_legacy(cfg, store, ins, side, d)
         for part, tok in [("train", d.tok), ("eval", d.eval_tok)]:
             if tok is None:
                 continue
             name = lambda row, part=part: d.name_row(row, part)  # noqa: E731
-            refs[part], lacking = cache.reference(store, side, tok, name)
+            refs[part], lacking = cache.reference(store, side, tok, name, d.keys(part))
             if lacking:
                 raise UserError(cache.missing_message(cache_dir, lacking, len(tok.pairs), name, command, store,
                                                       side))
     return refs["train"], refs.get("eval")
+
+
+def convert_legacy(cfg: Config, store, ins: Inputs, side: cache.Side, d: Data) -> None:
+    """cache.convert_legacy of ref_cache_dir, by rank 0 while the other processes wait (it moves the old files)."""
+    if distributed.is_main():
+        cache.convert_legacy(Path(cfg.ref_cache_dir), store, ins.fingerprint, side, d.tok.pairs,
+                             d.eval_tok.pairs if d.eval_tok is not None else None, cfg)
+    distributed.barrier()
 
 
 def reference_of(cfg: Config) -> tuple:
@@ -174,6 +181,14 @@ class Data:
     #                                      fingerprint from them
     prompts: dict = field(default_factory=dict)  # eval item's row -> its prompt as the samples show it
     eval_mixture: data.Mixture | None = None  # eval_dataset's rows as loaded
+    row_keys: dict = field(default_factory=dict)  # part -> its pairs' cache.row_key, computed once (keys())
+
+    def keys(self, part: str = "train") -> list[bytes]:
+        """The cache's row keys of the dataset's pairs (part "train") or eval_dataset's ("eval"), in order."""
+        if part not in self.row_keys:
+            tok = self.eval_tok if part == "eval" else self.tok
+            self.row_keys[part] = [cache.row_key(p) for p in tok.pairs] if tok is not None else []
+        return self.row_keys[part]
 
     def name_row(self, row: int, part: str = "train") -> str:
         """A row for messages: its file and line ("data/a.jsonl row 3 at line 4"); part "eval": eval_dataset's."""

@@ -18,6 +18,7 @@ store:
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 
@@ -58,16 +59,16 @@ def by_length(pairs: list[data.TokenizedPair]) -> list[data.TokenizedPair]:
 @torch.inference_mode()
 def rows_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id: int,
                 resolved: devices.Resolved, bar=None, shared: bool = False) -> dict:
-    """Reference log-prob sums and completion token counts of `pairs`, by batches: the tensors of one shard.
-    `bar` (a progress bar) advances by the rows of each batch. shared: each prompt once (data.collate_shared)."""
-    out = {"rows": [], "chosen": [], "rejected": [], "chosen_tokens": [], "rejected_tokens": []}
+    """Reference log-prob sums and completion token counts of `pairs`, by batches, in their order: (len(pairs),)
+    tensors. `bar` (a progress bar) advances by the rows of each batch. shared: each prompt once
+    (data.collate_shared)."""
+    out = {"chosen": [], "rejected": [], "chosen_tokens": [], "rejected_tokens": []}
     collate = data.collate_shared if shared else data.collate
     for i in range(0, len(pairs), batch_size):
         batch = collate(pairs[i:i + batch_size], pad_id).to(resolved.device)
         # The same precision as train's forward at the same settings: step 1 shows ln 2.
         with devices.autocast(resolved.device, resolved.ref_dtype):
             chosen, rejected = batch_logps(model, batch).split()
-        out["rows"].append(batch.rows)
         out["chosen"].append(chosen.logps.cpu())
         out["rejected"].append(rejected.logps.cpu())
         out["chosen_tokens"].append(chosen.n_tokens.cpu().int())
@@ -96,11 +97,6 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
         log(f"warning: the planner predicts precompute does not fit {fmt(budget)} even so (python -m "
             "lowmem_dpo.plan shows the terms); an out-of-memory error halves the batch again")
     return batch, streaming.Plan(stream.layers, arch.layers_prefix) if stream and plan.fits else None
-
-
-def unique(pairs: list[data.TokenizedPair]) -> list[data.TokenizedPair]:
-    """One pair per row key (rows with the same token ids have one value)."""
-    return list({cache.row_key(p): p for p in pairs}.values())
 
 
 def values_of(pairs: list[data.TokenizedPair], tensors: dict) -> dict:
@@ -185,20 +181,17 @@ def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path:
         devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
     log(ins.source.description)
     d = inputs.load_data(cfg, ins.tokenizer, progress)  # bad data stops here, before anything is written
-    rows = unique(d.tok.pairs + (d.eval_tok.pairs if d.eval_tok is not None else []))
-    files.ensure_free_space(cache_dir, len(rows) * ROW_BYTES + (1 << 20), "the reference cache",
-                            "Nothing was written; the cache there is untouched.")
+    pairs = d.tok.pairs + (d.eval_tok.pairs if d.eval_tok is not None else [])
+    by_key = dict(zip(d.keys("train") + d.keys("eval"), pairs))  # one pair per row key (the same ids: one value)
+    keys, rows = list(by_key), list(by_key.values())
     side = inputs.run_side(cfg, resolved, ins)
-    layouts = side.layouts()
     with cache.open_store(cache_dir, create=True) as store:
-        cache.convert_legacy(cache_dir, store, ins.fingerprint, side, d.tok.pairs,
-                             d.eval_tok.pairs if d.eval_tok is not None else None, cfg)
-        keys = [cache.row_key(p) for p in rows]
-        # What the store holds, as rank 0 reads it: every process then splits the same missing rows (another
-        # process's read, after rank 0 committed a batch, would see fewer and split them otherwise).
-        have = distributed.broadcast({layout: set(store.get(store.side(cache.side_digest(c)), keys))
-                                      for layout, c in layouts.items()} if distributed.is_main() else None)
-        complete = [layout for layout, found in have.items() if len(found) == len(set(keys))]
+        inputs.convert_legacy(cfg, store, ins, side, d)
+        lacking = missing(store, side, keys)
+        files.ensure_free_space(cache_dir, min(map(len, lacking.values())) * ROW_BYTES + (1 << 20),
+                                "the reference cache", "Nothing was computed; the cache there is untouched.")
+        want = None if side.other is None or cfg.share_prompt == "auto" else cfg.share_prompt == "true"
+        complete = [layout for layout, miss in lacking.items() if not miss and want in (None, layout)]
         if complete:  # every row is there: no model
             computed, used, seconds = 0, complete[0], 0.0
         else:
@@ -209,9 +202,10 @@ def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path:
             shared = headcheck.decide_sharing(model, d.tok.pairs, pad_id, resolved, resolved.ref_dtype,
                                               cfg.share_prompt, cfg.max_length)
             used = shared if side.other is not None else None
-            todo = by_length([p for p, k in zip(rows, keys) if k not in have[used]])
+            todo = by_length([rows[i] for i in lacking[used]])
             computed, t0 = len(todo), time.perf_counter()
-            compute_missing(model, todo, store, store.side(cache.side_digest(layouts[used]), layouts[used]), cfg,
+            components = side.layouts()[used]
+            compute_missing(model, todo, store, store.side(cache.side_digest(components), components), cfg,
                             resolved, pad_id, progress, shared, batch, computed * ROW_BYTES + (1 << 20))
             del model  # its memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
             devices.release_memory(resolved.device)
@@ -219,12 +213,22 @@ def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path:
             seconds = time.perf_counter() - t0
         if not distributed.is_main():
             return cache_dir
-        record_build(cache_dir, computed, len(rows) - computed, seconds if computed else 0.0,
-                     cache.side_digest(layouts[used]))
+        record_build(cache_dir, computed, len(rows) - computed, seconds if computed else 0.0, side.at(used).digest)
         if prune:
-            prune_store(store, layouts[used], set(keys))
+            prune_store(store, side.layouts()[used], set(keys))
         report(cache_dir, store, side.at(used), d)
     return cache_dir
+
+
+def missing(store, side: cache.Side, keys: list[bytes]) -> dict:
+    """layout (None in float32, else whether shared) -> the indices of `keys` the store lacks in it, as rank 0
+    reads them: every process then splits the same rows (a read after another rank's first commit would not)."""
+    if distributed.is_main():
+        lacking = {}
+        for layout, components in side.layouts().items():
+            have = store.get(store.side(cache.side_digest(components)), keys)
+            lacking[layout] = [i for i, k in enumerate(keys) if k not in have]
+    return distributed.broadcast(lacking if distributed.is_main() else None)
 
 
 def record_build(cache_dir: Path, computed: int, reused: int, seconds: float, side: str) -> None:
@@ -240,15 +244,25 @@ def record_build(cache_dir: Path, computed: int, reused: int, seconds: float, si
 
 
 def prune_store(store, components: dict, keep: set[bytes]) -> None:
-    """--prune: keep only this recipe's rows (their row keys) under this run's model side; say what went."""
-    dropped = store.prune(store.side(cache.side_digest(components)), keep)
+    """--prune: keep only this recipe's rows (their row keys) under this run's model side; say what went. SQLite
+    rewrites the file to shrink it (VACUUM), which needs room for a copy; a full disk leaves it as it was."""
+    folder = store.path.parent
+    files.ensure_free_space(folder, store.file_bytes(), "pruning the reference cache",
+                            "Nothing was dropped; the cache there is untouched.")
+    try:
+        dropped = store.prune(store.side(cache.side_digest(components)), keep)
+    except sqlite3.OperationalError as e:
+        if "full" not in str(e):
+            raise
+        raise files.disk_full_error(folder, "pruning the reference cache", store.file_bytes(),
+                                    "The cache is as it was before --prune.") from None
     log(f"pruned {dropped} rows this recipe does not use (other data, other model sides)")
 
 
 def report(cache_dir: Path, store, side, d: inputs.Data) -> None:
     """The preflight report of the recipe's rows, printed and saved; then what the cache holds, per model side."""
-    ref, _ = cache.reference(store, side, d.tok)
-    eval_ref = cache.reference(store, side, d.eval_tok)[0] if d.eval_tok is not None else None
+    ref, _ = cache.reference(store, side, d.tok, keys=d.keys("train"))
+    eval_ref = cache.reference(store, side, d.eval_tok, keys=d.keys("eval"))[0] if d.eval_tok is not None else None
     for line in preflight.summary_lines(preflight.save(cache_dir, preflight.report(ref, eval_ref))):
         log(line)
     log(f"preflight report: {cache_dir / preflight.REPORT}")

@@ -232,10 +232,11 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     if ref is not None and side.other is not None:  # 16-bit: the values of this run's layout first
         ref, eval_ref = reference_caches(cfg, ins, side.at(shared), d, recipe)
         if ref.shared != shared:
-            log(f"note: the reference values were computed {'with' if ref.shared else 'without'} share_prompt and "
+            log(f"note: reference values were computed {'with' if ref.shared else 'without'} share_prompt and "
                 f"this run {'shares' if shared else 'does not share'} prompts: in "
                 f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
-                "off ln 2")
+                f"off ln 2; {cache.rebuild_command(cfg, recipe)} share_prompt={str(shared).lower()} computes this "
+                "run's own")
     return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref, shared, sft_weight(cfg)), resume,
                       trains_on, d.eval, ins.tokenizer, d.prompts)
 

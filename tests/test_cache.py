@@ -203,6 +203,20 @@ def _build(recipe_keys: list[str], log) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
+def _stored_of(cache_dir, keys: list[bytes]) -> int:
+    """How many of `keys` the store holds, read without writing (0 before it exists)."""
+    path = cache_dir / "index.sqlite"
+    if not path.is_file():
+        return 0
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)
+    try:
+        return db.execute(f"SELECT COUNT(*) FROM rows WHERE key IN ({','.join('?' * len(keys))})", keys).fetchone()[0]
+    except sqlite3.OperationalError:  # the tables are not created yet
+        return 0
+    finally:
+        db.close()
+
+
 def test_two_writers_and_a_kill_9_leave_the_store_consistent(tmp_path, capsys):
     """Two precompute processes (two recipes: overlapping rows) write one cache folder at once, one row per
     commit; one is killed with SIGKILL mid-build (a real kill, not simulated). The other finishes; the store
@@ -211,12 +225,15 @@ def test_two_writers_and_a_kill_9_leave_the_store_consistent(tmp_path, capsys):
     keys = {n: [f"dataset={write_jsonl(tmp_path / f'{n}.jsonl', rows(120, start))}", "dtype=float32",
                 f"ref_cache_dir={tmp_path / 'cache'}", "cache_shard_rows=1", "precompute_batch_size=1"]
             for n, start in (("a", 0), ("b", 60))}
+    only_a = load_config(RECIPE, [f"dataset={write_jsonl(tmp_path / 'only-a.jsonl', rows(60))}", *keys["a"][1:]])
+    ins = inputs.prepare(only_a, devices.resolve(only_a))
+    only_a_keys = inputs.load_data(only_a, ins.tokenizer, progress=False).keys()  # rows b does not have
     logs = {n: open(tmp_path / f"{n}.log", "w") for n in keys}
     a, b = _build(keys["a"], logs["a"]), _build(keys["b"], logs["b"])
     deadline = time.monotonic() + 300
-    while stored_rows(tmp_path / "cache") < 10 and a.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    a.send_signal(signal.SIGKILL)
+    while _stored_of(tmp_path / "cache", only_a_keys) < 3 and a.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    a.send_signal(signal.SIGKILL)  # a is committing its own rows now
     assert a.wait() == -signal.SIGKILL and b.wait(timeout=300) == 0, (tmp_path / "b.log").read_text()[-2000:]
     db = sqlite3.connect(tmp_path / "cache" / "index.sqlite")
     assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
@@ -250,22 +267,27 @@ def _format_1(cfg, values: torch.Tensor, fingerprint: dict) -> None:
 
 def test_a_cache_of_the_format_before_is_converted_once(make_cfg, tmp_path, capsys):
     """A format-1 cache built for this recipe's inputs is converted with a message (by precompute, or by train
-    run on it directly), its values kept as they were computed (here marked: each moved by 1e-3) and its files
-    moved aside; one built for other inputs is left alone, named, and every row computed."""
+    run on it directly), its values kept as they were computed (here marked: each moved by 1e-3) but for a row
+    whose token counts are not this tokenization's, and its files moved aside; one built for other inputs is left
+    alone, named, and every row computed."""
     some = write_jsonl(tmp_path / "d.jsonl", rows(40))
     fresh = make_cfg(dataset=str(some), ref_cache_dir=str(tmp_path / "fresh"))
     precompute.run(fresh, progress=False)
     want = served(fresh)
     marked = want.clone()
     marked[:2] += 1e-3
+    marked[2, 7] += 1  # row 7's chosen token count is not this tokenization's (a tokenizers upgrade since)
     old = make_cfg(dataset=str(some))
     fingerprint = inputs.prepare(old, devices.resolve(old)).fingerprint
     _format_1(old, marked, fingerprint)
     capsys.readouterr()
     precompute.run(old, progress=False)
     err = capsys.readouterr().err
-    assert f"converted the reference cache in {old.ref_cache_dir} to the per-row format: 40 rows" in err
-    assert counted(err) == (0, 40) and same(served(old), marked)
+    assert f"converted the reference cache in {old.ref_cache_dir} to the per-row format: 39 rows, kept as they " \
+           "were computed; 1 rows whose token counts differ from this tokenization" in err
+    assert counted(err) == (1, 39)
+    assert same(served(old)[:, 7], want[:, 7]) and same(torch.cat([served(old)[:, :7], served(old)[:, 8:]], 1),
+                                                         torch.cat([marked[:, :7], marked[:, 8:]], 1))
     assert sorted(p.name for p in (cache.Path(old.ref_cache_dir) / "legacy-v1").iterdir()) == [
         "manifest.json", "shards-00000000"]
     precompute.run(old, progress=False)
