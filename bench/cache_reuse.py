@@ -150,16 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.rows = 44
-    work = Path(tempfile.mkdtemp(prefix="cache-reuse-"))
-    os.environ["HF_DATASETS_CACHE"] = str(work / "hf-datasets")  # TRL's precompute cache starts cold
     from make_data import bench_rows
 
     from lowmem_dpo.tiny import preference_rows
 
     make = preference_rows if args.smoke else bench_rows  # the tiny model's rows fit its max_length of 64
     rows, other = make(args.rows, seed=0), make(args.rows * 10 // 11, seed=1)
-    ours = run_ours(work, rows, other, args.device, args.smoke)
-    trl = [] if args.no_trl else run_trl(work, rows, args.device, args.smoke)
+    with tempfile.TemporaryDirectory(prefix="cache-reuse-") as tmp:
+        work = Path(tmp)
+        if not args.no_trl:  # TRL's cache files in the run's folder (read by datasets at its import: a script's)
+            os.environ["HF_DATASETS_CACHE"] = str(work / "hf-datasets")
+        ours = run_ours(work, rows, other, args.device, args.smoke)
+        trl = [] if args.no_trl else run_trl(work, rows, args.device, args.smoke)
     from machine import machine_info
 
     report = {"command": " ".join(["python", "bench/cache_reuse.py", *(argv if argv is not None else sys.argv[1:])]),

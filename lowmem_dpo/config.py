@@ -99,6 +99,10 @@ class Config:
                                      "~30% more compute. auto: on for a CUDA budget <= 24 GiB and mps, off for "
                                      "larger budgets and CPUs, and on wherever the planner says the run needs it "
                                      "(docs/devices-and-memory.md).", choices=("auto", "true", "false"))
+    activation_offloading: str = _f("auto", "Move what train's forward saves for backward (with checkpointing: each "
+                                    "layer's input) to pinned CPU RAM, back a layer ahead in backward (CUDA). auto: "
+                                    "where the planner needs it to fit (docs/devices-and-memory.md, Long sequences).",
+                                    choices=("auto", "true", "false"), resumable=True)
     memory_budget: Optional[str] = _f(None, "Memory the run may use on its device, e.g. 11.25GiB (what torch gets of "
                                       "a 12 GB card): enforced on CUDA, it picks the device rule, and the planner "
                                       "fits train and precompute to it. null: what torch can get of the GPU now, or "
@@ -389,12 +393,3 @@ RESUMABLE = keys_where(resumable=True)
 # Keys that set the run's length: changed on resume, the run continues to the new total (resuming.follow_run_length).
 RUN_LENGTH = keys_where(resumable="length")
 
-
-def cache_settings(cfg: Config) -> dict:
-    """The values of the keys declared reference="value": what the reference log-probs depend on besides the
-    content of the model, adapter, tokenizer and data files (reference="files"). ref_quantization and ref_dtype
-    are resolved from quantization and dtype when null; the fingerprint resolves a dtype of auto for the device
-    too (inputs.fingerprint_components)."""
-    out = {name: getattr(cfg, name) for name in sorted(keys_where(reference="value"))}
-    out.update(ref_quantization=cfg.reference_quantization, ref_dtype=cfg.reference_dtype)
-    return out

@@ -40,6 +40,7 @@ class Resolved:
     share_prompt: bool = False  # the prompt once per pair, where the model supports it (headcheck.decide_sharing)
     budget: int | None = None  # bytes the run may use on the device; None: the planner's default (RAM on a CPU)
     micro_batch: int | None = None  # pairs per micro-batch the planner fits (policy.apply_plan); None: the recipe's
+    activation_offloading: bool = False  # train's saved tensors to pinned host memory (activations.py; CUDA only)
 
     def __post_init__(self):
         if self.ref_dtype is None:
@@ -178,19 +179,20 @@ def resolve(cfg) -> Resolved:
         reasons.append("float16: the loss is scaled dynamically (torch.amp.GradScaler) so that small gradients do "
                        "not underflow; a step whose scaled gradients overflow is skipped and the scale halved (a "
                        "scaler skip, logged as scaler_skips, not as divergence); the LoRA weights stay float32")
-    if cfg.gradient_checkpointing == "auto":
-        ckpt = rule.gradient_checkpointing
-        reasons.append(f"gradient_checkpointing={str(ckpt).lower()} (auto)")
-    else:
-        ckpt = cfg.gradient_checkpointing == "true"
-        reasons.append(f"gradient_checkpointing={cfg.gradient_checkpointing} (from the recipe)")
+    auto = cfg.gradient_checkpointing == "auto"
+    ckpt = rule.gradient_checkpointing if auto else cfg.gradient_checkpointing == "true"
+    reasons.append(f"gradient_checkpointing={str(ckpt).lower()} ({'auto' if auto else 'from the recipe'})")
     share = rule.share_prompt if cfg.share_prompt == "auto" else cfg.share_prompt == "true"
     reasons.append(f"share_prompt={str(share).lower()} ({'auto' if cfg.share_prompt == 'auto' else 'from the recipe'})"
                    f"{', where the model supports it' if share else ''}")
     reasons.append(f"optimizer={rule.optimizer}, offload={rule.offload} (rule for {kind})")
+    offload = cfg.activation_offloading == "true" and device.type == "cuda"
+    if cfg.activation_offloading == "true":
+        reasons.append("activation_offloading=true" + ("" if offload else f": nothing to move on {device.type}, "
+                                                       "where activations are in host memory already"))
     return Resolved(device, kind, dtype, ckpt, rule.optimizer, reasons, quantization=cfg.quantization,
                     ref_dtype=ref_dtype, ref_quantization=cfg.reference_quantization, offload=rule.offload,
-                    share_prompt=share, budget=budget)
+                    share_prompt=share, budget=budget, activation_offloading=offload)
 
 
 # -- bitsandbytes (optional at import time; needed for quantization and the paged optimizer) ----------------------

@@ -4,7 +4,9 @@
   their log-probs with the model's own forward before computing anything, and stop (exit 2) when the two differ.
   For a known architecture it costs nothing;
 - share_prompt (decide_sharing): precompute and train compare the shared-prefix forward with the unshared one on
-  the first pairs, and share only when they agree."""
+  the first pairs, and share only when they agree;
+- the attention kernel (attention_kernel): which of SDPA's kernels the first pair's forward runs, said in one line,
+  with a warning where a long sequence would build its (T, T) scores."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lowmem_dpo import data, devices, logps
+from lowmem_dpo import activations, data, devices, logps
 from lowmem_dpo.errors import UserError, log
+from lowmem_dpo.rules import SHARE_MIN_PROMPT_SHARE
 
 # check_head's per-token tolerance (nats) by the precision of the forward. In float32 the two sides agree to
 # ~1e-6. In 16 bits the model rounds its own transform (x / c, tanh, x * c) to the logits' dtype: a few ulps of
@@ -123,11 +126,48 @@ OOM_CHECK = ("out of memory in the first batch's checks (a forward of at most 2 
 SHARE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 0.02, torch.bfloat16: 0.05}
 
 
-# share_prompt=auto shares only when the repeated prompts are at least this share of the unshared forward's
-# tokens. Measured on our 2-core CPU (bench/README.md): at 15% (llama-25m-cpu.yaml) shared steps took 0.69-0.86 s
-# against 0.70-0.85 s unshared, no gain (its longer masked rows cost attention the prompt saves); at 42% (the
-# long-prompt recipe) 1.42 s against 1.93 s.
-SHARE_MIN_PROMPT_SHARE = 0.25
+
+# attention_kernel warns from this max_length on when the kernel builds (T, T) scores per head: at 4096 tokens a
+# 32-head layer's float32 scores take 2 GiB per sequence.
+LONG_SEQUENCE = 4096
+
+
+@torch.no_grad()
+def attention_kernel(model, batch: data.Batch, dtype: torch.dtype, max_length: int, train: bool = False) -> str:
+    """Which attention kernel the model runs on `batch` (the stage's first pair, in its layout), as the line the
+    stage logs: SDPA's flash or memory-efficient kernel never holds (T, T) scores; its math kernel and eager
+    attention do (a warning from LONG_SEQUENCE tokens on). train: asked for tensors that need gradients, as train's
+    are (torch's choice depends on it: flash's backward takes fewer head sizes on some cards)."""
+    lm = logps.causal_lm(model)
+    impl = getattr(lm.config, "_attn_implementation", None)
+    calls = []
+    if impl in (None, "sdpa"):  # another implementation does not call SDPA: nothing to probe
+        with activations.sdpa_calls(stop=True) as calls, logps.eval_mode(model), \
+                devices.autocast(batch.input_ids.device, dtype):
+            try:
+                logps.batch_logps(model, batch)
+            except activations.FirstCall:  # the first attention call's arguments are all the probe needs
+                pass
+    if not calls:
+        kernel = f"{impl or 'its own'} attention"
+        line = f"attention: {kernel} (not torch's SDPA)"
+    else:
+        c = calls[0]
+        if train:
+            c = {**c, **{k: c[k].detach().requires_grad_() for k in ("query", "key", "value")}}
+        with torch.set_grad_enabled(train):  # torch looks at requires_grad only with gradients on
+            kernel = activations.sdpa_kernel(**c)
+        mask = c["attn_mask"]
+        line = (f"attention: SDPA's {kernel} kernel" + (
+            f", with the {'shared rows' if batch.shared else 'padding'} mask {tuple(mask.shape)} as a bias"
+            if mask is not None else ", causal, no mask"))
+    if kernel in ("flash", "memory-efficient", "cuDNN"):
+        return line + " (never the (T, T) scores)"
+    if kernel == "unknown":
+        return line + " (torch does not say which)"
+    warn = max_length >= LONG_SEQUENCE
+    return ("warning: " if warn else "") + line + (": it builds (batch, heads, T, T) scores, which at long max_length "
+                                                   "take most of the memory" if warn else "")
 
 
 def prompt_share(pairs: list) -> float:

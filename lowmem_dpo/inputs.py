@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowmem_dpo import cache, data, devices, distributed, models
-from lowmem_dpo.config import Config, cache_settings
+from lowmem_dpo.config import Config, keys_where
 from lowmem_dpo.devices import Resolved, dtype_name
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.files import files_digest
@@ -82,11 +82,20 @@ def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, to
     return out
 
 
+def cache_settings(cfg: Config) -> dict:
+    """The values of the keys declared reference="value" (config.py): what the reference log-probs depend on
+    besides the content of the model, adapter, tokenizer and data files (reference="files"). ref_quantization and
+    ref_dtype are resolved from quantization and dtype when null (fingerprint_components resolves auto)."""
+    out = {name: getattr(cfg, name) for name in sorted(keys_where(reference="value"))}
+    out.update(ref_quantization=cfg.reference_quantization, ref_dtype=cfg.reference_dtype)
+    return out
+
+
 def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, adapter_path: Path | None = None,
                            tokenizer_path: Path | None = None) -> dict:
     """Everything the reference log-probs depend on, and nothing they don't: the keys Config declares
     reference="files" by content (file_components) and those declared reference="value" by value
-    (config.cache_settings). `dtype` and `quantization` are the reference's resolved settings (ref_dtype and
+    (cache_settings). `dtype` and `quantization` are the reference's resolved settings (ref_dtype and
     ref_quantization, which default to dtype and quantization; a dtype of auto as the device resolves it), not
     the policy's: a cache computed unquantized serves a 4-bit policy. With an SFT adapter (`adapter_path`) the
     reference is base + adapter; the tokenizer is read from `tokenizer_path` (default: the model folder)."""

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -166,6 +167,7 @@ def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Reso
     tok = inputs.tokenized(mcfg, ins.tokenizer, progress=False)
     batch_pairs = precompute.by_length(tok.pairs)[:mcfg.precompute_batch_size]
     model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
+    precompute.tile(model, ins.model_path)
     pad_id = data.pad_token_id(ins.tokenizer)
     shared = headcheck.decide_sharing(model, tok.pairs, pad_id, resolved, resolved.ref_dtype, mcfg.share_prompt,
                                       mcfg.max_length)  # on the rows precompute.run decides on
@@ -176,9 +178,10 @@ def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Reso
     return meter, batch_pairs, shared
 
 
-def _measure_train(mcfg: Config, steps: int):
-    """(PeakMeter, [(T, completion tokens)] of each micro-batch) of `steps` loop.optimizer_step calls after
-    precompute.run and train.setup, as train runs them."""
+def _measure_train(mcfg: Config, steps: int, timed: int = 0):
+    """(PeakMeter, [(T, completion tokens)] of each micro-batch, [(seconds, tokens)] of `timed` more steps run
+    without the meter (its profiler slows each op)) of `steps` loop.optimizer_step calls after precompute.run and
+    train.setup, as train runs them."""
     precompute.run(mcfg, progress=False)
     session = train.setup(mcfg, progress=False)
     taken = []
@@ -192,6 +195,12 @@ def _measure_train(mcfg: Config, steps: int):
     with PeakMeter(session.resolved.device) as meter:
         for _ in range(steps):
             loop.optimizer_step(session)
+    times = []
+    for _ in range(timed):
+        t0 = time.perf_counter()
+        stats, _, _ = loop.optimizer_step(session)
+        devices.synchronize(session.resolved.device)
+        times.append((time.perf_counter() - t0, stats.tokens))
     shared = session.objective.shared
     seen = [_pair_shape(pairs, shared) for step in loop.split(taken, session.pairs_per_step)  # as DPO.backward
             for pairs in loop.split(loop.by_length(step), session.micro_batch)]
@@ -199,10 +208,10 @@ def _measure_train(mcfg: Config, steps: int):
     gc.collect()
     if meter.device.type == "cuda":
         torch.cuda.empty_cache()
-    return meter, seen, shared
+    return meter, seen, shared, times
 
 
-def measure(cfg: Config, steps: int = 2) -> dict:
+def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
     """Measured peaks of precompute and train for `cfg` on this machine (PeakMeter), on the dataset's longest
     rows, in a temporary folder (the recipe's output_dir and ref_cache_dir are not touched).
 
@@ -210,16 +219,17 @@ def measure(cfg: Config, steps: int = 2) -> dict:
       precompute_batch_size of the longest rows. train: precompute.run into a temporary cache, then
       train.setup and `steps` loop.optimizer_step calls (the second step has the optimizer state)."""
     resolved = devices.resolve(cfg)
-    rows = max(cfg.precompute_batch_size, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * steps)
+    rows = max(cfg.precompute_batch_size,
+               cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * (steps + timed))
     with tempfile.TemporaryDirectory(prefix="lowmem_dpo-measure-") as tmp:
         tmp = Path(tmp)
         ins = inputs.prepare(cfg, resolved)
         subset = _longest_rows(cfg, ins.tokenizer, rows, tmp)
         mcfg = dataclasses.replace(cfg, dataset=subset, dataset_split="train", max_train_samples=None,
                                    ref_cache_dir=str(tmp / "cache"),
-                                   output_dir=str(tmp / "out"), max_steps=steps, save_steps=0)
+                                   output_dir=str(tmp / "out"), max_steps=steps + timed, save_steps=0)
         pre, batch_pairs, pre_shared = _measure_precompute(mcfg, ins, resolved)
-        tr, seen, shared = _measure_train(mcfg, steps)
+        tr, seen, shared, times = _measure_train(mcfg, steps, timed)
     pre_t, pre_m = _pair_shape(batch_pairs, pre_shared)
     n_pre = len(batch_pairs) * (1 if pre_shared else 2)
     t = max(s[0] for s in seen)
@@ -229,7 +239,8 @@ def measure(cfg: Config, steps: int = 2) -> dict:
         "device": resolved.device.type,
         "dtype": devices.dtype_name(resolved.dtype),
         "train": {"measured_peak_bytes": tr.peak_bytes, "entry_bytes": tr.entry_bytes, "steps": steps,
-                  "seq_len": t, "completion_tokens": math.ceil(m / n_train), "share_prompt": shared},
+                  "seq_len": t, "completion_tokens": math.ceil(m / n_train), "share_prompt": shared,
+                  "step_s": [round(s, 3) for s, _ in times], "step_tokens": [n for _, n in times]},
         "precompute": {"measured_peak_bytes": pre.peak_bytes, "entry_bytes": pre.entry_bytes,
                        "seq_len": pre_t, "completion_tokens": math.ceil(pre_m / n_pre)},
     }
@@ -267,13 +278,13 @@ def write_slice_model(arch_spec: str, layers: int, out: Path) -> Path:
     return out
 
 
-def measure_slice(cfg: Config, layers: int = 2, steps: int = 2) -> dict:
+def measure_slice(cfg: Config, layers: int = 2, steps: int = 2, timed: int = 0) -> dict:
     """--slice: measure the recipe's architecture cut to `layers` layers (random weights) and predict the same.
     Returns {"arch": the cut Arch, "measured": measure()'s dict, "prediction": the Prediction at its shapes}."""
     arch = load_arch(cfg.model_name_or_path).with_layers(layers)
     with tempfile.TemporaryDirectory(prefix="lowmem_dpo-slice-") as tmp:
         folder = write_slice_model(cfg.model_name_or_path, layers, Path(tmp))
         scfg = dataclasses.replace(cfg, model_name_or_path=str(folder))
-        measured = measure(scfg, steps)
+        measured = measure(scfg, steps, timed)
     setup = at_measured_shapes(setup_from_config(cfg), measured)
     return {"arch": arch, "measured": measured, "prediction": predict(arch, setup)}

@@ -49,8 +49,8 @@ from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
 from lowmem_dpo.memory.model import Prediction, StagePrediction, predict
-from lowmem_dpo.memory.search import Plan, choose, stage_stream
-from lowmem_dpo.memory.setup import Setup, planned_device, run_budget, setup_from_config
+from lowmem_dpo.memory.search import Plan, choose, longest_max_length, stage_stream
+from lowmem_dpo.memory.setup import Setup, planned_device, run_budget, setup_from_config, with_prompts
 from lowmem_dpo.recipe import load_config
 from lowmem_dpo.units import fmt, parse_size
 
@@ -60,12 +60,18 @@ ROWS = (("base_weights", "base weights"), ("lora_params", "LoRA params (fp32)"),
         ("peak_phase", "peak phase (layer or LM head)"), ("framework_overhead", "framework overhead"))
 
 
-def describe_setup(s: Setup, stage: str) -> str:
+def _rows(shapes: dict) -> str:
+    """The sequences a prediction is for: T, and whether each is a shared [prompt, chosen, rejected] row."""
+    return f"T={shapes['seq_len']}" + (" (shared rows)" if shapes.get("shared") else "")
+
+
+def describe_setup(s: Setup, stage: str, shapes: dict) -> str:
     if stage == "precompute":
         return (f"{s.ref_dtype}, quantization {s.ref_quantization}, batch {s.precompute_batch} pairs, "
-                f"T={s.shapes('precompute')[0]}")
-    return (f"{s.dtype}, quantization {s.quantization}, checkpointing {'on' if s.gradient_checkpointing else 'off'}, "
-            f"micro-batch {s.micro_batch} pairs x {s.grad_accum} accumulation, T={s.shapes('train')[0]}, "
+                f"{_rows(shapes)}")
+    return (f"{s.dtype}, quantization {s.quantization}, checkpointing {'on' if s.gradient_checkpointing else 'off'}"
+            f"{', activation offloading' if s.activation_offloading else ''}, "
+            f"micro-batch {s.micro_batch} pairs x {s.grad_accum} accumulation, {_rows(shapes)}, "
             f"LoRA r={s.lora_r} on {s.lora_targets if isinstance(s.lora_targets, str) else ','.join(s.lora_targets)}, "
             f"{s.optimizer}")
 
@@ -90,7 +96,7 @@ def table(columns: list[tuple[str, StagePrediction]], budget: int, measured: lis
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit code 2, through run_cli
         raise UserError(f"{message}; usage: python -m lowmem_dpo.plan RECIPE.yaml [key=value ...] [--budget SIZE] "
-                        "[--json OUT] [--measure] [--slice N] [--steps K]")
+                        "[--json OUT] [--measure] [--slice N] [--steps K] [--prompt-tokens P]")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -102,11 +108,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--measure", action="store_true")
     ap.add_argument("--slice", type=int, default=None)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=None)
     args = ap.parse_intermixed_args(argv)
     if args.slice is not None and (args.slice < 1 or not args.measure):
         raise UserError("--slice N needs N >= 1 and --measure")
     if args.steps < 1:
         raise UserError("--steps K needs K >= 1")
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        raise UserError("--prompt-tokens P needs P >= 1 (your data's prompt length in tokens)")
     return args
 
 
@@ -168,11 +177,30 @@ def print_plan(chosen: Plan, budget: int) -> None:
             print("  overrides: " + " ".join(f"{k}={v}" for k, v in chosen.overrides.items()))
 
 
-def print_prediction(arch: Arch, setup: Setup, budget: int) -> None:
+def print_lengths(arch: Arch, chosen: Plan, budget: int) -> None:
+    """The longest max_length that fits, per micro-batch: the trade between pairs per forward and length."""
+    s = chosen.setup
+    print(f"longest max_length that fits {fmt(budget)} ({s.quantization} base, checkpointing, no streaming), by "
+          "pairs per micro-batch:")
+    for b in (1, 2, 4, 8):
+        length, plan = longest_max_length(arch, s, budget, b)
+        if not length:
+            print(f"  {b}: none")
+            break
+        knobs = " ".join(f"{k}={plan.overrides[k]}" for k in ("activation_offloading", "share_prompt")
+                         if k in plan.overrides)
+        print(f"  {b}: {length:>6}  train peak {fmt(plan.prediction.train.peak_bytes)}" + (f"  with {knobs}" if knobs
+                                                                                         else ""))
+
+
+def print_prediction(arch: Arch, setup: Setup, pred: Prediction, budget: int) -> None:
     print(f"model    {arch.describe()}")
     print(f"device   {setup.device} (rule {setup.kind}), budget {fmt(budget)}")
-    print(f"train    {describe_setup(setup, 'train')}")
-    print(f"precomp. {describe_setup(setup, 'precompute')}")
+    print(f"train    {describe_setup(setup, 'train', pred.train.shapes)}")
+    print(f"precomp. {describe_setup(setup, 'precompute', pred.precompute.shapes)}")
+    if setup.share_prompt and setup.prompt_tokens is None:
+        print("         shared rows at their worst case, a one-token prompt (2 x max_length - 1 tokens); "
+              "--prompt-tokens P plans for your data's shortest prompt")
     print()
 
 
@@ -195,10 +223,12 @@ def main(argv: list[str]) -> int:
                         "here; add --slice N to measure its first N layers with random weights, or pass a model "
                         "folder")
     setup = setup_from_config(cfg, budget)
+    if args.prompt_tokens:
+        setup = with_prompts(setup, args.prompt_tokens)
     pred = predict(arch, setup)
     chosen = choose(arch, setup, budget)
     report = json_report(cfg, arch, setup, pred, chosen, budget)
-    print_prediction(arch, setup, budget)
+    print_prediction(arch, setup, pred, budget)
     columns = [("train", pred.train), ("precompute", pred.precompute)]
     if chosen.overrides:
         columns += [("train (plan)", chosen.prediction.train), ("precompute (plan)", chosen.prediction.precompute)]
@@ -213,6 +243,7 @@ def main(argv: list[str]) -> int:
               "allow a margin on a GPU")
     print()
     print_plan(chosen, budget)
+    print_lengths(arch, chosen, budget)
     if args.json_out:
         path = Path(args.json_out)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, devices, models, rules, streaming
+from lowmem_dpo import activations, adapters, devices, models, rules, streaming
 from lowmem_dpo.config import Config
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.memory import search
@@ -69,6 +69,7 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, strea
     streaming.stream_layers(model, stream, resolved.device)  # the adapter's weights go to the device with the rest
     if resolved.gradient_checkpointing:
         enable_checkpointing(base)
+    long_sequences(model, resolved, model_path)
     if resolved.dtype != torch.float32:
         # Saves a float32 copy of every adapted layer's input per forward (4-7% of a llama-25m CPU step): peft
         # casts the input to the LoRA weights' float32, but the stages run under the 16-bit autocast, which casts
@@ -79,6 +80,16 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, strea
                 module.cast_input_dtype_enabled = False
     model.train()
     return model
+
+
+def long_sequences(model, resolved: devices.Resolved, model_path: Path) -> None:
+    """What a long sequence needs (activations.py): the MLP in tiles where the planner knows the layers' MLP block
+    (with gradients only under checkpointing), and the saved tensors offloaded when resolved says so."""
+    arch = search.quiet_arch(model_path)
+    if arch is not None and arch.mlp_block:
+        activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix, resolved.gradient_checkpointing)
+    if resolved.activation_offloading:
+        activations.offload_activations(model, resolved.device)
 
 
 def setup_optimizer(cfg: Config, model, total_steps: int, resolved: devices.Resolved):
@@ -104,16 +115,19 @@ def total_steps(cfg: Config, num_items: int, world_size: int = 1) -> int:
 def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> streaming.Plan | None:
     """A training stage's memory choices from the same planner as `python -m lowmem_dpo.plan`, in the order of
     their cost (memory/search.py): the micro-batch halved with accumulation doubled (the same pairs per step, the
-    same numbers), gradient checkpointing on (when auto), and on CUDA, last, the trailing decoder layers streamed
-    from CPU RAM. A knob it cannot apply (quantization changes the numbers and the cache) is advised, with numbers.
-    Sets resolved.micro_batch and resolved.gradient_checkpointing; returns what to stream, or None."""
+    same numbers), gradient checkpointing on (when auto), on CUDA activation offloading (when auto), the prompt
+    unshared (share_prompt auto), and on CUDA, last, the trailing decoder layers streamed from CPU RAM. A knob it
+    cannot apply (quantization changes the numbers and the cache) is advised, with numbers. Sets resolved's
+    micro_batch, gradient_checkpointing, activation_offloading and share_prompt; returns what to stream, or None."""
     budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
     arch = search.arch_of_run(model_path, cfg, "using the device rule's choices")
     if arch is None:
         return None
     setup = setup_from_config(cfg, budget)
+    cuda = resolved.device.type == "cuda"
     knobs = ("micro_batch",) + (("checkpointing",) if cfg.gradient_checkpointing == "auto" else ()) + (
-        ("stream",) if resolved.device.type == "cuda" else ())
+        ("offloading",) if cuda and cfg.activation_offloading == "auto" else ()) + (
+        ("unshare",) if cfg.share_prompt == "auto" else ()) + (("stream",) if cuda else ())
     applied = search.choose(arch, setup, budget, knobs, stages=("train",))
     s, stream = applied.setup, applied.streams.get("train")
     if s.micro_batch != setup.micro_batch:
@@ -127,6 +141,14 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
         resolved.reasons.append("gradient_checkpointing=true (" + (
             f"auto; the planner: needed to fit {fmt(budget)}" if "gradient_checkpointing" in applied.overrides
             else "streamed layers: without it every layer's activations stay until backward") + ")")
+    if resolved.share_prompt and not s.share_prompt:
+        resolved.share_prompt = False
+        resolved.reasons.append(f"share_prompt=false (auto; the planner: a shared row's (T, T) mask does not fit "
+                                f"{fmt(budget)}, each prompt twice does)")
+    if s.activation_offloading and not resolved.activation_offloading:
+        resolved.activation_offloading = True
+        resolved.reasons.append(f"activation_offloading=true (auto; the planner: needed to fit {fmt(budget)}, "
+                                f"{fmt(applied.prediction.train.details['offload.host_bytes'])} of pinned CPU RAM)")
     advice = search.choose(arch, setup, budget, stages=("train",))  # every knob, those train cannot turn too
     better = {k: v for k, v in advice.overrides.items() if applied.overrides.get(k) != v}
     peak = (stream.device_peak if stream else applied.prediction.train.peak_bytes)

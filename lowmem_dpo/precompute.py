@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo import (
+    activations,
     adapters,
     cache,
     data,
@@ -87,9 +88,13 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     arch = search.arch_of_run(model_path, cfg, f"precompute_batch_size={cfg.precompute_batch_size} as given")
     if arch is None:
         return cfg.precompute_batch_size, None
-    knobs = ("precompute_batch",) + (("stream",) if resolved.device.type == "cuda" else ())
+    knobs = ("precompute_batch",) + (("unshare",) if cfg.share_prompt == "auto" else ()) + (
+        ("stream",) if resolved.device.type == "cuda" else ())
     plan = search.choose(arch, setup_from_config(cfg, budget), budget, knobs, stages=("precompute",))
     batch, stream = plan.setup.precompute_batch, plan.streams.get("precompute")
+    if resolved.share_prompt and not plan.setup.share_prompt:
+        resolved.share_prompt = False
+        log(f"share_prompt: the unshared forward (the planner: a shared row's (T, T) mask does not fit {fmt(budget)})")
     if batch != cfg.precompute_batch_size:
         log(f"precompute_batch_size={batch} (the planner: {cfg.precompute_batch_size} pairs per forward do not fit "
             f"{fmt(budget)}; the same numbers)")
@@ -157,6 +162,13 @@ def chunk_with_backoff(model, chunk: list[data.TokenizedPair], batch: int, pad_i
         "computes only the rest")
 
 
+def tile(model, model_path: Path) -> None:
+    """The MLP in tiles (activations.tile_mlps): a long sequence's MLP peak is one tile's."""
+    arch = search.quiet_arch(model_path)
+    if arch is not None and arch.mlp_block:
+        activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix)
+
+
 def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, rows: int):
     """The reference (base, or base + SFT adapter) as the planner fits it; and the batch it plans."""
     batch, stream = memory_plan(cfg, resolved, ins.model_path)
@@ -168,6 +180,7 @@ def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, rows
                               resolved.ref_dtype, resolved.ref_quantization)
     model = adapters.reference_model(model, ins.source)  # base + the SFT adapter, when there is one
     streaming.stream_layers(model, stream, resolved.device)
+    tile(model, ins.model_path)
     return model, batch
 
 
@@ -201,6 +214,8 @@ def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path:
                              resolved.ref_dtype)  # an architecture logps.HEADS does not know: its own forward agrees
             shared = headcheck.decide_sharing(model, d.tok.pairs, pad_id, resolved, resolved.ref_dtype,
                                               cfg.share_prompt, cfg.max_length)
+            first = (data.collate_shared if shared else data.collate)(d.tok.pairs[:1], pad_id).to(resolved.device)
+            log(headcheck.attention_kernel(model, first, resolved.ref_dtype, cfg.max_length))
             used = shared if side.other is not None else None
             todo = by_length([rows[i] for i in lacking[used]])
             computed, t0 = len(todo), time.perf_counter()

@@ -27,9 +27,9 @@ class Rule:
     optimizer: str  # ADAMW_TORCH or PAGED_ADAMW_8BIT
     offload: str  # what lives off the device's memory, beyond the reference (always on disk: the cache)
     why: str
-    # share_prompt=auto: the prompt once per pair (a 4D mask). On CUDA the mask costs no kernel: any right-padded
-    # batch already gives SDPA a 4D mask (the memory-efficient kernel, not flash), and a shared prompt saves its
-    # activations, which a small card lacks. On mps: not measured, off.
+    # share_prompt=auto: the prompt once per pair (a 4D mask). On CUDA a shared prompt saves its activations, which
+    # a small card lacks; its mask costs SDPA's memory-efficient kernel (the unshared batch runs flash, no mask)
+    # and T x T bytes, which the planner counts. On mps: not measured, off.
     share_prompt: bool = True
 
 
@@ -69,6 +69,14 @@ RULES: dict[str, Rule] = {
     "cpu": Rule("float32", False, ADAMW_TORCH, "none",
                 f"CPU without native bf16: float32 (16-bit matmuls are emulated and slow); {_CPU_FREE}"),
 }
+
+
+# share_prompt=auto shares only when the repeated prompts are at least this share of the unshared forward's
+# tokens (headcheck.decide_sharing; the planner's worst shared row follows from it). Measured on our 2-core CPU
+# (bench/README.md): at 15% (llama-25m-cpu.yaml) shared steps took 0.69-0.86 s against 0.70-0.85 s unshared, no
+# gain (its longer masked rows cost attention the prompt saves); at 42% (the long-prompt recipe) 1.42 s against
+# 1.93 s.
+SHARE_MIN_PROMPT_SHARE = 0.25
 
 
 def memory_tier(budget_bytes: int) -> str:

@@ -229,6 +229,8 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     # the same rows as precompute's decision (every row of dataset), so that the two agree on the layout
     shared = headcheck.decide_sharing(model, d.tok.pairs, pad_id, resolved, resolved.dtype, cfg.share_prompt,
                                       cfg.max_length)
+    first = (data.collate_shared if shared else data.collate)(d.train[:1], pad_id).to(resolved.device)
+    log(headcheck.attention_kernel(model, first, resolved.dtype, cfg.max_length, train=True))
     if ref is not None and side.other is not None:  # 16-bit: the values of this run's layout first
         ref, eval_ref = reference_caches(cfg, ins, side.at(shared), d, recipe)
         if ref.shared != shared:

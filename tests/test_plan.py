@@ -21,16 +21,10 @@ from lowmem_dpo.memory.arch import (
     load_arch,
     shipped_archs,
 )
-from lowmem_dpo.memory.model import (
-    base_weight_bytes,
-    layer_weight_bytes,
-    linear_weight_bytes,
-    logits_train_bytes,
-    predict,
-    predict_train,
-)
+from lowmem_dpo.memory.model import logits_train_bytes, predict, predict_train
 from lowmem_dpo.memory.search import choose
 from lowmem_dpo.memory.setup import Setup, setup_from_config
+from lowmem_dpo.memory.weights import base_weight_bytes, layer_weight_bytes, linear_weight_bytes
 from lowmem_dpo.recipe import build_config, load_config
 from lowmem_dpo.units import GiB, MiB, parse_size
 
@@ -177,18 +171,20 @@ def mistral_setup(**changes):
 
 
 def test_search_order_keeps_the_effective_batch():
-    """bf16 Mistral does not fit 12 GiB at any micro-batch or with checkpointing: 4-bit with checkpointing does,
+    """bf16 Mistral at 2048 tokens does not fit 12 GiB at any micro-batch, with checkpointing or with activation
+    offloading: 4-bit with checkpointing does (without offloading: it is not needed there),
     and there the micro-batch is the largest that fits (not the 1 the first knob tried), the pairs per step kept.
     The steps are listed in the knobs' order of cost."""
     arch = load_arch("mistralai/Mistral-7B-v0.1")
-    chosen = choose(arch, mistral_setup(), 12 * GiB)
+    start = mistral_setup(max_length=2048)
+    chosen = choose(arch, start, 12 * GiB)
     assert chosen.fits and chosen.offload_bytes == 0
     assert list(chosen.overrides) == ["per_device_train_batch_size", "gradient_accumulation_steps",
                                       "gradient_checkpointing", "quantization"]
     assert chosen.overrides["quantization"] == "4bit" and chosen.setup.ref_quantization == "4bit"
     s = chosen.setup
     assert s.micro_batch * s.grad_accum == 16 and 1 < s.micro_batch < 8
-    assert chosen.prediction.train.peak_bytes <= 12 * GiB < predict(arch, mistral_setup()).train.peak_bytes
+    assert chosen.prediction.train.peak_bytes <= 12 * GiB < predict(arch, start).train.peak_bytes
     # one halving less would not fit: the search stops at the first setup that does
     bigger = dataclasses.replace(s, micro_batch=s.micro_batch * 2, grad_accum=s.grad_accum // 2)
     assert predict(arch, bigger).train.peak_bytes > 12 * GiB
@@ -205,11 +201,15 @@ def test_the_micro_batch_comes_before_streaming():
     assert setup.micro_batch == 2 and predict(arch, setup).train.peak_bytes > budget
     train = choose(arch, setup, budget, ("micro_batch", "stream"), stages=("train",))
     assert train.fits and train.setup.micro_batch == 1 and train.setup.grad_accum == 16 and not train.streams
-    # at 8192 the activations are over: every layer streamed does not make it fit, and the plan says so
+    # at 8192 the activations are over: moving them to the host makes it fit, with nothing streamed
     long = choose(arch, setup_from_config(load_config(REPO / "recipes" / "llama3.1-8b-qlora-12gb.yaml",
                                                       ["max_length=8192"]), budget), budget, stages=("train",))
-    assert not long.fits and long.streams["train"].layers == 32
-    assert long.streams["train"].device_peak > budget
+    assert long.fits and long.overrides["activation_offloading"] == "true" and not long.streams
+    # at 32768 every layer streamed does not make it fit either, and the plan says so
+    hopeless = choose(arch, setup_from_config(load_config(REPO / "recipes" / "llama3.1-8b-qlora-12gb.yaml",
+                                                          ["max_length=32768"]), budget), budget, stages=("train",))
+    assert not hopeless.fits and hopeless.streams["train"].layers == 32
+    assert hopeless.streams["train"].device_peak > budget
 
 
 def test_streaming_when_nothing_else_fits():

@@ -16,8 +16,9 @@ from lowmem_dpo import precompute, train
 from lowmem_dpo.errors import UserError
 from lowmem_dpo.measure import at_measured_shapes, measure
 from lowmem_dpo.memory.arch import adapted, load_arch
-from lowmem_dpo.memory.model import lora_shapes, predict
+from lowmem_dpo.memory.model import predict
 from lowmem_dpo.memory.setup import setup_from_config
+from lowmem_dpo.memory.weights import lora_shapes
 from lowmem_dpo.recipe import build_config
 
 SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

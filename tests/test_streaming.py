@@ -15,9 +15,10 @@ from conftest import TINY_DATA, build_tiny_model
 from lowmem_dpo import data, devices, policy, rules, streaming
 from lowmem_dpo.logps import completion_logps
 from lowmem_dpo.memory.arch import load_arch
-from lowmem_dpo.memory.model import layer_weight_bytes, linear_weight_bytes, predict
+from lowmem_dpo.memory.model import predict
 from lowmem_dpo.memory.search import STREAM_BUFFERS, choose, stage_stream, streamed_layers
 from lowmem_dpo.memory.setup import setup_from_config
+from lowmem_dpo.memory.weights import layer_weight_bytes, linear_weight_bytes
 from lowmem_dpo.models import load_model
 from lowmem_dpo.units import GiB
 
@@ -183,10 +184,11 @@ def test_a_4bit_model_streams_4bit_layers_and_the_plan_says_what_they_cost(make_
     setup = setup_from_config(cfg, budget)
     q4, bf16 = layer_weight_bytes(arch, "bfloat16", "4bit"), layer_weight_bytes(arch, "bfloat16", "none")
     assert bf16 > 3 * q4
-    s = stage_stream(arch, setup, predict(arch, setup), "train", budget)
+    plan = choose(arch, setup, budget)
+    assert plan.setup.activation_offloading  # the cheaper knob first: the activations to host memory
+    s = stage_stream(arch, plan.setup, predict(arch, plan.setup), "train", budget)
     assert s.layer_bytes == q4 and s.layers > 0 and s.device_peak <= budget
     assert s.copies_per_step == 2 * 4 and s.bytes_per_step == s.layers * q4 * 8
-    plan = choose(arch, setup, budget)
     assert plan.fits and plan.streams["train"] == s and plan.offload_bytes == s.cpu_bytes
     step = next(x for x in plan.steps if x.startswith("train: stream"))
     assert f"stream {s.layers} of 32 decoder layers" in step and "copied per optimizer step" in step
@@ -195,7 +197,8 @@ def test_a_4bit_model_streams_4bit_layers_and_the_plan_says_what_they_cost(make_
 
 def test_train_streams_only_when_nothing_cheaper_fits(make_cfg, capsys):
     """policy.apply_plan for a 4-bit Mistral on a 4 GiB CUDA budget (planned here: apply_plan plans, it loads
-    nothing): the micro-batch first (1), then the layers the planner counts, checkpointing turned on."""
+    nothing): the micro-batch first (1), activation offloading, then the layers the planner counts, checkpointing
+    turned on."""
     cfg = make_cfg(model_name_or_path="lowmem_dpo:arch/mistral-7b-v0.1", device="cuda", dtype="bfloat16",
                    quantization="4bit", gradient_checkpointing="false", max_length=512,
                    per_device_train_batch_size=2, gradient_accumulation_steps=2)
@@ -204,10 +207,10 @@ def test_train_streams_only_when_nothing_cheaper_fits(make_cfg, capsys):
     plan = policy.apply_plan(cfg, cuda, "lowmem_dpo:arch/mistral-7b-v0.1")  # the planner reads config.json
     arch = load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
     setup = setup_from_config(cfg, 4 * GiB)
-    want = choose(arch, setup, 4 * GiB, ("micro_batch", "stream"), stages=("train",))
-    assert want.setup.micro_batch == 1 and want.setup.grad_accum == 4
+    want = choose(arch, setup, 4 * GiB, ("micro_batch", "offloading", "unshare", "stream"), stages=("train",))
+    assert want.setup.micro_batch == 1 and want.setup.grad_accum == 4 and want.setup.activation_offloading
     assert plan == streaming.Plan(want.streams["train"].layers, "model.layers") and 0 < plan.layers < 32
-    assert cuda.micro_batch == 1 and cuda.gradient_checkpointing
+    assert cuda.micro_batch == 1 and cuda.gradient_checkpointing and cuda.activation_offloading
     assert any(r.startswith("gradient_checkpointing=true (streamed layers") for r in cuda.reasons)
     assert any(r.startswith("per_device_train_batch_size=1 gradient_accumulation_steps=4 (the planner") for r in
                cuda.reasons)

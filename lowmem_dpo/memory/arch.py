@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +88,8 @@ class Arch:
     # keeps on the device
     resident: tuple[tuple[str, ...], tuple[str, ...]] = (("model.embed_tokens",),
                                                          ("model.rotary_emb", "model.norm", "lm_head"))
+    mlp_block: str = "mlp"  # the layer's MLP module, which activations.tile_mlps runs in tiles ("": none, e.g. OPT)
+    sliding_window: int | None = None  # attention sees this many tokens back (Mistral 7B v0.1: 4096); None: all
 
     @property
     def q_dim(self) -> int:
@@ -205,6 +208,7 @@ def _signature(layer) -> list[tuple]:
 def arch_from_model(model, name: str) -> Arch:
     """Arch of a transformers CausalLM (instantiated on the meta device: only names and shapes are read).
     UserError when the model is not one the memory model describes."""
+
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     hidden, vocab = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
     heads = getattr(config, "num_attention_heads", None)
@@ -221,6 +225,7 @@ def arch_from_model(model, name: str) -> Arch:
                         "experts), which the memory model does not describe")
     # Outside attention, one MLP: a block (mlp, ffn, feed_forward) or Linears on the layer itself (OPT's fc1/fc2).
     blocks = {m.name.split(".")[0] if "." in m.name else "" for m in linears if not m.role.startswith("attn")}
+    mlp_block = next(iter(blocks), "")
     if len(blocks) > 1:
         raise UserError(f"{config.model_type}: its layers hold Linear layers in {', '.join(sorted(blocks))} beside "
                         "the attention (e.g. a Mamba mixer beside the MLP), which the memory model does not "
@@ -242,7 +247,30 @@ def arch_from_model(model, name: str) -> Arch:
                 outer_linears=_outer_linears(model, prefix, head),
                 softcapped_head=bool(head_of(model.config)[0].softcap),
                 eager_attention=getattr(config, "_attn_implementation", None) == "eager",
-                attention_softcap=bool(getattr(config, "attn_logit_softcapping", None)))
+                attention_softcap=bool(getattr(config, "attn_logit_softcapping", None)),
+                mlp_block=mlp_block if _one_input(getattr(layers[0], mlp_block, None)) else "",
+                sliding_window=_sliding_window(config))
+
+
+def _one_input(mlp) -> bool:
+    """Whether a layer's MLP block is a module whose forward takes the hidden states alone, which
+    activations.tile_mlps tiles (Bloom's and MPT's take the residual too: they run whole, and count so)."""
+    import torch
+
+    if not isinstance(mlp, torch.nn.Module):
+        return False
+    required = [p for p in inspect.signature(mlp.forward).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1
+
+
+def _sliding_window(config) -> int | None:
+    """The attention window transformers applies (a config may name one it does not use: Qwen2's
+    use_sliding_window false)."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
 
 
 def _outer_linears(model, prefix: str, head) -> tuple[Linear, ...]:

@@ -5,97 +5,70 @@ search.py chooses knobs with them, and `python -m lowmem_dpo.plan --measure` che
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass
 
+from lowmem_dpo.activations import MLP_TILE_TOKENS
 from lowmem_dpo.logps import CHUNK_ELEMENTS
 from lowmem_dpo.memory.arch import Arch, adapted
 from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup, setup_from_config
-from lowmem_dpo.rules import ADAMW_TORCH, PAGED_ADAMW_8BIT
+from lowmem_dpo.memory.weights import (
+    base_weight_bytes,
+    dequant_bytes,
+    lora_shapes,
+    optimizer_state_bytes,
+)
+from lowmem_dpo.rules import ADAMW_TORCH
 
-# bitsandbytes NF4: 64 weights per quantization block; double quantization stores each block's absmax as 1 byte,
-# with one float32 absmax per 256 blocks.
-NF4_BLOCK = 64
-NF4_BLOCK2 = 256
-# bitsandbytes' 8-bit optimizers keep 32-bit state for tensors under this many elements (min_8bit_size).
-BNB_MIN_8BIT_SIZE = 4096
-BNB_OPT_BLOCK = 256
 # CUDA's caching allocator holds more than its live tensors (reserved - allocated): an estimate of that share of
 # the tensor peak, with expandable segments (devices.configure_allocator). The budget is what torch may allocate
 # (devices.run_cuda_budget), so the CUDA context is outside it and not counted here.
 CUDA_FRAGMENTATION = 0.05
-
-
-# -- formulas: weights and LoRA state ----------------------------------------------------------------------------
-def linear_weight_bytes(in_features: int, out_features: int, quantization: str, s: int) -> int:
-    """One frozen Linear weight (n = in*out elements), s = bytes of the dtype.
-
-    none: n*s.
-    4bit (bitsandbytes NF4, double quantization): n/2 packed 4-bit + n/64 uint8 block absmax + 4*n/(64*256)
-      float32 second-level absmax + 1 KiB of code tables (~0.516 bytes/param).
-    8bit (LLM.int8): n int8 + 4*out float32 row scales.
-    """
-    n = in_features * out_features
-    if quantization == "4bit":
-        blocks = math.ceil(n / NF4_BLOCK)
-        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / NF4_BLOCK2) + 4 * (256 + 16 + 1)
-    if quantization == "8bit":
-        return n + 4 * out_features
-    return n * s
-
-
-def base_weight_bytes(arch: Arch, dtype: str, quantization: str) -> dict[str, int]:
-    """The frozen base: decoder Linears (quantized when asked), and in the dtype, always: everything outside the
-    layers (embeddings, position embeddings, the final norm), the LM head (transformers never quantizes it; 0
-    when tied), the layers' norms and biases."""
-    s = DTYPE_BYTES[dtype]
-    linears = sum(linear_weight_bytes(i, o, quantization, s) for i, o in arch.linears().values())
-    return {
-        "linears": arch.layers * linears,
-        "embeddings": arch.outer_params * s,
-        "lm_head": 0 if arch.tie_word_embeddings else arch.vocab * arch.hidden * s,
-        "norms_biases": arch.layers * arch.layer_extra_params() * s,
-    }
-
-
-def layer_weight_bytes(arch: Arch, dtype: str, quantization: str) -> int:
-    """One decoder layer's weights: the unit CPU offload moves."""
-    s = DTYPE_BYTES[dtype]
-    return (sum(linear_weight_bytes(i, o, quantization, s) for i, o in arch.linears().values())
-            + arch.layer_extra_params() * s)
-
-
-def lora_shapes(arch: Arch, targets: str | tuple[str, ...], r: int) -> list[int]:
-    """Element counts of every LoRA matrix: A is (r, in), B is (out, r), per adapted Linear (arch.adapted: what
-    peft adapts for `targets`, the LM head included)."""
-    return [n for i, o in adapted(arch, targets).shapes(arch) for n in (r * i, o * r)]
-
-
-def optimizer_state_bytes(shapes: list[int], optimizer: str) -> int:
-    """AdamW's two moments per LoRA parameter.
-
-    adamw_torch: 2 float32 states = 8 bytes/param (+ a 4-byte step per tensor).
-    paged_adamw_8bit (bitsandbytes, blockwise): tensors of >= 4096 elements keep 2 uint8 states (2 bytes/param)
-      + a float32 absmax per 256-element block per state + two 256-entry float32 quantile maps; smaller tensors
-      keep 32-bit state (8 bytes/param). Paged: allocated as CUDA unified memory, which moves to CPU RAM under
-      pressure instead of failing (and which torch's allocator statistics do not see).
-    """
-    total = 0
-    for n in shapes:
-        if optimizer == PAGED_ADAMW_8BIT and n >= BNB_MIN_8BIT_SIZE:
-            total += 2 * n + 2 * 4 * math.ceil(n / BNB_OPT_BLOCK) + 2 * 256 * 4
-        else:
-            total += 8 * n + 4
-    return total
+# With activation_offloading, the offloaded tensors on the device at once in backward: the layer computing and the
+# one prefetched below it (activations.Offloader).
+OFFLOAD_WINDOW = 2
 
 
 # -- formulas: activations ---------------------------------------------------------------------------------------
+def mlp_tokens(arch: Arch, setup: Setup, n_seq: int, seq_len: int, stage: str = "train") -> int:
+    """Tokens the MLP works on at once: activations.tile_mlps runs it in tiles of MLP_TILE_TOKENS // n_seq
+    positions per sequence where the layers have an MLP block, in precompute (no gradients) and in train with
+    gradient checkpointing (the recompute holds one tile's MLP); else the whole n_seq*T."""
+    tiled = arch.mlp_block and (stage == "precompute" or setup.gradient_checkpointing)
+    return n_seq * (min(seq_len, max(1, MLP_TILE_TOKENS // n_seq)) if tiled else seq_len)
+
+
+def attention_masks(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> tuple[int, int]:
+    """(a boolean (N, 1, T, T) mask, its s-byte additive copy) where one exists, in bytes. A right-padded causal
+    batch needs none (logps.completion_logps passes no padding mask, and SDPA runs causal: its flash or
+    memory-efficient kernel builds nothing T x T); a shared-prompt batch passes its own mask, and eager attention
+    (Gemma2) or a sliding window shorter than T make transformers build one. The additive copy: SDPA's (or eager
+    attention's) float bias, kept by each layer for its backward."""
+    s = DTYPE_BYTES[setup.dtype]
+    window = arch.sliding_window is not None and seq_len > arch.sliding_window
+    if not (setup.share_prompt or arch.eager_attention or window):
+        return 0, 0
+    return n_seq * seq_len * seq_len, n_seq * seq_len * seq_len * s
+
+
+def _lora_widths(arch: Arch, setup: Setup, linears) -> int:
+    """Bytes per token the LoRA A of `linears` keep of their inputs (layer_saved_bytes' lora_inputs)."""
+    s = DTYPE_BYTES[setup.dtype]
+    if setup.lora_dropout > 0:
+        mask = 1 if setup.device == "cuda" else 4
+        return sum(m.in_features for m in linears) * ((s if setup.autocast else 4) + mask)
+    if setup.autocast:
+        return sum(m.in_features for m in linears) * s
+    return arch.distinct_inputs(linears) * s
+
+
 def layer_saved_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int,
                       names: tuple[str, ...] | None = None) -> dict[str, int]:
     """Bytes one decoder layer keeps for backward in train, for n_seq sequences of seq_len tokens (NT tokens),
     s = bytes of the dtype, with LoRA on the layer's Linears `names` (default: the most adapted layer's). What
     autograd saves in a transformers decoder layer with peft LoRA on a frozen base (measured term by term with
-    saved-tensor hooks on Llama/Mistral/Qwen2; the roles of arch.Linear carry it to other layouts):
+    saved-tensor hooks on Llama/Mistral/Qwen2; the roles of arch.Linear carry it to other layouts). The MLP's
+    own terms count its tokens at once (mlp_tokens: one tile in a checkpointed layer's recompute), the others NT:
 
     norms:        each norm keeps its float32 input (a float32 copy when s=2) and per-token statistics: RMSNorm
                   H*4 + 4 (rsqrt), LayerNorm H*4 + 8 (mean, rstd), times the layer's norms, times NT.
@@ -103,40 +76,37 @@ def layer_saved_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int,
                   the Linears reading one tensor share it: H (q/k/v or a fused qkv) + H (gate/up, or fc) + I
                   (down) (the attention's output projection reads the attention output, kept anyway); with s=2
                   (autocast) peft casts each input to float32 and autocast casts it back, so each keeps its own
-                  s-byte copy: sum of in_features * s. Times NT. lora_dropout > 0: each keeps its own copy (the
-                  dropped-out input, 4 bytes; with autocast its s-byte cast) and the dropout mask of its float32
-                  input: 1 byte (bool) on CUDA, 4 bytes on a CPU (there dropout multiplies by a float noise tensor).
-    lora_mids:    each LoRA B keeps A's output: r per adapted Linear, in s (autocast) or 4 bytes, times NT.
+                  s-byte copy: sum of in_features * s. lora_dropout > 0: each keeps its own copy (the dropped-out
+                  input, 4 bytes; with autocast its s-byte cast) and the dropout mask of its float32 input: 1 byte
+                  (bool) on CUDA, 4 bytes on a CPU (there dropout multiplies by a float noise tensor).
+    lora_mids:    each LoRA B keeps A's output: r per adapted Linear, in s (autocast) or 4 bytes.
     attention:    SDPA keeps q, k, v, its output and its float32 logsumexp: ((2*q_dim + 2*kv)*s + 4*heads)*NT,
-                  kv = q_dim with grouped kv heads (with padding, transformers repeats them to every head instead of
-                  using SDPA's GQA), else kv_dim; and the padding mask made an s-byte additive mask, n_seq*T^2*s.
-    mlp:          gated (SwiGLU): SiLU keeps gate, the product keeps act and up: 3*I*s*NT. Not gated (fc -> act ->
+                  kv = kv_dim, or q_dim with grouped kv heads and a mask (transformers then repeats them to every
+                  head instead of using SDPA's GQA); and the additive mask where there is one (attention_masks).
+    mlp:          gated (SwiGLU): SiLU keeps gate, the product keeps act and up: 3*I*s. Not gated (fc -> act ->
                   proj): the activation keeps its input, and its output is kept for the projection's LoRA when
-                  that is adapted (lora_inputs), 1*I*s*NT; a tanh-GELU written in Python ops (GPT-2's gelu_new)
-                  keeps three more I-wide tensors (its tanh, the halved input and 1 + tanh): 4*I*s*NT.
+                  that is adapted (lora_inputs), 1*I*s; a tanh-GELU written in Python ops (GPT-2's gelu_new)
+                  keeps three more I-wide tensors (its tanh, the halved input and 1 + tanh): 4*I*s.
     """
     s = DTYPE_BYTES[setup.dtype]
     nt = n_seq * seq_len
+    mt = mlp_tokens(arch, setup, n_seq, seq_len)
     if names is None:
         names = max(adapted(arch, setup.lora_targets).per_layer, key=len)
     by_name = {m.name: m for m in arch.layer_linears}
     ad = [by_name[n] for n in names]
+    attn = [m for m in ad if m.role.startswith("attn")]
+    mlp = [m for m in ad if not m.role.startswith("attn")]
     mid_bytes = s if setup.autocast else 4
-    if setup.lora_dropout > 0:
-        mask = 1 if setup.device == "cuda" else 4
-        inputs = sum(m.in_features for m in ad) * ((s if setup.autocast else 4) + mask)
-    elif setup.autocast:
-        inputs = sum(m.in_features for m in ad) * s
-    else:
-        inputs = arch.distinct_inputs(ad) * s
-    kv = arch.q_dim if arch.kv_heads < arch.heads else arch.kv_dim
+    masks = attention_masks(arch, setup, n_seq, seq_len)
+    kv = arch.q_dim if arch.kv_heads < arch.heads and masks[0] else arch.kv_dim
     return {
         "norms": nt * arch.norms_per_layer * (arch.hidden * 4 + (4 if arch.norm_kind == "rms" else 8)),
-        "lora_inputs": nt * inputs,
-        "lora_mids": nt * setup.lora_r * len(ad) * mid_bytes,
-        "attention": nt * ((2 * arch.q_dim + 2 * kv) * s + 4 * arch.heads) + n_seq * seq_len * seq_len * s
+        "lora_inputs": nt * _lora_widths(arch, setup, attn) + mt * _lora_widths(arch, setup, mlp),
+        "lora_mids": (nt * len(attn) + mt * len(mlp)) * setup.lora_r * mid_bytes,
+        "attention": nt * ((2 * arch.q_dim + 2 * kv) * s + 4 * arch.heads) + masks[1]
         + n_seq * arch.heads * seq_len * seq_len * _eager_saved(arch, s),
-        "mlp": nt * _mlp_saved_widths(arch) * arch.intermediate * s,
+        "mlp": mt * _mlp_saved_widths(arch) * arch.intermediate * s,
     }
 
 
@@ -163,7 +133,7 @@ def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: i
     final_norm:   the last RMSNorm's float32 input: H*4*NT.
     completion:   the hidden states of the M = n_seq*completion predicting positions that logps.py gathers
                   (the LM head's input, kept by its checkpointed chunks): M*H*s.
-    mask:         transformers' boolean padding mask, n_seq*T^2 bytes.
+    mask:         the boolean attention mask, where there is one (attention_masks).
     int8_inputs:  8bit with checkpointing: LLM.int8's autograd function keeps its input on its context object,
                   out of checkpointing's reach, so every layer keeps the inputs of its quantized Linears: the
                   attention's normed input, o_proj's input, the MLP's normed input and down_proj's input,
@@ -177,49 +147,41 @@ def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: i
         "layer_inputs": arch.layers * nt * arch.hidden * s if setup.gradient_checkpointing else 0,
         "final_norm": nt * arch.hidden * 4,
         "completion": n_seq * completion * arch.hidden * s,
-        "mask": n_seq * seq_len * seq_len,
+        "mask": attention_masks(arch, setup, n_seq, seq_len)[0],
         "int8_inputs": arch.layers * nt * arch.quantized_inputs() * s if int8_kept else 0,
     }
 
 
-def dequant_bytes(arch: Arch, quantization: str, s: int) -> int:
-    """A quantized Linear runs by dequantizing its weight: the largest one's weight in the compute dtype (n*s)
-    plus its float32 block absmax (4*n/64) exist for the duration of one matmul (forward, and again in
-    backward). 8bit: the dequantized weight, n*s, in backward (the forward multiplies in int8: int8_buffers)."""
-    n = max(i * o for i, o in arch.linears().values())
-    if quantization == "4bit":
-        return n * s + 4 * math.ceil(n / NF4_BLOCK)
-    if quantization == "8bit":
-        return n * s
-    return 0
-
-
-def int8_buffers(arch: Arch, quantization: str, nt: int) -> int:
+def int8_buffers(arch: Arch, quantization: str, nt: int, mlp_nt: int | None = None) -> int:
     """LLM.int8's forward of one Linear (8bit only): the int8 copy of its (NT, in) input, and three 4-byte
     (NT, out) tensors: the int32 accumulator, its float32 dequantized copy and the float32 outlier product:
-    NT*(in + 12*out) for the largest such Linear (gate/up_proj, in=H, out=I). Fitted to CPU measurements of
-    precompute (tiny-llama and llama-25m, float32: within 1%; bfloat16: -5%..-15%); bitsandbytes' CUDA
-    kernels differ."""
+    NT*(in + 12*out) for the largest such Linear (gate/up_proj, in=H, out=I; the MLP's at mlp_nt tokens, one
+    tile). Fitted to CPU measurements of precompute (tiny-llama and llama-25m, float32: within 1%; bfloat16:
+    -5%..-15%); bitsandbytes' CUDA kernels differ."""
     if quantization != "8bit":
         return 0
-    return nt * max(i + 12 * o for i, o in arch.linears().values())
+    mlp_nt = nt if mlp_nt is None else mlp_nt
+    return max((nt if m.role.startswith("attn") else mlp_nt) * (m.in_features + 12 * m.out_features)
+               for m in arch.layer_linears)
 
 
 def layer_working_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> int:
     """Transient bytes at a layer's peak in train, beyond what is kept (measured: the MLP, in forward or backward),
-    the larger of two moments:
-    LoRA path: a float32 (N,T,I) tensor (the gradient flowing into the MLP's product; with autocast, also peft's
-      float32 cast of down_proj's input), an (N,T,I) s-byte gradient with autocast, and an (N,T,H) s-byte
-      gradient: NT*(4*I + (s*I if autocast) + s*H);
-    quantized base Linear: its dequantized weight (dequant_bytes) with the (N,T,I) and (N,T,H) s-byte gradients
-      around its matmul: NT*(s*I + s*H) + dequant;
-    8bit forward (recomputed in backward with checkpointing): the (N,T,H) input and LLM.int8's buffers."""
+    the larger of two moments, with M = mlp_tokens (one tile in a checkpointed layer's recompute) and NT tokens:
+    LoRA path: a float32 (M, I) tensor (the gradient flowing into the MLP's product; with autocast, also peft's
+      float32 cast of down_proj's input), an (M, I) s-byte gradient with autocast, and an (NT, H) s-byte
+      gradient: M*(4*I + (s*I if autocast)) + NT*s*H;
+    quantized base Linear: its dequantized weight (dequant_bytes) with the (M, I) and (NT, H) s-byte gradients
+      around its matmul: M*s*I + NT*s*H + dequant;
+    8bit forward (recomputed in backward with checkpointing): the (NT, H) input and LLM.int8's buffers."""
     s = DTYPE_BYTES[setup.dtype]
     nt = n_seq * seq_len
-    lora_path = nt * (4 * arch.intermediate + (s * arch.intermediate if setup.autocast else 0) + s * arch.hidden)
+    mt = mlp_tokens(arch, setup, n_seq, seq_len)
+    lora_path = mt * (4 * arch.intermediate + (s * arch.intermediate if setup.autocast else 0)) + nt * s * arch.hidden
     dequant = dequant_bytes(arch, setup.quantization, s)
-    int8_forward = nt * s * arch.hidden + int8_buffers(arch, setup.quantization, nt)
-    return max(lora_path, (nt * s * (arch.intermediate + arch.hidden) + dequant) if dequant else 0, int8_forward)
+    int8_forward = nt * s * arch.hidden + int8_buffers(arch, setup.quantization, nt, mt)
+    return max(lora_path, (mt * s * arch.intermediate + nt * s * arch.hidden + dequant) if dequant else 0,
+               int8_forward)
 
 
 def chunk_tokens(arch: Arch, completion_positions: int) -> int:
@@ -245,25 +207,33 @@ def logits_inference_bytes(arch: Arch, completion_positions: int) -> int:
     return (2 + arch.softcapped_head) * chunk_tokens(arch, completion_positions) * arch.vocab * 4
 
 
-def precompute_layer_bytes(arch: Arch, n_seq: int, seq_len: int, s: int, quantization: str) -> int:
-    """One layer's working set under inference_mode (nothing is kept between layers), the largest of:
+def precompute_layer_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> int:
+    """One layer's working set under inference_mode (nothing is kept between layers), with M = mlp_tokens (one
+    tile) and NT tokens, the largest of:
     MLP product: the embedding output, the layer input, the residual and the norm output (4*H), SiLU(gate), up
-      and their product (3*I): NT*(4H + 3I)*s (measured: the peak for these architectures unquantized);
+      and their product (3*I): (NT*4H + M*3I)*s (measured: the peak for these architectures unquantized); tiled,
+      one more (NT, H): the tiles' outputs beside their concatenation;
     (not gated: fc's output and the activation's, 2*I; 4*I for gelu_new's Python ops);
     up_proj of a quantized base: 4*H, SiLU(gate) and up's output (2*I; not gated 1*I, 3*I with gelu_new), and
-      the dequantized weight (4bit) or LLM.int8's buffers (8bit, int8_buffers): NT*(4H + 2I)*s + that
+      the dequantized weight (4bit) or LLM.int8's buffers (8bit, int8_buffers): (NT*4H + M*2I)*s + that
       (measured: the peak with 4-bit and 8-bit);
-    attention: NT*(4H + 3*q_dim + 2*kv_dim)*s + the boolean and the s-byte additive masks, n_seq*T^2*(1 + s)
-      (+ dequant)."""
+    attention: NT*(4H + 3*q_dim + 2*kv_dim)*s + the boolean and the s-byte additive masks where there are
+      some (attention_masks) (+ dequant)."""
+    s = DTYPE_BYTES[setup.ref_dtype]
+    quantization = setup.ref_quantization
     nt = n_seq * seq_len
+    mt = mlp_tokens(arch, setup, n_seq, seq_len, "precompute")
     # forward only: 8bit multiplies in int8 (its buffers), 4bit dequantizes the weight
-    dequant = int8_buffers(arch, quantization, nt) if quantization == "8bit" else dequant_bytes(arch, quantization, s)
+    dequant = (int8_buffers(arch, quantization, nt, mt) if quantization == "8bit"
+               else dequant_bytes(arch, quantization, s))
     # I-wide tensors alive at the MLP's product (gated) or activation (fc's output and the activation's; a
     # Python-op tanh-GELU, GPT-2's gelu_new, holds two more temporaries: measured)
     inner = 3 if arch.gated_mlp else (4 if arch.activation == "gelu_new" else 2)
-    mlp = nt * (4 * arch.hidden + inner * arch.intermediate) * s
-    up_proj = (nt * (4 * arch.hidden + (inner - 1) * arch.intermediate) * s + dequant) if dequant else 0
-    attn = nt * (4 * arch.hidden + 3 * arch.q_dim + 2 * arch.kv_dim) * s + n_seq * seq_len * seq_len * (1 + s)
+    outer = nt * (4 + (mt < nt)) * arch.hidden
+    mlp = (outer + mt * inner * arch.intermediate) * s
+    up_proj = ((outer + mt * (inner - 1) * arch.intermediate) * s + dequant) if dequant else 0
+    bool_mask, additive = attention_masks(arch, dataclasses.replace(setup, dtype=setup.ref_dtype), n_seq, seq_len)
+    attn = nt * (4 * arch.hidden + 3 * arch.q_dim + 2 * arch.kv_dim) * s + bool_mask + additive
     if arch.eager_attention:  # the scores and softmax's float32 output (+ its s-byte cast when s = 2): 8 bytes
         attn += n_seq * arch.heads * seq_len * seq_len * (s + 4 + (s if s == 2 else 0))
     return max(mlp, up_proj, attn + dequant)
@@ -310,6 +280,9 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     no checkpointing:  kept = L layers' saved activations + kept_bytes; phase = max(layer working set, logits).
     checkpointing:     kept = layer inputs + kept_bytes; phase = max(one recomputed layer's saved activations +
                        its working set, logits) (the logits' backward runs before any layer is recomputed).
+    activation_offloading: what the backbone saves (the layer inputs, or every layer's activations, and the final
+                       norm's input) is in host memory (details "offload.host_bytes"); the device keeps
+                       OFFLOAD_WINDOW layers' worth of it, the LM head's inputs, the mask and LLM.int8's inputs.
     The optimizer step itself (activations freed by then) adds 2 float32 copies of the LoRA params for
     torch's foreach AdamW on CUDA; it counts only if larger than the backward peak.
     """
@@ -326,6 +299,12 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     layer_total = max(saved.values())
     all_layers = sum(saved[names] for names in ad.per_layer)
     activations = sum(kept.values()) + (0 if setup.gradient_checkpointing else all_layers)
+    host = 0
+    if setup.activation_offloading:
+        per_layer = kept["layer_inputs"] // arch.layers if setup.gradient_checkpointing else layer_total
+        host = (kept["layer_inputs"] if setup.gradient_checkpointing else all_layers) + kept["final_norm"]
+        activations = (kept["completion"] + kept["mask"] + kept["int8_inputs"]
+                       + min(arch.layers, OFFLOAD_WINDOW) * per_layer)
     layer_phase = layer_working_bytes(arch, setup, n_seq, seq_len) + (
         layer_total if setup.gradient_checkpointing else 0)
     logits_phase = logits_train_bytes(arch, m, lora_head=ad.lm_head)
@@ -346,10 +325,11 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     overhead = framework_overhead(setup.device, tensor_peak)
     breakdown["framework_overhead"] = overhead
     details = {**{f"weights.{k}": v for k, v in weights.items()}, **{f"layer.{k}": v for k, v in layer.items()},
-               **{f"kept.{k}": v for k, v in kept.items()}, "lora_param_count": n_lora}
+               **{f"kept.{k}": v for k, v in kept.items()}, "lora_param_count": n_lora, "offload.host_bytes": host}
     return StagePrediction(breakdown, {"layer": layer_phase, "logits": logits_phase}, details, tensor_peak,
                            tensor_peak + overhead,
-                           {"sequences": n_seq, "seq_len": seq_len, "completion_tokens": completion})
+                           {"sequences": n_seq, "seq_len": seq_len, "completion_tokens": completion,
+                            "shared": setup.share_prompt})
 
 
 def predict_precompute(arch: Arch, setup: Setup) -> StagePrediction:
@@ -361,7 +341,7 @@ def predict_precompute(arch: Arch, setup: Setup) -> StagePrediction:
     n_seq = setup.sequences("precompute")
     m = n_seq * completion
     weights = base_weight_bytes(arch, setup.ref_dtype, setup.ref_quantization)
-    layer_phase = precompute_layer_bytes(arch, n_seq, seq_len, s, setup.ref_quantization)
+    layer_phase = precompute_layer_bytes(arch, setup, n_seq, seq_len)
     logits_phase = (n_seq * seq_len + m) * arch.hidden * s + logits_inference_bytes(arch, m)
     breakdown = {"base_weights": sum(weights.values()), "lora_params": 0, "lora_grads": 0, "optimizer_state": 0,
                  "activations": 0, "peak_phase": max(layer_phase, logits_phase)}
@@ -370,11 +350,22 @@ def predict_precompute(arch: Arch, setup: Setup) -> StagePrediction:
     breakdown["framework_overhead"] = overhead
     return StagePrediction(breakdown, {"layer": layer_phase, "logits": logits_phase},
                            {f"weights.{k}": v for k, v in weights.items()}, tensor_peak, tensor_peak + overhead,
-                           {"sequences": n_seq, "seq_len": seq_len, "completion_tokens": completion})
+                           {"sequences": n_seq, "seq_len": seq_len, "completion_tokens": completion,
+                            "shared": setup.share_prompt})
 
 
 def predict(arch: Arch, cfg_like, budget: int | None = None) -> Prediction:
     """Predicted peaks of train and precompute. `cfg_like`: a Setup, or a Config (resolved through the device
-    rules; `budget` picks the memory tier of a GPU this machine lacks)."""
+    rules; `budget` picks the memory tier of a GPU this machine lacks). share_prompt=auto without the data's
+    prompt length: the run shares only data whose prompts are long enough (headcheck.decide_sharing), so each
+    stage is the larger of its shared worst case (Setup.shapes) and its unshared one."""
     setup = cfg_like if isinstance(cfg_like, Setup) else setup_from_config(cfg_like, budget)
-    return Prediction(predict_train(arch, setup), predict_precompute(arch, setup), setup)
+    if not (setup.share_prompt and not setup.share_forced and setup.prompt_tokens is None and setup.seq_len is None):
+        return Prediction(predict_train(arch, setup), predict_precompute(arch, setup), setup)
+    alone = dataclasses.replace(setup, share_prompt=False)
+    return Prediction(max(predict_train(arch, setup), predict_train(arch, alone), key=_peak),
+                      max(predict_precompute(arch, setup), predict_precompute(arch, alone), key=_peak), setup)
+
+
+def _peak(p: StagePrediction) -> int:
+    return p.peak_bytes

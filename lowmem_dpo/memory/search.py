@@ -6,6 +6,10 @@ The knobs, cheapest first, each tried only while a stage is over the budget:
                       optimizer step (train applies it by itself: the numbers are the same);
   2. checkpointing    gradient_checkpointing=true: ~30% more compute for the activations (train applies it when
                       the key is auto);
+     offloading       activation_offloading=true (CUDA): the layer inputs in pinned CPU RAM, copied back a layer
+                      ahead in backward, overlapping compute (train applies it when the key is auto);
+     unshare          share_prompt=false: each prompt twice, but no (T, T) mask, which long shared rows pay for
+                      (train applies it when the key is auto);
   3. quantization     quantization=4bit (the reference too, unless ref_quantization is set): other numbers and a
                       new cache, so it is advice only;
   4. precompute_batch precompute_batch_size halved: time only (precompute applies it; tried before 4bit when only
@@ -24,12 +28,13 @@ from dataclasses import dataclass, field
 
 from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.memory.arch import Arch, adapted, load_arch
-from lowmem_dpo.memory.model import Prediction, layer_weight_bytes, predict
+from lowmem_dpo.memory.model import Prediction, predict
 from lowmem_dpo.memory.setup import Setup, lora_targets, setup_from_config
+from lowmem_dpo.memory.weights import layer_weight_bytes
 from lowmem_dpo.units import fmt
 
 STAGES = ("train", "precompute")
-KNOBS = ("micro_batch", "checkpointing", "quantization", "precompute_batch", "stream")
+KNOBS = ("micro_batch", "checkpointing", "offloading", "unshare", "quantization", "precompute_batch", "stream")
 # What pinned host-to-device copies reach on a consumer card's PCIe 4.0 x16 link (an estimate: x8 cards, e.g. the
 # RTX 4060, get half): the plan's time for the streamed bytes.
 STREAM_BYTES_PER_S = 20e9
@@ -145,14 +150,24 @@ def _largest_precompute_batch(arch: Arch, setup: Setup, budget: int) -> Setup:
 
 
 def _levels(start: Setup, knobs) -> list[dict]:
-    """The heavier knobs, cumulative: the setup as given, + checkpointing, + 4-bit quantization."""
+    """The heavier knobs, cumulative: the setup as given, + checkpointing, + activation offloading (CUDA), then 4-bit
+    quantization without offloading and with it (offloading only where 4-bit alone does not fit)."""
     levels = [{}]
     if "checkpointing" in knobs and not start.gradient_checkpointing:
         levels.append({"gradient_checkpointing": True})
+    base = levels[-1]
+    offload = "offloading" in knobs and start.device == "cuda" and not start.activation_offloading
+    unshare = "unshare" in knobs and start.share_prompt and not start.share_forced
+
+    def lighter(level: dict) -> list[dict]:  # level, then + offloading, then + no shared rows
+        out = [level] + ([{**level, "activation_offloading": True}] if offload else [])
+        return out + ([{**out[-1], "share_prompt": False}] if unshare else [])
+
+    levels = levels[:-1] + lighter(base)
     if "quantization" in knobs and start.quantization != "4bit":
         ref_follows = start.ref_quantization == start.quantization
-        levels.append({**levels[-1], "quantization": "4bit",
-                       "ref_quantization": "4bit" if ref_follows else start.ref_quantization})
+        levels += lighter({**base, "quantization": "4bit",
+                           "ref_quantization": "4bit" if ref_follows else start.ref_quantization})
     return levels
 
 
@@ -165,7 +180,8 @@ def _steps(arch: Arch, start: Setup, end: Setup, budget: int) -> tuple[list[str]
         cur = dataclasses.replace(cur, **changes)
         overrides.update(keys)
         pred = predict(arch, cur)
-        steps.append(text.format(train=fmt(pred.train.peak_bytes), precompute=fmt(pred.precompute.peak_bytes)))
+        steps.append(text.format(train=fmt(pred.train.peak_bytes), precompute=fmt(pred.precompute.peak_bytes),
+                                 host=fmt(pred.train.details["offload.host_bytes"])))
 
     if end.micro_batch != start.micro_batch:
         change(f"per_device_train_batch_size={end.micro_batch} gradient_accumulation_steps={end.grad_accum}: the "
@@ -176,6 +192,12 @@ def _steps(arch: Arch, start: Setup, end: Setup, budget: int) -> tuple[list[str]
     if end.gradient_checkpointing != start.gradient_checkpointing:
         change("gradient_checkpointing=true: activations kept for backward drop to the layer inputs (train peak "
                "{train})", {"gradient_checkpointing": "true"}, gradient_checkpointing=True)
+    if end.activation_offloading != start.activation_offloading:
+        change("activation_offloading=true: the layer inputs in pinned CPU RAM ({host}), back a layer ahead in "
+               "backward (train peak {train})", {"activation_offloading": "true"}, activation_offloading=True)
+    if end.share_prompt != start.share_prompt:
+        change("share_prompt=false: each prompt twice, no (T, T) mask (train peak {train}, precompute {precompute})",
+               {"share_prompt": "false"}, share_prompt=False)
     if end.quantization != start.quantization:
         change("quantization=4bit: NF4 base weights, ~0.52 bytes/param (train peak {train}, precompute "
                "{precompute})", {"quantization": "4bit"}, quantization="4bit", ref_quantization=end.ref_quantization)
@@ -226,6 +248,39 @@ def choose(arch: Arch, cfg_like, budget: int, knobs=KNOBS, stages=STAGES) -> Pla
         fits = fits and s.device_peak <= budget
         steps.append(stream_step(stage, s, arch.layers, budget))
     return Plan(cur, pred, overrides, steps or ["fits as given"], fits, streams)
+
+
+# The knobs train turns by itself at a fixed micro-batch (for longest_max_length), and the lengths it tries.
+TRAIN_KNOBS = ("checkpointing", "offloading", "unshare")
+LENGTH_STEP = 256
+LENGTH_LIMIT = 1 << 17
+
+
+def longest_max_length(arch: Arch, setup: Setup, budget: int, micro_batch: int) -> tuple[int, Plan | None]:
+    """The longest max_length (a multiple of LENGTH_STEP, at most LENGTH_LIMIT) at which train fits `budget` with
+    `micro_batch` pairs per micro-batch, the knobs train turns by itself on (TRAIN_KNOBS, not streaming); and that
+    plan. (0, None) when not even LENGTH_STEP fits. Binary search: the peak grows with max_length."""
+    at = dataclasses.replace(setup, micro_batch=micro_batch, seq_len=None, completion_tokens=None)
+
+    def plan(length: int) -> Plan:
+        return choose(arch, dataclasses.replace(at, max_length=length), budget, TRAIN_KNOBS, stages=("train",))
+
+    lo, hi = 0, LENGTH_LIMIT // LENGTH_STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if plan(mid * LENGTH_STEP).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * LENGTH_STEP, (plan(lo * LENGTH_STEP) if lo else None)
+
+
+def quiet_arch(model_path) -> Arch | None:
+    """The planner's Arch of a model folder, or None (not logged) for one it does not model."""
+    try:
+        return load_arch(str(model_path))
+    except UserError:
+        return None
 
 
 def arch_of_run(model_path, cfg, instead: str) -> Arch | None:

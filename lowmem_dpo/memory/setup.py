@@ -3,6 +3,7 @@ knobs a prediction depends on, and the memory budget it must fit."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -39,7 +40,10 @@ class Setup:
     completion_tokens: int | None = None  # completion tokens per sequence; None: seq_len - 1 (the worst case)
     precompute_seq_len: int | None = None
     precompute_completion_tokens: int | None = None
-    share_prompt: bool = False  # rows [prompt, chosen, rejected]: one sequence per pair, up to 2*max_length - 1
+    share_prompt: bool = False  # rows [prompt, chosen, rejected]: one sequence per pair (shapes)
+    activation_offloading: bool = False  # train's saved tensors in pinned host memory (activations.py; CUDA only)
+    prompt_tokens: int | None = None  # the data's prompts, when known (plan --prompt-tokens); None: the worst case
+    share_forced: bool = False  # share_prompt=true: shared whatever the prompts' share of the tokens
 
     @property
     def autocast(self) -> bool:
@@ -47,14 +51,19 @@ class Setup:
         return DTYPE_BYTES[self.dtype] == 2
 
     def shapes(self, stage: str) -> tuple[int, int]:
-        """(T, completion tokens per sequence) for `stage`. Shared, the worst case is a one-token prompt: a row
-        of 2*max_length - 1 tokens, as many as the two unshared sequences it replaces."""
-        longest = 2 * self.max_length - 1 if self.share_prompt else self.max_length
+        """(T, completion tokens per sequence) for `stage`: as measured, or the longest the data allows. With P
+        prompt tokens (prompt_tokens: the data's shortest prompt, else 1) and L = max_length: unshared, T = L with
+        L - P of completion; shared, one row [prompt, chosen, rejected] of T = 2L - P with 2(L - P). share_prompt
+        =auto shares every row once the data's prompts are SHARE_MIN_PROMPT_SHARE of its tokens in all, so one
+        row may still have a one-token prompt: the worst case is P = 1 either way."""
+        p = min(self.max_length - 1, self.prompt_tokens or 1)
+        longest = 2 * self.max_length - p if self.share_prompt else self.max_length
+        completion = 2 * (self.max_length - p) if self.share_prompt else self.max_length - p
         if stage == "precompute":
             t = self.precompute_seq_len or longest
-            return t, self.precompute_completion_tokens or t - 1
+            return t, self.precompute_completion_tokens or min(t - 1, completion)
         t = self.seq_len or longest
-        return t, self.completion_tokens or t - 1
+        return t, self.completion_tokens or min(t - 1, completion)
 
     def sequences(self, stage: str) -> int:
         """Sequences per forward: two per pair (chosen, rejected), or one shared row per pair."""
@@ -104,7 +113,16 @@ def setup_from_config(cfg, budget: int | None = None) -> Setup:
                  micro_batch=cfg.per_device_train_batch_size, grad_accum=cfg.gradient_accumulation_steps,
                  precompute_batch=cfg.precompute_batch_size, max_length=cfg.max_length, lora_r=cfg.lora_r,
                  lora_targets=lora_targets(cfg), lora_dropout=cfg.lora_dropout,
-                 share_prompt=rule.share_prompt if cfg.share_prompt == "auto" else cfg.share_prompt == "true")
+                 share_prompt=rule.share_prompt if cfg.share_prompt == "auto" else cfg.share_prompt == "true",
+                 share_forced=cfg.share_prompt == "true",
+                 activation_offloading=device == "cuda" and cfg.activation_offloading == "true")
+
+
+def with_prompts(setup: Setup, prompt_tokens: int) -> Setup:
+    """`setup` for data whose prompts are at least `prompt_tokens` long, with the shapes that follow. Shared as the
+    setup says: under share_prompt=auto whether the run shares depends on all its prompts, so the shared row (the
+    larger) is the one to plan for."""
+    return dataclasses.replace(setup, prompt_tokens=prompt_tokens)
 
 
 def run_budget(cfg, device: str) -> int:

@@ -1,0 +1,33 @@
+"""The benchmarks of the reference cache and of long sequences run end to end (--smoke: the tiny model, a few
+rows, seconds), so they still work when it is time to run them for real (bench/README.md has those numbers)."""
+
+import sys
+
+import pytest
+from conftest import REPO
+
+
+@pytest.fixture
+def bench_path():
+    sys.path.insert(0, str(REPO / "bench"))
+    yield
+    sys.path.remove(str(REPO / "bench"))
+
+
+def test_cache_reuse_smoke(bench_path, capsys):
+    """Each change computes what the content keys say: nothing for a reorder or a subset, only new rows else."""
+    import cache_reuse
+
+    assert cache_reuse.main(["--smoke", "--no-trl"]) == 0
+    table = {line.split("|")[1].strip(): line.split("|") for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| ") and "change" not in line}
+    assert [int(table[k][3]) for k in ("full", "10% new rows", "reordered", "subset", "mixture 20%")] == [40, 4, 0, 0,
+                                                                                                          4]
+
+
+def test_long_context_smoke(bench_path, capsys):
+    import long_context
+
+    assert long_context.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| 512 |" in out and "longest max_length at 11.25 GiB" in out
