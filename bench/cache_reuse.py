@@ -73,7 +73,7 @@ def scenarios(work: Path, rows: list[dict], other: list[dict]) -> list[tuple[str
 
 def config(keys: dict, cache_dir: Path, device: str, smoke: bool):
     """The bench recipe with `keys` (a mixture written as JSON, which the override's YAML reads)."""
-    from lowmem_dpo.recipe import load_config
+    from lowmem_dpo.config.recipe import load_config
 
     overrides = [f"device={device}", f"ref_cache_dir={cache_dir}", "eval_fraction=0",
                  *(f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in keys.items())]
@@ -83,7 +83,9 @@ def config(keys: dict, cache_dir: Path, device: str, smoke: bool):
 
 
 def run_ours(work: Path, rows: list[dict], other: list[dict], device: str, smoke: bool) -> list[dict]:
-    from lowmem_dpo import devices, inputs, precompute
+    from lowmem_dpo import precompute
+    from lowmem_dpo.runtime import devices
+    from lowmem_dpo.training import inputs
 
     cache_dir, out = work / "cache", []
     plan = scenarios(work, rows, other)
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rows = 44
     from make_data import bench_rows
 
-    from lowmem_dpo.tiny import preference_rows
+    from lowmem_dpo.model.tiny import preference_rows
 
     make = preference_rows if args.smoke else bench_rows  # the tiny model's rows fit its max_length of 64
     rows, other = make(args.rows, seed=0), make(args.rows * 10 // 11, seed=1)

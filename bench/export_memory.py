@@ -118,7 +118,7 @@ def build_slice(work: Path, layers: int) -> Path:
 
 
 def llama25m(work: Path) -> Path:
-    from lowmem_dpo.tiny import ensure_builtin
+    from lowmem_dpo.model.tiny import ensure_builtin
 
     base = work / "25m" / "base"
     shutil.copytree(ensure_builtin("lowmem_dpo:llama-25m"), base)  # beside its adapter: the peft row finds it

@@ -51,9 +51,9 @@ for p in (str(ROOT), str(BENCH)):
 import random_weights  # noqa: E402
 import torch  # noqa: E402
 
-from lowmem_dpo.errors import UserError  # noqa: E402
-from lowmem_dpo.tiny import BAD, GOOD, NOUNS  # noqa: E402
-from lowmem_dpo.units import fmt  # noqa: E402
+from lowmem_dpo.model.tiny import BAD, GOOD, NOUNS  # noqa: E402
+from lowmem_dpo.runtime.errors import UserError  # noqa: E402
+from lowmem_dpo.runtime.units import fmt  # noqa: E402
 
 RUNS = {"bf16": ("bfloat16", "none"), "4bit": ("bfloat16", "4bit")}  # name -> (dtype, quantization)
 PRECOMPUTE_ROWS = 4
@@ -76,8 +76,8 @@ METHOD = {
         "against measured_above_start_bytes = measured_peak_bytes - rss_before_load_bytes (what the process added "
         "from the start of its load: the planner leaves Python and the libraries out).",
     "tensor_peak_bytes": "live tensor bytes, as the planner counts them: the stage runs as `python -m "
-        "lowmem_dpo.STAGE` would (its main through lowmem_dpo.cli.run_cli), in `python bench/full_scale.py --stage "
-        "STAGE RECIPE OUT`, which wraps lowmem_dpo.models.load_model so that its first return enters "
+        "lowmem_dpo.STAGE` would (its main through lowmem_dpo.config.cli.run_cli), in `python bench/full_scale.py --stage "
+        "STAGE RECIPE OUT`, which wraps lowmem_dpo.model.models.load_model so that its first return enters "
         "lowmem_dpo.measure.PeakMeter (the planner's own meter, as `plan --measure` uses it: the live storages "
         "then, the model's memory-mapped weights included, plus every allocation and free of torch's CPU allocator "
         "until the stage ends, recorded by torch.profiler). Not counted: Python, allocator caches, file pages. "
@@ -153,8 +153,8 @@ def long_row(tokenizer, max_length: int, i: int) -> dict:
 
 
 def write_data(model_dir: Path, max_length: int, rows: int, path: Path) -> Path:
-    from lowmem_dpo.models import load_tokenizer
-    from lowmem_dpo.tiny import write_jsonl
+    from lowmem_dpo.model.models import load_tokenizer
+    from lowmem_dpo.model.tiny import write_jsonl
 
     tokenizer = load_tokenizer(model_dir)
     write_jsonl([long_row(tokenizer, max_length, i) for i in range(rows)], path)
@@ -163,8 +163,9 @@ def write_data(model_dir: Path, max_length: int, rows: int, path: Path) -> Path:
 
 def data_shapes(model_dir: Path, data: Path, max_length: int) -> dict:
     """Tokens of each row's prompt, chosen and rejected completion as the stages tokenize them."""
-    from lowmem_dpo import inputs, models
-    from lowmem_dpo.recipe import build_config
+    from lowmem_dpo.config.recipe import build_config
+    from lowmem_dpo.model import models
+    from lowmem_dpo.training import inputs
 
     cfg = build_config({"model_name_or_path": str(model_dir), "dataset": str(data), "max_length": max_length})
     tok = inputs.tokenized(cfg, models.load_tokenizer(model_dir), progress=False)
@@ -300,8 +301,9 @@ def stage_argv(stage: str, recipe: Path, meter_json: Path, plain: bool) -> list[
 def stage_main(stage: str, recipe: str, meter_json: str) -> int:
     """--stage: run lowmem_dpo.STAGE's main as its CLI does, with a PeakMeter from the end of its model load to
     the end of the stage (METHOD["tensor_peak_bytes"]); the meter's figures go to `meter_json`."""
-    from lowmem_dpo import measure, models, precompute, train
-    from lowmem_dpo.cli import run_cli
+    from lowmem_dpo import measure, precompute, train
+    from lowmem_dpo.config.cli import run_cli
+    from lowmem_dpo.model import models
 
     module = {"precompute": precompute, "train": train}[stage]
     meter: list = []
@@ -370,7 +372,8 @@ def add_planned(out: dict, planned: int | None) -> None:
 
 
 def precompute_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bool) -> dict:
-    from lowmem_dpo import cache, precompute
+    from lowmem_dpo import precompute
+    from lowmem_dpo.data import cache
 
     cache_dir, meter_json = run_dir / "ref-cache", run_dir / "precompute-meter.json"
     shutil.rmtree(cache_dir, ignore_errors=True)  # from scratch: rows/s of a real build
@@ -444,8 +447,9 @@ def step_flops(model_dir: Path, seqs: list[tuple[int, int]], lora_r: int) -> dic
 def replayed_steps(recipe: Path, steps: int) -> list[list[tuple[int, int]]]:
     """The (tokens, completion tokens) of the chosen and rejected sequence of each train step, the pairs drawn as
     train draws them (loop.pair_stream from the seed)."""
-    from lowmem_dpo import inputs, loop, models
-    from lowmem_dpo.recipe import load_config
+    from lowmem_dpo.config.recipe import load_config
+    from lowmem_dpo.model import models
+    from lowmem_dpo.training import inputs, loop
 
     cfg = load_config(recipe)
     tok = inputs.tokenized(cfg, models.load_tokenizer(Path(cfg.model_name_or_path)), progress=False)
@@ -566,7 +570,7 @@ def table(runs: list[dict]) -> str:
 # -- main ------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", required=True, help="a shipped architecture (lowmem_dpo/archs/NAME)")
+    ap.add_argument("--arch", required=True, help="a shipped architecture (lowmem_dpo/memory/archs/NAME)")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3, help="train steps (1 pair each)")
     ap.add_argument("--json", required=True, help="output JSON path")

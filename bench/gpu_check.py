@@ -76,8 +76,8 @@ def data_file(model: str, max_length: int, rows: int) -> Path:
     """Synthetic reviews of about max_length tokens (prompt ~1/4), DISTINCT_ROWS of them repeated to `rows`."""
     from full_scale import long_row
 
-    from lowmem_dpo.models import load_tokenizer, resolve_model_path
-    from lowmem_dpo.tiny import write_jsonl
+    from lowmem_dpo.model.models import load_tokenizer, resolve_model_path
+    from lowmem_dpo.model.tiny import write_jsonl
 
     path = WORK / "data" / f"{Path(model).name.replace(':', '-')}-{max_length}-{rows}.jsonl"
     if not path.is_file():
@@ -105,10 +105,10 @@ def run_overrides(name: str, recipe_cfg, model: str, max_length: int, steps: int
 def planned_train(cfg) -> tuple[float | None, dict]:
     """The planner's train peak (GiB) for the run as train applies it (policy.apply_plan's knobs), and the plan's
     micro-batch, accumulation and streamed layers."""
-    from lowmem_dpo import models
     from lowmem_dpo.memory import search
     from lowmem_dpo.memory.arch import load_arch
     from lowmem_dpo.memory.setup import run_budget, setup_from_config
+    from lowmem_dpo.model import models
 
     path = models.resolve_model_path(cfg.model_name_or_path)
     arch = load_arch(str(path))
@@ -143,8 +143,8 @@ def _gib(n) -> float | None:
 def run_ours(args) -> dict:
     """lowmem_dpo's plan, precompute and train in this process (a child of the check)."""
     from lowmem_dpo import precompute, train
-    from lowmem_dpo.errors import UserError
-    from lowmem_dpo.recipe import build_config, load_config
+    from lowmem_dpo.config.recipe import build_config, load_config
+    from lowmem_dpo.runtime.errors import UserError
 
     recipe_cfg = load_config(args.recipe, args.set)
     overrides = run_overrides(args.name, recipe_cfg, args.model, args.max_length, args.steps, args.cap_gib,
@@ -165,7 +165,7 @@ def run_ours(args) -> dict:
 def _values(cfg) -> dict:
     import dataclasses
 
-    from lowmem_dpo.sources import yaml_form
+    from lowmem_dpo.config.sources import yaml_form
 
     return {f.name: yaml_form(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
@@ -178,8 +178,9 @@ def run_trl(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from lowmem_dpo import devices, models
-    from lowmem_dpo.recipe import load_config
+    from lowmem_dpo.config.recipe import load_config
+    from lowmem_dpo.model import models
+    from lowmem_dpo.runtime import devices
 
     cfg = load_config(args.recipe, args.set)
     cuda = args.device == "cuda"
@@ -243,7 +244,7 @@ def run_trl(args) -> dict:
         line["loss"] = history.get(line["step"], {}).get("loss")
     summary = summarize(lines, tokens_key="step_time_s")
     if summary["median_step_s"]:  # TRL logs no token count: the pairs' real tokens, which ours count alike
-        from lowmem_dpo.models import load_tokenizer
+        from lowmem_dpo.model.models import load_tokenizer
 
         tok = load_tokenizer(path)
         per_pair = statistics.mean(2 * len(tok(r["prompt"])["input_ids"]) + len(tok(r["chosen"])["input_ids"])
@@ -268,11 +269,11 @@ def child(args) -> int:
 def longest_length(recipe: str, model: str, cap_gib: float, device: str, limit: int) -> int:
     """The longest max_length (in LENGTH_STEP steps, at most `limit`) whose train and precompute the planner fits
     in the cap, with the knobs train and precompute apply by themselves."""
-    from lowmem_dpo import models
+    from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.memory import search
     from lowmem_dpo.memory.arch import load_arch
     from lowmem_dpo.memory.setup import setup_from_config
-    from lowmem_dpo.recipe import load_config
+    from lowmem_dpo.model import models
 
     arch = load_arch(str(models.resolve_model_path(model)))
     budget = int(cap_gib * GiB)
@@ -313,7 +314,7 @@ def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, devi
 
 def lengths(args, recipe: str, model: str, device: str) -> list[tuple[int, str | None]]:
     """(max_length, variant) of each run of a recipe, from --lengths."""
-    from lowmem_dpo.recipe import load_config
+    from lowmem_dpo.config.recipe import load_config
 
     shipped = load_config(recipe).max_length
     out = []

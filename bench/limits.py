@@ -32,7 +32,10 @@ def _sync(device: torch.device) -> None:
 def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
     """Rows/s of `precompute.rows_logps` and of a bare forward over precompute's batches, timed batch by batch
     back to back (the order alternates between repeats), after one untimed batch of each."""
-    from lowmem_dpo import data, devices, headcheck, inputs, precompute
+    from lowmem_dpo import data, precompute
+    from lowmem_dpo.model import headcheck
+    from lowmem_dpo.runtime import devices
+    from lowmem_dpo.training import inputs
 
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
@@ -184,7 +187,7 @@ def count_flops(fn):
 def _replay(session, warmup: int) -> None:
     """Rebuild the session's pair stream from the seed, as train.setup builds it, and skip the warm-up steps'
     pairs: the next steps see the batches of the first timed steps again."""
-    from lowmem_dpo import loop
+    from lowmem_dpo.training import loop
 
     session.stream = loop.pair_stream(session.pairs, session.cfg.seed)
     loop.take(session.stream, warmup * session.pairs_per_step)
@@ -197,7 +200,8 @@ def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True
     With `back_to_back`: the same `count` batches are replayed once more without the counter, each step timed
     and followed by one timing of the largest square matmul of `square_sizes` in the step's dtype, so each step's FLOP/s is set against
     matmul FLOP/s measured seconds apart (`back_to_back`: robust to load that changes over the run)."""
-    from lowmem_dpo import devices, loop
+    from lowmem_dpo.runtime import devices
+    from lowmem_dpo.training import loop
 
     _replay(session, warmup)
     flops, tokens, by_op = [], [], {}

@@ -48,7 +48,7 @@ GiB = 1 << 30
 def rows_file(path: Path, length: int, n: int = 4) -> Path:
     """n rows whose prompt and answers are each longer than `length` tokens of the built-in tokenizer (the
     max_length cut makes the shapes)."""
-    from lowmem_dpo.tiny import preference_rows
+    from lowmem_dpo.model.tiny import preference_rows
 
     pool = preference_rows(max(64, length // 2))  # each review ~8 tokens: ~4 L tokens per text
     texts = [r["chosen"] for r in pool]
@@ -68,10 +68,10 @@ def overrides(length: int, prompt_share: float, data: Path, smoke: bool) -> list
 
 def planned(length: int, prompt_share: float, smoke: bool) -> dict:
     """The full model at 11.25 GiB on a CUDA card, 1 pair per micro-batch, with train's own knobs."""
+    from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.memory.arch import load_arch
     from lowmem_dpo.memory.search import TRAIN_KNOBS, choose
     from lowmem_dpo.memory.setup import setup_from_config, with_prompts
-    from lowmem_dpo.recipe import load_config
 
     budget = int(BUDGET_GIB * GiB)
     cfg = load_config(RECIPE, [f"max_length={length}", f"max_prompt_length={int(prompt_share * length)}",
@@ -91,7 +91,7 @@ def planned(length: int, prompt_share: float, smoke: bool) -> dict:
 def measured(length: int, prompt_share: float, layers: int, work: Path, smoke: bool) -> dict:
     """The slice on this CPU: peaks against the prediction at the measured shapes, and a timed step."""
     from lowmem_dpo import measure
-    from lowmem_dpo.recipe import load_config
+    from lowmem_dpo.config.recipe import load_config
 
     data = rows_file(work / f"rows-{length}.jsonl", length)
     cfg = load_config(RECIPE, overrides(length, prompt_share, data, smoke) + [
@@ -143,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [256, 512] if args.smoke else [int(x) for x in args.lengths.split(",")]
     from machine import machine_info
 
+    from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.memory.arch import load_arch
     from lowmem_dpo.memory.search import longest_max_length
     from lowmem_dpo.memory.setup import setup_from_config, with_prompts
-    from lowmem_dpo.recipe import load_config
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="long-context-") as tmp:

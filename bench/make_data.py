@@ -4,7 +4,7 @@
     python bench/make_data.py --long-prompts [OUT.jsonl] [--rows N]   # bench/out/data/bench-long-prompts.jsonl
     python bench/make_data.py --long-prompts --lengths   # the token lengths, with the built-in tokenizer
 
-Each row concatenates short reviews from `lowmem_dpo.tiny.preference_rows`, so every word is in the built-in
+Each row concatenates short reviews from `lowmem_dpo.model.tiny.preference_rows`, so every word is in the built-in
 tokenizer's vocabulary.
 - reviews (default): a prompt of 6-8 earlier reviews plus one "Write a positive/negative review" instruction,
   and a chosen / rejected completion of 19-21 sentences of the matching / opposite polarity. With the built-in
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from lowmem_dpo.tiny import preference_rows, write_jsonl  # noqa: E402
+from lowmem_dpo.model.tiny import preference_rows, write_jsonl  # noqa: E402
 
 DEFAULT_PATH = Path("bench/out/data/bench-prefs.jsonl")
 DEFAULT_ROWS = 96
@@ -92,7 +92,7 @@ def long_prompt_rows(n: int = DEFAULT_ROWS, seed: int = 0, tokenizer=None,
     """n prompt-heavy rows {prompt, chosen, rejected} (module doc); the same n, seed and tokenizer give the same
     rows. `tokenizer` defaults to LONG_MODEL's (built on first use)."""
     if tokenizer is None:
-        from lowmem_dpo import models
+        from lowmem_dpo.model import models
 
         tokenizer = models.load_tokenizer(models.resolve_model_path(LONG_MODEL))
 
@@ -128,9 +128,9 @@ def length_stats(path: str | Path, model: str = LONG_MODEL, max_length: int = LO
     with BOS, completion with EOS): min / median / mean / max per part, and the rows cut or skipped."""
     import statistics
 
-    from lowmem_dpo import models
     from lowmem_dpo.data.encode import tokenize_rows
     from lowmem_dpo.data.rows import load_rows
+    from lowmem_dpo.model import models
 
     tok = models.load_tokenizer(models.resolve_model_path(model))
     data = tokenize_rows(load_rows(str(path)), tok, max_length, None, str(path), progress=False)

@@ -14,7 +14,8 @@ from timing import PeakMemory, guarded, summarize, synchronize
 
 def clear_cache(cache_dir: Path) -> bool:
     """Remove a previous reference cache (its store and build record) so precompute is timed from scratch."""
-    from lowmem_dpo import precompute, store
+    from lowmem_dpo import precompute
+    from lowmem_dpo.data import store
 
     removed = False
     for path in [*cache_dir.glob(store.INDEX + "*"), cache_dir / precompute.BUILD]:
@@ -57,7 +58,9 @@ def bench_precompute(cfg, device: str, reuse: bool) -> dict:
 
 
 def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str, flop_steps: int) -> dict:
-    from lowmem_dpo import devices, loop, train
+    from lowmem_dpo import train
+    from lowmem_dpo.runtime import devices
+    from lowmem_dpo.training import loop
 
     total = warmup + steps
     with PeakMemory(device) as pm:

@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=25, help="rows of the op table")
     args = ap.parse_args(argv)
 
-    from lowmem_dpo import devices, loop, train
-    from lowmem_dpo.recipe import load_config
+    from lowmem_dpo import train
+    from lowmem_dpo.config.recipe import load_config
+    from lowmem_dpo.runtime import devices
+    from lowmem_dpo.training import loop
 
     cfg = load_config(args.recipe, args.overrides)
     total = args.warmup + args.steps + args.profile

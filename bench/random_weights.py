@@ -3,8 +3,8 @@
     python bench/random_weights.py mistral-7b-v0.1 [--layers N]    # build once (or print the existing folder)
 
 The folder is $LOWMEM_DPO_HOME/full_scale/NAME-vVERSION (NAME-Nlayers-vVERSION with --layers): config.json and
-generation_config.json from lowmem_dpo/archs/NAME/config.json, bfloat16 safetensors shards of at most
-SHARD_BYTES with model.safetensors.index.json, and the built-in byte-level BPE tokenizer (lowmem_dpo.tiny: 1024
+generation_config.json from lowmem_dpo/memory/archs/NAME/config.json, bfloat16 safetensors shards of at most
+SHARD_BYTES with model.safetensors.index.json, and the built-in byte-level BPE tokenizer (lowmem_dpo.model.tiny: 1024
 ids, valid in any vocabulary of >= 1024; its BOS/EOS ids 1/2 are Mistral's). No download.
 
 Never the whole model in memory: the model is instantiated on the meta device for its tensor names and shapes,
@@ -34,9 +34,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from lowmem_dpo import files  # noqa: E402
-from lowmem_dpo.errors import UserError  # noqa: E402
 from lowmem_dpo.memory.arch import ARCHS_DIR, shipped_archs  # noqa: E402
+from lowmem_dpo.runtime import files  # noqa: E402
+from lowmem_dpo.runtime.errors import UserError  # noqa: E402
 
 VERSION = 1  # bump when the values drawn change: a new folder is built
 SEED = 0
@@ -134,7 +134,7 @@ def build(config, name: str, out: Path, log=print, shard_bytes: int = SHARD_BYTE
     """Write the whole model folder of transformers `config` (architecture `name`) into `out`, an empty folder."""
     from transformers import GenerationConfig
 
-    from lowmem_dpo.tiny import build_tokenizer
+    from lowmem_dpo.model.tiny import build_tokenizer
 
     tok = build_tokenizer(out)
     if len(tok) > config.vocab_size:

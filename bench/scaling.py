@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from machine import machine_info  # noqa: E402
 from step_time import ensure_dataset  # noqa: E402
 
-from lowmem_dpo.recipe import load_config  # noqa: E402
+from lowmem_dpo.config.recipe import load_config  # noqa: E402
 
 
 def torchrun(procs: int, stage: str, recipe: str, overrides: list[str], threads: int) -> None:

@@ -113,7 +113,7 @@ def matmul_limit(out: dict, cfg, device: str) -> None:
 
 # -- one device --------------------------------------------------------------------------------------------------
 def bench_device(device: str, args) -> dict:
-    from lowmem_dpo.recipe import load_config
+    from lowmem_dpo.config.recipe import load_config
 
     reason = unavailable_reason(device)
     if reason:
@@ -146,7 +146,7 @@ def bench_device(device: str, args) -> dict:
 
 def model_matmul_shape(cfg) -> tuple[int, int, int] | None:
     """(tokens of a full batch, hidden, intermediate): the shape of the model's MLP up-projection in a step."""
-    from lowmem_dpo import models
+    from lowmem_dpo.model import models
 
     try:
         conf = json.loads((models.resolve_model_path(cfg.model_name_or_path) / "config.json").read_text())
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from lowmem_dpo.errors import UserError
+    from lowmem_dpo.runtime.errors import UserError
 
     report = {"devices": {}, "machine": machine_info(),
               "command": shlex.join(["python", "bench/step_time.py", *argv])}

@@ -40,10 +40,10 @@ NOT_CHANGED = {
 
 
 def native_bf16(device: str) -> bool:
-    """Whether the device runs bfloat16 natively: the rule lowmem_dpo's dtype=auto follows (lowmem_dpo.devices)."""
+    """Whether the device runs bfloat16 natively: the rule lowmem_dpo's dtype=auto follows (lowmem_dpo.runtime.devices)."""
     import torch
 
-    from lowmem_dpo import devices
+    from lowmem_dpo.runtime import devices
 
     if device == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
@@ -143,7 +143,9 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict, setup: 
     from transformers import AutoTokenizer, PrinterCallback
     from trl import DPOConfig
 
-    from lowmem_dpo import data, inputs, models
+    from lowmem_dpo import data
+    from lowmem_dpo.model import models
+    from lowmem_dpo.training import inputs
 
     model_path = models.resolve_model_path(cfg.model_name_or_path)
     required = required_settings(cfg, device, warmup + steps, setup)

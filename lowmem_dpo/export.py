@@ -35,12 +35,13 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import files, lora_merge, models, weights
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.errors import UserError, log
-from lowmem_dpo.lora_merge import CONV1D, EMBEDDING, LINEAR, LoraPair
-from lowmem_dpo.provenance import Chain, merge_chain
-from lowmem_dpo.units import fmt, parse_size
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.model import lora_merge, models, weights
+from lowmem_dpo.model.lora_merge import CONV1D, EMBEDDING, LINEAR, LoraPair
+from lowmem_dpo.runtime import files
+from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.runtime.units import fmt, parse_size
+from lowmem_dpo.training.provenance import Chain, merge_chain
 
 USAGE = ("ADAPTER_DIR MERGED_DIR [--dtype auto|bfloat16|float16|float32] [--max-shard-size 2GB] [--overwrite] "
          "[--no-progress]")

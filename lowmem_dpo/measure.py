@@ -19,14 +19,17 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import data, devices, headcheck, inputs, loop, models, precompute, train
-from lowmem_dpo.config import Config
-from lowmem_dpo.errors import UserError
+from lowmem_dpo import data, precompute, train
+from lowmem_dpo.config.schema import Config
+from lowmem_dpo.config.sources import Source
 from lowmem_dpo.memory.arch import arch_config_path, load_arch
 from lowmem_dpo.memory.model import predict
 from lowmem_dpo.memory.setup import Setup, setup_from_config
-from lowmem_dpo.sources import Source
-from lowmem_dpo.tiny import BUILTIN_PREFIX, ensure_builtin
+from lowmem_dpo.model import headcheck, models
+from lowmem_dpo.model.tiny import BUILTIN_PREFIX, ensure_builtin
+from lowmem_dpo.runtime import devices
+from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.training import inputs, loop
 
 
 class PeakMeter:

@@ -43,16 +43,17 @@ import dataclasses
 import json
 from pathlib import Path
 
-from lowmem_dpo import adapters, measure, models
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import Config
-from lowmem_dpo.errors import UserError
+from lowmem_dpo import measure
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
 from lowmem_dpo.memory.model import Prediction, StagePrediction, predict
 from lowmem_dpo.memory.search import Plan, choose, longest_max_length, stage_stream
 from lowmem_dpo.memory.setup import Setup, planned_device, run_budget, setup_from_config, with_prompts
-from lowmem_dpo.recipe import load_config
-from lowmem_dpo.units import fmt, parse_size
+from lowmem_dpo.model import adapters, models
+from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.runtime.units import fmt, parse_size
 
 EXIT_NO_FIT = 1
 ROWS = (("base_weights", "base weights"), ("lora_params", "LoRA params (fp32)"), ("lora_grads", "LoRA grads (fp32)"),

@@ -24,29 +24,20 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import (
-    activations,
-    adapters,
-    cache,
-    data,
-    devices,
-    distributed,
-    files,
-    headcheck,
-    inputs,
-    models,
-    preflight,
-    streaming,
-)
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import Config
-from lowmem_dpo.errors import UserError, log
-from lowmem_dpo.logps import batch_logps
+from lowmem_dpo import data, preflight
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.config.schema import Config
+from lowmem_dpo.data import cache
+from lowmem_dpo.data.store import Value
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
-from lowmem_dpo.recipe import load_config
-from lowmem_dpo.store import Value
-from lowmem_dpo.units import fmt
+from lowmem_dpo.model import activations, adapters, headcheck, models, streaming
+from lowmem_dpo.model.logps import batch_logps
+from lowmem_dpo.runtime import devices, distributed, files
+from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.runtime.units import fmt
+from lowmem_dpo.training import inputs
 
 ROW_BYTES = 100  # what a row takes in the store, with its index, for the free-space check (~60 measured)
 BUILD = "build.json"  # what the last precompute did: rows computed and reused, its forward's rows/s

@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import cache, devices, files, inputs
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.errors import log
-from lowmem_dpo.recipe import load_config
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.data import cache
+from lowmem_dpo.runtime import devices, files
+from lowmem_dpo.runtime.errors import log
+from lowmem_dpo.training import inputs
 
 REPORT = "preflight.json"
 QUANTILES = {"p5": 0.05, "p25": 0.25, "p50": 0.5, "p75": 0.75, "p95": 0.95}

@@ -22,9 +22,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowmem_dpo import devices, files, guards
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.errors import UserError
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.runtime import devices, files
+from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.training import guards
 
 PICTURE = "curves.png"
 NO_MATPLOTLIB = ("curves.png needs matplotlib", "'lowmem_dpo[report]'")  # devices.import_optional's message

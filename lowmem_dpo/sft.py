@@ -23,13 +23,16 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import adapters, data, devices, headcheck, inputs, loop, models, output, policy, resuming
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import Config
-from lowmem_dpo.errors import UserError, log
-from lowmem_dpo.logps import batch_logps
-from lowmem_dpo.recipe import load_config
-from lowmem_dpo.tiny import BUILTIN_PREFIX
+from lowmem_dpo import data
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.config.schema import Config
+from lowmem_dpo.model import adapters, headcheck, models
+from lowmem_dpo.model.logps import batch_logps
+from lowmem_dpo.model.tiny import BUILTIN_PREFIX
+from lowmem_dpo.runtime import devices
+from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.training import inputs, loop, output, policy, resuming
 
 SFT_METRICS = ("eval_loss", "eval_gen/repetition")  # the eval metrics an SFT run logs (metric_for_best_model)
 

@@ -18,25 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lowmem_dpo import (
-    adapters,
-    cache,
-    data,
-    devices,
-    guards,
-    headcheck,
-    inputs,
-    loop,
-    output,
-    policy,
-    resuming,
-)
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.config import Config
-from lowmem_dpo.errors import log
-from lowmem_dpo.logps import batch_logps
-from lowmem_dpo.loss import preference_losses, sft_shares
-from lowmem_dpo.recipe import load_config
+from lowmem_dpo import data
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.config.schema import Config
+from lowmem_dpo.data import cache
+from lowmem_dpo.model import adapters, headcheck
+from lowmem_dpo.model.logps import batch_logps
+from lowmem_dpo.runtime import devices
+from lowmem_dpo.runtime.errors import log
+from lowmem_dpo.training import guards, inputs, loop, output, policy, resuming
+from lowmem_dpo.training.loss import preference_losses, sft_shares
 
 METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                "logps/chosen", "logps/rejected")

@@ -27,14 +27,14 @@ def lowmem_home(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_path(lowmem_home) -> Path:
-    from lowmem_dpo.tiny import ensure_builtin
+    from lowmem_dpo.model.tiny import ensure_builtin
 
     return ensure_builtin("lowmem_dpo:tiny-llama")
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_path):
-    from lowmem_dpo.models import load_tokenizer
+    from lowmem_dpo.model.models import load_tokenizer
 
     return load_tokenizer(tiny_path)
 
@@ -42,7 +42,7 @@ def tokenizer(tiny_path):
 @pytest.fixture
 def make_cfg(tmp_path):
     """Config for the tiny model and shipped data, writing under tmp_path; keyword args override."""
-    from lowmem_dpo.recipe import build_config
+    from lowmem_dpo.config.recipe import build_config
 
     def make(**overrides):
         values = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA),
@@ -94,14 +94,14 @@ def import_bench(*names: str) -> tuple:
 def cached(cfg):
     """(the dataset rows' reference values, eval_dataset's or None) as train would serve them from cfg's cache:
     inputs.reference_of, no model loaded."""
-    from lowmem_dpo import inputs
+    from lowmem_dpo.training import inputs
 
     return inputs.reference_of(cfg)
 
 
 def stored_rows(cache_dir) -> int:
     """Rows the cache folder's store holds (every model side); 0 without a store."""
-    from lowmem_dpo import cache
+    from lowmem_dpo.data import cache
 
     store = cache.open_store(Path(cache_dir))
     if store is None:
@@ -112,7 +112,7 @@ def stored_rows(cache_dir) -> int:
 
 def stored_sides(cache_dir) -> list[dict]:
     """The components of every model side the cache folder's store holds rows of, most rows first."""
-    from lowmem_dpo import cache
+    from lowmem_dpo.data import cache
 
     with cache.open_store(Path(cache_dir)) as store:
         return [u.components for u in store.usage() if u.rows]

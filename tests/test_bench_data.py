@@ -50,7 +50,7 @@ def test_ensure_writes_each_kind_once(bench, tmp_path, monkeypatch):
 
 
 def test_trl_best_settings_and_command_line_changes(bench, make_cfg):
-    from lowmem_dpo.devices import cpu_has_native_bf16
+    from lowmem_dpo.runtime.devices import cpu_has_native_bf16
 
     trl_step = bench[2]
     cfg = make_cfg(precompute_batch_size=24)

@@ -14,13 +14,15 @@ import torch
 from conftest import REPO, TINY_DATA, cached
 from safetensors.torch import load_file
 
-from lowmem_dpo import checkpoint, devices, loop, precompute, train
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.errors import UserError
+from lowmem_dpo import precompute, train
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.memory.arch import load_arch
 from lowmem_dpo.memory.model import predict
 from lowmem_dpo.memory.setup import setup_from_config
-from lowmem_dpo.recipe import build_config
+from lowmem_dpo.runtime import devices
+from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.training import checkpoint, loop
 
 RUN = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", max_length=64,
            per_device_train_batch_size=4, max_steps=6, save_steps=3, logging_steps=1, learning_rate=3e-3, seed=7,

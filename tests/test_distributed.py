@@ -13,10 +13,12 @@ import torch
 from conftest import REPO, TINY_DATA, cached
 from safetensors.torch import load_file
 
-from lowmem_dpo import cache, distributed, precompute, ranks, sft, train
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.errors import UserError
-from lowmem_dpo.recipe import load_config
+from lowmem_dpo import precompute, sft, train
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.data import cache
+from lowmem_dpo.runtime import distributed, ranks
+from lowmem_dpo.runtime.errors import UserError
 
 # Small, exact and quick: float32 on the tiny model, 6 steps of 8 pairs, eval and checkpoints every 3 steps; a
 # constant learning rate, so that a run continued to 8 steps is one that ran 8 from the start.
@@ -167,7 +169,7 @@ import sys
 import torch
 
 from lowmem_dpo import train
-from lowmem_dpo.cli import run_cli
+from lowmem_dpo.config.cli import run_cli
 
 real, calls = train.forward_pairs, {"n": 0}
 

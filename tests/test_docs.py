@@ -7,9 +7,9 @@ from pathlib import Path
 
 from conftest import REPO
 
-from lowmem_dpo.config import Config
+from lowmem_dpo.config.schema import Config
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md"]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md", REPO / "CHANGELOG.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -62,5 +62,25 @@ def test_the_readme_is_a_front_door():
     assert len(readme.splitlines()) <= 250
     assert "make demo" in readme and "make test" in readme
     assert "../shared" not in readme and not re.search(r"issue \d+", readme, re.I)
-    for page in PAGES[:-1]:
+    for page in [p for p in PAGES if p.parent.name != "bench"]:  # bench/README keeps its history
         assert not re.search(r"\bissue \d+", page.read_text(encoding="utf-8"), re.I), page.name
+
+
+def test_the_changelog_maps_every_moved_module_to_one_that_imports():
+    """Each old import path the changelog lists is gone, its new one imports, and every module of a part is
+    listed: a user's old import finds its new place there."""
+    import importlib
+    import importlib.util
+    import pkgutil
+
+    import lowmem_dpo
+
+    rows = re.findall(r"^\| `(lowmem_dpo\.\w+)` \| `(lowmem_dpo\.[\w.]+)` \|$",
+                      (REPO / "CHANGELOG.md").read_text(encoding="utf-8"), re.M)
+    assert len(rows) > 30
+    for old, new in rows:
+        assert importlib.util.find_spec(old) is None or old in ("lowmem_dpo.config", "lowmem_dpo.data"), old
+        importlib.import_module(new)
+    moved = {m.name for m in pkgutil.walk_packages(lowmem_dpo.__path__, "lowmem_dpo.") if m.name.count(".") == 2
+             and not m.name.startswith(("lowmem_dpo.data.", "lowmem_dpo.memory."))}
+    assert moved <= {new for _, new in rows}

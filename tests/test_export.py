@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lowmem_dpo import export
-from lowmem_dpo.cli import run_cli
+from lowmem_dpo.config.cli import run_cli
 
 IDS = torch.tensor([[5, 17, 42, 8, 99, 3, 61, 27], [11, 2, 74, 30, 6, 48, 19, 88]])
 TINY_GPT2 = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.3)
@@ -205,7 +205,7 @@ def _quantized_base(tiny_path, tmp_path):
     """A real pre-quantized checkpoint: the tiny model loaded in 4-bit by bitsandbytes and saved."""
     from transformers import AutoModelForCausalLM
 
-    from lowmem_dpo.models import quantization_config
+    from lowmem_dpo.model.models import quantization_config
 
     base = tmp_path / "quantized"
     model = AutoModelForCausalLM.from_pretrained(tiny_path, device_map={"": "cpu"},
@@ -281,8 +281,8 @@ def test_run_record_naming_another_base_is_refused(tiny_path, tmp_path, tokenize
 def test_a_base_or_sft_adapter_changed_since_training_is_refused(tiny_path, tmp_path, tokenizer, capsys):
     """A checkpoint records the digests of the base and the SFT adapter it trained on: an SFT stage rerun into the
     same folder (new weights, same path) is refused for a new_on_merged adapter; the same files export."""
-    from lowmem_dpo import models
-    from lowmem_dpo.files import files_digest
+    from lowmem_dpo.model import models
+    from lowmem_dpo.runtime.files import files_digest
 
     base = build_tiny_model("LlamaConfig", SMALL_LLAMA, tmp_path / "base", tokenizer)
     sft = make_adapter(base, tmp_path / "sft", seed=1, target_modules=["q_proj"])

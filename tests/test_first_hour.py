@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, TINY_DATA, write_jsonl
 
 from lowmem_dpo import plan, precompute, train
-from lowmem_dpo.cli import help_text, run_cli
+from lowmem_dpo.config.cli import help_text, run_cli
 
 RECIPE = str(REPO / "recipes" / "tiny-cpu.yaml")
 

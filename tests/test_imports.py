@@ -82,28 +82,62 @@ def test_imports(name):
 def test_cycle_finder_finds_a_cycle():
     """The check below can fail: an import inside a function is an edge, and a graph with a cycle has one."""
     lazy = "def f():\n    from lowmem_dpo import train\n    from lowmem_dpo.data.rows import load_rows\n"
-    assert imported_modules("lowmem_dpo.loss", lazy) == {"lowmem_dpo.train", "lowmem_dpo.data.rows"}
+    assert imported_modules("lowmem_dpo.training.loss", lazy) == {"lowmem_dpo.train", "lowmem_dpo.data.rows"}
     assert imported_modules("lowmem_dpo.data.rows", "from lowmem_dpo import data\n") == {"lowmem_dpo.data"}
-    graph = dict(GRAPH, **{"lowmem_dpo.loss": imported_modules("lowmem_dpo.loss", lazy)})
-    assert any({"lowmem_dpo.loss", "lowmem_dpo.train"} <= set(c) for c in cycles(graph))  # train imports loss
+    graph = dict(GRAPH, **{"lowmem_dpo.training.loss": imported_modules("lowmem_dpo.training.loss", lazy)})
+    assert any({"lowmem_dpo.training.loss", "lowmem_dpo.train"} <= set(c) for c in cycles(graph))  # train imports loss
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_imports_run_one_way():
-    assert GRAPH["lowmem_dpo.train"] >= {"lowmem_dpo.loop", "lowmem_dpo.policy"}  # the graph sees real imports
+    assert GRAPH["lowmem_dpo.train"] >= {"lowmem_dpo.training.loop", "lowmem_dpo.training.policy"}  # real imports
     assert cycles(GRAPH) == []
 
 
-def test_ground_floor_imports_nothing_above_it():
-    ground = {"lowmem_dpo.errors", "lowmem_dpo.ranks", "lowmem_dpo.units", "lowmem_dpo.files", "lowmem_dpo.coerce",
-              "lowmem_dpo.sources", "lowmem_dpo.schedule", "lowmem_dpo.rules", "lowmem_dpo.store",
-              "lowmem_dpo.config"}
-    for name in ground:
-        assert GRAPH[name] <= ground, (name, GRAPH[name] - ground)
-    pure = {"lowmem_dpo.logps", "lowmem_dpo.loss", "lowmem_dpo.guards"}
+# The parts, from the ground up: a part's modules import only modules of their own part or of a part below it.
+PARTS = ["runtime", "config", "data", "model", "memory", "training"]
+STAGES = {"precompute", "preflight", "train", "sft", "export", "plan", "report", "measure"}
+
+
+def part_of(name: str) -> str | None:
+    """The part a module belongs to (its folder), or None for a top-level module."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in PARTS) else None
+
+
+def test_the_top_level_holds_the_stages_and_the_parts_their_folders():
+    top = {n.split(".")[1] for n in MODULES if part_of(n) is None}
+    assert top == STAGES
+    assert {part_of(n) for n in MODULES} - {None} == set(PARTS)
+
+
+def test_no_part_reaches_up():
+    """No part imports a stage, nor a part above its own (the floors of PARTS)."""
+    for name, deps in GRAPH.items():
+        part = part_of(name)
+        if part is None:
+            continue
+        for dep in deps:
+            assert part_of(dep) is not None, (name, "imports the stage", dep)
+            assert PARTS.index(part_of(dep)) <= PARTS.index(part), (name, "reaches up to", dep)
+
+
+def test_the_ground_and_the_pure_modules():
+    for name in MODULES:
+        if part_of(name) == "runtime":
+            assert {part_of(d) for d in GRAPH[name]} <= {"runtime"}, name
+    pure = {"lowmem_dpo.model.logps", "lowmem_dpo.training.loss", "lowmem_dpo.training.guards"}
     for name in pure:
         assert GRAPH[name] == set(), name
+
+
+def test_the_shape_test_can_fail():
+    """The checks above see a part that reaches up, and a part that imports a stage."""
+    up = imported_modules("lowmem_dpo.runtime.units", "from lowmem_dpo.training import loss\n")
+    assert "lowmem_dpo.training.loss" in up and PARTS.index("training") > PARTS.index("runtime")
+    stage = imported_modules("lowmem_dpo.model.logps", "def f():\n    from lowmem_dpo import train\n")
+    assert stage == {"lowmem_dpo.train"} and part_of("lowmem_dpo.train") is None
 
 
 def test_only_the_plan_cli_imports_the_measuring_harness():
@@ -138,7 +172,7 @@ def test_stage_help_shows_command(stage, capsys):
     """Each stage's --help (its entry point, in this process) opens with the command that runs it."""
     import importlib
 
-    from lowmem_dpo.cli import run_cli
+    from lowmem_dpo.config.cli import run_cli
 
     module = importlib.import_module(f"lowmem_dpo.{stage}")
     assert run_cli(module.main, ["--help"], stage, module.__doc__, getattr(module, "USAGE", None)) == 0

@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import REPO, cached, write_jsonl
 
-from lowmem_dpo import cache, precompute, preflight
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.tiny import preference_rows
+from lowmem_dpo import precompute, preflight
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.data import cache
+from lowmem_dpo.model.tiny import preference_rows
 
 PER_TOKEN = preflight.THRESHOLDS["per_token_margin_median_below"]
 LENGTH = preflight.THRESHOLDS["length_ratio_median_above"]

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from lowmem_dpo import guards, report
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.errors import UserError
-from lowmem_dpo.tensorboard import open_writer
+from lowmem_dpo import report
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.training import guards
+from lowmem_dpo.training.tensorboard import open_writer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parents[1]

@@ -10,12 +10,15 @@ from conftest import REPO, TINY_DATA, cached, stored_sides, write_jsonl
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from lowmem_dpo import adapters, data, devices, inputs, loop, policy, precompute, sft, train
-from lowmem_dpo.checkpoint import read_state
-from lowmem_dpo.cli import run_cli
-from lowmem_dpo.errors import UserError
-from lowmem_dpo.models import load_model, model_source
-from lowmem_dpo.recipe import build_config
+from lowmem_dpo import data, precompute, sft, train
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.recipe import build_config
+from lowmem_dpo.model import adapters
+from lowmem_dpo.model.models import load_model, model_source
+from lowmem_dpo.runtime import devices
+from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.training import inputs, loop, policy
+from lowmem_dpo.training.checkpoint import read_state
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def lines(path):
 
 def logps_by_hand(model, pairs):
     """(chosen, rejected) completion log-prob sums from a plain forward per sequence (no padding, no batching, no
-    lowmem_dpo.logps): log_softmax of the logits at the positions before each completion token."""
+    lowmem_dpo.model.logps): log_softmax of the logits at the positions before each completion token."""
     out = []
     for p in pairs:
         sums = []

@@ -10,10 +10,12 @@ import torch
 from conftest import cached
 from safetensors.torch import load_file
 
-from lowmem_dpo import data, devices, loop, policy, precompute, train
-from lowmem_dpo.logps import completion_logps
-from lowmem_dpo.models import load_model
-from lowmem_dpo.recipe import build_config
+from lowmem_dpo import data, precompute, train
+from lowmem_dpo.config.recipe import build_config
+from lowmem_dpo.model.logps import completion_logps
+from lowmem_dpo.model.models import load_model
+from lowmem_dpo.runtime import devices
+from lowmem_dpo.training import loop, policy
 
 
 def metrics(cfg):
@@ -62,7 +64,7 @@ def test_sft_term_adds_the_reference_chosen_nll_at_step_1(make_cfg, tmp_path, to
     """loss_type [sigmoid, sft], weights [1, 1] (TRL 1.16's RPO spelling): step 1 logs ln 2 plus the reference's
     mean NLL per chosen token over the step's pairs, read from the cache; loss_weights scale the term, and a
     step split into micro-batches gives the same loss and gradient (the term is the step's token mean)."""
-    from lowmem_dpo import inputs
+    from lowmem_dpo.training import inputs
 
     cfg = make_cfg(max_steps=1, loss_type="sigmoid,sft", loss_weights="1,1", per_device_train_batch_size=8)
     precompute.run(cfg, progress=False)
@@ -194,7 +196,7 @@ def test_metrics_log_the_rate_each_step_used(make_cfg):
     ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "expected one of linear, cosine"),
 ])
 def test_a_schedule_transformers_refuses_is_refused_at_load(keys, fragment):
-    from lowmem_dpo.errors import ConfigError
+    from lowmem_dpo.runtime.errors import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         build_config(keys)
@@ -216,7 +218,7 @@ def test_demo_recipe_learns(tmp_path):
     """What `make demo` runs: the last logged rewards/accuracies reach 0.9."""
     from conftest import REPO
 
-    from lowmem_dpo.recipe import load_config
+    from lowmem_dpo.config.recipe import load_config
 
     cfg = load_config(REPO / "recipes" / "tiny-cpu.yaml", [f"dataset={REPO / 'data' / 'tiny-prefs.jsonl'}",
                                                            f"output_dir={tmp_path / 'demo'}",

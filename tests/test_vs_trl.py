@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import TINY_DATA, write_jsonl
 
-from lowmem_dpo import evaluation, precompute, train
+from lowmem_dpo import precompute, train
+from lowmem_dpo.training import evaluation
 
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
         "logps/rejected")
@@ -23,7 +24,7 @@ ROWS = 16  # 4 eval batches of 4: TRL's mean over batches is the mean over rows
 def trained(tmp_path_factory, tiny_path):
     """2 steps of ours on the tiny model in float32, its eval rows cached with the training rows; the session
     set up again from its last checkpoint (the trained adapter), to evaluate under other loss settings."""
-    from lowmem_dpo.recipe import build_config
+    from lowmem_dpo.config.recipe import build_config
 
     root = tmp_path_factory.mktemp("vs_trl")
     rows = [json.loads(x) for x in open(TINY_DATA)][100:100 + ROWS]

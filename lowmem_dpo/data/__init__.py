@@ -5,8 +5,12 @@
     batch.py   collate chosen and rejected of a micro-batch into one right-padded forward
     split.py   the eval hold-out of a dataset (eval_fraction), by a hash of each row's prompt
     mix.py     a mixture of sources: the rows each gives (fraction, rows, max_train_samples), tokenized per source
+    implicit.py  a row's prompt from the shared start of chosen and rejected
+    cache.py   the reference cache's keys: model side, row key, a run's values, what to say when rows lack one
+    store.py   the reference cache's store: one SQLite file of values under (model side, row key)
 
-The stages use the names below; each lives in the module that says so.
+The stages use the names below; each lives in the module that says so. The cache is data.cache's and
+data.store's, imported by name.
 """
 
 from lowmem_dpo.data.batch import Batch, collate, collate_completions, collate_shared, pad_token_id

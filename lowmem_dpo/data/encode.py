@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lowmem_dpo.data.rows import REQUIRED, row_kind, row_locator
-from lowmem_dpo.errors import UserError, log
+from lowmem_dpo.runtime.errors import UserError, log
 
 # Why a well-formed row is left out -> (what the log says, what to do). Order: the order rows are checked in.
 SKIPS = {

@@ -23,11 +23,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from lowmem_dpo.config.sources import Source
 from lowmem_dpo.data.encode import TokenizedData
 from lowmem_dpo.data.rows import row_locator
 from lowmem_dpo.data.split import prompt_keys
-from lowmem_dpo.errors import UserError, log
-from lowmem_dpo.sources import Source
+from lowmem_dpo.runtime.errors import UserError, log
 
 
 def row_key(row: dict) -> str:

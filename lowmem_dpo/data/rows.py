@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from lowmem_dpo.data.implicit import IMPLICIT, implicit_required, is_implicit, with_prompt
-from lowmem_dpo.errors import UserError, log
+from lowmem_dpo.runtime.errors import UserError, log
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 REQUIRED = ("prompt", "chosen", "rejected")

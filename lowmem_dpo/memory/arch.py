@@ -18,13 +18,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowmem_dpo.errors import UserError
-from lowmem_dpo.logps import head_of
-from lowmem_dpo.models import meta_model, resolve_model_path
-from lowmem_dpo.tiny import BUILTIN_PREFIX
+from lowmem_dpo.model.logps import head_of
+from lowmem_dpo.model.models import meta_model, resolve_model_path
+from lowmem_dpo.model.tiny import BUILTIN_PREFIX
+from lowmem_dpo.runtime.errors import UserError
 
 ARCH_PREFIX = "lowmem_dpo:arch/"
-ARCHS_DIR = Path(__file__).resolve().parent.parent / "archs"
+ARCHS_DIR = Path(__file__).resolve().parent / "archs"
 # Hub names (lowercase) whose architecture ships in archs/: the planner reads these without a download.
 HUB_ARCHS = {
     "mistralai/mistral-7b-v0.1": "mistral-7b-v0.1",

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lowmem_dpo.activations import MLP_TILE_TOKENS
-from lowmem_dpo.logps import CHUNK_ELEMENTS
 from lowmem_dpo.memory.arch import Arch, adapted
 from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup, setup_from_config
 from lowmem_dpo.memory.weights import (
@@ -18,7 +16,9 @@ from lowmem_dpo.memory.weights import (
     lora_shapes,
     optimizer_state_bytes,
 )
-from lowmem_dpo.rules import ADAMW_TORCH
+from lowmem_dpo.model.activations import MLP_TILE_TOKENS
+from lowmem_dpo.model.logps import CHUNK_ELEMENTS
+from lowmem_dpo.runtime.rules import ADAMW_TORCH
 
 # CUDA's caching allocator holds more than its live tensors (reserved - allocated): an estimate of that share of
 # the tensor peak, with expandable segments (devices.configure_allocator). The budget is what torch may allocate

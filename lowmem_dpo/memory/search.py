@@ -26,12 +26,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from lowmem_dpo.errors import UserError, log
 from lowmem_dpo.memory.arch import Arch, adapted, load_arch
 from lowmem_dpo.memory.model import Prediction, predict
 from lowmem_dpo.memory.setup import Setup, lora_targets, setup_from_config
 from lowmem_dpo.memory.weights import layer_weight_bytes
-from lowmem_dpo.units import fmt
+from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.runtime.units import fmt
 
 STAGES = ("train", "precompute")
 KNOBS = ("micro_batch", "checkpointing", "offloading", "unshare", "quantization", "precompute_batch", "stream")

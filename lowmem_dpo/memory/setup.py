@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lowmem_dpo import devices, rules
-from lowmem_dpo.errors import UserError
-from lowmem_dpo.ranks import local_size
-from lowmem_dpo.units import parse_size
+from lowmem_dpo.runtime import devices, rules
+from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.runtime.ranks import local_size
+from lowmem_dpo.runtime.units import parse_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

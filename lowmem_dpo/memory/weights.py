@@ -9,7 +9,7 @@ import math
 
 from lowmem_dpo.memory.arch import Arch, adapted
 from lowmem_dpo.memory.setup import DTYPE_BYTES
-from lowmem_dpo.rules import PAGED_ADAMW_8BIT
+from lowmem_dpo.runtime.rules import PAGED_ADAMW_8BIT
 
 # bitsandbytes NF4: 64 weights per quantization block; double quantization stores each block's absmax as 1 byte,
 # with one float32 absmax per 256 blocks.

@@ -1,0 +1,85 @@
+"""The `python -m lowmem_dpo.STAGE` entry point: --help, exit codes, no traceback for user errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Callable
+
+import yaml
+
+from lowmem_dpo.config.coerce import describe
+from lowmem_dpo.config.schema import HINTS, Config
+from lowmem_dpo.config.sources import yaml_form
+from lowmem_dpo.runtime import devices
+from lowmem_dpo.runtime.errors import EXIT_USAGE, ConfigError, UserError
+from lowmem_dpo.runtime.ranks import world
+
+OOM_ANYWHERE = ("out of memory: the run needs more memory than the device has free. Lower max_length or "
+                "per_device_train_batch_size (or precompute_batch_size), set quantization=4bit, or set memory_budget "
+                "to what the device really has free; python -m lowmem_dpo.plan RECIPE.yaml shows what fits")
+
+
+def shown(value) -> str:
+    """A default as a recipe writes it, on one line (YAML's flow style, without the end-of-document marker it puts
+    after a lone scalar)."""
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def help_text(stage: str, command_doc: str) -> str:
+    """--help of a stage that takes a recipe: its command doc, then every Config key with type, default and doc."""
+    lines = [command_doc.strip(), "", f"usage: python -m lowmem_dpo.{stage} RECIPE.yaml [key=value ...]", "",
+             "keys (type, default: doc):"]
+    for f in dataclasses.fields(Config):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {f.name} ({describe(HINTS[f.name])}, default {shown(yaml_form(default))}"
+                     f"{' ; choices ' + '|'.join(f.metadata['choices']) if f.metadata['choices'] else ''}): "
+                     f"{f.metadata['doc']}")
+    return "\n".join(lines)
+
+
+def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, stage: str, doc: str,
+            usage: str | None = None) -> int:
+    """Shared entry point of the `python -m lowmem_dpo.STAGE` commands: --help, exit codes, no tracebacks for
+    user errors. `usage`: the arguments of a stage that takes no recipe (report: "OUTPUT_DIR"); --help then shows
+    `doc` and that usage line instead of the recipe keys."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        try:
+            print(help_text(stage, doc) if usage is None
+                  else f"{doc.strip()}\n\nusage: python -m lowmem_dpo.{stage} {usage}")
+        except BrokenPipeError:  # `--help | head`: the reader left; not an error
+            sys.stdout = None
+        return 0 if argv else EXIT_USAGE
+    import logging
+    import warnings
+
+    # transformers' own deprecation notice, raised inside peft on every LoRA model: not the user's to act on.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    # bitsandbytes (imported by peft) notes at import that an optional `kernels` package is missing; it serves
+    # only the packed inference path that models.load_model turns off.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # peft, saving an adapter, looks for the base's config.json at base_model_name_or_path to see whether the
+    # vocabulary changed; a built-in name (lowmem_dpo:tiny-llama, as sft writes it) is not a path. Nothing here
+    # changes the vocabulary.
+    warnings.filterwarnings("ignore", message="Could not find a config file in", category=UserWarning)
+    devices.configure_allocator()  # before anything touches CUDA (unless the user set the variable)
+    try:
+        return main(argv) or 0
+    except UserError as e:
+        rank = world().rank  # several processes (torchrun, mpirun): a recipe error is every rank's
+        if rank == 0 or not isinstance(e, ConfigError):
+            print(f"lowmem_dpo.{stage}: error: {f'[rank {rank}] ' if rank else ''}{e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:
+        if not devices.is_out_of_memory(e):
+            raise
+        del e  # its traceback holds the tensors
+        devices.dump_snapshot()
+        print(f"lowmem_dpo.{stage}: error: {OOM_ANYWHERE}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"lowmem_dpo.{stage}: interrupted; committed cache rows and checkpoints are kept.", file=sys.stderr)
+        return 130

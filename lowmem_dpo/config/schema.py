@@ -1,0 +1,395 @@
+"""One typed config for every stage: the keys, their types, docs and bounds, and the checks across keys. A recipe
+and its overrides become a Config in recipe.py:
+
+    python -m lowmem_dpo.train RECIPE.yaml learning_rate=1e-4 max_prompt_length=null
+
+Values are coerced by the declared type of the field (coerce.py), never by YAML's guess: `1e-4` is a float for
+a float field (YAML 1.1 would read it as a string), `null`/`None`/`none` is None for an Optional field (never
+the string "None"), `1.5` for an int field is an error. Every problem in a recipe is collected and reported at
+once, as a `ConfigError` that the stage entry points turn into exit code 2 and one message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import yaml
+
+from lowmem_dpo.config.schedule import SCHEDULERS, make_schedule, throwaway_optimizer
+from lowmem_dpo.config.sources import Source, repeated, yaml_form
+from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.runtime.units import parse_size
+
+
+def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, reference=None,
+       resumable=False):
+    """A config field with its one-line doc, validation bounds, and what a change of its value changes.
+
+    reference: the key changes the reference log-probs: "value" by its value, "files" by the files it names
+      (inputs.file_components; a checkpoint records their digests). None: it does not. The cache is keyed by
+      row ids and model side (cache.py); this list is what the format-1 cache's fingerprint held.
+    resumable: the key may change between a run and its resumption from a checkpoint: it changes neither the
+      numbers the run computes nor the data it sees (output places, logging, saving, guards). "length": the key
+      sets how long the run is (max_steps, num_train_epochs): changing it continues the run, the schedule
+      following the new total (resuming.follow_run_length). Any other key changed is refused on resume
+      (checkpoint.config_changes).
+    """
+    assert not (reference and resumable), "a key that changes the reference changes the numbers"
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "min_exclusive": min_exclusive,
+            "reference": reference, "resumable": resumable}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Config:
+    # -- model and data ----------------------------------------------------------------------------------------
+    model_name_or_path: str = _f("lowmem_dpo:tiny-llama", "Base model: a local folder, a hub name (online), or "
+                                 "a built-in `lowmem_dpo:tiny-llama` / `lowmem_dpo:llama-25m` built on first use; or "
+                                 "a PEFT LoRA adapter folder (e.g. the SFT stage's output_dir), whose "
+                                 "adapter_config.json names the base.", reference="files")
+    sft_adapter: Optional[str] = _f(None, "A PEFT LoRA adapter folder from an SFT stage, on model_name_or_path (a "
+                                    "base): the reference is base + adapter (its files are in the cache's "
+                                    "model side) and train continues it (adapter_mode).", reference="files")
+    dataset: list[Source] = _f([Source("data/tiny-prefs.jsonl")], "Preference rows {prompt, chosen, rejected}: a "
+                               ".jsonl/.json/.parquet/.csv file, a datasets save_to_disk folder, or a hub dataset "
+                               "name (online); or a mixture, a list of these or of {path, split, fraction | rows} "
+                               "(docs/data.md, Mixtures).", reference="files")
+    dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders); "
+                            "a mixture's source may name its own.", reference="files")
+    prompt_column: Optional[str] = _f(None, "The column holding the prompts when it is not called prompt (e.g. "
+                                      "question), in dataset and eval_dataset. null: prompt, or implicit prompts "
+                                      "(the shared start of chosen and rejected) when there is none.",
+                                      reference="files")
+    max_train_samples: Optional[int] = _f(None, "Take at most this many rows of the dataset (of the mixture), "
+                                          "chosen by seed and each row's content, before eval_fraction holds "
+                                          "prompts out. null: all.", min=1, reference="files")
+    output_dir: str = _f("runs/tiny", "Where train writes config.yaml, metrics.jsonl and the final LoRA adapter. A "
+                         "folder holding anything but a lowmem_dpo run is refused (overwrite_output_dir).",
+                         resumable=True)
+    overwrite_output_dir: bool = _f(False, "Write into an output_dir that holds other files (its tokenizer and "
+                                    "adapter files are replaced).", resumable=True)
+    ref_cache_dir: str = _f("runs/tiny-ref-cache", "Where precompute writes the reference log-prob cache and "
+                            "where train reads it.", resumable=True)
+    # -- precision and device ------------------------------------------------------------------------------------
+    device: str = _f("auto", "auto picks cuda when torch sees a GPU, else mps (Apple) when present, else cpu.",
+                     choices=("auto", "cpu", "cuda", "mps"))
+    dtype: str = _f("auto", "Dtype of the policy's unquantized weights and of its compute (also the compute dtype "
+                    "of a 4bit/8bit base). auto: bfloat16 on a GPU or CPU with native bf16, float16 (with dynamic "
+                    "loss scaling) on a GPU without (T4, V100), else float32 (docs/devices-and-memory.md). bfloat16 on a GPU "
+                    "without native bf16 is refused. Memory: float32 costs 2x the bytes of the 16-bit types.",
+                    choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str = _f("none", "Quantize the policy's frozen base weights with bitsandbytes (4bit: NF4 with "
+                           "double quantization, ~0.56 bytes/param; 8bit: LLM.int8, ~1.06; none: 2 bytes/param in "
+                           "16-bit). LoRA weights stay float32.", choices=("none", "8bit", "4bit"))
+    ref_quantization: Optional[str] = _f(None, "Quantization of the reference in precompute (none|8bit|4bit); null: "
+                                         "the same as quantization. E.g. none with a 4bit policy computes the "
+                                         "reference at full precision.", choices=("none", "8bit", "4bit"),
+                                         reference="value")
+    ref_dtype: Optional[str] = _f(None, "Dtype of the reference in precompute (auto|float32|bfloat16|float16); "
+                                  "null: the same as dtype.", choices=("auto", "float32", "bfloat16", "float16"),
+                                  reference="value")
+    gradient_checkpointing: str = _f("auto", "Recompute activations in backward: saves activation memory, costs "
+                                     "~30% more compute. auto: on for a CUDA budget <= 24 GiB and mps, off for "
+                                     "larger budgets and CPUs, and on wherever the planner says the run needs it "
+                                     "(docs/devices-and-memory.md).", choices=("auto", "true", "false"))
+    activation_offloading: str = _f("auto", "Move what train's forward saves for backward (with checkpointing: each "
+                                    "layer's input) to pinned CPU RAM, back a layer ahead in backward (CUDA). auto: "
+                                    "where the planner needs it to fit (docs/devices-and-memory.md, Long sequences).",
+                                    choices=("auto", "true", "false"), resumable=True)
+    memory_budget: Optional[str] = _f(None, "Memory the run may use on its device, e.g. 11.25GiB (what torch gets of "
+                                      "a 12 GB card): enforced on CUDA, it picks the device rule, and the planner "
+                                      "fits train and precompute to it. null: what torch can get of the GPU now, or "
+                                      "physical RAM on a CPU.", resumable=True)
+    memory_snapshot_on_oom: bool = _f(False, "CUDA: at the first out-of-memory error, write torch's memory snapshot "
+                                      "(memory_snapshot.pickle, for pytorch.org/memory_viz) into output_dir.",
+                                      resumable=True)
+    share_prompt: str = _f("auto", "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
+                           "mask hiding chosen and rejected from each other. auto: the device rule (docs/"
+                           "devices-and-memory.md), if the first batch agrees.", choices=("auto", "true", "false"))
+    # -- tokenization (these change the reference numbers) -----------------------------------------------------
+    max_length: int = _f(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
+                         "prompt alone reaches it are dropped. Activation memory grows linearly with it.",
+                         min=2, reference="value")
+    max_prompt_length: Optional[int] = _f(None, "If set, the prompt is first cut from the left to this many tokens.",
+                                          min=1, reference="value")
+    chat_template: Optional[str] = _f(None, "Jinja chat template for conversational rows, in place of the "
+                                      "tokenizer's: a file (e.g. template.jinja) or the template text itself. A new "
+                                      "template gives the rows new token ids: precompute computes them again.", reference="files")
+    strict: bool = _f(False, "Refuse the data instead of skipping unusable rows (an empty value, chosen identical to "
+                      "rejected, a prompt alone reaching max_length); docs/data.md, Data checks. Not a cache key: it only "
+                      "turns skips into errors, the rows kept are the same.", resumable=True)
+    # -- evaluation (docs/evaluation.md) --------------------------------------------------------------------------------
+    eval_dataset: Optional[str] = _f(None, "Held-out rows in the training data's format (any source `dataset` "
+                                     "accepts); precompute caches their reference log-probs with the training "
+                                     "rows. null: none, or eval_fraction.", reference="files")
+    eval_split: str = _f("test", "Split of eval_dataset to read (hub names, DatasetDict folders).",
+                         reference="files")
+    eval_fraction: float = _f(0.0, "Hold this share of dataset's prompts out of training and evaluate on them; "
+                              "chosen by each prompt's text (a hash), so adding rows does not reshuffle it and "
+                              "all pairs of one prompt fall on one side. 0: none.", min=0.0, max=0.5)
+    eval_steps: Optional[int] = _f(None, "Evaluate every this many optimizer steps and at the last step. null: at "
+                                   "every checkpoint (save_steps), or only at the last step when save_steps is 0.",
+                                   min=1, resumable=True)
+    eval_max_pairs: Optional[int] = _f(None, "Evaluate the first this many eval rows; null: all.", min=1)
+    metric_for_best_model: str = _f("eval_loss", "The eval metric that picks the best checkpoint (its name in "
+                                    "metrics.jsonl; the eval_ prefix may be left out).")
+    greater_is_better: Optional[bool] = _f(None, "Whether a larger metric_for_best_model is better; null: known "
+                                           "from its name (config.EVAL_METRICS).")
+    load_best_model_at_end: bool = _f(False, "The best checkpoint's adapter as the final one in output_dir.",
+                                      resumable=True)
+    eval_generations: int = _f(4, "Eval prompts answered (greedy) at step 0 and every eval into samples.jsonl; "
+                               "their repetition warns of collapse. 0: none.", min=0, resumable=True)
+    max_new_tokens: int = _f(64, "Most tokens a sample generation writes.", min=1, resumable=True)
+    report_to: str = _f("none", "tensorboard: also write metrics.jsonl's scalars as TensorBoard events into "
+                        "output_dir/runs (needs tensorboard installed).", choices=("none", "tensorboard"),
+                        resumable=True)
+    # -- DPO loss ------------------------------------------------------------------------------------------------
+    beta: float = _f(0.1, "DPO temperature: strength of the pull towards the reference.", min=0.0,
+                     min_exclusive=True)
+    loss_type: list = _f(["sigmoid"], "sigmoid (DPO), cdpo (conservative DPO: sigmoid with label_smoothing), hinge "
+                         "(SLiC), ipo (length-normalised, as TRL), robust (rDPO), sft (mean NLL of the chosen "
+                         "tokens); a list sums its terms, weighted by loss_weights, as TRL: [sigmoid, sft] is RPO.",
+                         choices=("sigmoid", "cdpo", "hinge", "ipo", "robust", "sft"))
+    loss_weights: Optional[list[float]] = _f(None, "One weight per loss_type entry; null: 1 each.", min=0.0)
+    label_smoothing: float = _f(0.0, "Assumed fraction of flipped labels, for robust (rDPO) and cdpo (conservative "
+                                "DPO); as in TRL 1.16 it does not change sigmoid (train warns when no term uses it).",
+                                min=0.0, max=0.5)
+    # -- optimizer and schedule ----------------------------------------------------------------------------------
+    learning_rate: float = _f(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
+    lr_scheduler_type: str = _f("linear", "transformers' schedule by its name (get_scheduler): the rate each step "
+                                "applies is HF Trainer's. constant ignores warmup (constant_with_warmup has it); "
+                                "cosine_with_min_lr and warmup_stable_decay take lr_scheduler_kwargs.",
+                                choices=SCHEDULERS)
+    lr_scheduler_kwargs: Optional[dict] = _f(None, "The schedule's own arguments, as transformers' "
+                                             "lr_scheduler_kwargs, e.g. {min_lr_rate: 0.1} for cosine_with_min_lr or "
+                                             "{num_cycles: 2} for cosine_with_restarts.")
+    warmup_steps: float = _f(0, "Optimizer steps of linear warmup from 0; below 1, a ratio of the run's steps "
+                             "(ceil(ratio x steps)), as transformers 5 reads it. 0: warmup_ratio's.", min=0.0)
+    warmup_ratio: float = _f(0.0, "The warmup as a share of the run's steps, ceil(ratio x steps), when "
+                             "warmup_steps is 0 (transformers 4's key).", min=0.0, max=1.0)
+    weight_decay: float = _f(0.0, "AdamW weight decay on the LoRA parameters.", min=0.0)
+    max_grad_norm: Optional[float] = _f(1.0, "Clip the gradient norm to this; null disables clipping.", min=0.0,
+                                        min_exclusive=True)
+    per_device_train_batch_size: int = _f(4, "Preference pairs per micro-batch (2x sequences in the forward). "
+                                          "Activation memory grows linearly with it.", min=1)
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step (memory-free batch growth).", min=1)
+    max_steps: int = _f(-1, "Optimizer steps to run; -1 runs num_train_epochs. Raising it continues a finished or "
+                        "interrupted run from its last checkpoint.", min=-1, resumable="length")
+    num_train_epochs: float = _f(1.0, "Passes over the data when max_steps is -1 (raising it continues the run, as "
+                                 "max_steps).", min=0.0, min_exclusive=True, resumable="length")
+    seed: int = _f(42, "Seed for LoRA init and data order.", min=0)
+    # -- LoRA ----------------------------------------------------------------------------------------------------
+    lora_r: int = _f(8, "LoRA rank. Trainable params (and their grads + 2 AdamW states) grow linearly with it.",
+                     min=1)
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0.0, min_exclusive=True)
+    lora_dropout: float = _f(0.0, "Dropout on the LoRA input. The base model's own dropout is always off, as "
+                             "in TRL.", min=0.0, max=1.0)
+    lora_target_modules: list = _f(["all-linear"], "Module names to adapt, a list or comma-separated (matched "
+                                   "as name suffixes, e.g. q_proj, c_attn, lm_head); all-linear = every linear "
+                                   "layer but the LM head; a regex (e.g. '.*\\.(q|v)_proj'), as the only entry, is "
+                                   "matched against full module names, as peft does.")
+    adapter_mode: str = _f("continue", "With an SFT adapter: continue trains that adapter (its own rank, alpha and "
+                           "target modules; the lora_* keys but lora_dropout are ignored); new_on_merged merges it "
+                           "into an unquantized base and trains a fresh adapter from the lora_* keys.",
+                           choices=("continue", "new_on_merged"))
+    # -- logging and saving --------------------------------------------------------------------------------------
+    logging_steps: int = _f(10, "Log every this many optimizer steps (and at step 1 and the last step).", min=1,
+                           resumable=True)
+    save_steps: int = _f(50, "Checkpoint every this many optimizer steps into output_dir/checkpoints/checkpoint-"
+                         "STEP (adapter, optimizer, scheduler, RNG, data position, metrics; ~3x the adapter's size);"
+                         " 0 never.", min=0, resumable=True)
+    save_total_limit: int = _f(2, "Checkpoints to keep (the newest, and the best); older ones go once a new one is "
+                               "complete. 0 keeps all.", min=0, resumable=True)
+    resume: str = _f("auto", "auto: continue from the newest complete checkpoint in output_dir/checkpoints if there "
+                     "is one (rerun the same command after a crash); never: start over; or the path of a "
+                     "checkpoint-STEP folder.", resumable=True)
+    # -- guards ----------------------------------------------------------------------------------------------------
+    max_nonfinite_steps: int = _f(3, "A non-finite loss or gradient skips that update; this many in a row stop the "
+                                  "run as diverged (the last checkpoint stays).", min=1, resumable=True)
+    early_stop_on_divergence: bool = _f(False, "Stop (exit 2, last checkpoint kept) on a warning sign (docs/"
+                                        "training.md, Guards and warning signs). Off: they are only logged as warnings.", resumable=True)
+    # -- precompute ----------------------------------------------------------------------------------------------
+    precompute_batch_size: int = _f(8, "Pairs per reference forward in precompute (no grads: can exceed the "
+                                    "training batch).", min=1, resumable=True)
+    cache_shard_rows: int = _f(64, "Rows per commit to the reference cache: a killed precompute loses at most "
+                               "this many computed rows, and a torchrun build hands out this many at a time.",
+                               min=1, resumable=True)
+    ref_source: str = _f("cache", "cache: reference log-probs from ref_cache_dir. live: recomputed each step with "
+                         "the adapter disabled (for verification; costs a forward).", choices=("cache", "live"))
+
+    # Keys the recipe or an override set (build_config fills it), as opposed to defaults: warnings name only these.
+    explicit_keys: ClassVar[frozenset] = frozenset()
+    overrides: ClassVar[tuple] = ()  # the key=value overrides it was loaded with, for the commands messages give
+
+    # ---------------------------------------------------------------------------------------------------------
+    def validate(self) -> list[str]:
+        """Cross-field checks; per-field types and ranges are checked at coercion time."""
+        problems = [p for p in [repeated(self.dataset, self.dataset_split)] if p]
+        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
+            problems.append(f"max_prompt_length={self.max_prompt_length} must be below max_length="
+                            f"{self.max_length}: a prompt that long leaves no room for the completion")
+        if self.ref_source == "live":
+            for key, policy_key in (("ref_quantization", "quantization"), ("ref_dtype", "dtype")):
+                value = getattr(self, key)
+                if value is not None and value != getattr(self, policy_key):
+                    problems.append(f"{key}={value}: ref_source=live computes the reference with the policy's own "
+                                    f"base ({policy_key}={getattr(self, policy_key)}); set {key}=null or use "
+                                    "ref_source=cache")
+        problems += self._loss_problems()
+        if "robust" in self.loss_type and self.label_smoothing >= 0.5:
+            problems.append(f"label_smoothing={self.label_smoothing}: loss_type=robust needs it below 0.5 "
+                            "(it divides by 1 - 2*label_smoothing)")
+        problems += self._eval_problems()
+        problems += self._schedule_problems()
+        if self.memory_budget is not None:
+            try:
+                parse_size(self.memory_budget, "memory_budget")
+            except UserError as e:
+                problems.append(str(e))
+        if not self.lora_target_modules:
+            problems.append("lora_target_modules is empty: name at least one module or use all-linear")
+        regexes = [t for t in self.lora_target_modules if REGEX_CHARS.intersection(t)]
+        if len(self.lora_target_modules) > 1 and regexes:  # peft would take it as a name and match nothing
+            problems.append(f"lora_target_modules={self.lora_target_modules}: {regexes[0]!r} is a regex, which "
+                            "must be the only entry (peft matches one regex against full module names); write "
+                            "one regex for all of them, e.g. '.*\\.(q|v)_proj', or list plain names")
+        elif regexes:
+            try:
+                re.compile(regexes[0])
+            except re.error as e:
+                problems.append(f"lora_target_modules={regexes[0]!r} is not a valid regex ({e})")
+        return problems
+
+    def _loss_problems(self) -> list[str]:
+        problems = []
+        if not self.loss_type or len(set(self.loss_type)) < len(self.loss_type):
+            problems.append(f"loss_type={self.loss_type}: name each loss once, at least one")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            problems.append(f"loss_weights={self.loss_weights} has {len(self.loss_weights)} weights for "
+                            f"loss_type={self.loss_type}: give one per loss, in its order (or null: 1 each)")
+        return problems
+
+    def no_effect(self) -> list[str]:
+        """Keys set to values that change nothing in this run (as in TRL and transformers, which ignore them too):
+        the warnings train logs."""
+        notes = []
+        if self.label_smoothing > 0 and not {"cdpo", "robust"} & set(self.loss_type):
+            notes.append(f"label_smoothing={self.label_smoothing} does not change loss_type={self.loss_type} (TRL "
+                         "1.16's sigmoid ignores it too); for conservative DPO use loss_type=cdpo")
+        if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
+            notes.append("lr_scheduler_type=constant has no warmup (as transformers'); use constant_with_warmup")
+        return notes
+
+    def _schedule_problems(self) -> list[str]:
+        problems = []
+        if self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps):
+            problems.append(f"warmup_steps={self.warmup_steps}: a number of steps is whole; below 1 it is a ratio "
+                            "of the run's steps")
+        if self.warmup_steps > 0 and self.warmup_ratio > 0:
+            problems.append(f"warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio}: set one")
+        try:
+            make_schedule(self, throwaway_optimizer(), 10)  # the schedule's own arguments, checked by transformers
+        except (TypeError, ValueError) as e:
+            problems.append(f"lr_scheduler_type={self.lr_scheduler_type} with lr_scheduler_kwargs="
+                            f"{self.lr_scheduler_kwargs}: {str(e).splitlines()[0]}")
+        return problems
+
+    def _eval_problems(self) -> list[str]:
+        problems = []
+        if self.eval_dataset is not None and self.eval_fraction > 0:
+            problems.append(f"eval_dataset={self.eval_dataset} and eval_fraction={self.eval_fraction}: set one "
+                            "(eval_fraction holds rows of dataset out; eval_dataset names other rows)")
+        if self.metric_for_best_model not in EVAL_METRICS and f"eval_{self.metric_for_best_model}" not in EVAL_METRICS:
+            close = difflib.get_close_matches(self.metric_for_best_model, EVAL_METRICS, n=2)
+            problems.append(f"metric_for_best_model={self.metric_for_best_model}: not an eval metric; one of "
+                            f"{', '.join(close or EVAL_METRICS)}")
+        if self.best_metric_name.startswith("eval_gen/") and not self.eval_generations:
+            problems.append(f"metric_for_best_model={self.best_metric_name} measures the samples: set "
+                            "eval_generations above 0")
+        if self.load_best_model_at_end:
+            if not self.has_eval:
+                problems.append("load_best_model_at_end=true needs eval data: set eval_dataset or eval_fraction")
+            if not self.save_steps:
+                problems.append("load_best_model_at_end=true needs checkpoints to choose from: set save_steps")
+            elif self.eval_steps is not None and self.save_steps % self.eval_steps:
+                problems.append(f"load_best_model_at_end=true: save_steps={self.save_steps} must be a multiple of "
+                                f"eval_steps={self.eval_steps}, so that every checkpoint is evaluated (or set "
+                                "eval_steps=null: at every checkpoint)")
+        return problems
+
+    @property
+    def has_eval(self) -> bool:  # eval data: eval_dataset or eval_fraction
+        return self.eval_dataset is not None or self.eval_fraction > 0
+
+    @property
+    def best_metric_name(self) -> str:
+        """metric_for_best_model with its eval_ prefix (as transformers' Trainer adds it)."""
+        name = self.metric_for_best_model
+        return name if name in EVAL_METRICS else f"eval_{name}"
+
+    @property
+    def best_is_greater(self) -> bool:
+        """Whether a larger best metric is better: greater_is_better, or the metric's known direction."""
+        return EVAL_METRICS[self.best_metric_name] if self.greater_is_better is None else self.greater_is_better
+
+    @property
+    def loss_terms(self) -> list[tuple[str, float]]:
+        """(loss type, weight) of each loss_type entry, in order."""
+        return list(zip(self.loss_type, self.loss_weights or [1.0] * len(self.loss_type)))
+
+    @property
+    def peft_target_modules(self) -> str | list[str]:
+        """lora_target_modules as peft's LoraConfig takes them: the string all-linear; one entry with regex
+        characters, as a string (peft matches it against each module's full name); else the list of names
+        (peft matches each as a name suffix)."""
+        targets = self.lora_target_modules
+        if targets == ["all-linear"] or (len(targets) == 1 and REGEX_CHARS.intersection(targets[0])):
+            return targets[0]
+        return targets
+
+    @property
+    def reference_quantization(self) -> str:
+        """The reference's quantization: ref_quantization, or quantization when it is null."""
+        return self.quantization if self.ref_quantization is None else self.ref_quantization
+
+    @property
+    def reference_dtype(self) -> str:
+        """The reference's dtype setting (may be auto): ref_dtype, or dtype when it is null."""
+        return self.dtype if self.ref_dtype is None else self.ref_dtype
+
+    def to_yaml(self) -> str:
+        values = {f.name: yaml_form(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return yaml.safe_dump(values, sort_keys=False)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+FIELD_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                  for f in dataclasses.fields(Config)}
+# The eval metrics (metrics.jsonl names: TRL's for DPO, eval_loss for SFT, and the samples' measures) and whether
+# larger is better: metric_for_best_model is one of them.
+EVAL_METRICS = {"eval_loss": False, "eval_rewards/chosen": True, "eval_rewards/rejected": False,
+                "eval_rewards/accuracies": True, "eval_rewards/margins": True, "eval_logps/chosen": True,
+                "eval_logps/rejected": False, "eval_gen/repetition": False, "eval_gen/empty": False}
+# A lora_target_modules entry with one of these is a regex ('.' alone is not: self_attn.q_proj is a name).
+REGEX_CHARS = frozenset("*+?[](){}|^$\\")
+HINTS = typing.get_type_hints(Config)
+
+
+def keys_where(**meta) -> frozenset[str]:
+    """The Config keys whose field metadata has these values, e.g. keys_where(resumable=True)."""
+    return frozenset(f.name for f in dataclasses.fields(Config)
+                     if all(f.metadata[k] == v for k, v in meta.items()))
+
+
+# Keys that may change between a run and its resumption (checkpoint.config_changes); declared per field.
+RESUMABLE = keys_where(resumable=True)
+# Keys that set the run's length: changed on resume, the run continues to the new total (resuming.follow_run_length).
+RUN_LENGTH = keys_where(resumable="length")
+

@@ -1,0 +1,194 @@
+"""The reference cache's store: one SQLite file, ref_cache_dir/index.sqlite, holding each row's reference values
+under (model side, row key). cache.py makes the keys; this module keeps them.
+
+    sides  id (never reused: AUTOINCREMENT), digest (cache.side_digest), components (JSON: what the side is),
+           created
+    rows   side, key (16 bytes: cache.row_key), chosen, rejected (float32 values, stored exactly as doubles),
+           chosen_tokens, rejected_tokens                    PRIMARY KEY (side, key), WITHOUT ROWID
+
+Why SQLite (the standard library's) rather than safetensors shards with an index file: a build looks up every row
+and adds the missing ones, a few at a time; SQLite does both by key, commits each batch atomically (a kill -9
+loses at most the batch in flight, and the file is consistent when next opened: its journal rolls back), and lets
+two processes (two recipes on one cache folder, or the ranks of one build) write the same file, each waiting for
+the other's commit. Shards would need their own index, compaction and locking to do the same. A row costs ~40
+bytes on disk. SQLite's locks need a local filesystem: keep ref_cache_dir off NFS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from lowmem_dpo.runtime.errors import UserError
+
+INDEX = "index.sqlite"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sides (id INTEGER PRIMARY KEY AUTOINCREMENT, digest TEXT UNIQUE NOT NULL,
+                                  components TEXT NOT NULL, created TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rows (side INTEGER NOT NULL, key BLOB NOT NULL, chosen REAL NOT NULL,
+                                 rejected REAL NOT NULL, chosen_tokens INTEGER NOT NULL,
+                                 rejected_tokens INTEGER NOT NULL, PRIMARY KEY (side, key)) WITHOUT ROWID;
+"""
+CHUNK = 500  # keys per lookup query (SQLite's bound on parameters is 999 on old builds)
+WAIT_S = 600  # how long a writer waits for another process's commit before giving up
+
+
+@dataclass(frozen=True)
+class Value:
+    """One row's reference values."""
+
+    chosen: float
+    rejected: float
+    chosen_tokens: int
+    rejected_tokens: int
+
+
+@dataclass(frozen=True)
+class SideUsage:
+    digest: str
+    components: dict
+    rows: int
+    bytes: int  # its share of the file, by rows
+
+
+class Store:
+    """The index of one cache folder, opened for the life of a stage (one connection, one process)."""
+
+    def __init__(self, cache_dir: str | Path, create: bool = False):
+        self.path = Path(cache_dir) / INDEX
+        if not create and not self.path.is_file():
+            raise FileNotFoundError(self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.db = sqlite3.connect(self.path, timeout=WAIT_S)
+            if self.db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                # readers do not wait for a writer; SQLite answers "locked" at once (no busy wait) while another
+                # process holds the file, as when two processes create a new cache together
+                _busy(lambda: self.db.execute("PRAGMA journal_mode=WAL"))
+            self.db.execute("PRAGMA synchronous=NORMAL")  # a commit survives a killed process (not a power cut)
+            _busy(lambda: self.db.executescript(SCHEMA))
+        except sqlite3.DatabaseError as e:
+            raise UserError(_problem(self.path, e)) from None
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def writing(self):
+        """One write transaction, its lock taken at the start (BEGIN IMMEDIATE: what it reads stays true until it
+        commits); rolled back on any error."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.rollback()
+            raise
+        self.db.commit()
+
+    def side(self, digest: str, components: dict | None = None) -> int | None:
+        """The id of a model side; with `components`, created when it is new."""
+        row = self.db.execute("SELECT id FROM sides WHERE digest = ?", (digest,)).fetchone()
+        if row is not None or components is None:
+            return None if row is None else row[0]
+        with self.db:
+            self.db.execute("INSERT OR IGNORE INTO sides (digest, components, created) VALUES (?, ?, ?)",
+                            (digest, json.dumps(components, sort_keys=True), time.strftime("%Y-%m-%dT%H:%M:%S%z")))
+        return self.side(digest)
+
+    def get(self, side: int | None, keys: list[bytes]) -> dict[bytes, Value]:
+        """The values the store holds for `keys` under `side` (the others are absent from the result)."""
+        out: dict[bytes, Value] = {}
+        if side is None:
+            return out
+        unique = list(dict.fromkeys(keys))
+        for i in range(0, len(unique), CHUNK):
+            chunk = unique[i:i + CHUNK]
+            query = ("SELECT key, chosen, rejected, chosen_tokens, rejected_tokens FROM rows WHERE side = ? AND key "
+                     f"IN ({','.join('?' * len(chunk))})")
+            for key, *values in self.db.execute(query, (side, *chunk)):
+                out[bytes(key)] = Value(*values)
+        return out
+
+    def values(self, side: int | None) -> list[Value]:
+        """Every value stored under `side` (benchmarks: the statistics of a whole build)."""
+        if side is None:
+            return []
+        return [Value(*v) for v in self.db.execute(
+            "SELECT chosen, rejected, chosen_tokens, rejected_tokens FROM rows WHERE side = ?", (side,))]
+
+    def put(self, side: int, values: dict[bytes, Value]) -> None:
+        """Add rows, in one transaction (all or none of them); a key already there keeps its value (any process
+        computes the same one). A side that another process's --prune removed meanwhile is refused: its id is
+        never reused, and rows under it would serve nothing."""
+        with self.writing():
+            if self.db.execute("SELECT 1 FROM sides WHERE id = ?", (side,)).fetchone() is None:
+                raise UserError(f"the reference cache in {str(self.path.parent)!r} lost this run's model side to a "
+                                "--prune in another process while precompute ran; run precompute again")
+            self.db.executemany("INSERT OR IGNORE INTO rows VALUES (?, ?, ?, ?, ?, ?)",
+                                [(side, k, v.chosen, v.rejected, v.chosen_tokens, v.rejected_tokens)
+                                 for k, v in values.items()])
+
+    def usage(self) -> list[SideUsage]:
+        """Each model side's rows and its share of the file's bytes in use (pages not on the free list), the
+        largest first."""
+        counts = dict(self.db.execute("SELECT side, COUNT(*) FROM rows GROUP BY side").fetchall())
+        total_rows = max(1, sum(counts.values()))
+        pages, free, page = (self.db.execute(f"PRAGMA {k}").fetchone()[0]
+                             for k in ("page_count", "freelist_count", "page_size"))
+        size = (pages - free) * page
+        out = [SideUsage(digest, json.loads(components), counts.get(i, 0), size * counts.get(i, 0) // total_rows)
+               for i, digest, components in self.db.execute("SELECT id, digest, components FROM sides")]
+        return sorted(out, key=lambda u: -u.rows)
+
+    def prune(self, side: int, keep: set[bytes]) -> int:
+        """Drop every row but `keep` under `side`, and every other side; returns the rows dropped. The file
+        shrinks (VACUUM) afterwards."""
+        before = self.db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+        with self.writing():
+            self.db.execute("CREATE TEMP TABLE keep (key BLOB PRIMARY KEY) WITHOUT ROWID")
+            self.db.executemany("INSERT OR IGNORE INTO keep VALUES (?)", [(k,) for k in keep])
+            self.db.execute("DELETE FROM rows WHERE side != ? OR key NOT IN (SELECT key FROM keep)", (side,))
+            self.db.execute("DELETE FROM sides WHERE id != ?", (side,))
+            self.db.execute("DROP TABLE keep")
+        self.db.execute("VACUUM")
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the rewritten file replaces the old one now
+        return before - self.db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+
+    def file_bytes(self) -> int:
+        """The index's files on disk (the write-ahead log included)."""
+        return sum(p.stat().st_size for p in self.path.parent.glob(INDEX + "*") if p.is_file())
+
+
+def _busy(run: Callable, wait_s: float = WAIT_S):
+    """run(), retried while SQLite answers that another process holds the file, up to wait_s."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return run()
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _problem(path: Path, e: sqlite3.DatabaseError) -> str:
+    """What an SQLite error opening the index means, and what to do."""
+    text = str(e)
+    if "locked" in text or "busy" in text:
+        return (f"the reference cache index {path} stayed locked by another process for {WAIT_S // 60} minutes "
+                f"({text}): wait for that process (another precompute?) to finish, then run this again")
+    if "readonly" in text or "read-only" in text or "unable to open" in text:
+        return (f"cannot write the reference cache index {path} ({text}): make {path.parent} writable, or point "
+                "ref_cache_dir elsewhere")
+    return f"the reference cache index {path} is unreadable ({text}): move it away and run precompute again"

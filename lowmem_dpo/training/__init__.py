@@ -1,0 +1,19 @@
+"""A training stage's parts, shared by DPO (train.py) and SFT (sft.py):
+
+    inputs.py       what a stage reads: the model folder, the tokenizer, the tokenized data (train and eval),
+                    the inputs' digests and a run's cached reference values
+    loss.py         the DPO loss variants: pure
+    guards.py       DPO's warning signs from the logged metrics, the generations' repetition: pure
+    policy.py       the trained model: base + one LoRA adapter, optimizer and schedule, the planner's choices
+    update.py       a step's update: unscale (float16), clip, the non-finite guard, AdamW, the schedule
+    loop.py         the one training loop: micro-batches and the out-of-memory back-off, metrics, checkpoints
+    checkpoint.py   full-state checkpoints: atomic write, resume, pruning
+    resuming.py     which checkpoint a stage continues, refused on changed settings
+    evaluation.py   eval inside a run: when, the eval line and samples, the collapse sign, the best checkpoint
+    samples.py      greedy sample generations, samples.jsonl
+    output.py       what a run writes into output_dir: the folder check, config.yaml, metrics.jsonl, the adapter
+    tensorboard.py  report_to=tensorboard: the metrics as TensorBoard scalars
+    provenance.py   which base and adapters a trained adapter belongs on, checked against the files (export)
+
+Its face: inputs.prepare and inputs.load_data (a stage's model folder, tokenizer and rows), loop.run.
+"""

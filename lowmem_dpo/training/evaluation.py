@@ -1,0 +1,165 @@
+"""Evaluation inside a training run: when to evaluate, the eval line, the samples, the best checkpoint.
+
+    python -m lowmem_dpo.train RECIPE.yaml eval_fraction=0.1     # evaluate on 10% of the prompts, held out
+
+The loop (loop.py) calls these with its session (loop.Session; not imported here, loop imports this module):
+- `at_start`: a new run's step-0 samples (the policy is still the reference) and their repetition, the baseline of
+  the collapse warning;
+- `evaluate` at every `due` step: the objective's eval metrics over the eval items with no gradients (its own
+  micro-batches and chunked path), the samples and their repetition, one metrics.jsonl line ("eval_" keys);
+- `note_best` when a checkpoint is saved at an evaluated step: the best so far by metric_for_best_model, in
+  transformers' TrainerState keys (best_metric, best_global_step, best_model_checkpoint);
+- `load_best` at the end with load_best_model_at_end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from lowmem_dpo.config.schema import Config
+from lowmem_dpo.model.logps import eval_mode
+from lowmem_dpo.runtime import devices, distributed, files
+from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.training import checkpoint, guards, samples
+
+
+def due(cfg: Config, step: int, steps: int) -> bool:
+    """Whether the run evaluates after optimizer step `step` of `steps`: every eval_steps (null: at every
+    checkpoint, save_steps) and at the last step, when there is eval data."""
+    if not cfg.has_eval:
+        return False
+    every = cfg.eval_steps if cfg.eval_steps is not None else cfg.save_steps
+    return step == steps or bool(every) and step % every == 0
+
+
+def halving(s, run, size: int, what: str, every_rank: bool = False):
+    """run(size), retried at half the size (down to 1) on out-of-memory (devices.halving_on_oom): the eval's
+    micro-batches and the samples' batch can meet a fuller GPU than the training step did. every_rank: every
+    process runs it, and all retry when one runs out (the eval); else rank 0 alone (the samples)."""
+    return devices.halving_on_oom(
+        run, size, s.resolved.device, lambda n: f"out of memory in {what} at step {s.step}: retrying {n} at a time",
+        f"out of memory in {what} at step {s.step}, one at a time; lower eval_max_pairs, eval_generations or "
+        "max_new_tokens (the last checkpoint is intact)",
+        any_rank=distributed.any_rank if every_rank else lambda failed: failed)
+
+
+def sample_items(items: list, n: int) -> list:
+    """The first n eval items with distinct prompts (several pairs may share one)."""
+    seen, out = set(), []
+    for item in items:
+        if len(out) < n and tuple(item.prompt_ids) not in seen:
+            seen.add(tuple(item.prompt_ids))
+            out.append(item)
+    return out
+
+
+def sample_metrics(s, step: int) -> dict:
+    """Greedy samples for the first eval_generations distinct eval prompts, appended to output_dir/samples.jsonl
+    with `step`; one shown in the log. Returns their repetition, mean length and share of empty answers
+    (guards.generation_stats; {} without samples)."""
+    items = sample_items(s.eval_items, s.cfg.eval_generations)
+    if not items:
+        return {}
+
+    def write(n: int) -> list:
+        return [w for i in range(0, len(items), n) for w in samples.generate(
+            s.model, items[i:i + n], s.tokenizer, s.cfg.max_new_tokens, s.resolved.device, s.resolved.dtype,
+            shown=[s.prompts.get(item.row) for item in items[i:i + n]])]
+
+    written = halving(s, write, len(items), "the samples")
+    samples.append(Path(s.cfg.output_dir) / checkpoint.SAMPLES, step, written)
+    log(samples.log_line(step, written[0]))
+    return guards.generation_stats([w.ids for w in written])
+
+
+def at_start(s) -> dict | None:
+    """A new run's step-0 line: the reference's samples and their repetition (None when there are no samples).
+    A resumed run's samples.jsonl is its checkpoint's (a killed run's later samples, or those of a start-over
+    killed before its first checkpoint, are dropped)."""
+    path = Path(s.cfg.output_dir) / checkpoint.SAMPLES
+    saved = None if s.resumed_from is None else Path(s.resumed_from) / checkpoint.SAMPLES
+    if saved is not None and saved.is_file():
+        files.atomic_write_bytes(path, saved.read_bytes())
+    else:  # a new run; or a checkpoint from before samples were kept in it
+        samples.keep_until(path, s.step if s.resumed_from is not None else -1)
+    if s.step > 0 or not s.eval_items or not s.cfg.eval_generations:
+        return None
+    return {"step": 0, **sample_metrics(s, 0)}
+
+
+def evaluate(s) -> dict:
+    """The eval line of step s.step: the objective's metrics over the eval items (at most eval_max_pairs; each
+    rank its share, the sums added up), no gradients, in eval mode, by the training micro-batch (halved on
+    out-of-memory); the samples' repetition and length (rank 0's: {} on the others); the time it took."""
+    t0 = time.perf_counter()
+    with eval_mode(s.model):
+        local = halving(s, lambda n: s.objective.eval_stats(s, s.eval_items, n), s.micro_batch, "the eval", True)
+        metrics = s.objective.eval_metrics(distributed.sum_stats(local))
+        gen = sample_metrics(s, s.step) if s.world.main else {}
+    line = {"step": s.step, **{k: None if v is None or not math.isfinite(v) else round(v, 6)
+                               for k, v in metrics.items()}, **gen,
+            "eval_runtime": round(time.perf_counter() - t0, 3), "eval_pairs": len(s.eval_items)}
+    return line
+
+
+def baseline(metrics_lines: list[str]) -> dict | None:
+    """The step-0 line (the reference's samples) from the run's metrics lines, if it was measured."""
+    for text in metrics_lines:
+        line = json.loads(text)
+        if line.get("step") == 0 and line.get(guards.GEN_REPETITION) is not None:
+            return line
+    return None
+
+
+def collapse_sign(s, line: dict) -> str | None:
+    """guards.collapse_sign of this eval's samples against step 0's."""
+    if line.get(guards.GEN_REPETITION) is None:
+        return None
+    return guards.collapse_sign(baseline(s.metrics_lines), line)
+
+
+def postfix(line: dict) -> dict[str, str]:
+    """The progress bar's eval numbers."""
+    shown = {"eval_loss": line.get("eval_loss"), "eval_acc": line.get("eval_rewards/accuracies")}
+    return {k: f"{v:.4f}" if k == "eval_loss" else f"{v:.2f}" for k, v in shown.items() if v is not None}
+
+
+def better(value: float, best: float | None, greater: bool) -> bool:
+    """Whether `value` beats the best so far (None: nothing yet); a non-finite value never does."""
+    if not math.isfinite(value):
+        return False
+    return best is None or (value > best if greater else value < best)
+
+
+def note_best(s, line: dict | None) -> None:
+    """Before the checkpoint of an evaluated step is saved: make it the best when its metric_for_best_model (in
+    `line`, this step's eval line) beats the best so far."""
+    if line is None or line.get("step") != s.step:
+        return
+    value = line.get(s.cfg.best_metric_name)
+    if value is not None and better(value, s.best["best_metric"], s.cfg.best_is_greater):
+        s.best = {"best_metric": value, "best_global_step": s.step}
+
+
+def load_best(s) -> None:
+    """load_best_model_at_end: the best checkpoint's adapter weights into the model, so the final adapter is
+    the best one; logged with both values. Nothing to do when the last step is the best."""
+    step, name = s.best["best_global_step"], s.cfg.best_metric_name
+    if step is None:
+        log(f"warning: load_best_model_at_end: no checkpoint has a finite {name}; the final adapter is the last "
+            "step's")
+        return
+    if step == s.step:
+        log(f"the last step is the best ({name} {s.best['best_metric']:.4f}): the final adapter is its own")
+        return
+    folder = checkpoint.folder(s.cfg.output_dir, step)  # by its step: where output_dir is now
+    if not (folder / "adapter_model.safetensors").is_file():
+        raise UserError(f"load_best_model_at_end: the best checkpoint {folder} (step {step}) is gone; the last "
+                        f"step's adapter is in {checkpoint.complete(s.cfg.output_dir)[-1][1]}. Set "
+                        "load_best_model_at_end=false to save it as the final adapter")
+    checkpoint.load_adapter_weights(folder, s.model)
+    log(f"load_best_model_at_end: the final adapter is step {step}'s ({name} {s.best['best_metric']:.4f}, from "
+        f"{folder})")

@@ -1,0 +1,149 @@
+"""What a training run writes into output_dir besides checkpoints: config.yaml, metrics.jsonl (and the progress
+bar's numbers), the final adapter.
+
+Used by the loop (loop.py) with its session (loop.Session; not imported here, loop imports this module).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lowmem_dpo.runtime import devices, files
+from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.training import checkpoint
+
+
+def last_checkpoint_note(s) -> str:
+    """What a stopped run leaves to resume from, for messages."""
+    found = checkpoint.complete(s.cfg.output_dir)
+    return (f"the last checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact" if found
+            else "no checkpoint was written (save_steps)")
+
+
+# A lowmem_dpo run's config.yaml has these keys (with every other key of config.Config): what check_output_dir
+# recognises as a folder this tool wrote; or a folder of nothing but what a run writes besides the adapter
+# (checkpoints copied or left by a run killed early).
+RUN_KEYS = ("model_name_or_path", "ref_cache_dir", "output_dir", "loss_type")
+RUN_FILES = {"checkpoints", "config.yaml", "metrics.jsonl", "samples.jsonl", "trainer_state.json", "runs",
+             "curves.png", "memory_snapshot.pickle"}
+
+
+def check_output_dir(cfg) -> None:
+    """Before anything heavy: refuse an output_dir that holds files and is not a lowmem_dpo run (its config.yaml
+    names RUN_KEYS), since train writes its config, tokenizer and adapter files there, unless
+    overwrite_output_dir is set. An empty or new folder, or an earlier run (resumed or started over), is fine."""
+    import yaml
+
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir={str(out)!r} is a file: name a folder (it is created if missing)")
+    if cfg.overwrite_output_dir or not out.is_dir():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    try:
+        ours = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        ours = None
+    if isinstance(ours, dict) and all(k in ours for k in RUN_KEYS) or set(entries) <= RUN_FILES:
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise UserError(f"output_dir={str(out)!r} holds files that are not a lowmem_dpo run ({shown}): train would "
+                    "write its config, tokenizer and adapter files among them. Name a new or empty folder, or set "
+                    "overwrite_output_dir=true to write there anyway")
+
+
+def start_output(s) -> Path:
+    """output_dir with the resolved config.yaml; the resolved choices in the log."""
+    out_dir = Path(s.cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resolved_note = "".join(f"# resolved {r}\n" for r in s.resolved.reasons)
+    files.atomic_write_bytes(out_dir / "config.yaml", (s.cfg.to_yaml() + resolved_note).encode())
+    for reason in s.resolved.reasons:
+        log(f"resolved {reason}")
+    return out_dir
+
+
+def open_metrics(s, out_dir: Path):
+    """metrics.jsonl as of the checkpoint the run resumes from (empty for a new run), open for appending: a
+    resumed run continues it without repeating a step. Logs where the run starts."""
+    if s.resumed_from is not None:
+        log(f"resuming from {s.resumed_from} (step {s.step} of {s.steps})")
+    elif s.replaces:
+        log(f"starting over (resume={s.cfg.resume}): the {len(s.replaces)} checkpoints in "
+            f"{checkpoint.root(out_dir)} are replaced by this run's first one")
+    files.atomic_write_bytes(out_dir / "metrics.jsonl", "".join(s.metrics_lines).encode())
+    return open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
+
+
+def save_adapter(model, out_dir: Path, tokenizer=None) -> None:
+    """PEFT adapter files (and the tokenizer's, with the chat template the run used, as transformers' Trainer
+    saves them) into out_dir, each replaced atomically (a crash leaves the old file or the new one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out_dir))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for f in sorted(tmp.iterdir()):
+            os.chmod(f, 0o644)
+            os.replace(f, out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_final(s, out_dir: Path) -> None:
+    """The adapter into output_dir, refusing non-finite weights and a disk without room for it."""
+    bad = [n for n, p in s.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    if bad:
+        raise UserError(f"not saving: {len(bad)} LoRA weights are not finite (first: {bad[0]}); "
+                        + last_checkpoint_note(s))
+    need = sum(p.numel() * p.element_size() for p in s.params) + (1 << 20)
+    then = checkpoint.resume_note(s.cfg.output_dir)
+    files.ensure_free_space(out_dir, need, "the adapter", then)
+    try:
+        save_adapter(s.model, out_dir, s.tokenizer)
+    except OSError as e:
+        if files.is_disk_full(e):
+            raise files.disk_full_error(out_dir, "the adapter", need, then) from None
+        raise
+
+
+# -- metrics.jsonl and the progress bar -----------------------------------------------------------------------
+def log_line(s, stats, grad_norm: float, lr: float, dt: float) -> dict:
+    """The metrics.jsonl line for this step: the window's means (null when every step since the last line was
+    skipped as non-finite), the step's gradient norm, learning rate and timing; on CUDA the window's memory
+    (devices.memory_window: peak allocated and reserved since the last line, the card's used bytes); in float16
+    the loss scale and the scaler's skips so far."""
+    means = dict.fromkeys(s.window.means()) if s.window.empty else s.window.means()
+    line = {"step": s.step, **{k: None if v is None else round(v, 6) for k, v in means.items()},
+            "grad_norm": round(grad_norm, 6) if math.isfinite(grad_norm) else None,
+            "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3),
+            **devices.memory_window(s.resolved.device)}
+    if s.scaler is not None:
+        line.update(loss_scale=s.scaler.get_scale(), scaler_skips=s.scaler_skips)
+    return line
+
+
+def write_line(s, metrics_file, line: dict) -> dict:
+    """Append a line to metrics.jsonl (and the session's copy, which checkpoints keep), and to TensorBoard."""
+    s.metrics_lines.append(json.dumps(line) + "\n")
+    metrics_file.write(s.metrics_lines[-1])
+    metrics_file.flush()
+    if s.tensorboard is not None:
+        s.tensorboard.add(line)
+    return line
+
+
+def show(bar, numbers: dict[str, str]) -> None:
+    """Update the progress bar's numbers, keeping the others (the last train line's beside the last eval's)."""
+    bar.postfix_dict = {**bar.postfix_dict, **numbers}
+    bar.set_postfix(bar.postfix_dict)

@@ -1,0 +1,175 @@
+"""The policy a training stage trains (train's DPO, sft's SFT): the frozen base with one LoRA adapter, its
+optimizer and schedule, and the memory plan's choices for them.
+
+    setup_model      base (quantized, streamed as asked) + the SFT adapter continued, or a fresh adapter
+    setup_optimizer  the device rule's AdamW over the LoRA weights, warmup + decay
+    apply_plan       the memory planner's knobs train can apply (memory/search.py): a smaller micro-batch,
+                     gradient_checkpointing=auto, and on CUDA, last, decoder layers streamed from CPU RAM
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from lowmem_dpo.config.schedule import make_schedule
+from lowmem_dpo.config.schema import Config
+from lowmem_dpo.memory import search
+from lowmem_dpo.memory.setup import run_budget, setup_from_config
+from lowmem_dpo.model import activations, adapters, models, streaming
+from lowmem_dpo.runtime import devices, rules
+from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.runtime.units import fmt
+
+
+def new_adapter(cfg: Config, base):
+    """A fresh LoRA adapter from the recipe's lora_* keys on `base` (B = 0: the policy starts equal to base)."""
+    from peft import LoraConfig, get_peft_model
+
+    adapters.check_no_adapter(base, "a fresh LoRA adapter")
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.peft_target_modules, task_type="CAUSAL_LM")
+    torch.manual_seed(cfg.seed)  # LoRA A init
+    try:
+        return get_peft_model(base, lora)
+    except ValueError as e:
+        raise UserError(f"lora_target_modules={cfg.lora_target_modules}: {e}") from None
+
+
+def enable_checkpointing(base) -> None:
+    """Gradient checkpointing that lets every LoRA weight get its gradient, over a frozen (even 8-bit) base."""
+    # Saves memory: activations are recomputed in backward instead of kept for every layer.
+    # Non-reentrant checkpointing: reentrant checkpointing gives a layer's output a grad_fn only when one of
+    # its *inputs* requires grad, and with a frozen (e.g. 8-bit) base and frozen embeddings none does, so
+    # backward fails with "element 0 of tensors does not require grad" or the LoRA weights inside get no
+    # gradient. The non-reentrant version tracks the parameters used inside the layer.
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5; the old name warns there
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # Belt and braces for models whose checkpointing ignores use_reentrant (remote code in the old format):
+    # the embedding output requires grad, so every layer's input does. Costs one (B, T, H) gradient.
+    base.enable_input_require_grads()
+
+
+def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, stream: streaming.Plan | None = None,
+                source: models.ModelSource | None = None):
+    """Base model (frozen, dropout off, quantized if asked) + one LoRA adapter whose every parameter gets a
+    gradient, with or without a quantized base, gradient checkpointing and the decoder layers `stream` names
+    streamed from CPU RAM (apply_plan): the SFT adapter of `source` continued, or a fresh one (on the base with
+    the SFT adapter merged in, for adapter_mode=new_on_merged)."""
+    layers = stream.layers if stream else 0
+    base = models.load_model(model_path, models.load_device(resolved.device, resolved.quantization, layers),
+                             resolved.dtype, resolved.quantization)
+    model = adapters.sft_policy(base, cfg, source) if source is not None else None
+    if model is None:
+        model = new_adapter(cfg, base)
+    streaming.stream_layers(model, stream, resolved.device)  # the adapter's weights go to the device with the rest
+    if resolved.gradient_checkpointing:
+        enable_checkpointing(base)
+    long_sequences(model, resolved, model_path)
+    if resolved.dtype != torch.float32:
+        # Saves a float32 copy of every adapted layer's input per forward (4-7% of a llama-25m CPU step): peft
+        # casts the input to the LoRA weights' float32, but the stages run under the 16-bit autocast, which casts
+        # it straight back for LoRA's matmuls. Without lora_dropout the numbers are the same bit for bit; with it,
+        # the dropout's 1/(1-p) scaling rounds in the 16-bit dtype.
+        for module in model.modules():
+            if hasattr(module, "cast_input_dtype_enabled"):
+                module.cast_input_dtype_enabled = False
+    model.train()
+    return model
+
+
+def long_sequences(model, resolved: devices.Resolved, model_path: Path) -> None:
+    """What a long sequence needs (activations.py): the MLP in tiles where the planner knows the layers' MLP block
+    (with gradients only under checkpointing), and the saved tensors offloaded when resolved says so."""
+    arch = search.quiet_arch(model_path)
+    if arch is not None and arch.mlp_block:
+        activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix, resolved.gradient_checkpointing)
+    if resolved.activation_offloading:
+        activations.offload_activations(model, resolved.device)
+
+
+def setup_optimizer(cfg: Config, model, total_steps: int, resolved: devices.Resolved):
+    """The device rule's optimizer (paged 8-bit AdamW on CUDA, torch AdamW elsewhere) over the LoRA weights, with
+    transformers' schedule of lr_scheduler_type (schedule.make_schedule): each step's rate is HF Trainer's."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = devices.make_optimizer(resolved.optimizer, params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return opt, make_schedule(cfg, opt, total_steps), params
+
+
+def items_per_step(cfg: Config, world_size: int = 1) -> int:
+    """Pairs (or SFT rows) per optimizer step, over all ranks: per_device_train_batch_size per rank and micro-batch,
+    as transformers counts it."""
+    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
+
+
+def total_steps(cfg: Config, num_items: int, world_size: int = 1) -> int:
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    return max(1, math.ceil(cfg.num_train_epochs * num_items / items_per_step(cfg, world_size)))
+
+
+def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> streaming.Plan | None:
+    """A training stage's memory choices from the same planner as `python -m lowmem_dpo.plan`, in the order of
+    their cost (memory/search.py): the micro-batch halved with accumulation doubled (the same pairs per step, the
+    same numbers), gradient checkpointing on (when auto), on CUDA activation offloading (when auto), the prompt
+    unshared (share_prompt auto), and on CUDA, last, the trailing decoder layers streamed from CPU RAM. A knob it
+    cannot apply (quantization changes the numbers and the cache) is advised, with numbers. Sets resolved's
+    micro_batch, gradient_checkpointing, activation_offloading and share_prompt; returns what to stream, or None."""
+    budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
+    arch = search.arch_of_run(model_path, cfg, "using the device rule's choices")
+    if arch is None:
+        return None
+    setup = setup_from_config(cfg, budget)
+    cuda = resolved.device.type == "cuda"
+    knobs = ("micro_batch",) + (("checkpointing",) if cfg.gradient_checkpointing == "auto" else ()) + (
+        ("offloading",) if cuda and cfg.activation_offloading == "auto" else ()) + (
+        ("unshare",) if cfg.share_prompt == "auto" else ()) + (("stream",) if cuda else ())
+    applied = search.choose(arch, setup, budget, knobs, stages=("train",))
+    s, stream = applied.setup, applied.streams.get("train")
+    if s.micro_batch != setup.micro_batch:
+        resolved.micro_batch = s.micro_batch
+        resolved.reasons.append(f"per_device_train_batch_size={s.micro_batch} gradient_accumulation_steps="
+                                f"{s.grad_accum} (the planner: {setup.micro_batch} pairs per micro-batch do not fit "
+                                f"{fmt(budget)}; the same {s.micro_batch * s.grad_accum} pairs per step, the same "
+                                "numbers)")
+    if s.gradient_checkpointing and not resolved.gradient_checkpointing:
+        resolved.gradient_checkpointing = True
+        resolved.reasons.append("gradient_checkpointing=true (" + (
+            f"auto; the planner: needed to fit {fmt(budget)}" if "gradient_checkpointing" in applied.overrides
+            else "streamed layers: without it every layer's activations stay until backward") + ")")
+    if resolved.share_prompt and not s.share_prompt:
+        resolved.share_prompt = False
+        resolved.reasons.append(f"share_prompt=false (auto; the planner: a shared row's (T, T) mask does not fit "
+                                f"{fmt(budget)}, each prompt twice does)")
+    if s.activation_offloading and not resolved.activation_offloading:
+        resolved.activation_offloading = True
+        resolved.reasons.append(f"activation_offloading=true (auto; the planner: needed to fit {fmt(budget)}, "
+                                f"{fmt(applied.prediction.train.details['offload.host_bytes'])} of pinned CPU RAM)")
+    advice = search.choose(arch, setup, budget, stages=("train",))  # every knob, those train cannot turn too
+    better = {k: v for k, v in advice.overrides.items() if applied.overrides.get(k) != v}
+    peak = (stream.device_peak if stream else applied.prediction.train.peak_bytes)
+    if not applied.fits or (stream and better):
+        log(f"warning: the planner predicts this run does not fit {fmt(budget)} as configured"
+            + (f" (train peak {fmt(peak)} even with every knob it can turn)" if not applied.fits else
+               f" without streaming {stream.layers} decoder layers from CPU RAM")
+            + ("; it would with: " + " ".join(f"{k}={v}" for k, v in better.items()) if better and advice.fits
+               else "; lower max_length or per_device_train_batch_size")
+            + " (python -m lowmem_dpo.plan shows the terms)")
+    else:
+        resolved.reasons.append(f"planner: train peak {fmt(peak)} of a {fmt(budget)} budget")
+    # Streaming that does not make the run fit would only make it slower: the out-of-memory back-off has the last word
+    return streaming.Plan(stream.layers, arch.layers_prefix) if stream and applied.fits else None
+
+
+def check_bitsandbytes(resolved: devices.Resolved) -> None:
+    """Fail before tokenizing and loading, not after, when the run needs bitsandbytes and it cannot load."""
+    needs_bnb = ([f"quantization={resolved.quantization}"] if resolved.quantization != "none" else []) + (
+        [f"optimizer={resolved.optimizer} (the {resolved.kind} rule)"]
+        if resolved.optimizer == rules.PAGED_ADAMW_8BIT else [])
+    if needs_bnb:
+        devices.import_bitsandbytes(" and ".join(needs_bnb))

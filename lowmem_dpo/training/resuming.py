@@ -1,0 +1,108 @@
+"""Which checkpoint a training stage continues, and whether it may: settings that change the numbers are refused
+(config.py declares which may change), and a raised max_steps or num_train_epochs continues the run on the new
+schedule. The stages call find_resume, then check_before_load once their data is tokenized, before the model
+loads; loop.resume_or_start calls follow_run_length once the checkpoint is restored.
+
+    resume = find_resume(cfg)                            # (checkpoint folder, its TrainerState) or (None, None)
+    check_before_load(cfg, resume, trains_on, len(items))  # other inputs, or a total below its step: refused
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from lowmem_dpo.config.schema import RUN_LENGTH, Config
+from lowmem_dpo.runtime import distributed
+from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.training import checkpoint, policy
+
+
+def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | None]:
+    """The checkpoint this run continues from (resume=auto: the newest in output_dir; resume=PATH) and its
+    state, refused when it was written with settings that change the numbers; (None, None) to start over."""
+    resume_from = checkpoint.find(cfg.output_dir, cfg.resume)
+    if resume_from is None:
+        return None, None
+    saved = checkpoint.read_state(resume_from)
+    check_older_semantics(cfg, resume_from, saved)
+    changed = checkpoint.config_changes(saved.config, dataclasses.asdict(cfg))
+    if changed:
+        raise UserError(f"{resume_from} was written by a run with other settings ("
+                        + ", ".join(f"{k}: {checkpoint.declared(k, saved.config.get(k))!r} -> {getattr(cfg, k, None)!r}"
+                                    for k in changed)
+                        + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
+                        " are replaced as the new run saves)")
+    processes = distributed.world().size
+    if saved.world_size != processes:
+        raise UserError(f"{resume_from} was written by a run on {saved.world_size} process(es), this one has "
+                        f"{processes}: a step's pairs are per_device_train_batch_size x gradient_accumulation_steps "
+                        f"x processes, so the run would change; resume with {saved.world_size} (torchrun "
+                        "--nproc-per-node), or pass resume=never to start over")
+    return resume_from, saved
+
+
+def check_older_semantics(cfg: Config, resume_from: Path, saved: checkpoint.TrainerState) -> None:
+    """A checkpoint written before the schedules were transformers' and before sigmoid ignored label_smoothing (its
+    config has no warmup_ratio): a run whose numbers those changed is refused, or told what changes."""
+    if "warmup_ratio" in saved.config:
+        return
+    old_types = saved.config.get("loss_type")
+    old_types = [old_types] if isinstance(old_types, str) else list(old_types or [])
+    if saved.config.get("label_smoothing") and "sigmoid" in old_types:  # that run's sigmoid is today's cdpo
+        saved.config["loss_type"] = ["cdpo" if t == "sigmoid" else t for t in old_types]
+    if cfg.label_smoothing > 0 and "sigmoid" in cfg.loss_type:
+        raise UserError(f"{resume_from} was written when loss_type=sigmoid with label_smoothing="
+                        f"{cfg.label_smoothing} was conservative DPO; sigmoid now ignores label_smoothing, as TRL "
+                        "1.16's does. To continue it as it was, set loss_type=cdpo (the same loss under its own "
+                        "name); or pass resume=never to start over")
+    if cfg.warmup_steps or cfg.lr_scheduler_type == "constant":
+        log(f"note: {resume_from} was written before the learning-rate schedule was transformers': from here on "
+            "its warmup (and a constant schedule, which has none in transformers) follow transformers'")
+
+
+def _length_changes(cfg: Config, saved: checkpoint.TrainerState) -> str:
+    return ", ".join(f"{k} {saved.config.get(k)} -> {getattr(cfg, k)}" for k in sorted(RUN_LENGTH)
+                     if saved.config.get(k) != getattr(cfg, k))
+
+
+def _old_total(cfg: Config, saved: checkpoint.TrainerState, n_items: int) -> int:
+    """The total steps of the run that wrote `saved`, over the same items."""
+    old = dataclasses.replace(cfg, **{k: saved.config[k] for k in RUN_LENGTH if k in saved.config})
+    return policy.total_steps(old, n_items, distributed.world().size)
+
+
+def check_before_load(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerState | None], trains_on: dict,
+                      n_items: int) -> None:
+    """Before the model loads, so that a refusal takes seconds: the checkpoint `resume` must have been trained on
+    the same inputs (`trains_on`: inputs.run_inputs; checkpoint.check_inputs), and this run's total steps over
+    its `n_items` must not end before the checkpoint's step (check_run_length)."""
+    checkpoint.check_inputs(resume, trains_on)
+    check_run_length(cfg, resume, n_items)
+
+
+def check_run_length(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerState | None], n_items: int) -> None:
+    """A raised max_steps or num_train_epochs continues a run, a total below the checkpoint's step is refused."""
+    resume_from, saved = resume
+    steps = policy.total_steps(cfg, n_items, distributed.world().size)
+    if saved is not None and steps < saved.step:
+        raise UserError(f"{_length_changes(cfg, saved)}: the run would end at step {steps}, before "
+                        f"{resume_from}'s step {saved.step}; raise it to continue, or pass resume=never to start "
+                        "over")
+
+
+def follow_run_length(s, resume_from: Path, saved: checkpoint.TrainerState) -> None:
+    """Session `s` (loop.Session, restored from checkpoint `resume_from`) was written with another max_steps or
+    num_train_epochs (check_run_length: not past the new total): the run continues from its step to the new
+    total, at the learning rate the new schedule gives there."""
+    old_total = _old_total(s.cfg, saved, len(s.pairs))
+    if old_total == s.steps:
+        return
+    what = _length_changes(s.cfg, saved)
+    # The restored learning rates are the old schedule's at this step; the scheduler's lambda is over s.steps.
+    lrs = [base * f(s.sched.last_epoch) for base, f in zip(s.sched.base_lrs, s.sched.lr_lambdas)]
+    for group, lr in zip(s.opt.param_groups, lrs):
+        group["lr"] = lr
+    s.sched._last_lr = lrs  # what get_last_lr() reads: the learning rate the next step logs
+    log(f"{what}: continuing from step {saved.step} of {s.steps} (was {old_total}), the schedule follows the "
+        "new total")

@@ -1,0 +1,133 @@
+"""Sample generations: what the policy writes for a few eval prompts, at step 0 (the reference) and at every eval.
+
+    greedy     greedy completions of a causal LM or PeftModel (left-padded batch, KV cache, no gradients)
+    generate   the same from tokenized eval items, decoded: Sample(prompt, completion, chosen, ids)
+    append     one JSON line per sample to output_dir/samples.jsonl: {step, prompt, completion, chosen}
+    keep_until a resumed run drops the lines written after its checkpoint
+    log_line   the one line the log shows
+
+The completions' token ids feed guards.repetition, the degeneration measure behind the collapse sign.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowmem_dpo import data
+from lowmem_dpo.model.logps import eval_mode
+from lowmem_dpo.runtime import devices, files
+
+
+@dataclass
+class Sample:
+    prompt: str  # as shown: a conversation's last user message (data.shown_prompt), a text prompt as it is
+    completion: str  # the policy's greedy completion
+    chosen: str  # the data's chosen completion (SFT: its completion)
+    ids: list[int]  # the completion's token ids, without EOS (for guards.repetition)
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, T)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None, pad_id: int, device,
+           dtype) -> list[list[int]]:
+    """Greedy completions of `prompts` (token ids), each cut before its first EOS, generated ids only.
+
+    One left-padded batch through transformers' generate with the KV cache. The model runs in eval mode (no
+    dropout; gradient checkpointing, which only acts in training mode, then leaves the cache on) and goes back to
+    its previous mode afterwards."""
+    from transformers import GenerationConfig
+
+    if not prompts:
+        return []
+    # generate() fills every setting left unset from the model's own generation config (a checkpoint's sampling
+    # settings, a repetition_penalty that would hide the very repetition guards.repetition measures): for the
+    # call, the model's is a bare one, so greedy is plain argmax whatever the checkpoint ships.
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PeftModel -> transformers
+    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, use_cache=True,
+                              eos_token_id=eos_id, pad_token_id=pad_id)
+    ids, mask = _left_padded(prompts, pad_id, device)
+    saved_config = hf_model.generation_config
+    hf_model.generation_config = GenerationConfig()
+    try:
+        with torch.no_grad(), devices.autocast(device, dtype), eval_mode(model):
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)  # (B, T + new)
+    finally:
+        hf_model.generation_config = saved_config
+    completions = []
+    for row in out[:, ids.shape[1]:].tolist():
+        cut = row.index(eos_id) if eos_id in row else len(row)  # finished rows: EOS, then pad_id
+        completions.append(row[:cut])
+    return completions
+
+
+def generate(model, items: list, tokenizer, max_new_tokens: int, device, dtype,
+             shown: list[str | None] | None = None) -> list[Sample]:
+    """Greedy samples for `items` (data.TokenizedPair, or data.TokenizedCompletion whose completion stands as
+    chosen), decoded without special tokens. `shown`: each item's prompt as the log shows it (a conversation's last
+    user message: data.shown_prompt); None (or a None entry): the prompt's tokens decoded."""
+    prompts = [item.prompt_ids for item in items]
+    outs = greedy(model, prompts, max_new_tokens, tokenizer.eos_token_id, data.pad_token_id(tokenizer), device,
+                  dtype)
+    samples = []
+    for item, ids, text in zip(items, outs, shown or [None] * len(items)):
+        chosen = item.chosen_ids if isinstance(item, data.TokenizedPair) else item.completion_ids
+        samples.append(Sample(prompt=text if text is not None else tokenizer.decode(item.prompt_ids,
+                                                                                     skip_special_tokens=True),
+                              completion=tokenizer.decode(ids, skip_special_tokens=True),
+                              chosen=tokenizer.decode(chosen, skip_special_tokens=True), ids=ids))
+    return samples
+
+
+def append(path: Path, step: int, samples: list[Sample]) -> None:
+    """Append one JSON line per sample, {step, prompt, completion, chosen}, to `path` (created if absent)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        for s in samples:
+            line = {"step": step, "prompt": s.prompt, "completion": s.completion, "chosen": s.chosen}
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+        f.flush()
+
+
+def keep_until(path: Path, step: int) -> None:
+    """Keep only the lines of `path` with step <= `step`, atomically: on resume the samples a killed run wrote
+    after its checkpoint go, so none repeats; step=-1 empties the file for a run that starts over. No file: no-op.
+    A last line cut off by the kill (not JSON) goes too."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    files.atomic_write_bytes(path, "".join(kept).encode("utf-8"))
+
+
+def _short(text: str, width: int) -> str:
+    text = " ".join(text.split())  # one line: newlines and runs of spaces become one space
+    return text if len(text) <= width else text[:max(width - 3, 0)] + "..."
+
+
+def log_line(step: int, sample: Sample, width: int = 160) -> str:
+    """`sample at step 30: 'Write a positive review ...' -> 'The lamp is ...'`, both parts shortened to fit
+    about `width` characters."""
+    head = f"sample at step {step}: "
+    room = max(width - len(head) - 10, 20)  # 10: the quotes and the arrow
+    prompt_room = room // 3  # the completion is what the reader looks for
+    return f"{head}{_short(sample.prompt, prompt_room)!r} -> {_short(sample.completion, room - prompt_room)!r}"

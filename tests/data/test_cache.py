@@ -1,0 +1,363 @@
+"""The reference cache keyed by row content: served values equal an independent forward and a fresh build after
+every kind of data change, only new rows are computed, a rerun loads no model, the store survives kill -9 and a
+second writer, the format before is converted once, --prune, and the digest memo and atomic writes under it."""
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, TINY_DATA, cached, stored_rows, stored_sides, write_jsonl
+from safetensors.torch import load_file, save_file
+
+from lowmem_dpo import data, precompute, train
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.data import cache
+from lowmem_dpo.model import models
+from lowmem_dpo.model.logps import completion_logps
+from lowmem_dpo.model.models import load_model
+from lowmem_dpo.runtime import devices, files
+from lowmem_dpo.training import inputs
+
+RECIPE = str(REPO / "recipes" / "tiny-cpu.yaml")
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}</s>{% endfor %}" \
+           "{% if add_generation_prompt %}[assistant] {% endif %}"
+
+
+def rows(n: int, start: int = 0) -> list[dict]:
+    return [json.loads(x) for x in TINY_DATA.read_text().splitlines()[start:start + n]]
+
+
+def served(cfg) -> torch.Tensor:
+    """(4, rows) what train serves for cfg's rows (the dataset's, then eval_dataset's): chosen and rejected
+    log-probs and token counts, NaN / 0 where a row has none."""
+    parts = [r for r in cached(cfg) if r is not None]
+    return torch.cat([torch.stack([r.chosen, r.rejected, r.chosen_tokens.float(), r.rejected_tokens.float()])
+                      for r in parts], dim=1)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to float32's rounding: 1e-6, relative for values above 1 (a row's sum of log-probs, -5 to -70 here,
+    moves by a few ulps when its batch is padded to another length: the rows batched with it differ between an
+    incremental build and a fresh one)."""
+    return a.shape == b.shape and torch.allclose(a, b, atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
+def counted(err: str) -> tuple[int, int]:
+    """(computed, reused) from precompute's line."""
+    m = re.findall(r"computed (\d+) rows, reused (\d+)", err)
+    return int(m[-1][0]), int(m[-1][1])
+
+
+def token_ids(cfg) -> set:
+    """The distinct (prompt, chosen, rejected) token ids of cfg's rows, tokenized as train tokenizes them."""
+    ins = inputs.prepare(cfg, devices.resolve(cfg))
+    d = inputs.load_data(cfg, ins.tokenizer, progress=False)
+    pairs = d.tok.pairs + (d.eval_tok.pairs if d.eval_tok is not None else [])
+    return {(tuple(p.prompt_ids), tuple(p.chosen_ids), tuple(p.rejected_ids)) for p in pairs}
+
+
+def test_cache_equals_independent_forward_in_row_order(make_cfg, tiny_path, tokenizer, tmp_path, capsys):
+    some = rows(12)
+    some[5]["prompt"] = "Write a positive review of the lamp. " * 20  # dropped: prompt reaches max_length
+    cfg = make_cfg(dataset=str(write_jsonl(tmp_path / "d.jsonl", some)), cache_shard_rows=5,
+                   precompute_batch_size=3)
+    precompute.run(cfg, progress=False)
+    assert counted(capsys.readouterr().err) == (11, 0)
+    ref = cached(cfg)[0]
+    assert ref.chosen.dtype == torch.float32 and ref.chosen.shape == (12,)
+    assert math.isnan(ref.chosen[5]) and math.isnan(ref.rejected[5]) and ref.counts["dropped_rows"] == [5]
+    model = load_model(tiny_path, torch.device("cpu"), torch.float32)
+    for i, row in enumerate(some):
+        if i == 5:
+            continue
+        p = data.tokenize_rows(data.load_rows(str(write_jsonl(tmp_path / "one.jsonl", [row]))), tokenizer, 64,
+                               None, progress=False).pairs[0]
+        b = data.collate([p], 0)
+        with torch.no_grad():
+            c, r = completion_logps(model, b.input_ids, b.attention_mask, b.completion_mask).split()
+        assert ref.chosen[i].item() == pytest.approx(c.logps.item(), abs=1e-4)
+        assert ref.rejected[i].item() == pytest.approx(r.logps.item(), abs=1e-4)
+        assert int(ref.chosen_tokens[i]) == int(c.n_tokens) and int(ref.rejected_tokens[i]) == int(r.n_tokens)
+
+
+def test_rerun_and_training_knobs_load_no_model(make_cfg, monkeypatch, capsys):
+    cfg = make_cfg()
+    precompute.run(cfg, progress=False)
+    assert counted(capsys.readouterr().err) == (384, 0)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("precompute loaded a model for a cache that holds every row")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    knobs = make_cfg(learning_rate=0.5, seed=9, beta=0.3, lora_r=2, max_steps=99, per_device_train_batch_size=1,
+                     precompute_batch_size=5, loss_type="hinge", eval_fraction=0.3)
+    precompute.run(knobs, progress=False)
+    err = capsys.readouterr().err
+    assert counted(err) == (0, 384) and "preflight report" in err
+    assert stored_rows(cfg.ref_cache_dir) == 384
+
+
+def _changed_weights(tiny_path, tmp_path) -> str:
+    """A copy of the tiny model with one weight moved: another model side, the same token ids."""
+    folder = tmp_path / "moved-model"
+    shutil.copytree(tiny_path, folder)
+    weights = load_file(folder / "model.safetensors")
+    name = next(k for k in weights if k.endswith("layers.0.mlp.down_proj.weight"))
+    weights[name] = weights[name] + 0.01
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+def _conversations(some: list[dict]) -> list[dict]:
+    return [{"chosen": [{"role": "user", "content": r["prompt"].strip()}, {"role": "assistant", "content": r["chosen"]}],
+             "rejected": [{"role": "user", "content": r["prompt"].strip()},
+                          {"role": "assistant", "content": r["rejected"]}]} for r in some]
+
+
+def _change(name: str, tmp_path, tiny_path) -> tuple[dict, dict]:
+    """(the base build's keys, the changed run's keys) of one change."""
+    def file(tag, some):
+        return str(write_jsonl(tmp_path / f"{tag}.jsonl", some))
+
+    base = {"dataset": file("base", rows(40))}
+    edited = rows(40)
+    edited[3]["chosen"] += " Truly."
+    big = file("big", rows(200))
+    return {
+        "10% more rows": (base, {"dataset": file("more", rows(44))}),
+        "reordered": (base, {"dataset": file("reordered", rows(40)[::-1])}),
+        "subset": (base, {"dataset": file("subset", rows(40)[::2])}),
+        "one row's text": (base, {"dataset": file("edited", edited)}),
+        "max_train_samples": (base, {**base, "max_train_samples": 20}),
+        "eval split": ({**base, "eval_fraction": 0.1}, {**base, "eval_fraction": 0.25}),
+        "rows moved to eval_dataset": (base, {"dataset": file("train", rows(30)), "eval_dataset":
+                                              file("eval", rows(10, 30))}),
+        "mixture 10% -> 20%": ({"dataset": [{"path": big, "fraction": 0.1}]},
+                               {"dataset": [{"path": big, "fraction": 0.2}]}),
+        "chat template": ({"dataset": file("conv", _conversations(rows(40)))},
+                          {"dataset": file("conv", _conversations(rows(40))), "chat_template": TEMPLATE}),
+        "truncation (max_length)": (base, {**base, "max_length": 40}),
+        "weights": (base, {**base, "model_name_or_path": _changed_weights(tiny_path, tmp_path)}),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["10% more rows", "reordered", "subset", "one row's text", "max_train_samples",
+                                  "eval split", "rows moved to eval_dataset", "mixture 10% -> 20%", "chat template",
+                                  "truncation (max_length)", "weights"])
+def test_a_change_computes_only_new_rows_and_serves_a_fresh_builds_values(name, make_cfg, tiny_path, tmp_path,
+                                                                          capsys):
+    """After each change, precompute on the old cache computes exactly the rows whose token ids it never saw
+    (every row for new weights), the values served equal a fresh build's within 1e-6 (float32), and the first
+    train step sits at ln 2."""
+    before, after = _change(name, tmp_path, tiny_path)
+    old = make_cfg(**before, ref_cache_dir=str(tmp_path / "cache"))
+    precompute.run(old, progress=False)
+    new = make_cfg(**after, ref_cache_dir=str(tmp_path / "cache"), max_steps=1)
+    capsys.readouterr()
+    precompute.run(new, progress=False)
+    computed, reused = counted(capsys.readouterr().err)
+    ids = token_ids(new)
+    expected = len(ids) if name == "weights" else len(ids - token_ids(old))
+    assert (computed, reused) == (expected, len(ids) - expected)
+    fresh = make_cfg(**after, ref_cache_dir=str(tmp_path / "fresh"))
+    precompute.run(fresh, progress=False)
+    assert same(served(new), served(fresh))
+    train.run(new, progress=False)
+    m = next(m for x in open(f"{new.output_dir}/metrics.jsonl") if "loss" in (m := json.loads(x)))
+    assert m["step"] == 1 and m["loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_train_names_the_rows_without_a_value_and_the_command(make_cfg, tmp_path, capsys):
+    """Rows no precompute saw are refused by train before any model loads: how many, which (file and line), and
+    the command that computes only them; a changed model side says what differs from the one the cache holds."""
+    first = write_jsonl(tmp_path / "first.jsonl", rows(30))
+    grown = write_jsonl(tmp_path / "grown.jsonl", rows(34))
+    precompute.run(make_cfg(dataset=str(first)), progress=False)
+    args = [RECIPE, f"dataset={grown}", f"ref_cache_dir={tmp_path / 'cache'}", "dtype=float32",
+            f"output_dir={tmp_path / 'out'}", "max_steps=1"]
+    capsys.readouterr()
+    assert run_cli(train.main, args, "train", train.__doc__) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    err = err.splitlines()[-1]
+    assert f"has no reference values for 4 of the 34 rows this run uses ({grown} row 30 at line 31; {grown} row " \
+           "31 at line 32" in err and "; and 1 more): new, or changed since precompute ran" in err
+    assert err.endswith("Compute them (only them) with: python -m lowmem_dpo.precompute " + " ".join(args))
+    assert not (tmp_path / "out").exists()
+    capsys.readouterr()
+    assert run_cli(train.main, [*args[:1], f"dataset={first}", *args[2:3], "dtype=bfloat16", *args[4:]], "train",
+                   train.__doc__) == 2
+    err = capsys.readouterr().err
+    assert "the cache holds values for another model side (dtype float32 -> bfloat16 changed); or train against " \
+           "the values it holds: ref_quantization=none ref_dtype=float32" in err
+
+
+def _build(recipe_keys: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lowmem_dpo.precompute", RECIPE, *recipe_keys], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _stored_of(cache_dir, keys: list[bytes]) -> int:
+    """How many of `keys` the store holds, read without writing (0 before it exists)."""
+    path = cache_dir / "index.sqlite"
+    if not path.is_file():
+        return 0
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)
+    try:
+        return db.execute(f"SELECT COUNT(*) FROM rows WHERE key IN ({','.join('?' * len(keys))})", keys).fetchone()[0]
+    except sqlite3.OperationalError:  # the tables are not created yet
+        return 0
+    finally:
+        db.close()
+
+
+def test_two_writers_and_a_kill_9_leave_the_store_consistent(tmp_path, capsys):
+    """Two precompute processes (two recipes: overlapping rows) write one cache folder at once, one row per
+    commit; one is killed with SIGKILL mid-build (a real kill, not simulated). The other finishes; the store
+    passes SQLite's integrity check and holds no partial row; the killed recipe's rerun computes only the rows
+    nobody committed, and each recipe's served values equal a fresh build's."""
+    keys = {n: [f"dataset={write_jsonl(tmp_path / f'{n}.jsonl', rows(120, start))}", "dtype=float32",
+                f"ref_cache_dir={tmp_path / 'cache'}", "cache_shard_rows=1", "precompute_batch_size=1"]
+            for n, start in (("a", 0), ("b", 60))}
+    only_a = load_config(RECIPE, [f"dataset={write_jsonl(tmp_path / 'only-a.jsonl', rows(60))}", *keys["a"][1:]])
+    ins = inputs.prepare(only_a, devices.resolve(only_a))
+    only_a_keys = inputs.load_data(only_a, ins.tokenizer, progress=False).keys()  # rows b does not have
+    logs = {n: open(tmp_path / f"{n}.log", "w") for n in keys}
+    a, b = _build(keys["a"], logs["a"]), _build(keys["b"], logs["b"])
+    deadline = time.monotonic() + 300
+    while _stored_of(tmp_path / "cache", only_a_keys) < 3 and a.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    a.send_signal(signal.SIGKILL)  # a is committing its own rows now
+    assert a.wait() == -signal.SIGKILL and b.wait(timeout=300) == 0, (tmp_path / "b.log").read_text()[-2000:]
+    db = sqlite3.connect(tmp_path / "cache" / "index.sqlite")
+    assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    kept = db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+    db.close()
+    assert 120 <= kept < 180  # b's 120, and what a committed before the kill
+    cfg = load_config(RECIPE, keys["a"])
+    precompute.run(cfg, progress=False)
+    assert counted(capsys.readouterr().err) == (180 - kept, 120 - (180 - kept))
+    assert stored_rows(tmp_path / "cache") == 180
+    for n in ("a", "b"):
+        fresh = load_config(RECIPE, [*keys[n][:2], f"ref_cache_dir={tmp_path / ('fresh-' + n)}"])
+        precompute.run(fresh, progress=False)
+        assert same(served(load_config(RECIPE, keys[n])), served(fresh))
+
+
+def _format_1(cfg, values: torch.Tensor, fingerprint: dict) -> None:
+    """A cache as the format before wrote it (manifest.json, one shard of rows in order), holding `values`
+    ((4, rows): chosen, rejected, token counts)."""
+    n = values.shape[1]
+    shard_dir = cache.Path(cfg.ref_cache_dir) / "shards-00000000"
+    shard_dir.mkdir(parents=True)
+    save_file({"rows": torch.arange(n), "chosen": values[0].contiguous(), "rejected": values[1].contiguous(),
+               "chosen_tokens": values[2].int(), "rejected_tokens": values[3].int()},
+              shard_dir / "shard-00000.safetensors")
+    files.atomic_write_json(cache.Path(cfg.ref_cache_dir) / cache.LEGACY_MANIFEST, {
+        "format": 1, "fingerprint": cache.fingerprint_digest(fingerprint), "components": fingerprint,
+        "share_prompt": False, "shard_dir": shard_dir.name, "shards": ["shard-00000.safetensors"],
+        "num_rows": n, "num_pairs": n, "dropped_rows": [], "skipped": {}, "truncated": {}})
+
+
+def test_a_cache_of_the_format_before_is_converted_once(make_cfg, tmp_path, capsys):
+    """A format-1 cache built for this recipe's inputs is converted with a message (by precompute, or by train
+    run on it directly), its values kept as they were computed (here marked: each moved by 1e-3) but for a row
+    whose token counts are not this tokenization's, and its files moved aside; one built for other inputs is left
+    alone, named, and every row computed."""
+    some = write_jsonl(tmp_path / "d.jsonl", rows(40))
+    fresh = make_cfg(dataset=str(some), ref_cache_dir=str(tmp_path / "fresh"))
+    precompute.run(fresh, progress=False)
+    want = served(fresh)
+    marked = want.clone()
+    marked[:2] += 1e-3
+    marked[2, 7] += 1  # row 7's chosen token count is not this tokenization's (a tokenizers upgrade since)
+    old = make_cfg(dataset=str(some))
+    fingerprint = inputs.prepare(old, devices.resolve(old)).fingerprint
+    _format_1(old, marked, fingerprint)
+    capsys.readouterr()
+    precompute.run(old, progress=False)
+    err = capsys.readouterr().err
+    assert f"converted the reference cache in {old.ref_cache_dir} to the per-row format: 39 rows, kept as they " \
+           "were computed; 1 rows whose token counts differ from this tokenization" in err
+    assert counted(err) == (1, 39)
+    assert same(served(old)[:, 7], want[:, 7]) and same(torch.cat([served(old)[:, :7], served(old)[:, 8:]], 1),
+                                                         torch.cat([marked[:, :7], marked[:, 8:]], 1))
+    assert sorted(p.name for p in (cache.Path(old.ref_cache_dir) / "legacy-v1").iterdir()) == [
+        "manifest.json", "shards-00000000"]
+    precompute.run(old, progress=False)
+    assert "converted" not in capsys.readouterr().err  # once
+
+    direct = make_cfg(dataset=str(some), ref_cache_dir=str(tmp_path / "direct"), max_steps=1)
+    _format_1(direct, want, fingerprint)
+    train.run(direct, progress=False)  # train on a format-1 cache, no precompute first: converted, not refused
+    assert "converted the reference cache" in capsys.readouterr().err
+    first = json.loads(open(f"{direct.output_dir}/metrics.jsonl").readline())
+    assert first["step"] == 1 and first["loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+    other = make_cfg(dataset=str(some), ref_cache_dir=str(tmp_path / "other"))
+    _format_1(other, marked, {**fingerprint, "max_length": 32})
+    precompute.run(other, progress=False)
+    err = capsys.readouterr().err
+    assert "built for other inputs (max_length 32 -> 64 changed): its values cannot be matched" in err
+    assert counted(err) == (40, 0) and same(served(other), want)
+    assert (cache.Path(other.ref_cache_dir) / "manifest.json").is_file()  # left where it was
+
+
+def test_prune_keeps_this_recipes_rows_and_says_what_each_side_holds(make_cfg, tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl", rows(30))
+    b = write_jsonl(tmp_path / "b.jsonl", rows(30, 20))
+    precompute.run(make_cfg(dataset=str(a)), progress=False)
+    precompute.run(make_cfg(dataset=str(a), ref_dtype="bfloat16"), progress=False)
+    capsys.readouterr()
+    precompute.run(make_cfg(dataset=str(b)), progress=False)
+    err = capsys.readouterr().err
+    assert counted(err) == (20, 10)
+    assert re.search(r"model side \w{12} \(this run's\): 50 rows, [\d.]+ KiB \(float32, quantization none\)", err)
+    assert re.search(r"model side \w{12}: 30 rows, [\d.]+ KiB \(bfloat16, quantization none, (un)?shared\)", err)
+    cfg = make_cfg(dataset=str(b))
+    assert run_cli(precompute.main, [RECIPE, f"dataset={b}", f"ref_cache_dir={cfg.ref_cache_dir}", "dtype=float32",
+                                     "--prune"], "precompute", precompute.__doc__) == 0
+    err = capsys.readouterr().err
+    assert "pruned 50 rows this recipe does not use (other data, other model sides)" in err
+    assert stored_rows(cfg.ref_cache_dir) == 30 and [s["dtype"] for s in stored_sides(cfg.ref_cache_dir)] == [
+        "float32"]
+    assert not torch.isnan(served(cfg)[0]).any()
+
+
+def test_file_digests_are_remembered_by_path_size_mtime(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"abc" * 1000)
+    real = files.file_digests([f])[0]
+    store = files._digest_store()
+    memo = json.loads(store.read_text())
+    key = next(k for k in memo if k.startswith(str(f.resolve())))
+    memo[key] = "remembered"
+    store.write_text(json.dumps(memo))
+    assert files.file_digests([f]) == ["remembered"]  # not re-read
+    f.write_bytes(b"abd" * 1000)  # new content, new mtime: hashed again
+    assert files.file_digests([f])[0] not in ("remembered", real)
+
+
+def test_atomic_write_leaves_old_file_on_failure(tmp_path, monkeypatch):
+    """A full disk is simulated by making fsync fail mid-write (it cannot be produced here on demand)."""
+    target = tmp_path / "m.json"
+    files.atomic_write_json(target, {"ok": 1})
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device (simulated)")
+
+    monkeypatch.setattr(files.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        files.atomic_write_json(target, {"new": 2})
+    assert json.loads(target.read_text()) == {"ok": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # no temp file left behind

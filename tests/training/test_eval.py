@@ -1,0 +1,290 @@
+"""Evaluation in a run: the eval numbers against a recomputation with the model's own forward, the best checkpoint
+through pruning, load_best_model_at_end and an interrupted run, samples, and the collapse warning."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY_DATA, write_jsonl
+from safetensors.torch import load_file
+
+from lowmem_dpo import data, precompute, sft, train
+from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.training import checkpoint, evaluation, loop
+
+
+def lines(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def eval_lines(out_dir):
+    return [m for m in lines(out_dir / "metrics.jsonl") if "eval_pairs" in m]
+
+
+def own_logps(model, prompt_ids, completion_ids) -> float:
+    """A completion's log-prob sum from a plain forward of one unpadded sequence (no lowmem_dpo.model.logps)."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logp = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)  # (T-1, V)
+    n = len(completion_ids)
+    return logp[-n:].gather(-1, ids[0, -n:, None]).sum().item()
+
+
+def policy(tiny_path, adapter_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+@pytest.fixture(scope="module")
+def split_files(tmp_path_factory):
+    """The shipped rows cut in two files: 344 to train on, 40 held out."""
+    rows = [json.loads(line) for line in open(TINY_DATA)]
+    d = tmp_path_factory.mktemp("split")
+    return write_jsonl(d / "train.jsonl", rows[:344]), write_jsonl(d / "eval.jsonl", rows[344:])
+
+
+def test_dpo_eval_metrics_equal_a_recomputation(make_cfg, split_files, tiny_path, tokenizer):
+    """eval_loss and TRL's eval_rewards/eval_logps at steps 2 and 4 equal those recomputed here from the saved
+    adapters, the model's own forward per sequence and the reference with the adapter off."""
+    train_file, eval_file = split_files
+    cfg = make_cfg(dataset=str(train_file), eval_dataset=str(eval_file), max_steps=4, save_steps=2, beta=0.2,
+                   eval_generations=2, max_new_tokens=8)
+    precompute.run(cfg, progress=False)
+    train.run(cfg, progress=False)
+    out = Path(cfg.output_dir)
+    got = eval_lines(out)
+    assert [m["step"] for m in got] == [2, 4]
+    pairs = data.tokenize_rows(data.load_rows(str(eval_file)), tokenizer, 64, None, progress=False).pairs
+    assert all(m["eval_pairs"] == len(pairs) == 40 for m in got)
+    for line, adapter_dir in zip(got, [out / "checkpoints" / "checkpoint-2", out]):
+        model = policy(tiny_path, adapter_dir)
+        logps = torch.tensor([[own_logps(model, p.prompt_ids, c) for c in (p.chosen_ids, p.rejected_ids)]
+                              for p in pairs])  # (P, 2)
+        with model.disable_adapter():
+            ref = torch.tensor([[own_logps(model, p.prompt_ids, c) for c in (p.chosen_ids, p.rejected_ids)]
+                                for p in pairs])  # (P, 2)
+        rewards = cfg.beta * (logps - ref)  # (P, 2)
+        margins = rewards[:, 0] - rewards[:, 1]
+        want = {"eval_loss": -torch.nn.functional.logsigmoid(margins).mean(),
+                "eval_rewards/chosen": rewards[:, 0].mean(), "eval_rewards/rejected": rewards[:, 1].mean(),
+                "eval_rewards/accuracies": (margins > 0).float().mean(), "eval_rewards/margins": margins.mean(),
+                "eval_logps/chosen": logps[:, 0].mean(), "eval_logps/rejected": logps[:, 1].mean()}
+        for key, value in want.items():
+            assert line[key] == pytest.approx(value.item(), abs=2e-5), (line["step"], key)
+    assert got[0]["eval_loss"] != got[1]["eval_loss"]
+
+
+def test_sft_eval_loss_equals_a_recomputation(make_cfg, split_files, tiny_path, tokenizer):
+    """SFT's eval_loss is the mean NLL per completion token of the held-out rows, under the final adapter."""
+    train_file, eval_file = split_files
+    cfg = make_cfg(dataset=str(train_file), eval_dataset=str(eval_file), max_steps=3, save_steps=0,
+                   eval_generations=0)
+    sft.run(cfg, progress=False)
+    (line,) = eval_lines(Path(cfg.output_dir))
+    items = data.tokenize_completions(data.load_rows(str(eval_file), required=("prompt",)), tokenizer, 64, None,
+                                      progress=False).pairs
+    model = policy(tiny_path, cfg.output_dir)
+    nll = -sum(own_logps(model, i.prompt_ids, i.completion_ids) for i in items)
+    assert line["step"] == 3 and line["eval_pairs"] == len(items)
+    assert line["eval_loss"] == pytest.approx(nll / sum(len(i.completion_ids) for i in items), abs=2e-5)
+
+
+def run_best(make_cfg, out, **overrides):
+    cfg = make_cfg(eval_fraction=0.15, max_steps=8, save_steps=2, save_total_limit=1, learning_rate=3e-2,
+                   metric_for_best_model="eval_loss", greater_is_better=True,  # the highest loss: an early step
+                   load_best_model_at_end=True, eval_generations=2, max_new_tokens=8, output_dir=str(out),
+                   **overrides)
+    precompute.run(cfg, progress=False)
+    return cfg, train.run(cfg, progress=False)
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s", "eval_runtime")} for r in rows]
+
+
+def test_best_checkpoint_survives_pruning_loads_at_end_and_resumes(make_cfg, tmp_path, monkeypatch):
+    """The best checkpoint by metric_for_best_model is recorded with transformers' keys, kept beside the newest
+    one despite save_total_limit=1, becomes the final adapter with load_best_model_at_end; a run interrupted after
+    checkpoint-4 (a KeyboardInterrupt at step 6's eval, as Ctrl-C) resumes to the same record, eval lines and
+    samples as the uninterrupted run, repeating no eval."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run_best(make_cfg, whole)
+    evals = eval_lines(whole)
+    assert [m["step"] for m in evals] == [2, 4, 6, 8]  # eval_steps null: at every checkpoint
+    best = max(evals, key=lambda m: m["eval_loss"])
+    assert best["step"] != 8  # the test needs a best that is not the last step
+    state = json.loads((whole / "trainer_state.json").read_text())
+    assert state["best_global_step"] == best["step"] and state["best_metric"] == best["eval_loss"]
+    folder = whole / "checkpoints" / f"checkpoint-{best['step']}"
+    assert state["best_model_checkpoint"] == str(folder) and state["global_step"] == 8
+    assert state["log_history"] == lines(whole / "metrics.jsonl")
+    assert sorted(s for s, _ in checkpoint.complete(whole)) == [best["step"], 8]
+    final, kept = load_file(whole / "adapter_model.safetensors"), load_file(folder / "adapter_model.safetensors")
+    last = load_file(whole / "checkpoints" / "checkpoint-8" / "adapter_model.safetensors")
+    assert final.keys() == kept.keys() and all(torch.equal(final[k], kept[k]) for k in final)
+    assert not all(torch.equal(final[k], last[k]) for k in final)
+
+    real = evaluation.evaluate
+
+    def interrupted(s):
+        if s.step == 6:
+            raise KeyboardInterrupt  # a Ctrl-C during step 6's eval: checkpoint-4 is the newest
+        return real(s)
+
+    monkeypatch.setattr(evaluation, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_best(make_cfg, cut)
+    monkeypatch.setattr(evaluation, "evaluate", real)
+    assert [s for s, _ in checkpoint.complete(cut)][-1] == 4
+    moved = cut.rename(tmp_path / "moved")  # the run folder moves before the rerun: the best is found by its step
+    run_best(make_cfg, moved)
+    assert without_timing(lines(moved / "metrics.jsonl")) == without_timing(lines(whole / "metrics.jsonl"))
+    again = json.loads((moved / "trainer_state.json").read_text())
+    assert (again["best_global_step"], again["best_metric"]) == (state["best_global_step"], state["best_metric"])
+    assert again["best_model_checkpoint"] == str(moved / "checkpoints" / f"checkpoint-{best['step']}")
+    assert sorted(s for s, _ in checkpoint.complete(moved)) == [best["step"], 8]
+    assert lines(moved / "samples.jsonl") == lines(whole / "samples.jsonl")
+    assert [r["step"] for r in lines(whole / "samples.jsonl")] == [0, 0, 2, 2, 4, 4, 6, 6, 8, 8]
+    final_moved = load_file(moved / "adapter_model.safetensors")
+    assert all(torch.equal(final_moved[k], kept[k]) for k in final)
+
+
+def test_a_start_over_killed_before_its_first_checkpoint_leaves_the_old_run_whole(make_cfg, tmp_path, monkeypatch):
+    """resume=never empties samples.jsonl and metrics.jsonl at once, but the old run's checkpoints stay until the
+    new run's first one: when it is interrupted before that, resume=auto continues the old run with its own
+    samples and metrics (each checkpoint keeps a copy), and the closing metrics are its last training line."""
+    out = tmp_path / "run"
+    run_best(make_cfg, out)
+    want_samples, want_metrics = lines(out / "samples.jsonl"), lines(out / "metrics.jsonl")
+    real = evaluation.evaluate
+
+    def interrupted(s):
+        raise KeyboardInterrupt  # Ctrl-C at the new run's first eval (step 2), before its first checkpoint
+
+    monkeypatch.setattr(evaluation, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_best(make_cfg, out, resume="never")
+    assert [r["step"] for r in lines(out / "samples.jsonl")] == [0, 0]  # the new run's step-0 samples
+    monkeypatch.setattr(evaluation, "evaluate", real)
+    _, result = run_best(make_cfg, out)  # resume=auto: the old run's checkpoint-8, finished
+    assert lines(out / "samples.jsonl") == want_samples and lines(out / "metrics.jsonl") == want_metrics
+    assert result.metrics == [m for m in want_metrics if "loss" in m][-1]
+
+
+def test_out_of_memory_in_the_eval_halves_its_batches(make_cfg, tmp_path, capsys):
+    """CUDA out-of-memory cannot happen on this CPU: a forward pre-hook on the backbone raises
+    torch.OutOfMemoryError for more than 2 sequences in eval mode (the eval and the samples, not training). The
+    eval retries at 2 then 1 pair per forward, the samples 2 prompts at a time, and the numbers are the ones a run
+    without the limit gets."""
+    plain = make_cfg(eval_fraction=0.15, max_steps=2, save_steps=0, eval_generations=4, max_new_tokens=8,
+                     output_dir=str(tmp_path / "plain"), share_prompt="false")  # the limit: 2 sequences per pair
+    precompute.run(plain, progress=False)
+    train.run(plain, progress=False)
+    limited = make_cfg(**{**{k: getattr(plain, k) for k in ("eval_fraction", "max_steps", "save_steps",
+                                                            "eval_generations", "max_new_tokens", "share_prompt")},
+                          "output_dir": str(tmp_path / "limited")})
+    s = train.setup(limited, progress=False)
+
+    def too_big(module, args, kwargs):
+        if not module.training and kwargs["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    s.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
+    loop.run(s, progress=False)
+    err = capsys.readouterr().err
+    assert "out of memory in the eval at step 2: retrying 2 at a time" in err
+    assert "out of memory in the eval at step 2: retrying 1 at a time" in err
+    assert "out of memory in the samples at step 0: retrying 2 at a time" in err
+    (want,), (got,) = eval_lines(tmp_path / "plain"), eval_lines(tmp_path / "limited")
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_gen/repetition"):
+        assert got[key] == pytest.approx(want[key], abs=1e-5), key
+    assert lines(tmp_path / "limited" / "samples.jsonl") == lines(tmp_path / "plain" / "samples.jsonl")
+
+
+def test_resume_names_a_checkpoint_not_the_output_dir(make_cfg, tmp_path, capsys):
+    """output_dir has a trainer_state.json too (the run's record): resume=OUTPUT_DIR says to pass a checkpoint."""
+    from lowmem_dpo.config.cli import run_cli
+
+    out = tmp_path / "run"
+    run_best(make_cfg, out)
+    args = [str(REPO / "recipes" / "tiny-cpu.yaml"), f"dataset={TINY_DATA}", f"output_dir={out}",
+            f"ref_cache_dir={tmp_path / 'cache'}", f"resume={out}"]
+    assert run_cli(train.main, args, "train", "") == 2
+    err = capsys.readouterr().err
+    assert "is a run's output_dir, not a checkpoint" in err and "Traceback" not in err
+
+
+def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
+    """A tiny model pushed into collapse (learning rate 0.1, constant, 100 steps) writes one word over and over:
+    its eval_gen/repetition rises far above step 0's and the warning shows; with early_stop_on_divergence the
+    run stops with the sign. The demo recipe (which evaluates on a held-out split) shows no such warning."""
+    def cfg_for(name, *overrides):
+        return load_config(REPO / "recipes" / "tiny-cpu.yaml", [
+            f"dataset={TINY_DATA}", f"output_dir={tmp_path / name}", f"ref_cache_dir={tmp_path / 'cache'}",
+            "eval_fraction=0.15", *overrides])
+
+    healthy = cfg_for("healthy")
+    precompute.run(healthy, progress=False)
+    last = train.run(healthy, progress=False).metrics
+    log = capsys.readouterr().err
+    assert "collapsing" not in log and last["rewards/accuracies"] >= 0.9
+    healthy_evals = eval_lines(tmp_path / "healthy")
+    assert healthy_evals[-1]["eval_rewards/accuracies"] >= 0.9
+
+    collapse = ["learning_rate=1e-1", "lr_scheduler_type=constant", "max_steps=100", "eval_steps=50",
+                "save_steps=0", "load_best_model_at_end=false"]
+    train.run(cfg_for("collapse", *collapse), progress=False)
+    log = capsys.readouterr().err
+    assert "generations collapsing into repetition" in log
+    evals = lines(tmp_path / "collapse" / "metrics.jsonl")
+    base = next(m["eval_gen/repetition"] for m in evals if m["step"] == 0)
+    final = [m for m in evals if m["step"] == 100 and "eval_gen/repetition" in m][0]["eval_gen/repetition"]
+    assert final > base + 0.3 and not math.isnan(final)
+    # Evaluated at step 4, the samples show the collapse before the training metrics' signs (first logged at 10).
+    with pytest.raises(UserError, match="stopped at step 4 .*collapsing into repetition"):
+        train.run(cfg_for("stopped", *collapse, "eval_steps=4", "early_stop_on_divergence=true"), progress=False)
+
+
+def test_metric_for_best_model_must_be_one_the_stage_logs(make_cfg, split_files, capsys):
+    """An SFT run logs no rewards: a DPO metric for the best checkpoint is refused before anything loads (exit 2),
+    as is the samples' repetition without samples; never a best that silently never comes."""
+    from lowmem_dpo.config.cli import run_cli
+    from lowmem_dpo.runtime.errors import ConfigError
+
+    train_file, eval_file = split_files
+    args = [f"dataset={train_file}", f"eval_dataset={eval_file}", "metric_for_best_model=rewards/accuracies",
+            "device=cpu", "max_steps=2"]
+    recipe = REPO / "recipes" / "tiny-sft.yaml"
+    assert run_cli(sft.main, [str(recipe), *args], "sft", "") == 2
+    err = capsys.readouterr().err
+    assert "metric_for_best_model=rewards/accuracies is a DPO metric" in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match="eval_generations"):
+        make_cfg(eval_fraction=0.1, metric_for_best_model="eval_gen/repetition", eval_generations=0)
+
+
+def test_report_draws_a_real_run(make_cfg, tmp_path, capsys):
+    """The report on a real DPO run with eval: the picture and the best step as trainer_state.json says; with
+    report_to=tensorboard the run's eval_loss lines are TensorBoard's eval/loss scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lowmem_dpo import report
+
+    out = tmp_path / "run"
+    run_best(make_cfg, out, report_to="tensorboard")
+    events = EventAccumulator(str(out / "runs"), size_guidance={"scalars": 0})
+    events.Reload()
+    got, want = events.Scalars("eval/loss"), eval_lines(out)
+    assert [e.step for e in got] == [m["step"] for m in want]
+    assert [e.value for e in got] == pytest.approx([m["eval_loss"] for m in want], rel=1e-6)  # stored as float32
+    capsys.readouterr()
+    assert report.main([str(out)]) == 0
+    state = json.loads((out / "trainer_state.json").read_text())
+    text = capsys.readouterr().out
+    assert f"at step {state['best_global_step']}" in text
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
