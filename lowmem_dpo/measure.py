@@ -29,7 +29,7 @@ from lowmem_dpo.model import headcheck, models
 from lowmem_dpo.model.tiny import BUILTIN_PREFIX, ensure_builtin
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import inputs, loop
+from lowmem_dpo.training import inputs, loop, policy
 
 
 class PeakMeter:
@@ -170,7 +170,7 @@ def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Reso
     tok = inputs.tokenized(mcfg, ins.tokenizer, progress=False)
     batch_pairs = precompute.by_length(tok.pairs)[:mcfg.precompute_batch_size]
     model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
-    precompute.tile(model, ins.model_path)
+    policy.tile(model, ins.model_path)
     pad_id = data.pad_token_id(ins.tokenizer)
     shared = headcheck.decide_sharing(model, tok.pairs, pad_id, resolved, resolved.ref_dtype, mcfg.share_prompt,
                                       mcfg.max_length)  # on the rows precompute.run decides on

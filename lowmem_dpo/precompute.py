@@ -32,12 +32,12 @@ from lowmem_dpo.data import cache
 from lowmem_dpo.data.store import Value
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
-from lowmem_dpo.model import activations, adapters, headcheck, models, streaming
+from lowmem_dpo.model import adapters, headcheck, models, streaming
 from lowmem_dpo.model.logps import batch_logps
 from lowmem_dpo.runtime import devices, distributed, files
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
-from lowmem_dpo.training import inputs
+from lowmem_dpo.training import inputs, policy
 
 ROW_BYTES = 100  # what a row takes in the store, with its index, for the free-space check (~60 measured)
 BUILD = "build.json"  # what the last precompute did: rows computed and reused, its forward's rows/s
@@ -153,13 +153,6 @@ def chunk_with_backoff(model, chunk: list[data.TokenizedPair], batch: int, pad_i
         "computes only the rest")
 
 
-def tile(model, model_path: Path) -> None:
-    """The MLP in tiles (activations.tile_mlps): a long sequence's MLP peak is one tile's."""
-    arch = search.quiet_arch(model_path)
-    if arch is not None and arch.mlp_block:
-        activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix)
-
-
 def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, rows: int):
     """The reference (base, or base + SFT adapter) as the planner fits it; and the batch it plans."""
     batch, stream = memory_plan(cfg, resolved, ins.model_path)
@@ -171,7 +164,7 @@ def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, rows
                               resolved.ref_dtype, resolved.ref_quantization)
     model = adapters.reference_model(model, ins.source)  # base + the SFT adapter, when there is one
     streaming.stream_layers(model, stream, resolved.device)
-    tile(model, ins.model_path)
+    policy.tile(model, ins.model_path)
     return model, batch
 
 

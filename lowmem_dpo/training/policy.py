@@ -83,12 +83,18 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, strea
     return model
 
 
-def long_sequences(model, resolved: devices.Resolved, model_path: Path) -> None:
-    """What a long sequence needs (activations.py): the MLP in tiles where the planner knows the layers' MLP block
-    (with gradients only under checkpointing), and the saved tensors offloaded when resolved says so."""
+def tile(model, model_path: Path, grad_tiles: bool = True) -> None:
+    """The MLP in tiles (activations.tile_mlps) where the planner knows the layers' MLP block: a long sequence's
+    MLP peak is one tile's (with gradients, only when grad_tiles)."""
     arch = search.quiet_arch(model_path)
     if arch is not None and arch.mlp_block:
-        activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix, resolved.gradient_checkpointing)
+        activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix, grad_tiles)
+
+
+def long_sequences(model, resolved: devices.Resolved, model_path: Path) -> None:
+    """What a long sequence needs in train (activations.py): the MLP in tiles (with gradients only under
+    checkpointing), and the saved tensors offloaded when resolved says so."""
+    tile(model, model_path, resolved.gradient_checkpointing)
     if resolved.activation_offloading:
         activations.offload_activations(model, resolved.device)
 
