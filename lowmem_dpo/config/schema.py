@@ -137,6 +137,10 @@ class Config:
     eval_steps: Optional[int] = _f(None, "Evaluate every this many optimizer steps and at the last step. null: at "
                                    "every checkpoint (save_steps), or only at the last step when save_steps is 0.",
                                    min=1, resumable=True)
+    eval_on_start: bool = _f(False, "Evaluate once before the first step (step 0, as transformers' eval_on_start): the "
+                             "baseline later evals are read against (the policy is still the reference: eval_loss is ln 2 "
+                             "for sigmoid).",
+                             resumable=True)
     eval_max_pairs: Optional[int] = _f(None, "Evaluate the first this many eval rows; null: all.", min=1)
     metric_for_best_model: str = _f("eval_loss", "The eval metric that picks the best checkpoint (its name in "
                                     "metrics.jsonl; the eval_ prefix may be left out).")

@@ -3,7 +3,7 @@
     python -m lowmem_dpo.train RECIPE.yaml eval_fraction=0.1     # evaluate on 10% of the prompts, held out
 
 The loop (loop.py) calls these with its session (loop.Session; not imported here, loop imports this module):
-- `at_start`: a new run's step-0 samples (the policy is still the reference) and their repetition, the baseline of
+- `at_start`: a new run's step-0 samples (with eval_on_start, `evaluate` at step 0 instead) (the policy is still the reference) and their repetition, the baseline of
   the collapse warning;
 - `evaluate` at every `due` step: the objective's eval metrics over the eval items with no gradients (its own
   micro-batches and chunked path), the samples and their repetition, one metrics.jsonl line ("eval_" keys);
@@ -85,9 +85,14 @@ def at_start(s) -> dict | None:
         files.atomic_write_bytes(path, saved.read_bytes())
     else:  # a new run; or a checkpoint from before samples were kept in it
         samples.keep_until(path, s.step if s.resumed_from is not None else -1)
-    if s.step > 0 or not s.eval_items or not s.cfg.eval_generations:
-        return None
+    if s.step > 0 or not s.eval_items or not s.cfg.eval_generations or s.cfg.eval_on_start:
+        return None  # eval_on_start: the samples come with the step-0 eval (loop.steps)
     return {"step": 0, **sample_metrics(s, 0)}
+
+
+def on_start(s) -> bool:
+    """Whether a new run evaluates before its first step (eval_on_start, with eval data)."""
+    return s.cfg.eval_on_start and s.step == 0 and bool(s.eval_items)
 
 
 def evaluate(s) -> dict:
@@ -115,8 +120,8 @@ def baseline(metrics_lines: list[str]) -> dict | None:
 
 
 def collapse_sign(s, line: dict) -> str | None:
-    """guards.collapse_sign of this eval's samples against step 0's."""
-    if line.get(guards.GEN_REPETITION) is None:
+    """guards.collapse_sign of this eval's samples against step 0's (none at step 0 itself: eval_on_start)."""
+    if line.get(guards.GEN_REPETITION) is None or line["step"] == 0:
         return None
     return guards.collapse_sign(baseline(s.metrics_lines), line)
 

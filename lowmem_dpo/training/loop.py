@@ -357,6 +357,8 @@ def steps(s: Session, out_dir: Path, bar, last: dict) -> dict:
         first = distributed.broadcast(evaluation.at_start(s) if main else None)  # step 0: the reference's samples
         if first is not None:
             output.write_line(s, metrics_file, first)
+        if evaluation.on_start(s):  # every rank: the eval is split across them
+            eval_step(s, metrics_file, bar)
         while s.step < s.steps:
             stats, grad_norm, lr, dt = timed(s)
             if not guards.nonfinite(stats.means()["loss"]):

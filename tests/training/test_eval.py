@@ -80,6 +80,23 @@ def test_dpo_eval_metrics_equal_a_recomputation(make_cfg, split_files, tiny_path
     assert got[0]["eval_loss"] != got[1]["eval_loss"]
 
 
+def test_eval_on_start_evaluates_the_reference_at_step_0(make_cfg, split_files):
+    """eval_on_start (transformers' name): one eval line at step 0, before any update, where the policy is the
+    reference: eval_loss ln 2, zero rewards; its samples once (not also the plain step-0 samples)."""
+    train_file, eval_file = split_files
+    cfg = make_cfg(dataset=str(train_file), eval_dataset=str(eval_file), max_steps=2, save_steps=0,
+                   eval_generations=2, max_new_tokens=8, eval_on_start=True)
+    precompute.run(cfg, progress=False)
+    train.run(cfg, progress=False)
+    out = Path(cfg.output_dir)
+    got = eval_lines(out)
+    assert [m["step"] for m in got] == [0, 2]
+    assert got[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert got[0]["eval_rewards/margins"] == 0 and got[0]["eval_rewards/accuracies"] == 0
+    assert got[0]["eval_gen/repetition"] is not None and got[1]["eval_loss"] != got[0]["eval_loss"]
+    assert [r["step"] for r in lines(out / "samples.jsonl")] == [0, 0, 2, 2]
+
+
 def test_sft_eval_loss_equals_a_recomputation(make_cfg, split_files, tiny_path, tokenizer):
     """SFT's eval_loss is the mean NLL per completion token of the held-out rows, under the final adapter."""
     train_file, eval_file = split_files
