@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
-RECIPE ?= recipes/tiny-cpu.yaml
+RECIPE ?= lowmem_dpo:tiny-cpu
 
 .PHONY: demo demo-sft test lint bench gpu-check clean
 
@@ -33,7 +33,8 @@ $(VENV)/.install-bench: setup.cfg pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
-# Ends with the report: runs/tiny/curves.png and the summary (runs/tiny is the output_dir of the default RECIPE)
+# Ends with the report: runs/tiny/curves.png and the summary (runs/tiny is the output_dir of the default RECIPE,
+# the built-in lowmem_dpo:tiny-cpu shipped in the package: lowmem_dpo/demo/tiny-cpu.yaml)
 demo: $(VENV)/.install-report
 	$(PY) -m lowmem_dpo.precompute $(RECIPE)
 	$(PY) -m lowmem_dpo.train $(RECIPE)
@@ -41,9 +42,9 @@ demo: $(VENV)/.install-report
 
 # Stacked SFT -> DPO on the tiny model (docs/stacked-sft-dpo.md)
 demo-sft: $(VENV)/.install-base
-	$(PY) -m lowmem_dpo.sft recipes/tiny-sft.yaml
-	$(PY) -m lowmem_dpo.precompute recipes/tiny-dpo-after-sft.yaml
-	$(PY) -m lowmem_dpo.train recipes/tiny-dpo-after-sft.yaml
+	$(PY) -m lowmem_dpo.sft lowmem_dpo:tiny-sft
+	$(PY) -m lowmem_dpo.precompute lowmem_dpo:tiny-dpo-after-sft
+	$(PY) -m lowmem_dpo.train lowmem_dpo:tiny-dpo-after-sft
 
 test: $(VENV)/.install-test
 	$(VENV)/bin/ruff check lowmem_dpo tests bench

@@ -19,7 +19,7 @@ Memory: the base is read, merged in float32 (W + scale * B @ A per adapter) and 
 so the peak is the adapters plus a few 16 MiB blocks, never the whole model nor a shard (bench/README.md).
 Refused (exit 2): a pre-quantized base (merge into the unquantized one), .bin-only bases, adapters that are not
 plain LoRA (DoRA, modules_to_save, LoRA biases, ...), adapter keys that match no base tensor, LoRA on embeddings
-tied to the output head, and a MERGED_DIR that already holds files (unless --overwrite).
+tied to the output head, and a MERGED_DIR that holds files other than an earlier export (which --overwrite replaces).
 """
 
 # A stage on the top floor: it reads an adapter and a base and imports no other stage.
@@ -38,7 +38,7 @@ import torch
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.model import lora_merge, models, weights
 from lowmem_dpo.model.lora_merge import CONV1D, EMBEDDING, LINEAR, LoraPair
-from lowmem_dpo.runtime import files
+from lowmem_dpo.runtime import files, folders
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt, parse_size
 from lowmem_dpo.training.provenance import Chain, merge_chain
@@ -164,19 +164,25 @@ def output_dtype(choice: str, config: dict, infos: list[weights.TensorInfo]) -> 
 
 # -- writing -----------------------------------------------------------------------------------------------------
 def check_destination(merged_dir: Path, overwrite: bool, inputs: list[Path]) -> None:
-    """MERGED_DIR must be new or empty (or --overwrite), and never one of the inputs or a folder holding them."""
-    if merged_dir.exists() and not merged_dir.is_dir():
-        raise UserError(f"MERGED_DIR={str(merged_dir)!r} is a file; pass a folder")
+    """MERGED_DIR must be new or empty, or an earlier export (replaced with --overwrite only), and never one of the
+    inputs or a folder holding them. A folder of anything else is refused, --overwrite or not."""
     target = merged_dir.resolve()
     for p in inputs:
         if p.resolve() == target or target in p.resolve().parents:
             raise UserError(f"MERGED_DIR={str(merged_dir)!r} holds the input {p}: writing there would replace it; "
                             "choose another folder")
-    held = sorted(p.name for p in merged_dir.iterdir()) if merged_dir.is_dir() else []
-    if held and not overwrite:
-        raise UserError(f"MERGED_DIR={str(merged_dir)!r} already holds {len(held)} files ({', '.join(held[:4])}"
-                        f"{', ...' if len(held) > 4 else ''}); choose a new or empty folder, or pass --overwrite "
-                        "to replace its contents")
+    folders.check(merged_dir, "merged model", "MERGED_DIR", earlier_export)
+    if merged_dir.is_dir() and folders.visible(merged_dir) and not overwrite:
+        raise UserError(f"MERGED_DIR={str(merged_dir)!r} holds an earlier export: pass --overwrite to replace it, "
+                        f"or choose a new folder ({folders.free_name(merged_dir)} is free)")
+
+
+def earlier_export(folder: Path) -> bool:
+    """A merged model this tool wrote before it marked its folders: its model card says so."""
+    try:
+        return "by lowmem_dpo.export." in (folder / "README.md").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def merged_blocks(info: weights.TensorInfo, targets: dict, dtype: torch.dtype):
@@ -264,6 +270,7 @@ def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_s
     try:
         shards = write_weights(tmp, infos, targets, out_dtype, max_bytes, progress)
         write_metadata(tmp, chain, config, out_dtype)
+        folders.mark(tmp, "merged model")
         for p in tmp.iterdir():
             os.chmod(p, 0o644)
         os.chmod(tmp, 0o755)

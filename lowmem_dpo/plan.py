@@ -24,8 +24,9 @@ Exit status: 0 when the recipe or the printed plan fits the budget, 1 when nothi
 
 options:
   --budget SIZE  memory torch may allocate on the device, e.g. 11.25GiB (what torch gets of a 12 GB card: the CUDA
-                 context and the display take the rest), 11.5GB, 12000MiB or bytes. Default: the recipe's
-                 memory_budget, else what torch can get of this machine's GPU now, or its RAM on a CPU.
+                 context and the display take the rest), 12000MiB or bytes. GiB (or G alone) is 2^30 bytes, GB is
+                 10^9: 12GB is 11.18 GiB. Default: the recipe's memory_budget, else what torch can get of this
+                 machine's GPU now, or its RAM on a CPU.
   --json OUT     write {"train", "precompute", "plan", "budget_bytes", ...} to OUT.
   --measure      run real steps on this machine with the recipe as given (precompute's forward on its longest
                  batch, then train.setup and --steps optimizer steps) and report measured_peak_bytes beside the
@@ -45,15 +46,15 @@ from pathlib import Path
 
 from lowmem_dpo import measure
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
 from lowmem_dpo.memory.model import Prediction, StagePrediction, predict
-from lowmem_dpo.memory.search import Plan, choose, longest_max_length, stage_stream
+from lowmem_dpo.memory.search import LENGTH_STEP, Plan, choose, longest_max_length, stage_stream
 from lowmem_dpo.memory.setup import Setup, planned_device, run_budget, setup_from_config, with_prompts
 from lowmem_dpo.model import adapters, models
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.runtime.units import fmt, parse_size
+from lowmem_dpo.runtime.units import fmt, parse_size, size_note
 
 EXIT_NO_FIT = 1
 ROWS = (("base_weights", "base weights"), ("lora_params", "LoRA params (fp32)"), ("lora_grads", "LoRA grads (fp32)"),
@@ -123,6 +124,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def planned_config(args: argparse.Namespace) -> Config:
     """The recipe as train plans it: with an SFT adapter train continues, its rank and target modules."""
     cfg = load_config(args.recipe, args.overrides)
+    require(cfg, "plan --measure" if args.measure else "plan")
     if cfg.sft_adapter or Path(cfg.model_name_or_path).is_dir():
         cfg = adapters.planned_lora(cfg, models.model_source(cfg.model_name_or_path, cfg.sft_adapter))
     return cfg
@@ -182,7 +184,8 @@ def print_lengths(arch: Arch, chosen: Plan, budget: int) -> None:
     """The longest max_length that fits, per micro-batch: the trade between pairs per forward and length."""
     s = chosen.setup
     print(f"longest max_length that fits {fmt(budget)} ({s.quantization} base, checkpointing, no streaming), by "
-          "pairs per micro-batch:")
+          "pairs per micro-batch" + (f", at most the model's context of {arch.context} positions:" if arch.context
+                                     else ":"))
     for b in (1, 2, 4, 8):
         length, plan = longest_max_length(arch, s, budget, b)
         if not length:
@@ -190,8 +193,9 @@ def print_lengths(arch: Arch, chosen: Plan, budget: int) -> None:
             break
         knobs = " ".join(f"{k}={plan.overrides[k]}" for k in ("activation_offloading", "share_prompt")
                          if k in plan.overrides)
+        capped = "  (the model's context)" if arch.context and length + LENGTH_STEP > arch.context else ""
         print(f"  {b}: {length:>6}  train peak {fmt(plan.prediction.train.peak_bytes)}" + (f"  with {knobs}" if knobs
-                                                                                         else ""))
+                                                                                         else "") + capped)
 
 
 def print_prediction(arch: Arch, setup: Setup, pred: Prediction, budget: int) -> None:
@@ -230,6 +234,12 @@ def main(argv: list[str]) -> int:
     chosen = choose(arch, setup, budget)
     report = json_report(cfg, arch, setup, pred, chosen, budget)
     print_prediction(arch, setup, pred, budget)
+    if arch.context and cfg.max_length > arch.context:
+        print(f"warning: max_length={cfg.max_length} is beyond the model's context, {arch.context} positions (its "
+              "config.json): tokens past it get positions the model never saw; set max_length to "
+              f"{arch.context} or less\n")
+    if size_note(args.budget or cfg.memory_budget) is not None:
+        print(f"note: budget {size_note(args.budget or cfg.memory_budget)}\n")
     columns = [("train", pred.train), ("precompute", pred.precompute)]
     if chosen.overrides:
         columns += [("train (plan)", chosen.prediction.train), ("precompute (plan)", chosen.prediction.precompute)]

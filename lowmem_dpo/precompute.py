@@ -26,7 +26,7 @@ import torch
 
 from lowmem_dpo import data, preflight
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.config.recipe import load_config, place, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
 from lowmem_dpo.data.store import Value
@@ -34,7 +34,7 @@ from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 from lowmem_dpo.model import adapters, headcheck, models, streaming
 from lowmem_dpo.model.logps import batch_logps
-from lowmem_dpo.runtime import devices, distributed, files
+from lowmem_dpo.runtime import devices, distributed, files, folders
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training import inputs, policy
@@ -114,6 +114,7 @@ def compute_missing(model, todo: list[data.TokenizedPair], store, side: int, cfg
     mine = distributed.shard(chunks)
     bar = tqdm(total=sum(map(len, mine)), desc="precompute", unit="row", dynamic_ncols=True,
                disable=not progress or not distributed.is_main())
+    kept = 0
     try:
         for chunk in mine:
             tensors, batch = chunk_with_backoff(model, chunk, batch, pad_id, resolved, bar, shared)
@@ -131,6 +132,11 @@ def compute_missing(model, todo: list[data.TokenizedPair], store, side: int, cfg
                     raise files.disk_full_error(store.path.parent, "the reference cache", need, "The rows committed "
                                                 "so far are kept: the rerun computes only the rest.") from None
                 raise
+            kept += len(chunk)
+    except KeyboardInterrupt:  # Ctrl-C: what the rerun will not compute again
+        raise KeyboardInterrupt(f"{kept} of the {sum(map(len, mine))} rows to compute are kept in the cache "
+                                f"({store.path.parent}); the same command computes only the other "
+                                f"{sum(map(len, mine)) - kept}") from None
     finally:
         bar.close()  # before any error message, which then stands on its own line
 
@@ -171,9 +177,12 @@ def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, rows
 def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path:
     """Compute the rows of `cfg` the cache lacks (prune: then drop what it does not use); returns the cache
     folder."""
+    require(cfg, "precompute")
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
     cache_dir = Path(cfg.ref_cache_dir)
+    log(f"reference cache: {place(cfg, 'ref_cache_dir')}")
+    folders.check(cache_dir, "reference cache", "ref_cache_dir", cache.earlier_cache)  # nothing of a user's replaced
     if resolved.ref_quantization != "none":  # fail before tokenizing, not after
         devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
     log(ins.source.description)
@@ -182,6 +191,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path:
     by_key = dict(zip(d.keys("train") + d.keys("eval"), pairs))  # one pair per row key (the same ids: one value)
     keys, rows = list(by_key), list(by_key.values())
     side = inputs.run_side(cfg, resolved, ins)
+    folders.mark(cache_dir, "reference cache")  # every rank before it creates the store: a rank checking late sees it
     with cache.open_store(cache_dir, create=True) as store:
         inputs.convert_legacy(cfg, store, ins, side, d)
         lacking = missing(store, side, keys)

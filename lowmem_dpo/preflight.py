@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.data import cache
 from lowmem_dpo.runtime import devices, files
 from lowmem_dpo.runtime.errors import log
@@ -146,6 +146,7 @@ def save(cache_dir: Path, rep: dict) -> dict:
 def run(cfg, recipe: str | None = None) -> dict:
     """The report of the recipe's rows from the cache (refused, with the command that fills it, when rows lack
     values)."""
+    require(cfg, "preflight")
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
     ref, eval_ref = inputs.cached_reference(cfg, ins, inputs.run_side(cfg, resolved, ins),

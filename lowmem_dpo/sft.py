@@ -25,7 +25,7 @@ import torch
 
 from lowmem_dpo import data
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.config.recipe import load_config, place, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model import adapters, headcheck, models
 from lowmem_dpo.model.logps import batch_logps
@@ -131,7 +131,9 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     if cfg.has_eval and cfg.best_metric_name not in SFT_METRICS:
         raise UserError(f"metric_for_best_model={cfg.metric_for_best_model} is a DPO metric; sft evaluates "
                         f"{' and '.join(SFT_METRICS)}: set one of them")
-    output.check_output_dir(cfg)  # a folder of other files is refused before anything loads
+    require(cfg, "sft")
+    log(f"output: {place(cfg, 'output_dir')}")
+    output.check_output_dir(cfg, "sft")  # a folder of other files is refused before anything loads
     resolved = devices.resolve(cfg)
     for note in cfg.no_effect():
         log(f"warning: {note}")

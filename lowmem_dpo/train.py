@@ -20,7 +20,7 @@ import torch
 
 from lowmem_dpo import data
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.config.recipe import load_config
+from lowmem_dpo.config.recipe import load_config, place, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
 from lowmem_dpo.model import adapters, headcheck
@@ -197,7 +197,9 @@ class DPO:
 def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.Session:
     """Check the cache, tokenize, load the model with its one adapter (fresh, or the SFT adapter continued), build
     the optimizer; with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it."""
-    output.check_output_dir(cfg)  # a folder of other files is refused before anything loads
+    require(cfg, "train")
+    log(f"output: {place(cfg, 'output_dir')}; reference cache: {place(cfg, 'ref_cache_dir')}")
+    output.check_output_dir(cfg, "train")  # a folder of other files is refused before anything loads
     resolved = devices.resolve(cfg)
     for note in cfg.no_effect():
         log(f"warning: {note}")

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_DATA = REPO / "data" / "tiny-prefs.jsonl"
+TINY_DATA = REPO / "lowmem_dpo" / "demo" / "tiny-prefs.jsonl"  # lowmem_dpo:tiny-prefs, the demo's rows
+TINY_RECIPE = "lowmem_dpo:tiny-cpu"  # the demo's recipe (lowmem_dpo/demo/tiny-cpu.yaml)
 
 
 @pytest.fixture(scope="session", autouse=True)

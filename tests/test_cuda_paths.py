@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, cached
+from conftest import TINY_DATA, TINY_RECIPE, cached
 from safetensors.torch import load_file
 
 from lowmem_dpo import precompute, train
@@ -174,7 +174,7 @@ def test_precompute_halves_its_batch_on_out_of_memory(tmp_path, capsys):
 def test_precompute_out_of_memory_at_one_pair_exits_2_and_resumes(tmp_path, capsys):
     """Out of memory even at 1 pair after a few batches: exit 2 naming what to lower, the committed rows kept; the
     rerun (memory back) computes only the rest."""
-    args = [str(REPO / "recipes" / "tiny-cpu.yaml"), f"dataset={TINY_DATA}", f"ref_cache_dir={tmp_path / 'c'}",
+    args = [str(TINY_RECIPE), f"dataset={TINY_DATA}", f"ref_cache_dir={tmp_path / 'c'}",
             "cache_shard_rows=64", "precompute_batch_size=64", "dtype=float32", "share_prompt=false"]
     handle = _too_big(10_000, after_calls=4)  # the attention-kernel probe's forward (it stops early), 3 batches
     try:
@@ -200,7 +200,7 @@ def test_out_of_memory_loading_the_model_exits_2(tmp_path, monkeypatch, capsys):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 112.00 MiB (simulated)")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_then_fail)
-    args = [str(REPO / "recipes" / "tiny-cpu.yaml"), f"dataset={TINY_DATA}", f"ref_cache_dir={tmp_path / 'c'}"]
+    args = [str(TINY_RECIPE), f"dataset={TINY_DATA}", f"ref_cache_dir={tmp_path / 'c'}"]
     assert run_cli(precompute.main, args, "precompute", precompute.__doc__) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("lowmem_dpo.precompute: error: out of memory loading the model's weights onto the device: they "
@@ -211,7 +211,7 @@ def test_out_of_memory_loading_the_model_exits_2(tmp_path, monkeypatch, capsys):
 def test_cublas_allocation_failure_in_train_is_out_of_memory(tmp_path, capsys):
     """cuBLAS' workspace allocation failing on a full card (simulated) is out of memory: the step halves down to 1
     pair, then exit 2 with what to lower."""
-    args = [str(REPO / "recipes" / "tiny-cpu.yaml"), f"dataset={TINY_DATA}", f"ref_cache_dir={tmp_path / 'c'}",
+    args = [str(TINY_RECIPE), f"dataset={TINY_DATA}", f"ref_cache_dir={tmp_path / 'c'}",
             f"output_dir={tmp_path / 'o'}", "dtype=float32", "share_prompt=false"]
     assert run_cli(precompute.main, args[:3] + args[4:], "precompute", precompute.__doc__) == 0
 

@@ -189,16 +189,28 @@ def test_bfloat16_output(tiny_path, tmp_path):
         assert torch.equal(written[k], expected[k]), k
 
 
-def test_existing_merged_dir_is_refused_unless_overwrite(tiny_path, tmp_path, capsys):
+def test_a_users_folder_is_refused_even_with_overwrite_and_an_earlier_export_needs_it(tiny_path, tmp_path, capsys):
+    """MERGED_DIR holding a user's file is refused, --overwrite or not, and the file stays; an earlier export (its
+    marker) is replaced with --overwrite only; a train run's folder is never an export's."""
     adapter = make_adapter(tiny_path, tmp_path / "adapter", target_modules=["q_proj"])
     merged = tmp_path / "merged"
     merged.mkdir()
-    (merged / "keep.txt").write_text("mine")
-    assert run(adapter, merged) == 2
-    assert "already holds 1 files (keep.txt)" in capsys.readouterr().err and (merged / "keep.txt").is_file()
-    assert run(adapter, merged, "--overwrite") == 0
-    assert not (merged / "keep.txt").exists() and (merged / "model.safetensors").is_file()
+    (merged / "config.json").write_text("mine")
+    for flags in ([], ["--overwrite"]):
+        assert run(adapter, merged, *flags) == 2
+        err = capsys.readouterr().err
+        assert "holds files this tool did not write (config.json)" in err and f"{merged}-2 is free" in err
+        assert (merged / "config.json").read_text() == "mine"
+    (merged / "config.json").unlink()
+    assert run(adapter, merged) == 0 and json.loads((merged / "lowmem_dpo.json").read_text())["kind"] == "merged model"
+    assert run(adapter, merged) == 2 and "holds an earlier export: pass --overwrite" in capsys.readouterr().err
+    assert run(adapter, merged, "--overwrite") == 0 and (merged / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "lowmem_dpo.json").write_text(json.dumps({"written_by": "lowmem_dpo", "kind": "dpo run"}))
+    assert run(adapter, run_dir, "--overwrite") == 2
+    assert "holds this tool's dpo run (lowmem_dpo.json), not a merged model" in capsys.readouterr().err
 
 
 def _quantized_base(tiny_path, tmp_path):

@@ -7,12 +7,12 @@ import json
 import re
 
 import pytest
-from conftest import REPO, TINY_DATA, write_jsonl
+from conftest import TINY_DATA, TINY_RECIPE, write_jsonl
 
 from lowmem_dpo import plan, precompute, train
 from lowmem_dpo.config.cli import help_text, run_cli
 
-RECIPE = str(REPO / "recipes" / "tiny-cpu.yaml")
+RECIPE = str(TINY_RECIPE)
 
 
 def stage(main, args, name, capsys) -> tuple[int, str]:
@@ -54,8 +54,9 @@ def test_the_fill_command_keeps_the_overrides_and_names_the_rows(tmp_path, capsy
 
 
 def test_an_output_dir_of_other_files_is_refused(built_cache, tmp_path, capsys):
-    """A folder holding a model and other files: refused with exit 2 before anything is written; with
-    overwrite_output_dir it is written; a lowmem_dpo run's own folder is written again (resumed or started over)."""
+    """A folder holding a model: refused with exit 2 before anything is written, overwrite_output_dir or not (train
+    would replace its tokenizer.json); a folder of the user's other files takes overwrite_output_dir; a run's own
+    folder is written again (resumed)."""
     out = tmp_path / "a-model"
     out.mkdir()
     (out / "tokenizer.json").write_text("{}")
@@ -63,12 +64,15 @@ def test_an_output_dir_of_other_files_is_refused(built_cache, tmp_path, capsys):
     args = [RECIPE, f"ref_cache_dir={built_cache / 'cache'}", "dtype=float32", f"output_dir={out}", "max_steps=2",
             "eval_fraction=0", "load_best_model_at_end=false"]
     code, err = stage(train.main, args, "train", capsys)
-    assert code == 2 and "holds files that are not a lowmem_dpo run (model.safetensors, tokenizer.json)" in err
+    assert code == 2 and "holds files this tool did not write (model.safetensors, tokenizer.json)" in err
     assert "overwrite_output_dir=true" in err and "Traceback" not in err
+    code, err = stage(train.main, [*args, "overwrite_output_dir=true"], "train", capsys)
+    assert code == 2 and "tokenizer.json would be replaced" in err
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "tokenizer.json"]  # untouched
     assert (out / "tokenizer.json").read_text() == "{}"
+    (out / "tokenizer.json").unlink()
     code, err = stage(train.main, [*args, "overwrite_output_dir=true"], "train", capsys)
-    assert code == 0, err[-2000:]
+    assert code == 0 and (out / "model.safetensors").read_bytes() == b"x", err[-2000:]
     code, err = stage(train.main, [*args, "max_steps=3"], "train", capsys)  # our own run now: it continues
     assert code == 0 and "resuming from" in err
 
@@ -143,4 +147,5 @@ def test_an_interrupt_is_said_on_its_own_line(built_cache, tmp_path, capsys):
     finally:
         handle.remove()
     assert code == 130
-    assert "\nlowmem_dpo.train: interrupted; committed cache rows and checkpoints are kept." in err
+    assert "\nlowmem_dpo.train: interrupted: no checkpoint was written yet (save_steps); the same command starts the run " \
+           "again." in err

@@ -6,7 +6,7 @@ import string
 
 import pytest
 import torch
-from conftest import REPO, cached, write_jsonl
+from conftest import TINY_RECIPE, cached, write_jsonl
 
 from lowmem_dpo import precompute, preflight
 from lowmem_dpo.config.cli import run_cli
@@ -92,7 +92,7 @@ def test_report_counts_truncation_and_is_refreshed_from_the_cache(make_cfg, tmp_
     assert json.loads(path.read_text()) == rep
 
     capsys.readouterr()
-    args = [str(REPO / "recipes/tiny-cpu.yaml"), f"dataset={cfg.dataset[0].path}", f"ref_cache_dir={cfg.ref_cache_dir}",
+    args = [str(TINY_RECIPE), f"dataset={cfg.dataset[0].path}", f"ref_cache_dir={cfg.ref_cache_dir}",
             "device=cpu", "dtype=float32", "max_length=64"]
     assert run_cli(preflight.main, args, "preflight", preflight.__doc__) == 0
     out = capsys.readouterr().out

@@ -199,7 +199,7 @@ def test_new_on_merged_trains_a_fresh_adapter_from_ln2_and_refuses_a_quantized_b
 
 def test_an_adapter_on_a_model_that_carries_one_is_refused(sft_dir, tiny_path, tmp_path, capsys):
     # The recipe names two adapters: exit code 2, one line, before anything loads.
-    code = run_cli(train.main, ["recipes/tiny-cpu.yaml", f"model_name_or_path={sft_dir}", f"sft_adapter={sft_dir}",
+    code = run_cli(train.main, ["lowmem_dpo:tiny-cpu", f"model_name_or_path={sft_dir}", f"sft_adapter={sft_dir}",
                                 f"dataset={TINY_DATA}"], "train", "")
     err = capsys.readouterr().err
     assert code == 2 and "keeps one adapter" in err and len(err.strip().splitlines()) == 1

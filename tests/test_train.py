@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cached
+from conftest import TINY_DATA, TINY_RECIPE, cached
 from safetensors.torch import load_file
 
 from lowmem_dpo import data, precompute, train
@@ -107,7 +107,6 @@ def test_gradient_accumulation_matches_a_big_batch(make_cfg, tmp_path):
 
 
 def test_adapter_round_trips_through_peft(make_cfg, tiny_path, tokenizer):
-    from conftest import TINY_DATA
     from peft import PeftModel
 
     cfg = make_cfg(max_steps=4)
@@ -215,14 +214,10 @@ def test_pair_stream_covers_each_epoch_once_and_splits_in_order():
 
 
 def test_demo_recipe_learns(tmp_path):
-    """What `make demo` runs: the last logged rewards/accuracies reach 0.9."""
-    from conftest import REPO
-
+    """What `make demo` runs (the built-in recipe and rows): the last logged rewards/accuracies reach 0.9."""
     from lowmem_dpo.config.recipe import load_config
 
-    cfg = load_config(REPO / "recipes" / "tiny-cpu.yaml", [f"dataset={REPO / 'data' / 'tiny-prefs.jsonl'}",
-                                                           f"output_dir={tmp_path / 'demo'}",
-                                                           f"ref_cache_dir={tmp_path / 'demo-cache'}"])
+    cfg = load_config(TINY_RECIPE, [f"output_dir={tmp_path / 'demo'}", f"ref_cache_dir={tmp_path / 'demo-cache'}"])
     precompute.run(cfg, progress=False)
     last = train.run(cfg, progress=False).metrics
     assert last["step"] == cfg.max_steps

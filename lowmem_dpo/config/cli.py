@@ -9,7 +9,8 @@ from typing import Callable
 import yaml
 
 from lowmem_dpo.config.coerce import describe
-from lowmem_dpo.config.schema import HINTS, Config
+from lowmem_dpo.config.recipe import SHOWN_DEFAULTS
+from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, Config
 from lowmem_dpo.config.sources import yaml_form
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import EXIT_USAGE, ConfigError, UserError
@@ -33,8 +34,12 @@ def help_text(stage: str, command_doc: str) -> str:
     lines = [command_doc.strip(), "", f"usage: python -m lowmem_dpo.{stage} RECIPE.yaml [key=value ...]", "",
              "keys (type, default: doc):"]
     for f in dataclasses.fields(Config):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name} ({describe(HINTS[f.name])}, default {shown(yaml_form(default))}"
+        kind = describe(HINTS[f.name])
+        if f.name in SHOWN_DEFAULTS:  # no null for these: required, or derived from the recipe's name
+            kind, default = kind.removesuffix(" or null"), SHOWN_DEFAULTS[f.name]
+        else:
+            default = f"default {shown(yaml_form(FIELD_DEFAULTS[f.name]))}"
+        lines.append(f"  {f.name} ({kind}, {default}"
                      f"{' ; choices ' + '|'.join(f.metadata['choices']) if f.metadata['choices'] else ''}): "
                      f"{f.metadata['doc']}")
     return "\n".join(lines)
@@ -80,6 +85,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
         devices.dump_snapshot()
         print(f"lowmem_dpo.{stage}: error: {OOM_ANYWHERE}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"lowmem_dpo.{stage}: interrupted; committed cache rows and checkpoints are kept.", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a stage may say what it keeps (precompute: the rows; train: the checkpoint)
+        kept = e.args[0] if e.args else "committed cache rows and checkpoints are kept"
+        print(f"lowmem_dpo.{stage}: interrupted: {kept}.", file=sys.stderr)
         return 130

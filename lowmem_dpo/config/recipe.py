@@ -15,6 +15,7 @@ import yaml
 
 from lowmem_dpo.config.coerce import check_bounds, coerce
 from lowmem_dpo.config.schema import FIELDS, HINTS, Config
+from lowmem_dpo.runtime import builtins
 from lowmem_dpo.runtime.errors import ConfigError
 
 
@@ -58,26 +59,102 @@ def build_config(values: dict, sources: dict | None = None) -> Config:
 
 
 def load_config(recipe: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
-    """Recipe YAML, then overrides on top, coerced and validated as one."""
+    """Recipe YAML (a file, or a built-in lowmem_dpo:NAME), then overrides on top, coerced and validated as one.
+    A recipe NAME.yaml that sets no output_dir or ref_cache_dir writes runs/NAME and runs/NAME-ref-cache."""
     values: dict = {}
     if recipe is not None:
-        path = Path(recipe)
-        if not path.is_file():
-            raise ConfigError(f"recipe {str(path)!r} not found: pass the path of a YAML recipe, e.g. "
-                              "recipes/tiny-cpu.yaml")
-        try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"recipe {str(path)!r}: expected a mapping of key: value at the top level")
-        values.update(loaded)
+        values.update(read_recipe(recipe))
     sources = {k: f"recipe {recipe}" for k in values}
     for key, value in parse_overrides(list(overrides)).items():
         values[key] = value
         sources[key] = "override"
-    cfg = build_config(values, sources)
+    derived = {k: v for k, v in derived_places(recipe).items() if k not in values}
+    cfg = build_config({**values, **derived}, sources)
+    cfg.explicit_keys = cfg.explicit_keys - derived.keys()
+    cfg.derived_keys = frozenset(derived)
     cfg.overrides = tuple(overrides)
     return cfg
+
+
+def recipe_path(recipe: str | os.PathLike) -> Path:
+    """The file of a recipe: a path, or a built-in's shipped file (lowmem_dpo:tiny-cpu)."""
+    if builtins.is_builtin(str(recipe)):
+        return builtins.path(str(recipe), "recipe", "recipe")
+    path = Path(recipe)
+    if not path.is_file():
+        where = "is a folder" if path.is_dir() else f"not found (no such file: {path.absolute()})"
+        raise ConfigError(f"recipe {str(recipe)!r} {where}: pass the path of a YAML recipe, or a built-in ("
+                          f"{', '.join(builtins.names('recipe'))})")
+    return path
+
+
+def read_recipe(recipe: str | os.PathLike) -> dict:
+    """A recipe's mapping of key: value; a ConfigError naming the line and column of a YAML syntax error."""
+    path = recipe_path(recipe)
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"recipe {str(recipe)!r} is not UTF-8 text (byte {e.start + 1}); save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(yaml_problem(str(recipe), path.read_text(encoding="utf-8"), e)) from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"recipe {str(recipe)!r}: expected a mapping of key: value at the top level")
+    return loaded
+
+
+def yaml_problem(recipe: str, text: str, e) -> str:
+    """A YAML syntax error as one line: the recipe's line and column (from 1), what is wrong, the line itself."""
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
+    if mark is None:
+        return f"recipe {recipe!r}: not valid YAML ({problem})"
+    lines = text.splitlines()
+    shown = lines[mark.line].strip()[:80] if mark.line < len(lines) else ""
+    start = getattr(e, "context_mark", None)
+    began = f", {e.context} that starts at line {start.line + 1}" if start is not None and \
+        start.line != mark.line and getattr(e, "context", None) else ""
+    return (f"recipe {recipe!r} line {mark.line + 1}, column {mark.column + 1}: not valid YAML ({problem}{began})"
+            f"{f': {shown!r}' if shown else ''}; each line is `key: value` (a list item `- value`, a comment after #)")
+
+
+def derived_places(recipe: str | os.PathLike | None) -> dict[str, str]:
+    """The output folders a recipe NAME.yaml (or lowmem_dpo:NAME) writes when it names none: runs/NAME and
+    runs/NAME-ref-cache, beside the working directory; none without a recipe."""
+    if recipe is None:
+        return {}
+    name = str(recipe)[len(builtins.PREFIX):] if builtins.is_builtin(str(recipe)) else Path(recipe).stem
+    return {"output_dir": f"runs/{name}", "ref_cache_dir": f"runs/{name}-ref-cache"}
+
+
+def require(cfg: Config, stage: str) -> None:
+    """ConfigError naming every key `stage` needs (NEEDS) that is not set: nothing defaults to the demo's."""
+    needs = [k for k in NEEDS[stage] if not (k == "ref_cache_dir" and cfg.ref_source == "live")]
+    unset = [k for k in needs if getattr(cfg, k) is None]
+    if unset:
+        raise ConfigError("; ".join(f"{k} is not set: {UNSET[k]}" for k in unset) + f" ({stage} needs "
+                          f"{' and '.join(unset)})")
+
+
+def place(cfg: Config, key: str) -> str:
+    """An output folder as the log shows it: its path, and where that came from."""
+    origin = "from the recipe's name" if key in cfg.derived_keys else "set"
+    return f"{getattr(cfg, key)} ({key}, {origin})"
+
+
+# What each stage needs set: no default points at the demo's model, data or folders.
+NEEDS = {"precompute": ("model_name_or_path", "dataset", "ref_cache_dir"),
+         "preflight": ("model_name_or_path", "dataset", "ref_cache_dir"),
+         "train": ("model_name_or_path", "dataset", "output_dir", "ref_cache_dir"),
+         "sft": ("model_name_or_path", "dataset", "output_dir"),
+         "plan": ("model_name_or_path",), "plan --measure": ("model_name_or_path", "dataset")}
+# How --help shows the defaults of these keys (null is no value for them).
+SHOWN_DEFAULTS = {"model_name_or_path": "required", "dataset": "required",
+                  "output_dir": "default runs/NAME for a recipe NAME.yaml",
+                  "ref_cache_dir": "default runs/NAME-ref-cache for a recipe NAME.yaml"}
+UNSET = {"model_name_or_path": "name the model, a local transformers folder (lowmem_dpo:tiny-llama is the demo's)",
+         "dataset": "name the preference rows, e.g. a .jsonl file of {prompt, chosen, rejected} objects "
+                    "(lowmem_dpo:tiny-prefs is the demo's)",
+         "output_dir": "name the folder the run writes (a recipe NAME.yaml writes runs/NAME unless it says)",
+         "ref_cache_dir": "name the folder of the reference cache (a recipe NAME.yaml uses runs/NAME-ref-cache "
+                          "unless it says)"}

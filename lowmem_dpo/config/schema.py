@@ -50,17 +50,17 @@ def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fal
 @dataclass
 class Config:
     # -- model and data ----------------------------------------------------------------------------------------
-    model_name_or_path: str = _f("lowmem_dpo:tiny-llama", "Base model: a local folder, a hub name (online), or "
-                                 "a built-in `lowmem_dpo:tiny-llama` / `lowmem_dpo:llama-25m` built on first use; or "
-                                 "a PEFT LoRA adapter folder (e.g. the SFT stage's output_dir), whose "
-                                 "adapter_config.json names the base.", reference="files")
+    model_name_or_path: Optional[str] = _f(None, "Base model (required): a local folder, a hub name (online), a "
+                                           "built-in (lowmem_dpo:tiny-llama, the demo's); or a PEFT LoRA adapter folder "
+                                           "(e.g. an SFT output_dir), whose adapter_config.json names the base.", reference="files")
     sft_adapter: Optional[str] = _f(None, "A PEFT LoRA adapter folder from an SFT stage, on model_name_or_path (a "
                                     "base): the reference is base + adapter (its files are in the cache's "
                                     "model side) and train continues it (adapter_mode).", reference="files")
-    dataset: list[Source] = _f([Source("data/tiny-prefs.jsonl")], "Preference rows {prompt, chosen, rejected}: a "
-                               ".jsonl/.json/.parquet/.csv file, a datasets save_to_disk folder, or a hub dataset "
-                               "name (online); or a mixture, a list of these or of {path, split, fraction | rows} "
-                               "(docs/data.md, Mixtures).", reference="files")
+    dataset: Optional[list[Source]] = _f(None, "Preference rows {prompt, chosen, rejected} (required): a .jsonl/"
+                                         ".json/.parquet/.csv file, a datasets save_to_disk folder, a hub dataset "
+                                         "name (online) or the demo's lowmem_dpo:tiny-prefs; or a mixture, a list of "
+                                         "these or of {path, split, fraction | rows} (docs/data.md, Mixtures).",
+                                         reference="files")
     dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders); "
                             "a mixture's source may name its own.", reference="files")
     prompt_column: Optional[str] = _f(None, "The column holding the prompts when it is not called prompt (e.g. "
@@ -70,13 +70,13 @@ class Config:
     max_train_samples: Optional[int] = _f(None, "Take at most this many rows of the dataset (of the mixture), "
                                           "chosen by seed and each row's content, before eval_fraction holds "
                                           "prompts out. null: all.", min=1, reference="files")
-    output_dir: str = _f("runs/tiny", "Where train writes config.yaml, metrics.jsonl and the final LoRA adapter. A "
-                         "folder holding anything but a lowmem_dpo run is refused (overwrite_output_dir).",
-                         resumable=True)
+    output_dir: Optional[str] = _f(None, "Where train and sft write config.yaml, metrics.jsonl, checkpoints and the "
+                                   "adapter; null: runs/NAME for a recipe NAME.yaml. A folder holding anything but this "
+                                   "tool's own run is refused (overwrite_output_dir).", resumable=True)
     overwrite_output_dir: bool = _f(False, "Write into an output_dir that holds other files (its tokenizer and "
                                     "adapter files are replaced).", resumable=True)
-    ref_cache_dir: str = _f("runs/tiny-ref-cache", "Where precompute writes the reference log-prob cache and "
-                            "where train reads it.", resumable=True)
+    ref_cache_dir: Optional[str] = _f(None, "Where precompute writes the reference log-prob cache and train reads "
+                                      "it; null: runs/NAME-ref-cache for a recipe NAME.yaml.", resumable=True)
     # -- precision and device ------------------------------------------------------------------------------------
     device: str = _f("auto", "auto picks cuda when torch sees a GPU, else mps (Apple) when present, else cpu.",
                      choices=("auto", "cpu", "cuda", "mps"))
@@ -137,10 +137,8 @@ class Config:
     eval_steps: Optional[int] = _f(None, "Evaluate every this many optimizer steps and at the last step. null: at "
                                    "every checkpoint (save_steps), or only at the last step when save_steps is 0.",
                                    min=1, resumable=True)
-    eval_on_start: bool = _f(False, "Evaluate once before the first step (step 0, as transformers' eval_on_start): the "
-                             "baseline later evals are read against (the policy is still the reference: eval_loss is ln 2 "
-                             "for sigmoid).",
-                             resumable=True)
+    eval_on_start: bool = _f(False, "Evaluate once before the first step too (step 0, transformers' name): the baseline "
+                             "later evals are read against (eval_loss ln 2 for sigmoid).", resumable=True)
     eval_max_pairs: Optional[int] = _f(None, "Evaluate the first this many eval rows; null: all.", min=1)
     metric_for_best_model: str = _f("eval_loss", "The eval metric that picks the best checkpoint (its name in "
                                     "metrics.jsonl; the eval_ prefix may be left out).")
@@ -230,12 +228,14 @@ class Config:
 
     # Keys the recipe or an override set (build_config fills it), as opposed to defaults: warnings name only these.
     explicit_keys: ClassVar[frozenset] = frozenset()
+    # Keys set from the recipe's name (recipe.load_config: output_dir runs/NAME, ref_cache_dir runs/NAME-ref-cache).
+    derived_keys: ClassVar[frozenset] = frozenset()
     overrides: ClassVar[tuple] = ()  # the key=value overrides it was loaded with, for the commands messages give
 
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> list[str]:
         """Cross-field checks; per-field types and ranges are checked at coercion time."""
-        problems = [p for p in [repeated(self.dataset, self.dataset_split)] if p]
+        problems = [p for p in [self.dataset and repeated(self.dataset, self.dataset_split)] if p]
         if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
             problems.append(f"max_prompt_length={self.max_prompt_length} must be below max_length="
                             f"{self.max_length}: a prompt that long leaves no room for the completion")

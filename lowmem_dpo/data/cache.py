@@ -281,6 +281,13 @@ def fingerprint_digest(components: dict) -> str:
     return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()
 
 
+def earlier_cache(cache_dir: Path) -> bool:
+    """Whether the folder is a reference cache this tool wrote before it marked its folders: its index, or a
+    format-1 cache's manifest."""
+    manifest = read_legacy(cache_dir)
+    return stores.is_store(cache_dir) or isinstance(manifest, dict) and {"fingerprint", "shard_dir"} <= set(manifest)
+
+
 def read_legacy(cache_dir: Path) -> dict | None:
     """A format-1 cache's manifest, or None."""
     try:

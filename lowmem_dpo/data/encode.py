@@ -89,12 +89,44 @@ def _chat_ids(tokenizer, messages: list, **kwargs) -> list[int]:
     return list(out["input_ids"])
 
 
-def _encode(rows: list[dict], tokenizer, conversational: bool) -> list[tuple[list[int], list[int], list[int]]]:
-    """(prompt ids, prompt+chosen ids, prompt+rejected ids) per row."""
+def check_format(tokenizer, kind: str | None, spec: str, noted: set) -> None:
+    """Conversations need a chat template (a UserError naming the chat_template key when the tokenizer has none);
+    plain text on a tokenizer with one is tokenized as written, as TRL does, which a chat model may answer with
+    nothing: said once per dataset (`noted`)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if kind == "conversation" and not template:
+        raise UserError(f"dataset {spec!r} holds conversations (lists of {{role, content}} messages), and the "
+                        "model's tokenizer has no chat template to render them: set chat_template to a Jinja "
+                        "template (a .jinja file, or the template text; docs/data.md, Chat templates), or write the "
+                        "rows as plain text")
+    if kind == "text" and template and spec not in noted:
+        noted.add(spec)
+        log(f"note: dataset {spec!r} is plain text, tokenized as written: the model's chat template is not applied "
+            "(as in TRL), and a chat model may answer such prompts with nothing. For the template, write each row "
+            'as a conversation: prompt [{"role": "user", "content": ...}], chosen and rejected [{"role": '
+            '"assistant", "content": ...}] (docs/data.md, Conversations)')
+
+
+def _conversation_ids(tokenizer, messages: list, spec: str, where: str, **kwargs) -> list[int]:
+    """A conversation's ids by the chat template; a UserError naming the row when the template refuses it."""
+    import jinja2
+
+    try:
+        return _chat_ids(tokenizer, messages, **kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise UserError(f"dataset {spec!r} {where}: the chat template cannot render this conversation "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); fix the row, or set chat_template "
+                        "to a template that takes it") from None
+
+
+def _encode(usable: list[tuple[int, dict]], tokenizer, conversational: bool, spec: str,
+            where: Callable[[int], str]) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt ids, prompt+chosen ids, prompt+rejected ids) per (index, row)."""
     if conversational:
-        return [(_chat_ids(tokenizer, r["prompt"], add_generation_prompt=True),
-                 _chat_ids(tokenizer, r["prompt"] + r["chosen"]),
-                 _chat_ids(tokenizer, r["prompt"] + r["rejected"])) for r in rows]
+        return [(_conversation_ids(tokenizer, r["prompt"], spec, where(i), add_generation_prompt=True),
+                 _conversation_ids(tokenizer, r["prompt"] + r["chosen"], spec, where(i)),
+                 _conversation_ids(tokenizer, r["prompt"] + r["rejected"], spec, where(i))) for i, r in usable]
+    rows = [r for _, r in usable]
     eos = tokenizer.eos_token
     prompts = [r["prompt"] for r in rows]
     chosen = [r["prompt"] + (r["chosen"] if r["chosen"].endswith(eos) else r["chosen"] + eos) for r in rows]
@@ -131,6 +163,7 @@ def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None,
     pairs: list[TokenizedPair] = []
     skipped: dict[str, list[int]] = {reason: [] for reason in SKIPS}
     truncated: dict[str, list[int]] = {part: [] for part in TRUNCATIONS}
+    noted: set = set()
     for checked, kind in _checked_chunks(ds, spec, where, REQUIRED, progress):
         usable = []
         for i, row in checked:
@@ -139,7 +172,8 @@ def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None,
                 skipped[reason].append(i)
             else:
                 usable.append((i, row))
-        encoded = _encode([r for _, r in usable], tokenizer, kind == "conversation") if usable else []
+        check_format(tokenizer, kind, spec, noted)
+        encoded = _encode(usable, tokenizer, kind == "conversation", spec, where) if usable else []
         for (i, _), (p, pc, pr) in zip(usable, encoded):
             split = _split_prompt(p, [pc, pr], max_length, max_prompt_length)
             if split is None:
@@ -249,11 +283,13 @@ def sft_column(ds, spec: str) -> str:
                     "needs rows with prompt and completion, or preference rows with prompt and chosen")
 
 
-def _encode_completions(rows: list[dict], column: str, tokenizer, conversational: bool) -> list[tuple]:
-    """(prompt ids, prompt+completion ids) per row, as _encode tokenizes prompt+chosen."""
+def _encode_completions(usable: list[tuple[int, dict]], column: str, tokenizer, conversational: bool, spec: str,
+                        where: Callable[[int], str]) -> list[tuple]:
+    """(prompt ids, prompt+completion ids) per (index, row), as _encode tokenizes prompt+chosen."""
     if conversational:
-        return [(_chat_ids(tokenizer, r["prompt"], add_generation_prompt=True),
-                 _chat_ids(tokenizer, r["prompt"] + r[column])) for r in rows]
+        return [(_conversation_ids(tokenizer, r["prompt"], spec, where(i), add_generation_prompt=True),
+                 _conversation_ids(tokenizer, r["prompt"] + r[column], spec, where(i))) for i, r in usable]
+    rows = [r for _, r in usable]
     eos = tokenizer.eos_token
     full = [r["prompt"] + (r[column] if r[column].endswith(eos) else r[column] + eos) for r in rows]
     enc = tokenizer([r["prompt"] for r in rows] + full)["input_ids"]
@@ -272,10 +308,12 @@ def tokenize_completions(ds, tokenizer, max_length: int, max_prompt_length: int 
     where = where or row_locator(spec, len(ds))  # `where`: a mixture's rows name their place in their source
     items: list[TokenizedCompletion] = []
     skipped: dict[str, list[int]] = {"empty_completion": [], "prompt_too_long": []}
+    noted: set = set()
     for checked, kind in _checked_chunks(ds, spec, where, ("prompt", column), progress):
         usable = [(i, r) for i, r in checked if not (_is_empty(r["prompt"]) or _is_empty(r[column]))]
         skipped["empty_completion"] += sorted({i for i, _ in checked} - {i for i, _ in usable})
-        encoded = _encode_completions([r for _, r in usable], column, tokenizer, kind == "conversation") \
+        check_format(tokenizer, kind, spec, noted)
+        encoded = _encode_completions(usable, column, tokenizer, kind == "conversation", spec, where) \
             if usable else []
         for (i, _), (p, pc) in zip(usable, encoded):
             split = _split_prompt(p, [pc], max_length, max_prompt_length)

@@ -15,15 +15,21 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from lowmem_dpo.data.implicit import IMPLICIT, implicit_required, is_implicit, with_prompt
+from lowmem_dpo.runtime import builtins
 from lowmem_dpo.runtime.errors import UserError, log
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 REQUIRED = ("prompt", "chosen", "rejected")
 
 
+def local_path(spec: str) -> Path:
+    """Where a dataset `spec` is on disk if it is local: its path, or a built-in's shipped file (lowmem_dpo:NAME)."""
+    return builtins.path(spec, "dataset", "dataset") if builtins.is_builtin(spec) else Path(spec)
+
+
 def data_files(spec: str) -> list[Path]:
     """The local files whose bytes define the dataset's content (for the digests a checkpoint records); [] for hub data."""
-    path = Path(spec)
+    path = local_path(spec)
     if path.is_file():
         return [path]
     if path.is_dir():
@@ -121,9 +127,14 @@ def _json_lines(lines: Iterator[tuple[int, str]], spec: str,
         try:
             yield f"line {n}", json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"dataset {spec!r} line {n}: not JSON ({e.msg} at column {e.colno}): "
-                            f"{line.strip()[:60]!r}; each line must be one JSON object with "
-                            f"{', '.join(required)}") from None
+            raise UserError(f"dataset {spec!r} line {n}, column {e.colno}: not JSON ({e.msg}) at {at(line, e.pos)}; "
+                            f"each line must be one JSON object with {', '.join(required)}") from None
+
+
+def at(text: str, pos: int) -> str:
+    """Where in a line a parse stopped, for messages: the characters around character `pos` (from 0), `pos` marked."""
+    before, after = text[max(0, pos - 40):pos], text[pos:pos + 20].rstrip("\r\n")
+    return f"{'...' if pos > 40 else ''}{before}>>>{after}{'...' if len(text.rstrip()) > pos + 20 else ''}"
 
 
 def check_file(path: Path, spec: str, required: tuple[str, ...] = REQUIRED) -> None:
@@ -153,8 +164,9 @@ def check_file(path: Path, spec: str, required: tuple[str, ...] = REQUIRED) -> N
         try:
             whole = json.loads(text)
         except json.JSONDecodeError as e:
-            raise UserError(f"dataset {spec!r} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno}); "
-                            "use one JSON object per line, or one list of objects") from None
+            line = text.splitlines()[e.lineno - 1] if e.lineno <= len(text.splitlines()) else ""
+            raise UserError(f"dataset {spec!r} line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}) at "
+                            f"{at(line, e.colno - 1)}; use one JSON object per line, or one list of objects") from None
         if isinstance(whole, list):
             _check_rows(((f"row {i}", row) for i, row in enumerate(whole)), spec, required)
         return  # one object: datasets reads it as columns, checked once loaded
@@ -170,7 +182,7 @@ def row_locator(spec: str, num_rows: int) -> Callable[[int], str]:
         nonlocal lines
         if lines is None:
             lines = []
-            path = Path(spec)
+            path = local_path(spec)
             if path.is_file() and path.suffix.lower() in (".jsonl", ".json"):
                 found = [(n, t) for n, t in _decoded_lines(path, spec) if t.strip()]
                 if len(found) == num_rows and found[0][1].lstrip().startswith("{"):
@@ -225,7 +237,7 @@ def _load(spec: str, split: str, required: tuple[str, ...]):
     import datasets
 
     datasets.disable_progress_bars()
-    path = Path(spec)
+    path = local_path(spec)
     try:
         if path.is_file():
             builder = FILE_BUILDERS.get(path.suffix.lower())

@@ -34,6 +34,24 @@ CREATE TABLE IF NOT EXISTS rows (side INTEGER NOT NULL, key BLOB NOT NULL, chose
                                  rejected REAL NOT NULL, chosen_tokens INTEGER NOT NULL,
                                  rejected_tokens INTEGER NOT NULL, PRIMARY KEY (side, key)) WITHOUT ROWID;
 """
+
+
+def is_store(cache_dir: str | Path) -> bool:
+    """Whether the folder holds this tool's index (its tables), read without writing."""
+    path = Path(cache_dir) / INDEX
+    if not path.is_file():
+        return False
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return False
+    return {"sides", "rows"} <= tables
+
+
 CHUNK = 500  # keys per lookup query (SQLite's bound on parameters is 999 on old builds)
 WAIT_S = 600  # how long a writer waits for another process's commit before giving up
 

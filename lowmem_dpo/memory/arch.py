@@ -90,6 +90,7 @@ class Arch:
                                                          ("model.rotary_emb", "model.norm", "lm_head"))
     mlp_block: str = "mlp"  # the layer's MLP module, which activations.tile_mlps runs in tiles ("": none, e.g. OPT)
     sliding_window: int | None = None  # attention sees this many tokens back (Mistral 7B v0.1: 4096); None: all
+    context: int | None = None  # positions the model knows (max_position_embeddings); None: not said
 
     @property
     def q_dim(self) -> int:
@@ -249,7 +250,13 @@ def arch_from_model(model, name: str) -> Arch:
                 eager_attention=getattr(config, "_attn_implementation", None) == "eager",
                 attention_softcap=bool(getattr(config, "attn_logit_softcapping", None)),
                 mlp_block=mlp_block if _one_input(getattr(layers[0], mlp_block, None)) else "",
-                sliding_window=_sliding_window(config))
+                sliding_window=_sliding_window(config), context=_context(config))
+
+
+def _context(config) -> int | None:
+    """The longest sequence the model has positions for: max_position_embeddings (n_positions for GPT-2)."""
+    found = [getattr(config, k, None) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")]
+    return next((v for v in found if isinstance(v, int) and v > 0), None)
 
 
 def _one_input(mlp) -> bool:
@@ -318,16 +325,17 @@ def arch_config_path(spec: str) -> Path:
             raise UserError(f"model_name_or_path={spec!r}: no shipped architecture {name!r}; shipped: "
                             + ", ".join(ARCH_PREFIX + n for n in shipped_archs()))
         return path
-    if spec.startswith(BUILTIN_PREFIX) or Path(spec).is_dir() or spec.startswith((".", "/")):
+    if spec.startswith(BUILTIN_PREFIX) or Path(spec).expanduser().exists() or spec.startswith((".", "/", "~")):
         return resolve_model_path(spec) / "config.json"
     try:  # a hub name the planner does not ship: its config.json alone (a few KB), when online
         from huggingface_hub import hf_hub_download
 
         return Path(hf_hub_download(spec, "config.json"))
     except Exception as e:
-        raise UserError(f"model_name_or_path={spec!r}: not a local folder, a built-in, a shipped architecture "
-                        f"({', '.join(ARCH_PREFIX + n for n in shipped_archs())}) or a hub name whose config.json "
-                        f"could be fetched ({type(e).__name__}); pass a folder holding its config.json") from None
+        raise UserError(f"model_name_or_path={spec!r}: no such folder ({Path(spec).absolute()} does not exist), and "
+                        f"not a built-in, a shipped architecture ({', '.join(ARCH_PREFIX + n for n in shipped_archs())})"
+                        f" or a hub name whose config.json could be fetched ({type(e).__name__}); check the path, or "
+                        "pass a folder holding the model's config.json") from None
 
 
 @functools.lru_cache(maxsize=16)

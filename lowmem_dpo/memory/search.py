@@ -257,15 +257,16 @@ LENGTH_LIMIT = 1 << 17
 
 
 def longest_max_length(arch: Arch, setup: Setup, budget: int, micro_batch: int) -> tuple[int, Plan | None]:
-    """The longest max_length (a multiple of LENGTH_STEP, at most LENGTH_LIMIT) at which train fits `budget` with
-    `micro_batch` pairs per micro-batch, the knobs train turns by itself on (TRAIN_KNOBS, not streaming); and that
-    plan. (0, None) when not even LENGTH_STEP fits. Binary search: the peak grows with max_length."""
+    """The longest max_length (a multiple of LENGTH_STEP, at most LENGTH_LIMIT and the model's context) at which
+    train fits `budget` with `micro_batch` pairs per micro-batch, the knobs train turns by itself on (TRAIN_KNOBS,
+    not streaming); and that plan. (0, None) when not even LENGTH_STEP fits. Binary search: the peak grows with
+    max_length."""
     at = dataclasses.replace(setup, micro_batch=micro_batch, seq_len=None, completion_tokens=None)
 
     def plan(length: int) -> Plan:
         return choose(arch, dataclasses.replace(at, max_length=length), budget, TRAIN_KNOBS, stages=("train",))
 
-    lo, hi = 0, LENGTH_LIMIT // LENGTH_STEP
+    lo, hi = 0, min(LENGTH_LIMIT, arch.context or LENGTH_LIMIT) // LENGTH_STEP
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if plan(mid * LENGTH_STEP).fits:

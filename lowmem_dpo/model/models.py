@@ -21,7 +21,7 @@ def resolve_model_path(spec: str) -> Path:
     """A local folder holding config.json, weights and tokenizer for `model_name_or_path`."""
     if spec.startswith(BUILTIN_PREFIX):
         return ensure_builtin(spec)
-    path = Path(spec)
+    path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file() and (path / ADAPTER_CONFIG).is_file():
             return adapter_base(path, "model_name_or_path")  # an adapter folder: its base (see model_source)
@@ -29,16 +29,22 @@ def resolve_model_path(spec: str) -> Path:
             raise UserError(f"model_name_or_path={spec!r}: the folder has no config.json; point it at a "
                             "transformers model folder")
         return path
-    if path.exists() or spec.startswith((".", "/")):
-        raise UserError(f"model_name_or_path={spec!r}: not a model folder")
+    if path.exists():
+        raise UserError(f"model_name_or_path={spec!r} is a file: point it at the model's folder (config.json, "
+                        "weights and tokenizer files)")
+    missing = f"no such folder ({path.absolute()} does not exist)"
+    if spec.startswith((".", "/", "~")):
+        raise UserError(f"model_name_or_path={spec!r}: {missing}; check the path (relative paths start from "
+                        f"{Path.cwd()})")
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
                                                             "*.jinja"]))
     except Exception as e:
-        raise UserError(f"model_name_or_path={spec!r} is not a local folder and could not be fetched from the hub "
-                        f"({type(e).__name__}); download it to a folder and pass that path") from None
+        raise UserError(f"model_name_or_path={spec!r}: {missing}, and as a hub name it could not be fetched "
+                        f"({type(e).__name__}); check the path, or download the model to a folder and pass that "
+                        "path") from None
 
 
 # -- which model: a base, an SFT adapter on a base, or a merged model -------------------------------------------

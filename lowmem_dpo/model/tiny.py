@@ -1,7 +1,7 @@
 """Built-in tiny models and the synthetic preference data: no download, deterministic.
 
     python -m lowmem_dpo.model.tiny            # build both built-in models now (otherwise built on first use)
-    python -m lowmem_dpo.model.tiny --data data/tiny-prefs.jsonl   # regenerate the shipped dataset
+    python -m lowmem_dpo.model.tiny --data lowmem_dpo/demo/tiny-prefs.jsonl   # regenerate the shipped dataset
 
 `lowmem_dpo:tiny-llama` is a 2-layer Llama (hidden 64) for tests and the demo, pretrained for a few seconds at build
 so that it writes sentences; `lowmem_dpo:llama-25m` is the same architecture at hidden 512 and 8 layers (~25M
@@ -20,10 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lowmem_dpo.runtime.builtins import PREFIX as BUILTIN_PREFIX
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.files import home
 
-BUILTIN_PREFIX = "lowmem_dpo:"
 VERSION = 2  # 2: tiny-llama is pretrained (pretrain)
 # name -> Llama sizes. llama-25m: 8 x (4*512^2 attn + 3*512*1376 mlp) + 2*1024*512 embeddings = 25.3M params.
 BUILTINS = {

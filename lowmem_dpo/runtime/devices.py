@@ -19,7 +19,7 @@ import torch
 
 from lowmem_dpo.runtime import distributed, rules
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.runtime.units import fmt, parse_size
+from lowmem_dpo.runtime.units import fmt, parse_size, size_note
 
 QUANTIZATION_NAMES = {"none": "none", "8bit": "LLM.int8", "4bit": "NF4 with double quantization"}
 
@@ -154,6 +154,8 @@ def resolve(cfg) -> Resolved:
     if w.distributed:
         reasons[0] += f"; process {w.rank} of {w.size} on {device} (data parallel)"
     budget = None
+    if size_note(cfg.memory_budget) is not None:
+        reasons.append(f"memory_budget {size_note(cfg.memory_budget)}")
     if device.type == "cuda":
         cuda = run_cuda_budget(device, cfg.memory_budget)
         budget = cuda.budget

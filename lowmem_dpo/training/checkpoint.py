@@ -34,7 +34,7 @@ import torch
 
 from lowmem_dpo.config.coerce import coerce
 from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGTH
-from lowmem_dpo.runtime import files
+from lowmem_dpo.runtime import files, folders
 from lowmem_dpo.runtime.errors import ConfigError, UserError, log
 
 FOLDER = "checkpoints"
@@ -160,12 +160,19 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
     return final
 
 
+def new_run(output_dir: str | Path) -> str:
+    """The advice when a run cannot continue: a new folder, which leaves this run as it is (never resume=never,
+    which would replace its checkpoints)."""
+    return (f"start a new run in a new folder, output_dir={folders.free_name(Path(output_dir))} ({output_dir} stays "
+            "as it is)")
+
+
 def read_state(path: Path) -> TrainerState:
     try:
         return TrainerState(**json.loads((path / STATE).read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError) as e:
-        raise UserError(f"checkpoint {str(path)!r} is unreadable ({type(e).__name__}: {e}); pass resume=never to "
-                        "start over, or resume=PATH of another checkpoint") from None
+        raise UserError(f"checkpoint {str(path)!r} is unreadable ({type(e).__name__}: {e}); pass resume=PATH of "
+                        f"another checkpoint, or {new_run(Path(path).parent.parent)}") from None
 
 
 def find(output_dir: str | Path, resume: str) -> Path | None:
@@ -221,7 +228,7 @@ def input_changes(saved: dict, current: dict) -> list[str]:
             if saved.get(k) != current.get(k) and not (legacy and k == "reference cache")]
 
 
-def check_inputs(resume: tuple[Path | None, TrainerState | None], current: dict) -> None:
+def check_inputs(resume: tuple[Path | None, TrainerState | None], current: dict, output_dir: str | Path) -> None:
     """Refuse to continue checkpoint `resume` (resuming.find_resume's pair) on other inputs than it was trained on:
     `current` (inputs.run_inputs) against its record, exit 2 naming what changed. A checkpoint written before
     inputs were recorded is continued with a warning (its settings are still checked)."""
@@ -230,14 +237,13 @@ def check_inputs(resume: tuple[Path | None, TrainerState | None], current: dict)
         return
     if saved.inputs is None:
         log(f"warning: {resume_from} does not record its inputs (written by an older lowmem_dpo): resuming "
-            f"without checking that its {', '.join(current)} are the ones it trained on; pass resume=never to "
-            "start over if they changed (this run's checkpoints record them)")
+            f"without checking that its {', '.join(current)} are the ones it trained on; if they changed, "
+            f"{new_run(output_dir)} (this run's checkpoints record them)")
         return
     changed = input_changes(saved.inputs, current)
     if changed:
         raise UserError(f"{resume_from} was trained on other inputs: {', '.join(changed)} changed since; the run "
-                        "cannot continue on them. Pass resume=never to start over (the old checkpoints are "
-                        "replaced as the new run saves), or restore them to resume")
+                        f"cannot continue on them. Restore them to resume, or {new_run(output_dir)}")
 
 
 def load_adapter_weights(path: Path, model) -> None:
@@ -249,7 +255,7 @@ def load_adapter_weights(path: Path, model) -> None:
     result = set_peft_model_state_dict(model, weights)
     if getattr(result, "unexpected_keys", None):
         raise UserError(f"checkpoint {str(path)!r} holds an adapter that does not match this run's "
-                        f"({len(result.unexpected_keys)} unexpected keys); pass resume=never to start over")
+                        f"({len(result.unexpected_keys)} unexpected keys); {new_run(Path(path).parent.parent)}")
 
 
 def restore(path: Path, model, opt, sched, scaler=None, rank: int = 0) -> None:

@@ -337,6 +337,9 @@ def run(s: Session, progress: bool = True) -> TrainResult:
         s.tensorboard = tensorboard.open_writer(cfg.report_to, out_dir, purge_step=s.step + 1 if s.step else 0)
     try:
         last = steps(s, out_dir, bar, last)
+    except KeyboardInterrupt:  # Ctrl-C: where the rerun continues
+        then = "continues from it" if checkpoint.complete(cfg.output_dir) else "starts the run again"
+        raise KeyboardInterrupt(f"{output.last_checkpoint_note(s)}; the same command {then}") from None
     finally:
         bar.close()  # before any message that ends the run, which then stands on its own line
     if s.tensorboard is not None:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo.runtime import devices, files
+from lowmem_dpo.config.schema import FIELDS
+from lowmem_dpo.model.models import TOKENIZER_FILES
+from lowmem_dpo.runtime import devices, files, folders
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint
 
@@ -24,47 +26,42 @@ def last_checkpoint_note(s) -> str:
     """What a stopped run leaves to resume from, for messages."""
     found = checkpoint.complete(s.cfg.output_dir)
     return (f"the last checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact" if found
-            else "no checkpoint was written (save_steps)")
+            else "no checkpoint was written yet (save_steps)")
 
 
-# A lowmem_dpo run's config.yaml has these keys (with every other key of config.Config): what check_output_dir
-# recognises as a folder this tool wrote; or a folder of nothing but what a run writes besides the adapter
-# (checkpoints copied or left by a run killed early).
-RUN_KEYS = ("model_name_or_path", "ref_cache_dir", "output_dir", "loss_type")
-RUN_FILES = {"checkpoints", "config.yaml", "metrics.jsonl", "samples.jsonl", "trainer_state.json", "runs",
-             "curves.png", "memory_snapshot.pickle"}
+# What a run writes into output_dir: overwrite_output_dir accepts a folder of other files when none has one of these
+# names (a tokenizer saving a file of another name is caught when the adapter is saved: folders.check_replacing).
+RUN_FILES = frozenset({"checkpoints", "config.yaml", "metrics.jsonl", "samples.jsonl", "trainer_state.json", "runs",
+                       "curves.png", "memory_snapshot.pickle", "adapter_config.json", "adapter_model.safetensors",
+                       "README.md", folders.MARKER, *TOKENIZER_FILES})
+KIND = {"train": "dpo run", "sft": "sft run"}  # the folder kind (folders.KINDS) of each stage's output_dir
+# A run written before folders had a marker: its config.yaml holds every one of these keys, and only Config keys.
+RUN_KEYS = ("model_name_or_path", "ref_cache_dir", "output_dir", "loss_type", "learning_rate", "lora_r", "seed")
 
 
-def check_output_dir(cfg) -> None:
-    """Before anything heavy: refuse an output_dir that holds files and is not a lowmem_dpo run (its config.yaml
-    names RUN_KEYS), since train writes its config, tokenizer and adapter files there, unless
-    overwrite_output_dir is set. An empty or new folder, or an earlier run (resumed or started over), is fine."""
+def earlier_run(folder: Path) -> bool:
+    """Whether `folder` is a run this tool wrote before it marked its folders: its config.yaml is one of ours."""
     import yaml
 
-    out = Path(cfg.output_dir)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"output_dir={str(out)!r} is a file: name a folder (it is created if missing)")
-    if cfg.overwrite_output_dir or not out.is_dir():
-        return
-    entries = sorted(p.name for p in out.iterdir())
-    if not entries:
-        return
     try:
-        ours = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
+        config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        ours = None
-    if isinstance(ours, dict) and all(k in ours for k in RUN_KEYS) or set(entries) <= RUN_FILES:
-        return
-    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-    raise UserError(f"output_dir={str(out)!r} holds files that are not a lowmem_dpo run ({shown}): train would "
-                    "write its config, tokenizer and adapter files among them. Name a new or empty folder, or set "
-                    "overwrite_output_dir=true to write there anyway")
+        return False
+    return isinstance(config, dict) and all(k in config for k in RUN_KEYS) and set(config) <= set(FIELDS)
+
+
+def check_output_dir(cfg, stage: str) -> None:
+    """Before anything heavy: output_dir must be new, empty, or `stage`'s own run (its marker; or an earlier run of
+    this tool, which is then marked); with overwrite_output_dir, a folder whose files have none of RUN_FILES'
+    names. Anything else is refused, naming its files: nothing a user had is replaced."""
+    folders.check(Path(cfg.output_dir), KIND[stage], "output_dir", earlier_run,
+                  RUN_FILES if cfg.overwrite_output_dir else None)
 
 
 def start_output(s) -> Path:
     """output_dir with the resolved config.yaml; the resolved choices in the log."""
     out_dir = Path(s.cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    folders.mark(out_dir, KIND[s.objective.name])  # before the first file: the folder is this run's
     resolved_note = "".join(f"# resolved {r}\n" for r in s.resolved.reasons)
     files.atomic_write_bytes(out_dir / "config.yaml", (s.cfg.to_yaml() + resolved_note).encode())
     for reason in s.resolved.reasons:
@@ -93,6 +90,11 @@ def save_adapter(model, out_dir: Path, tokenizer=None) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        names = sorted(f.name for f in tmp.iterdir())
+        marker = folders.read_marker(out_dir)
+        if marker is not None:  # a run's folder (a checkpoint's is inside one): record what it holds
+            folders.check_replacing(out_dir, names, RUN_FILES, "the adapter")
+            folders.mark(out_dir, marker["kind"], names)
         for f in sorted(tmp.iterdir()):
             os.chmod(f, 0o644)
             os.replace(f, out_dir / f.name)

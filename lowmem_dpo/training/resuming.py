@@ -31,14 +31,13 @@ def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | Non
         raise UserError(f"{resume_from} was written by a run with other settings ("
                         + ", ".join(f"{k}: {checkpoint.declared(k, saved.config.get(k))!r} -> {getattr(cfg, k, None)!r}"
                                     for k in changed)
-                        + "); restore them to resume, or pass resume=never to start over (the old checkpoints"
-                        " are replaced as the new run saves)")
+                        + f"); restore them to resume, or {checkpoint.new_run(cfg.output_dir)}")
     processes = distributed.world().size
     if saved.world_size != processes:
         raise UserError(f"{resume_from} was written by a run on {saved.world_size} process(es), this one has "
                         f"{processes}: a step's pairs are per_device_train_batch_size x gradient_accumulation_steps "
                         f"x processes, so the run would change; resume with {saved.world_size} (torchrun "
-                        "--nproc-per-node), or pass resume=never to start over")
+                        f"--nproc-per-node), or {checkpoint.new_run(cfg.output_dir)}")
     return resume_from, saved
 
 
@@ -55,7 +54,7 @@ def check_older_semantics(cfg: Config, resume_from: Path, saved: checkpoint.Trai
         raise UserError(f"{resume_from} was written when loss_type=sigmoid with label_smoothing="
                         f"{cfg.label_smoothing} was conservative DPO; sigmoid now ignores label_smoothing, as TRL "
                         "1.16's does. To continue it as it was, set loss_type=cdpo (the same loss under its own "
-                        "name); or pass resume=never to start over")
+                        f"name); or {checkpoint.new_run(cfg.output_dir)}")
     if cfg.warmup_steps or cfg.lr_scheduler_type == "constant":
         log(f"note: {resume_from} was written before the learning-rate schedule was transformers': from here on "
             "its warmup (and a constant schedule, which has none in transformers) follow transformers'")
@@ -77,7 +76,7 @@ def check_before_load(cfg: Config, resume: tuple[Path | None, checkpoint.Trainer
     """Before the model loads, so that a refusal takes seconds: the checkpoint `resume` must have been trained on
     the same inputs (`trains_on`: inputs.run_inputs; checkpoint.check_inputs), and this run's total steps over
     its `n_items` must not end before the checkpoint's step (check_run_length)."""
-    checkpoint.check_inputs(resume, trains_on)
+    checkpoint.check_inputs(resume, trains_on, cfg.output_dir)
     check_run_length(cfg, resume, n_items)
 
 
@@ -87,8 +86,8 @@ def check_run_length(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerS
     steps = policy.total_steps(cfg, n_items, distributed.world().size)
     if saved is not None and steps < saved.step:
         raise UserError(f"{_length_changes(cfg, saved)}: the run would end at step {steps}, before "
-                        f"{resume_from}'s step {saved.step}; raise it to continue, or pass resume=never to start "
-                        "over")
+                        f"{resume_from}'s step {saved.step}; raise it to continue, or "
+                        f"{checkpoint.new_run(cfg.output_dir)}")
 
 
 def follow_run_length(s, resume_from: Path, saved: checkpoint.TrainerState) -> None:

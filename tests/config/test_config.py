@@ -123,7 +123,7 @@ def _run(*args, cwd=REPO):
 
 @pytest.mark.parametrize("stage", ["precompute", "train", "sft"])
 def test_cli_bad_override_exits_2_without_traceback(stage):
-    p = _run(f"lowmem_dpo.{stage}", "recipes/tiny-cpu.yaml", "max_steps=1.5", "learnin_rate=1")
+    p = _run(f"lowmem_dpo.{stage}", "lowmem_dpo:tiny-cpu", "max_steps=1.5", "learnin_rate=1")
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert "max_steps=1.5" in p.stderr and "learnin_rate" in p.stderr
@@ -166,7 +166,7 @@ ALTERNATIVES = {
     "report_to": "tensorboard", "share_prompt": "false", "activation_offloading": "true", "loss_weights": [2.0], "max_train_samples": 5,
     "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}", "memory_snapshot_on_oom": True,
     "lr_scheduler_kwargs": {"num_cycles": 2}, "warmup_ratio": 0.1, "overwrite_output_dir": True,
-    "prompt_column": "question",
+    "prompt_column": "question", "eval_on_start": True,
 }
 
 
@@ -202,6 +202,6 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
                                           "cache_shard_rows", "early_stop_on_divergence", "max_nonfinite_steps",
                                           "strict", "eval_steps", "load_best_model_at_end", "eval_generations",
                                           "max_new_tokens", "report_to", "memory_snapshot_on_oom",
-                                          "overwrite_output_dir", "activation_offloading"}
+                                          "overwrite_output_dir", "activation_offloading", "eval_on_start"}
     assert keys_where(resumable="length") == {"max_steps", "num_train_epochs"}  # the run continues to the new total
     assert keys_where(reference="files") == inputs.FILE_KEYS  # each has its digest in inputs.file_components

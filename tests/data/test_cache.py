@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, cached, stored_rows, stored_sides, write_jsonl
+from conftest import REPO, TINY_DATA, TINY_RECIPE, cached, stored_rows, stored_sides, write_jsonl
 from safetensors.torch import load_file, save_file
 
 from lowmem_dpo import data, precompute, train
@@ -28,7 +28,7 @@ from lowmem_dpo.model.models import load_model
 from lowmem_dpo.runtime import devices, files
 from lowmem_dpo.training import inputs
 
-RECIPE = str(REPO / "recipes" / "tiny-cpu.yaml")
+RECIPE = str(TINY_RECIPE)
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}</s>{% endfor %}" \
            "{% if add_generation_prompt %}[assistant] {% endif %}"
 

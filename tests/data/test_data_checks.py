@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, cached, write_jsonl
+from conftest import TINY_DATA, TINY_RECIPE, cached, write_jsonl
 
 from lowmem_dpo import data, precompute, train
 from lowmem_dpo.config.cli import run_cli
@@ -140,7 +140,7 @@ def test_a_failing_run_keeps_the_good_cache_and_adapter(make_cfg, tmp_path, caps
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(TINY_DATA.read_bytes() + b'{"prompt": "a", "chosen": "\xff", "rejected": "c"}\n')
     line = len(TINY_DATA.read_text().splitlines()) + 1
-    args = [str(REPO / "recipes/tiny-cpu.yaml"), f"dataset={bad}", f"ref_cache_dir={ref}", f"output_dir={out}",
+    args = [str(TINY_RECIPE), f"dataset={bad}", f"ref_cache_dir={ref}", f"output_dir={out}",
             "device=cpu", "dtype=float32", "max_length=64"]
     capsys.readouterr()
     # train with ref_source=live: no cache check comes first (with the cache, the changed dataset is refused

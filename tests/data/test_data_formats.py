@@ -108,7 +108,7 @@ def test_chat_template_file_enters_the_fingerprint_by_content(make_cfg, tmp_path
 
 
 def test_bad_chat_template_and_mixed_prompt_formats_exit_2(make_cfg, tmp_path, capsys):
-    code = run_cli(precompute.main, ["recipes/tiny-cpu.yaml", f"ref_cache_dir={tmp_path / 'c'}",
+    code = run_cli(precompute.main, ["lowmem_dpo:tiny-cpu", f"ref_cache_dir={tmp_path / 'c'}",
                                      f"chat_template={tmp_path / 'missing.jinja'}"], "precompute", "")
     err = capsys.readouterr().err
     assert code == 2 and "chat_template=" in err and "not a readable file" in err and "Traceback" not in err

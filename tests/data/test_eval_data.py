@@ -8,7 +8,7 @@ import math
 import datasets
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, cached, write_jsonl
+from conftest import TINY_DATA, TINY_RECIPE, cached, write_jsonl
 
 from lowmem_dpo import data, precompute, preflight
 from lowmem_dpo.data import cache
@@ -151,7 +151,7 @@ def run_precompute(tmp_path, capsys, *overrides: str):
     from lowmem_dpo.config.cli import run_cli
 
     capsys.readouterr()
-    code = run_cli(precompute.main, [str(REPO / "recipes/tiny-cpu.yaml"), f"ref_cache_dir={tmp_path / 'cache'}",
+    code = run_cli(precompute.main, [str(TINY_RECIPE), f"ref_cache_dir={tmp_path / 'cache'}",
                                      "load_best_model_at_end=false", "eval_fraction=0", *overrides], "precompute", "")
     return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
 

@@ -11,7 +11,7 @@ import json
 import math
 
 import pytest
-from conftest import REPO, TINY_DATA, cached, write_jsonl
+from conftest import TINY_DATA, TINY_RECIPE, cached, write_jsonl
 
 from lowmem_dpo import data, precompute, train
 from lowmem_dpo.config.cli import help_text, run_cli
@@ -65,12 +65,12 @@ def test_every_form_coerces_and_writes_back(raw, want, tmp_path):
 
 
 def test_a_single_source_stays_a_plain_override_and_path(tmp_path):
-    cfg = load_config(REPO / "recipes/tiny-cpu.yaml", ["dataset=data/x.jsonl"])
+    cfg = load_config(TINY_RECIPE, ["dataset=data/x.jsonl"])
     assert cfg.dataset == [Source("data/x.jsonl")]
     assert "\ndataset: data/x.jsonl\n" in cfg.to_yaml()  # as config.yaml always read
     assert build_config({}).max_train_samples is None
     text = help_text("train", "doc")
-    assert "dataset (a path or hub name, or a list of sources" in text and "default data/tiny-prefs.jsonl" in text
+    assert "dataset (a path or hub name, or a list of sources" in text and "list of sources: each a path or {path, split, fraction | rows}, required)" in text
     assert "max_train_samples (int or null, default null" in text
 
 
@@ -99,7 +99,7 @@ def test_bad_entries_are_refused_naming_them(raw, message):
 def test_max_train_samples_bounds_and_a_bad_entry_exits_2_from_a_stage(capsys):
     with pytest.raises(ConfigError, match="max_train_samples=0: out of range"):
         build_config({"max_train_samples": 0})
-    args = ["recipes/tiny-cpu.yaml", "dataset=[data/tiny-prefs.jsonl, {path: data/tiny-prefs.jsonl, split: x, "
+    args = ["lowmem_dpo:tiny-cpu", "dataset=[data/tiny-prefs.jsonl, {path: data/tiny-prefs.jsonl, split: x, "
             "fraction: 2}]"]
     assert run_cli(precompute.main, args, "precompute", "") == 2
     err = capsys.readouterr().err
@@ -231,7 +231,7 @@ def test_a_bad_row_in_the_second_source_names_its_file_and_line(make_cfg, tokeni
     assert tok.dropped == [10 + picked.index(i) for i in bad]
     log = capsys.readouterr().err
     assert f"skipped {len(bad)} of 10 rows" in log and f"row {bad[0]} at line {bad[0] + 3}" in log
-    args = ["recipes/tiny-cpu.yaml", f"dataset=[{a}, {{path: {b}, fraction: 0.5}}]", "strict=true", "seed=0",
+    args = ["lowmem_dpo:tiny-cpu", f"dataset=[{a}, {{path: {b}, fraction: 0.5}}]", "strict=true", "seed=0",
             f"ref_cache_dir={tmp_path / 'c'}", "device=cpu", "max_length=64"]
     assert run_cli(precompute.main, args, "precompute", "") == 2
     err = capsys.readouterr().err

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import TINY_DATA, build_tiny_model
 from safetensors.torch import load_file
 
 from lowmem_dpo import precompute, train
@@ -98,7 +98,6 @@ def test_a_target_that_matches_nothing_is_named(model_dir):
     ("gemma2", "float32", "false", "none", "all-linear"),  # eager attention, softcapped head
 ])
 def test_prediction_within_20_percent_of_measured(name, dtype, ckpt, quant, targets, model_dir, tmp_path):
-    from conftest import TINY_DATA
 
     cfg = build_config(dict(model_name_or_path=str(model_dir(name)), dataset=str(TINY_DATA), device="cpu",
                             dtype=dtype, gradient_checkpointing=ckpt, quantization=quant, max_length=64,

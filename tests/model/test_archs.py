@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import build_tiny_model, cached, stored_rows
+from conftest import TINY_DATA, build_tiny_model, cached, stored_rows
 
 from lowmem_dpo import data, precompute, sft, train
 from lowmem_dpo.model import headcheck, logps
@@ -64,7 +64,7 @@ def own_logps(model, batch) -> torch.Tensor:
 
 
 def tiny_rows(tmp_path, n: int = 4):
-    from conftest import TINY_DATA, write_jsonl
+    from conftest import write_jsonl
 
     rows = [json.loads(line) for line in TINY_DATA.read_text().splitlines()[:n]]
     return str(write_jsonl(tmp_path / "rows.jsonl", rows))
@@ -74,7 +74,6 @@ def tiny_rows(tmp_path, n: int = 4):
 def test_logps_equal_the_models_own_forward(name, arch_dir, tokenizer, monkeypatch):
     model = load_model(arch_dir(name), torch.device("cpu"), torch.float32)
     assert model.config.model_type == name and head_of(model.config)[1]  # known: no check at run time
-    from conftest import TINY_DATA
 
     pairs = data.tokenize_rows(data.load_rows(str(TINY_DATA)).select(range(3)), tokenizer, 64, None,
                                progress=False).pairs
@@ -137,7 +136,6 @@ def test_check_head_compares_only_the_head(arch_dir, tokenizer, monkeypatch):
     right head, in float32 and in bfloat16 alike, where the model's forward runs the same lm_head call) and the
     plain head's difference."""
     model = load_model(arch_dir("granite"), torch.device("cpu"), torch.float32)
-    from conftest import TINY_DATA
 
     pairs = data.tokenize_rows(data.load_rows(str(TINY_DATA)).select(range(1)), tokenizer, 64, None,
                                progress=False).pairs

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, build_tiny_model
+from conftest import REPO, TINY_DATA, build_tiny_model
 
 from lowmem_dpo import data, train
 from lowmem_dpo.config.recipe import load_config
@@ -80,7 +80,7 @@ def test_no_padding_mask_and_the_kernel_said(tiny_path, tokenizer):
     assert calls[0]["attn_mask"] is None and calls[0]["is_causal"]
     token = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (2, T-1)
     assert torch.allclose(ours, (token * completion[:, 1:]).sum(1), atol=1e-4)
-    pairs = data.tokenize_rows(data.load_rows(str(REPO / "data" / "tiny-prefs.jsonl")).select(range(2)), tokenizer,
+    pairs = data.tokenize_rows(data.load_rows(str(TINY_DATA)).select(range(2)), tokenizer,
                                64, None, progress=False).pairs
     plain = headcheck.attention_kernel(model, data.collate(pairs[:1], 0), torch.float32, 64)
     shared = headcheck.attention_kernel(model, data.collate_shared(pairs[:1], 0), torch.float32, 64)

@@ -155,7 +155,7 @@ def test_missing_bitsandbytes_is_a_user_error(small, tmp_path, monkeypatch, caps
         devices.make_optimizer(rules.PAGED_ADAMW_8BIT, [torch.nn.Parameter(torch.zeros(2))], 1e-3, 0.0)
 
     cfg = small()
-    code = run_cli(precompute.main, ["recipes/tiny-cpu.yaml", f"dataset={cfg.dataset[0].path}", "quantization=4bit",
+    code = run_cli(precompute.main, ["lowmem_dpo:tiny-cpu", f"dataset={cfg.dataset[0].path}", "quantization=4bit",
                                      f"ref_cache_dir={tmp_path / 'c'}"], "precompute", precompute.__doc__)
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and "pip install" in err

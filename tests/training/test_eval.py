@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, write_jsonl
+from conftest import REPO, TINY_DATA, TINY_RECIPE, write_jsonl
 from safetensors.torch import load_file
 
 from lowmem_dpo import data, precompute, sft, train
@@ -230,7 +230,7 @@ def test_resume_names_a_checkpoint_not_the_output_dir(make_cfg, tmp_path, capsys
 
     out = tmp_path / "run"
     run_best(make_cfg, out)
-    args = [str(REPO / "recipes" / "tiny-cpu.yaml"), f"dataset={TINY_DATA}", f"output_dir={out}",
+    args = [str(TINY_RECIPE), f"dataset={TINY_DATA}", f"output_dir={out}",
             f"ref_cache_dir={tmp_path / 'cache'}", f"resume={out}"]
     assert run_cli(train.main, args, "train", "") == 2
     err = capsys.readouterr().err
@@ -242,7 +242,7 @@ def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
     its eval_gen/repetition rises far above step 0's and the warning shows; with early_stop_on_divergence the
     run stops with the sign. The demo recipe (which evaluates on a held-out split) shows no such warning."""
     def cfg_for(name, *overrides):
-        return load_config(REPO / "recipes" / "tiny-cpu.yaml", [
+        return load_config(TINY_RECIPE, [
             f"dataset={TINY_DATA}", f"output_dir={tmp_path / name}", f"ref_cache_dir={tmp_path / 'cache'}",
             "eval_fraction=0.15", *overrides])
 

@@ -1,0 +1,115 @@
+"""Folders this tool writes into are its own: a new or empty folder, or one holding this tool's own output of the
+same kind, recognised by the marker file it writes there (MARKER), never by the names of the files.
+
+    check(Path("runs/my-run"), "dpo run", "output_dir")   # before anything loads: refused unless it is ours
+    mark(Path("runs/my-run"), "dpo run")                   # when the first file is written
+
+A folder holding anything else is refused, naming what it holds, so that nothing a user had is replaced. A
+folder written before the marker existed is recognised by its content (`earlier`, the caller's test) and marked.
+Names starting with "." are never this tool's files (it writes none) and are left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.runtime.files import atomic_write_json
+
+MARKER = "lowmem_dpo.json"
+KINDS = ("dpo run", "sft run", "reference cache", "merged model")
+
+
+def read_marker(folder: Path) -> dict | None:
+    """The marker of a folder this tool wrote, or None (none, unreadable, or not this tool's)."""
+    try:
+        marker = json.loads((Path(folder) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("written_by") == "lowmem_dpo" else None
+
+
+def visible(folder: Path) -> list[str]:
+    """The folder's entries but hidden ones (this tool writes no file whose name starts with '.')."""
+    return sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("."))
+
+
+def free_name(folder: Path) -> Path:
+    """A sibling of `folder` that does not exist yet (runs/my-run-2, -3, ...): where a new run can go."""
+    folder = Path(folder)
+    n = 2
+    while folder.with_name(f"{folder.name}-{n}").exists():
+        n += 1
+    return folder.with_name(f"{folder.name}-{n}")
+
+
+def listed(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def check(folder: Path, kind: str, key: str, earlier: Callable[[Path], bool] | None = None,
+          beside: frozenset[str] | None = None) -> None:
+    """Refuse (UserError) to write `kind` into `folder` (named by config key or argument `key`) unless it is new or
+    empty, marked as this tool's `kind`, or (`earlier`) recognised by its content as this tool's from before the
+    marker. `beside`: the names this kind writes; given (overwrite_output_dir), a folder of other files is
+    accepted when none of them has one of those names."""
+    assert kind in KINDS, kind
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{key}={str(folder)!r} is a file: name a folder (it is created if missing)")
+    if not folder.is_dir() or not visible(folder):
+        return
+    marker = read_marker(folder)
+    fresh = f"{key}={free_name(folder)} is free"
+    if marker is not None and marker.get("kind") != kind:
+        raise UserError(f"{key}={str(folder)!r} holds this tool's {marker.get('kind')} ({MARKER}), not a {kind}: "
+                        f"writing a {kind} there would replace its files. Name a new or empty folder ({fresh})")
+    if marker is not None or (earlier is not None and earlier(folder)):
+        return
+    held = visible(folder)
+    if beside is not None and not set(held) & beside:
+        log(f"{key}={folder}: writing beside its {len(held)} files ({listed(held)}), none of which it replaces")
+        return
+    clash = sorted(set(held) & beside) if beside is not None else []
+    why = (f"{listed(clash)} would be replaced" if clash else
+           f"it has no {MARKER}, so this is not a folder this tool wrote")
+    raise UserError(f"{key}={str(folder)!r} holds files this tool did not write ({listed(held)}): {why}. Name a "
+                    f"new or empty folder ({fresh})" + ("" if beside is not None or key.isupper() else
+                                                        ", or set overwrite_output_dir=true to write beside files "
+                                                        "whose names it does not use"))
+
+
+def mark(folder: Path, kind: str, files: list[str] = ()) -> None:
+    """Write the marker that makes `folder` this tool's `kind`, recording `files` among the names it wrote there
+    (unchanged when it already says so)."""
+    folder = Path(folder)
+    marker = read_marker(folder) or {}
+    if marker.get("kind") == kind and set(files) <= set(marker.get("files", [])):
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(folder / MARKER, {"written_by": "lowmem_dpo", "kind": kind, "version": _version(),
+                                        "created": marker.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                        "files": sorted(set(marker.get("files", [])) | set(files))})
+
+
+def check_replacing(folder: Path, names: list[str], ours: frozenset[str], what: str) -> None:
+    """Before moving files `names` into `folder`: refuse when one would replace a file that is neither one of the
+    names this kind always writes (`ours`) nor one the marker records this tool wrote (a tokenizer may save a file
+    of a name of its own, beside a user's file of that name under overwrite_output_dir)."""
+    recorded = set((read_marker(folder) or {}).get("files", []))
+    clash = [n for n in names if n not in ours and n not in recorded and (Path(folder) / n).exists()]
+    if clash:
+        raise UserError(f"not saving {what}: {listed(clash)} in {str(folder)!r} would replace a file this tool did "
+                        f"not write; move it away and rerun (the checkpoints are intact)")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lowmem_dpo")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
