@@ -1,6 +1,6 @@
 """Run the reference model over the rows the reference cache lacks, and store their completion log-probs.
 
-    python -m lowmem_dpo.precompute recipes/tiny-cpu.yaml [key=value ...] [--prune]
+    python -m lowmem_dpo.precompute lowmem_dpo:tiny-cpu [key=value ...] [--prune]
 
 Each row's values are stored under its model side and its row key (cache.py: the model's weights, dtype and
 quantization; the row's own token ids), in ref_cache_dir/index.sqlite (store.py). Precompute looks every row of
@@ -13,7 +13,7 @@ loads no model. A killed run keeps every batch it committed. --prune drops the v
 On several processes (distributed.py) each computes every world-size-th batch of the missing rows into the same
 store:
 
-    torchrun --nproc-per-node 2 -m lowmem_dpo.precompute recipes/tiny-cpu.yaml
+    torchrun --nproc-per-node 2 -m lowmem_dpo.precompute lowmem_dpo:tiny-cpu
 """
 
 from __future__ import annotations
@@ -181,7 +181,6 @@ def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path:
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
     cache_dir = Path(cfg.ref_cache_dir)
-    log(f"reference cache: {place(cfg, 'ref_cache_dir')}")
     folders.check(cache_dir, "reference cache", "ref_cache_dir", cache.earlier_cache)  # nothing of a user's replaced
     if resolved.ref_quantization != "none":  # fail before tokenizing, not after
         devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
@@ -192,6 +191,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path:
     keys, rows = list(by_key), list(by_key.values())
     side = inputs.run_side(cfg, resolved, ins)
     folders.mark(cache_dir, "reference cache")  # every rank before it creates the store: a rank checking late sees it
+    log(f"reference cache: {place(cfg, 'ref_cache_dir')}")
     with cache.open_store(cache_dir, create=True) as store:
         inputs.convert_legacy(cfg, store, ins, side, d)
         lacking = missing(store, side, keys)

@@ -1,6 +1,6 @@
 """Stage A: supervised fine-tuning of a LoRA adapter, the starting point (and the reference) of a DPO stage.
 
-    python -m lowmem_dpo.sft recipes/tiny-sft.yaml [key=value ...]
+    python -m lowmem_dpo.sft lowmem_dpo:tiny-sft [key=value ...]
 
 The loss is the mean negative log-likelihood of the completion tokens only (prompt and padding contribute
 nothing), as TRL's SFTTrainer with completion_only_loss: rows with `prompt`/`completion` (TRL's prompt-completion
@@ -25,7 +25,7 @@ import torch
 
 from lowmem_dpo import data
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.config.recipe import load_config, place, require
+from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model import adapters, headcheck, models
 from lowmem_dpo.model.logps import batch_logps
@@ -132,7 +132,6 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
         raise UserError(f"metric_for_best_model={cfg.metric_for_best_model} is a DPO metric; sft evaluates "
                         f"{' and '.join(SFT_METRICS)}: set one of them")
     require(cfg, "sft")
-    log(f"output: {place(cfg, 'output_dir')}")
     output.check_output_dir(cfg, "sft")  # a folder of other files is refused before anything loads
     resolved = devices.resolve(cfg)
     for note in cfg.no_effect():

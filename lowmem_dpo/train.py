@@ -1,7 +1,7 @@
 """Train a LoRA DPO policy against cached reference log-probs: one model resident, no reference forward.
 
-    python -m lowmem_dpo.precompute recipes/tiny-cpu.yaml   # once
-    python -m lowmem_dpo.train recipes/tiny-cpu.yaml [key=value ...]
+    python -m lowmem_dpo.precompute lowmem_dpo:tiny-cpu   # once
+    python -m lowmem_dpo.train lowmem_dpo:tiny-cpu [key=value ...]
 
 Writes to output_dir: config.yaml (resolved), metrics.jsonl (one JSON object per logged step, TRL key names),
 and the final PEFT adapter (adapter_config.json, adapter_model.safetensors). When model_name_or_path (or
@@ -20,7 +20,7 @@ import torch
 
 from lowmem_dpo import data
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.config.recipe import load_config, place, require
+from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
 from lowmem_dpo.model import adapters, headcheck
@@ -198,7 +198,6 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     """Check the cache, tokenize, load the model with its one adapter (fresh, or the SFT adapter continued), build
     the optimizer; with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it."""
     require(cfg, "train")
-    log(f"output: {place(cfg, 'output_dir')}; reference cache: {place(cfg, 'ref_cache_dir')}")
     output.check_output_dir(cfg, "train")  # a folder of other files is refused before anything loads
     resolved = devices.resolve(cfg)
     for note in cfg.no_effect():

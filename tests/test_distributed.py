@@ -151,7 +151,7 @@ def test_sft_on_two_processes_equals_one_at_twice_the_batch(run):
     """sft's loss is the mean NLL over all of a step's completion tokens, every rank's."""
     root, _ = run
     keys = ["dtype=float32", "max_steps=3", "learning_rate=1e-3", "logging_steps=1", "save_steps=0"]
-    p = torchrun("sft", REPO / "lowmem_dpo:tiny-sft", *keys, f"output_dir={root / 'sft2'}",
+    p = torchrun("sft", "lowmem_dpo:tiny-sft", *keys, f"output_dir={root / 'sft2'}",
                  "per_device_train_batch_size=2")
     assert p.returncode == 0, p.stderr[-3000:]
     code = run_cli(sft.main, ["lowmem_dpo:tiny-sft", *keys, f"output_dir={root / 'sft1'}",

@@ -129,14 +129,14 @@ def test_no_default_points_at_the_demo(tmp_path, capsys, monkeypatch):
     code, err = stage(precompute.main, [str(recipe)], "precompute", capsys)
     assert code == 0 and "reference cache: runs/my-run-ref-cache (ref_cache_dir, from the recipe's name)" in err
     code, err = stage(train.main, [str(recipe)], "train", capsys)
-    assert code == 0 and "output: runs/my-run (output_dir, from the recipe's name)" in err
+    assert code == 0 and "writing to runs/my-run (output_dir, from the recipe's name)" in err
     assert (tmp_path / "runs" / "my-run" / "adapter_model.safetensors").is_file()
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["my-run", "my-run-ref-cache"]
     bare = tmp_path / "bare.yaml"
     bare.write_text("max_length: 64\n")
     code, err = stage(train.main, [str(bare)], "train", capsys)
     assert code == 2 and "model_name_or_path is not set" in err and "dataset is not set" in err
-    assert "(train needs model_name_or_path and dataset)" in err
+    assert "(train needs model_name_or_path and dataset)" in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_builtin_recipe_and_rows_name_what_exists(capsys):

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, cached, stored_sides, write_jsonl
+from conftest import TINY_DATA, cached, stored_sides, write_jsonl
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
@@ -315,7 +315,7 @@ def test_plan_cli_plans_with_the_continued_adapters_rank(tmp_path, sft_dir):
     from lowmem_dpo import plan
 
     out = tmp_path / "plan.json"
-    args = [str(REPO / "recipes" / "tiny-dpo-after-sft.yaml"), f"model_name_or_path={sft_dir}", "lora_r=32",
+    args = ["lowmem_dpo:tiny-dpo-after-sft", f"model_name_or_path={sft_dir}", "lora_r=32",
             "--budget", "1GiB", "--json", str(out)]
     assert run_cli(plan.main, args, "plan", "") == 0
     assert json.loads(out.read_text())["setup"]["lora_r"] == 4

@@ -133,7 +133,7 @@ def require(cfg: Config, stage: str) -> None:
     unset = [k for k in needs if getattr(cfg, k) is None]
     if unset:
         raise ConfigError("; ".join(f"{k} is not set: {UNSET[k]}" for k in unset) + f" ({stage} needs "
-                          f"{' and '.join(unset)})")
+                          f"{', '.join(unset[:-1]) + ' and ' if unset[:-1] else ''}{unset[-1]})")
 
 
 def place(cfg: Config, key: str) -> str:

@@ -1,8 +1,8 @@
 """The SFT adapter in the DPO stages: the reference is base + SFT adapter, the policy continues that adapter.
 
-    python -m lowmem_dpo.sft recipes/tiny-sft.yaml                  # stage A: writes a LoRA adapter
-    python -m lowmem_dpo.precompute recipes/tiny-dpo-after-sft.yaml  # reference = base + that adapter, once
-    python -m lowmem_dpo.train recipes/tiny-dpo-after-sft.yaml       # keeps training that same adapter
+    python -m lowmem_dpo.sft lowmem_dpo:tiny-sft                    # stage A: writes a LoRA adapter
+    python -m lowmem_dpo.precompute lowmem_dpo:tiny-dpo-after-sft    # reference = base + that adapter, once
+    python -m lowmem_dpo.train lowmem_dpo:tiny-dpo-after-sft         # keeps training that same adapter
 
 `models.model_source` says which adapter (if any) a recipe names; this module puts it on a loaded base. One
 adapter is active at any time, never two: with adapter_mode=continue the policy *is* the SFT adapter, trained on

@@ -4,6 +4,8 @@
     ranks.py        which process this is, from torchrun's or mpirun's environment
     units.py        sizes: parse_size ("11.25GiB"), fmt
     files.py        atomic writes, free-space checks, content digests, $LOWMEM_DPO_HOME
+    folders.py      the marker (lowmem_dpo.json) that makes a folder this tool's, checked before writing into one
+    builtins.py     lowmem_dpo:NAME: the demo's recipes and rows shipped in the package (lowmem_dpo/demo/)
     rules.py        the per-device rule book, and the CUDA decisions from a card's numbers: pure
     distributed.py  several processes: the process group, the gradient and metric sums (one process: no-ops)
     devices.py      the rules applied to this machine: every torch.cuda call, bitsandbytes and other optional

@@ -130,7 +130,7 @@ def warning_signs(means: dict, step: int, total_steps: int, beta: float, chosen_
 
 # -- degeneration of the generations ------------------------------------------------------------------------------
 # seq-rep-n (Welleck et al. 2019, "Neural Text Generation with Unlikelihood Training", section 5): the share of a
-# sequence's n-grams that repeat an earlier one. Measured on the built-in tiny model (recipes/tiny-cpu.yaml, 48
+# sequence's n-grams that repeat an earlier one. Measured on the built-in tiny model (lowmem_dpo:tiny-cpu, 48
 # greedy tokens, 4 prompts), seq-rep-4 per sample: the untrained reference 0.16-0.40; the healthy demo 0.0 (short
 # answers, then EOS); runs pushed into collapse (learning_rate 3e-2 or 1e-1, constant schedule, 200 steps)
 # 0.71-0.98 ("novel novel novel", "pil pil pil"). The sign needs both a rise over step 0 and a high level, so a

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from lowmem_dpo.config.recipe import place
 from lowmem_dpo.config.schema import FIELDS
 from lowmem_dpo.model.models import TOKENIZER_FILES
 from lowmem_dpo.runtime import devices, files, folders
@@ -35,19 +36,28 @@ RUN_FILES = frozenset({"checkpoints", "config.yaml", "metrics.jsonl", "samples.j
                        "curves.png", "memory_snapshot.pickle", "adapter_config.json", "adapter_model.safetensors",
                        "README.md", folders.MARKER, *TOKENIZER_FILES})
 KIND = {"train": "dpo run", "sft": "sft run"}  # the folder kind (folders.KINDS) of each stage's output_dir
-# A run written before folders had a marker: its config.yaml holds every one of these keys, and only Config keys.
+# A run written before folders had a marker: its config.yaml holds every one of these keys (earlier_run).
 RUN_KEYS = ("model_name_or_path", "ref_cache_dir", "output_dir", "loss_type", "learning_rate", "lora_r", "seed")
 
 
 def earlier_run(folder: Path) -> bool:
-    """Whether `folder` is a run this tool wrote before it marked its folders: its config.yaml is one of ours."""
+    """Whether `folder` is a run this tool wrote before it marked its folders, or checkpoints copied from one: its
+    config.yaml, or its checkpoints' trainer_state.json, holds one of our configs."""
     import yaml
 
     try:
         config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return False
-    return isinstance(config, dict) and all(k in config for k in RUN_KEYS) and set(config) <= set(FIELDS)
+        config = None
+    found = checkpoint.complete(folder) if folders.visible(folder) == [checkpoint.FOLDER] else []
+    if found:
+        try:
+            config = checkpoint.read_state(found[-1][1]).config
+        except UserError:
+            return False
+    # ours: every one of RUN_KEYS, and most of the keys a Config has (an older version's lacks the newest)
+    return isinstance(config, dict) and all(k in config for k in RUN_KEYS) and \
+        len(set(config) & set(FIELDS)) >= len(FIELDS) // 2
 
 
 def check_output_dir(cfg, stage: str) -> None:
@@ -62,6 +72,7 @@ def start_output(s) -> Path:
     """output_dir with the resolved config.yaml; the resolved choices in the log."""
     out_dir = Path(s.cfg.output_dir)
     folders.mark(out_dir, KIND[s.objective.name])  # before the first file: the folder is this run's
+    log(f"writing to {place(s.cfg, 'output_dir')}")
     resolved_note = "".join(f"# resolved {r}\n" for r in s.resolved.reasons)
     files.atomic_write_bytes(out_dir / "config.yaml", (s.cfg.to_yaml() + resolved_note).encode())
     for reason in s.resolved.reasons:

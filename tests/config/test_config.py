@@ -101,13 +101,24 @@ def test_training_knobs_are_not_cache_keys():
                                                            ref_quantization="none", ref_dtype="float32"))
 
 
-@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")) + sorted((REPO / "bench" / "recipes").glob("*.yaml")),
-                         ids=lambda p: p.name)
+SHIPPED = [*sorted((REPO / "recipes").glob("*.yaml")), *sorted((REPO / "bench" / "recipes").glob("*.yaml")),
+           *sorted((REPO / "lowmem_dpo" / "demo").glob("*.yaml"))]  # the last: the built-ins, lowmem_dpo:NAME
+
+
+@pytest.mark.parametrize("recipe", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_recipe_loads(recipe):
-    cfg = load_config(recipe)
-    assert isinstance(cfg, Config)
+    builtin = recipe.parent.name == "demo"
+    cfg = load_config(f"lowmem_dpo:{recipe.stem}" if builtin else recipe)
+    assert isinstance(cfg, Config) and cfg.model_name_or_path and cfg.dataset
     raw = yaml.safe_load(recipe.read_text())
     assert set(raw) <= set(FIELDS)
+
+
+def test_the_built_in_recipes_are_the_demo_folders_files():
+    from lowmem_dpo.runtime import builtins
+
+    assert builtins.names("recipe") == sorted(f"lowmem_dpo:{p.stem}" for p in SHIPPED if p.parent.name == "demo")
+    assert len(builtins.names("recipe")) == 3 and builtins.names("dataset") == ["lowmem_dpo:tiny-prefs"]
 
 
 def test_config_roundtrips_through_yaml(tmp_path):

@@ -112,7 +112,7 @@ def test_every_format_gives_the_same_pairs(tmp_path, tokenizer):
     ("", "is empty"),
     ('{"prompt": "a", "chosen": "b"}\n', "line 1: lacks rejected (has prompt, chosen)"),
     ('{"prompt": "a", "chosen": "", "rejected": "c"}\n', "all 1 rows were skipped"),
-    ("not json\n", "line 1: not JSON"),
+    ("not json\n", "line 1, column 1: not JSON (Expecting value) at >>>not json"),
 ])
 def test_bad_files_are_user_errors(tmp_path, tokenizer, content, fragment):
     path = tmp_path / "bad.jsonl"

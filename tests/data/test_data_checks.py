@@ -29,7 +29,7 @@ def user_error(path, tokenizer, strict=False) -> str:
     ("missing.jsonl", None, "not found"),
     ("empty.jsonl", b"", "is empty"),
     ("blank.jsonl", b"\n  \n\n", "has no rows"),
-    ("notjson.jsonl", f"{GOOD}\n\n{{'prompt': 'a'}}\n".encode(), "line 3: not JSON"),
+    ("notjson.jsonl", f"{GOOD}\n\n{{'prompt': 'a'}}\n".encode(), "line 3, column 2: not JSON"),
     ("scalar.jsonl", f"{GOOD}\n[1, 2]\n".encode(), "line 2: a list, not an object"),
     ("noprompt.jsonl", f'{GOOD}\n{{"chosen": "b", "rejected": "c"}}\n'.encode(), "line 2: lacks prompt"),
     ("number.jsonl", f'{GOOD}\n{{"prompt": "a", "chosen": 5, "rejected": "c"}}\n'.encode(),

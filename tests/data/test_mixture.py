@@ -15,7 +15,7 @@ from conftest import TINY_DATA, TINY_RECIPE, cached, write_jsonl
 
 from lowmem_dpo import data, precompute, train
 from lowmem_dpo.config.cli import help_text, run_cli
-from lowmem_dpo.config.recipe import build_config, load_config
+from lowmem_dpo.config.recipe import build_config, load_config, require
 from lowmem_dpo.config.sources import Source
 from lowmem_dpo.data import cache
 from lowmem_dpo.runtime import devices
@@ -88,12 +88,19 @@ def test_a_single_source_stays_a_plain_override_and_path(tmp_path):
                                                              "already dataset[0]"),
     (["a.jsonl", {"path": "a.jsonl", "split": "train"}], "dataset[1]: 'a.jsonl' (split train) is already dataset[0]"),
     ("[a.jsonl, {path: b", "dataset='[a.jsonl, {path: b': not valid YAML"),
-    (None, "dataset=null: expected"),
 ])
 def test_bad_entries_are_refused_naming_them(raw, message):
     with pytest.raises(ConfigError) as e:
         build_config({"dataset": raw})
     assert message in str(e.value)
+
+
+def test_a_null_dataset_is_not_set_and_a_stage_refuses_it():
+    cfg = build_config({"dataset": None, "model_name_or_path": "m", "ref_cache_dir": "c"})
+    assert cfg.dataset is None
+    with pytest.raises(ConfigError, match=r"^dataset is not set: name the preference rows.*\(precompute needs "
+                                          r"dataset\)$"):
+        require(cfg, "precompute")
 
 
 def test_max_train_samples_bounds_and_a_bad_entry_exits_2_from_a_stage(capsys):

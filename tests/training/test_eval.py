@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, TINY_RECIPE, write_jsonl
+from conftest import TINY_DATA, TINY_RECIPE, write_jsonl
 from safetensors.torch import load_file
 
 from lowmem_dpo import data, precompute, sft, train
@@ -277,8 +277,7 @@ def test_metric_for_best_model_must_be_one_the_stage_logs(make_cfg, split_files,
     train_file, eval_file = split_files
     args = [f"dataset={train_file}", f"eval_dataset={eval_file}", "metric_for_best_model=rewards/accuracies",
             "device=cpu", "max_steps=2"]
-    recipe = REPO / "recipes" / "tiny-sft.yaml"
-    assert run_cli(sft.main, [str(recipe), *args], "sft", "") == 2
+    assert run_cli(sft.main, ["lowmem_dpo:tiny-sft", *args], "sft", "") == 2
     err = capsys.readouterr().err
     assert "metric_for_best_model=rewards/accuracies is a DPO metric" in err and "Traceback" not in err
     with pytest.raises(ConfigError, match="eval_generations"):

@@ -122,7 +122,8 @@ def test_error_message_for_changed_settings(built, tmp_path, capsys):
     assert run_cli(train.main, [str(built), f"output_dir={out}", "max_steps=5", "beta=0.2"], "train", "") == 2
     err = capsys.readouterr().err
     assert "checkpoint-5 was written by a run with other settings (beta: 0.1 -> 0.2)" in err
-    assert "resume=never" in err and "Traceback" not in err
+    assert f"start a new run in a new folder, output_dir={out}-2 ({out} stays as it is)" in err
+    assert "resume=never" not in err and "Traceback" not in err
 
 
 def test_an_interrupted_checkpoint_write_leaves_no_checkpoint(built, tmp_path, monkeypatch):
@@ -369,7 +370,8 @@ def test_resume_refused_on_swapped_data_until_resume_never(tmp_path, capsys):
     # the reference cache's model side is the same: its values are the swapped rows' own, under their new keys
     assert f"{out / 'checkpoints' / 'checkpoint-5'} was trained on other inputs: data, tokenization changed since" \
         in err
-    assert "Pass resume=never to start over" in err and "Traceback" not in err
+    assert f"Restore them to resume, or start a new run in a new folder, output_dir={out}-2" in err
+    assert "resume=never" not in err and "Traceback" not in err
     assert metrics(out) == before
     assert _train(path, out, "resume=never") == 0
     assert "starting over (resume=never)" in capsys.readouterr().err
@@ -481,7 +483,8 @@ def test_a_checkpoint_from_before_the_transformers_schedules(tmp_path):
     from lowmem_dpo.config.schema import keys_where
     from lowmem_dpo.training import resuming
 
-    cfg = build_config({**RUN, "label_smoothing": 0.1, "ref_cache_dir": str(tmp_path / "c")})
+    cfg = build_config({**RUN, "label_smoothing": 0.1, "ref_cache_dir": str(tmp_path / "c"),
+                        "output_dir": str(tmp_path / "o")})
     old = dataclasses.asdict(cfg)
     for key in ("warmup_ratio", "lr_scheduler_kwargs", "prompt_column", "overwrite_output_dir",
                 "memory_snapshot_on_oom"):
