@@ -1,6 +1,8 @@
-"""The benchmarks of the reference cache and of long sequences run end to end (--smoke: the tiny model, a few
-rows, seconds), so they still work when it is time to run them for real (bench/README.md has those numbers)."""
+"""The benchmarks of the reference cache, of long sequences and of the README's recipe run end to end (--smoke: the
+tiny model, a few rows, seconds), so they still work when it is time to run them for real (bench/README.md has
+those numbers)."""
 
+import math
 import sys
 
 import pytest
@@ -31,3 +33,16 @@ def test_long_context_smoke(bench_path, capsys):
     assert long_context.main(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert "| 512 |" in out and "longest max_length at 11.25 GiB" in out
+
+
+def test_readme_recipe_smoke(bench_path, tiny_path, capsys):
+    """The README's recipe, read from README.md, runs precompute and train as a user runs them; its step-0 eval is
+    the reference (eval_loss ln 2) and later evals follow it."""
+    import readme_recipe
+
+    assert readme_recipe.main(["--smoke", "--no-old"]) == 0
+    evals = [[c.strip() for c in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| readme |") and len(line.split("|")) == 7]
+    assert [int(e[1]) for e in evals] == [0, 2, 4]  # eval_on_start, then eval_steps=2 of 4 steps
+    assert abs(float(evals[0][2]) - math.log(2)) < 1e-3 and float(evals[0][4]) == 0.0
+    assert all(0.0 <= float(e[3]) <= 1.0 for e in evals)
