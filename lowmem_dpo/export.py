@@ -164,25 +164,44 @@ def output_dtype(choice: str, config: dict, infos: list[weights.TensorInfo]) -> 
 
 # -- writing -----------------------------------------------------------------------------------------------------
 def check_destination(merged_dir: Path, overwrite: bool, inputs: list[Path]) -> None:
-    """MERGED_DIR must be new or empty, or an earlier export (replaced with --overwrite only), and never one of the
-    inputs or a folder holding them. A folder of anything else is refused, --overwrite or not."""
+    """MERGED_DIR must be new or empty, or an earlier export holding nothing else (replaced with --overwrite only),
+    and never one of the inputs or a folder holding them. Anything else is refused, --overwrite or not: the whole
+    folder is replaced, so hidden files (a .git) count too."""
     target = merged_dir.resolve()
     for p in inputs:
         if p.resolve() == target or target in p.resolve().parents:
             raise UserError(f"MERGED_DIR={str(merged_dir)!r} holds the input {p}: writing there would replace it; "
                             "choose another folder")
-    folders.check(merged_dir, "merged model", "MERGED_DIR", earlier_export)
-    if merged_dir.is_dir() and folders.visible(merged_dir) and not overwrite:
+    folders.check(merged_dir, "merged model", "MERGED_DIR", earlier_export, hidden=True)
+    held = folders.visible(merged_dir, hidden=True) if merged_dir.is_dir() else []
+    if not held:
+        return
+    fresh = f"{folders.free_name(merged_dir)} is free"
+    if not overwrite:
         raise UserError(f"MERGED_DIR={str(merged_dir)!r} holds an earlier export: pass --overwrite to replace it, "
-                        f"or choose a new folder ({folders.free_name(merged_dir)} is free)")
+                        f"or choose a new folder ({fresh})")
+    recorded = set((folders.read_marker(merged_dir) or {}).get("files", []))
+    others = [n for n in held if n != folders.MARKER and n not in recorded and not exported(n)]
+    if others:
+        raise UserError(f"MERGED_DIR={str(merged_dir)!r} holds an earlier export and files it did not write "
+                        f"({folders.listed(others)}): --overwrite replaces the whole folder, so move them away first, "
+                        f"or choose a new folder ({fresh})")
+
+
+def exported(name: str) -> bool:
+    """Whether a file name is one an export writes (for a folder exported before the marker recorded its files)."""
+    return (name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json"))
+            or name in ("config.json", "generation_config.json", "README.md", *models.TOKENIZER_FILES))
 
 
 def earlier_export(folder: Path) -> bool:
-    """A merged model this tool wrote before it marked its folders: its model card says so."""
+    """A merged model this tool wrote before it marked its folders: its model card says so, and it holds nothing
+    an export does not write."""
     try:
-        return "by lowmem_dpo.export." in (folder / "README.md").read_text(encoding="utf-8")
+        card = (folder / "README.md").read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return False
+    return "by lowmem_dpo.export." in card and all(exported(n) for n in folders.visible(folder, hidden=True))
 
 
 def merged_blocks(info: weights.TensorInfo, targets: dict, dtype: torch.dtype):
@@ -270,7 +289,7 @@ def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_s
     try:
         shards = write_weights(tmp, infos, targets, out_dtype, max_bytes, progress)
         write_metadata(tmp, chain, config, out_dtype)
-        folders.mark(tmp, "merged model")
+        folders.mark(tmp, "merged model", [p.name for p in tmp.iterdir()])
         for p in tmp.iterdir():
             os.chmod(p, 0o644)
         os.chmod(tmp, 0o755)

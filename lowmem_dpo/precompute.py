@@ -40,7 +40,7 @@ from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training import inputs, policy
 
 ROW_BYTES = 100  # what a row takes in the store, with its index, for the free-space check (~60 measured)
-BUILD = "build.json"  # what the last precompute did: rows computed and reused, its forward's rows/s
+BUILD = cache.BUILD  # what the last precompute did: rows computed and reused, its forward's rows/s
 
 
 def by_length(pairs: list[data.TokenizedPair]) -> list[data.TokenizedPair]:

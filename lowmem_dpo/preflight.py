@@ -34,7 +34,7 @@ from lowmem_dpo.runtime import devices, files
 from lowmem_dpo.runtime.errors import log
 from lowmem_dpo.training import inputs
 
-REPORT = "preflight.json"
+REPORT = cache.REPORT
 QUANTILES = {"p5": 0.05, "p25": 0.25, "p50": 0.5, "p75": 0.75, "p95": 0.95}
 THRESHOLDS = {
     "per_token_margin_median_below": -0.5,  # nats/token: chosen tokens e^0.5 = 1.6x less likely than rejected

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.runtime import devices, files
+from lowmem_dpo.runtime import devices, files, folders
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.training import guards
+from lowmem_dpo.training.output import KIND, PICTURE, earlier_run
 
-PICTURE = "curves.png"
 NO_MATPLOTLIB = ("curves.png needs matplotlib", "'lowmem_dpo[report]'")  # devices.import_optional's message
 
 # (title, train key, eval key) per panel, in drawing order; either key may be None.
@@ -244,6 +244,10 @@ def main(argv: list[str]) -> int:
                         "OUTPUT_DIR")
     run = load_run(Path(argv[0]))
     picture = run.out_dir / PICTURE
+    ours = folders.read_marker(run.out_dir) is not None or any(earlier_run(run.out_dir, k) for k in KIND.values())
+    if picture.exists() and not ours:  # nothing of a user's is replaced
+        raise UserError(f"{run.out_dir} holds a {PICTURE} and is not a run folder this tool wrote (no "
+                        f"{folders.MARKER}): drawing would replace it; move that file away and rerun")
     try:
         draw(run, picture)
         missing = None

@@ -206,6 +206,13 @@ def test_a_users_folder_is_refused_even_with_overwrite_and_an_earlier_export_nee
     assert run(adapter, merged) == 2 and "holds an earlier export: pass --overwrite" in capsys.readouterr().err
     assert run(adapter, merged, "--overwrite") == 0 and (merged / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    (merged / "notes.txt").write_text("mine")  # a file added to an earlier export: --overwrite would delete it
+    assert run(adapter, merged, "--overwrite") == 2
+    assert "holds an earlier export and files it did not write (notes.txt)" in capsys.readouterr().err
+    clone = tmp_path / "hub-clone"  # hidden files count: the whole folder would be replaced
+    (clone / ".git").mkdir(parents=True)
+    assert run(adapter, clone) == 2 and "holds files this tool did not write (.git)" in capsys.readouterr().err
+    assert (clone / ".git").is_dir()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "lowmem_dpo.json").write_text(json.dumps({"written_by": "lowmem_dpo", "kind": "dpo run"}))

@@ -76,6 +76,44 @@ def test_a_folder_of_another_kind_is_refused(cache_dir, tmp_path, capsys):
     assert snapshot(sft_out) == before
 
 
+def test_an_sft_run_from_before_the_marker_is_still_no_dpo_run(cache_dir, tmp_path, capsys):
+    """Without its marker (written by an earlier lowmem_dpo), an SFT run's folder is told from a DPO run's by its
+    metrics (no rewards): train refuses it, sft continues it."""
+    sft_out = tmp_path / "old-sft"
+    assert run_cli(sft.main, [TINY_RECIPE, f"output_dir={sft_out}", *FAST], "sft", "") == 0
+    (sft_out / MARKER).unlink()
+    code, err = stage(train.main, [TINY_RECIPE, f"ref_cache_dir={cache_dir}", f"output_dir={sft_out}", *FAST],
+                      "train", capsys)
+    assert code == 2 and "holds files this tool did not write" in err and not (sft_out / MARKER).exists()
+    code, err = stage(sft.main, [TINY_RECIPE, f"output_dir={sft_out}", *FAST, "max_steps=3"], "sft", capsys)
+    assert code == 0 and "resuming from" in err and json.loads((sft_out / MARKER).read_text())["kind"] == "sft run"
+
+
+@pytest.mark.parametrize("where", ["file", "dot"])
+def test_an_output_folder_that_cannot_be_one_is_refused_in_a_line(tmp_path, capsys, monkeypatch, where):
+    """A file on the folder's path, or the working folder itself (holding a user's file): exit 2, one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine")
+    folder = "afile/cache" if where == "file" else "."
+    code, err = stage(precompute.main, [TINY_RECIPE, f"ref_cache_dir={folder}"], "precompute", capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert (f"{tmp_path / 'afile'} is a file, so the folder cannot be made" if where == "file" else
+            f"ref_cache_dir={tmp_path}-2 is free") in err
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_report_replaces_no_picture_of_a_users_folder(tmp_path, capsys):
+    from lowmem_dpo import report
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    (folder / "curves.png").write_bytes(b"my picture")
+    code, err = stage(report.main, [str(folder)], "report", capsys)
+    assert code == 2 and "holds a curves.png and is not a run folder this tool wrote" in err
+    assert (folder / "curves.png").read_bytes() == b"my picture"
+
+
 def test_a_users_folder_is_no_reference_cache(tmp_path, capsys):
     cache = tmp_path / "my-folder"
     cache.mkdir()

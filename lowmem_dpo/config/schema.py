@@ -73,8 +73,8 @@ class Config:
     output_dir: Optional[str] = _f(None, "Where train and sft write config.yaml, metrics.jsonl, checkpoints and the "
                                    "adapter; null: runs/NAME for a recipe NAME.yaml. A folder holding anything but this "
                                    "tool's own run is refused (overwrite_output_dir).", resumable=True)
-    overwrite_output_dir: bool = _f(False, "Write into an output_dir that holds other files (its tokenizer and "
-                                    "adapter files are replaced).", resumable=True)
+    overwrite_output_dir: bool = _f(False, "Write into an output_dir that holds other files, beside them: refused "
+                                    "still when one has a name the run writes (nothing is replaced).", resumable=True)
     ref_cache_dir: Optional[str] = _f(None, "Where precompute writes the reference log-prob cache and train reads "
                                       "it; null: runs/NAME-ref-cache for a recipe NAME.yaml.", resumable=True)
     # -- precision and device ------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ FORMAT_VERSION = 2  # the per-row store (store.py); 1 was manifest.json and shar
 FINGERPRINT_FORMAT = 1  # the "format" in inputs.fingerprint_components: what a format-1 cache's fingerprint holds
 LOGPS_RULES = 1  # bump when logps.completion_logps gives other numbers for the same ids and weights
 LEGACY_MANIFEST = "manifest.json"
+BUILD, REPORT = "build.json", "preflight.json"  # precompute's record of its last build, preflight's report
 # A side's components that are the reference's precision: a cache holding another precision can serve train as
 # built (ref_dtype, ref_quantization), and the message says so.
 PRECISION_COMPONENTS = {"dtype", "quantization"}
@@ -180,7 +181,8 @@ def reference(store: stores.Store, side: Side, tok, name_row=str, keys: list[byt
     if wrong:
         raise UserError(f"the reference cache in {str(store.path.parent)!r} is damaged: its values for {len(wrong)} "
                         f"rows disagree with their token counts ({'; '.join(name_row(p.row) for p in wrong[:3])}); "
-                        "remove the cache folder and run precompute again")
+                        "point ref_cache_dir at a new folder and run precompute again (this one, which other "
+                        "recipes may share, is left as it is)")
     ref = RefCache.empty(tok.num_rows, side=side.digest, counts=part_counts(tok),
                          shared=None if side.shared is None else side.shared != from_other)
     ref.fill(tok.pairs, keys, found)
@@ -283,9 +285,13 @@ def fingerprint_digest(components: dict) -> str:
 
 def earlier_cache(cache_dir: Path) -> bool:
     """Whether the folder is a reference cache this tool wrote before it marked its folders: its index, or a
-    format-1 cache's manifest."""
+    format-1 cache's manifest, and nothing but what a cache holds (SQLite's files, the reports, the old format's)."""
     manifest = read_legacy(cache_dir)
-    return stores.is_store(cache_dir) or isinstance(manifest, dict) and {"fingerprint", "shard_dir"} <= set(manifest)
+    old = isinstance(manifest, dict) and {"fingerprint", "shard_dir"} <= set(manifest)
+    names = {stores.INDEX, f"{stores.INDEX}-wal", f"{stores.INDEX}-shm", BUILD, REPORT,
+             LEGACY_MANIFEST, manifest.get("shard_dir") if old else None}
+    held = [p.name for p in Path(cache_dir).iterdir() if not p.name.startswith(".")]
+    return (stores.is_store(cache_dir) or old) and all(n in names or n.startswith("legacy-v1") for n in held)
 
 
 def read_legacy(cache_dir: Path) -> dict | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lowmem_dpo.data.rows import REQUIRED, row_kind, row_locator
+from lowmem_dpo.runtime import builtins
 from lowmem_dpo.runtime.errors import UserError, log
 
 # Why a well-formed row is left out -> (what the log says, what to do). Order: the order rows are checked in.
@@ -99,7 +100,8 @@ def check_format(tokenizer, kind: str | None, spec: str, noted: set) -> None:
                         "model's tokenizer has no chat template to render them: set chat_template to a Jinja "
                         "template (a .jinja file, or the template text; docs/data.md, Chat templates), or write the "
                         "rows as plain text")
-    if kind == "text" and template and spec not in noted:
+    # The demo's built-in rows are plain text on purpose: its tiny model was pretrained on plain text.
+    if kind == "text" and template and spec not in noted and not builtins.is_builtin(spec):
         noted.add(spec)
         log(f"note: dataset {spec!r} is plain text, tokenized as written: the model's chat template is not applied "
             "(as in TRL), and a chat model may answer such prompts with nothing. For the template, write each row "

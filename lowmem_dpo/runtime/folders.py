@@ -12,6 +12,7 @@ Names starting with "." are never this tool's files (it writes none) and are lef
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,17 +30,18 @@ def read_marker(folder: Path) -> dict | None:
         marker = json.loads((Path(folder) / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return marker if isinstance(marker, dict) and marker.get("written_by") == "lowmem_dpo" else None
+    ours = isinstance(marker, dict) and marker.get("written_by") == "lowmem_dpo" and marker.get("kind") in KINDS
+    return marker if ours else None
 
 
-def visible(folder: Path) -> list[str]:
-    """The folder's entries but hidden ones (this tool writes no file whose name starts with '.')."""
-    return sorted(p.name for p in Path(folder).iterdir() if not p.name.startswith("."))
+def visible(folder: Path, hidden: bool = False) -> list[str]:
+    """The folder's entries but hidden ones (this tool writes no file whose name starts with '.'); `hidden`: all."""
+    return sorted(p.name for p in Path(folder).iterdir() if hidden or not p.name.startswith("."))
 
 
 def free_name(folder: Path) -> Path:
     """A sibling of `folder` that does not exist yet (runs/my-run-2, -3, ...): where a new run can go."""
-    folder = Path(folder)
+    folder = Path(folder) if Path(folder).name not in ("", ".", "..") else Path(folder).resolve()
     n = 2
     while folder.with_name(f"{folder.name}-{n}").exists():
         n += 1
@@ -50,17 +52,30 @@ def listed(names: list[str], most: int = 6) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def check(folder: Path, kind: str, key: str, earlier: Callable[[Path], bool] | None = None,
-          beside: frozenset[str] | None = None) -> None:
-    """Refuse (UserError) to write `kind` into `folder` (named by config key or argument `key`) unless it is new or
-    empty, marked as this tool's `kind`, or (`earlier`) recognised by its content as this tool's from before the
-    marker. `beside`: the names this kind writes; given (overwrite_output_dir), a folder of other files is
-    accepted when none of them has one of those names."""
-    assert kind in KINDS, kind
-    folder = Path(folder)
+def check_writable(folder: Path, key: str) -> None:
+    """A UserError, before any work, when `folder` cannot be created or written: a file in its place or on its
+    path, or no permission on its nearest existing folder."""
+    folder = Path(folder).absolute()
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{key}={str(folder)!r} is a file: name a folder (it is created if missing)")
-    if not folder.is_dir() or not visible(folder):
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"{key}={str(folder)!r}: {existing} is a file, so the folder cannot be made; name another")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{key}={str(folder)!r}: no permission to write in {existing}; name a folder you can write")
+
+
+def check(folder: Path, kind: str, key: str, earlier: Callable[[Path], bool] | None = None,
+          writes: frozenset[str] = frozenset(), beside: bool = False, hint: str = "", hidden: bool = False) -> None:
+    """Refuse (UserError) to write `kind` into `folder` (named by config key or argument `key`) unless it is new or
+    empty, marked as this tool's `kind`, or (`earlier`) recognised by its content as this tool's from before the
+    marker. `writes`: the names this kind writes there; `beside` (overwrite_output_dir): a folder of other files
+    is accepted when none of them has one of those names, and `hint` offers it when none has. `hidden`: hidden
+    entries count too (a stage that replaces the whole folder)."""
+    assert kind in KINDS, kind
+    folder = Path(folder)
+    check_writable(folder, key)
+    if not folder.is_dir() or not visible(folder, hidden):
         return
     marker = read_marker(folder)
     fresh = f"{key}={free_name(folder)} is free"
@@ -69,17 +84,16 @@ def check(folder: Path, kind: str, key: str, earlier: Callable[[Path], bool] | N
                         f"writing a {kind} there would replace its files. Name a new or empty folder ({fresh})")
     if marker is not None or (earlier is not None and earlier(folder)):
         return
-    held = visible(folder)
-    if beside is not None and not set(held) & beside:
+    held = visible(folder, hidden)
+    clash = sorted(set(held) & writes)
+    if beside and not clash:
         log(f"{key}={folder}: writing beside its {len(held)} files ({listed(held)}), none of which it replaces")
         return
-    clash = sorted(set(held) & beside) if beside is not None else []
-    why = (f"{listed(clash)} would be replaced" if clash else
+    why = (f"its {MARKER} is not a marker this tool wrote" if (folder / MARKER).exists() else
            f"it has no {MARKER}, so this is not a folder this tool wrote")
-    raise UserError(f"{key}={str(folder)!r} holds files this tool did not write ({listed(held)}): {why}. Name a "
-                    f"new or empty folder ({fresh})" + ("" if beside is not None or key.isupper() else
-                                                        ", or set overwrite_output_dir=true to write beside files "
-                                                        "whose names it does not use"))
+    raise UserError(f"{key}={str(folder)!r} holds files this tool did not write ({listed(held)}): {why}"
+                    + (f", and {listed(clash)} would be replaced" if beside else "")
+                    + f". Name a new or empty folder ({fresh})" + (f", {hint}" if hint and not clash else ""))
 
 
 def mark(folder: Path, kind: str, files: list[str] = ()) -> None:

@@ -39,6 +39,7 @@ from lowmem_dpo.runtime.errors import ConfigError, UserError, log
 
 FOLDER = "checkpoints"
 STATE = "trainer_state.json"
+METRICS = "metrics.jsonl"  # output_dir's metrics lines (output.py), copied into each checkpoint as they were at STEP
 SCALER = "scaler.pt"
 SAMPLES = "samples.jsonl"  # output_dir's samples (evaluation.py), copied into each checkpoint as it was at STEP
 _NAME = re.compile(r"checkpoint-(\d+)")
@@ -136,7 +137,7 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
             torch.save(scaler.state_dict(), tmp / SCALER)
         ranks = rng_states or [rng_state()]
         torch.save({**ranks[0], "ranks": ranks} if len(ranks) > 1 else ranks[0], tmp / "rng.pt")
-        (tmp / "metrics.jsonl").write_text("".join(metrics_lines), encoding="utf-8")
+        (tmp / METRICS).write_text("".join(metrics_lines), encoding="utf-8")
         if (Path(output_dir) / SAMPLES).is_file():
             shutil.copyfile(Path(output_dir) / SAMPLES, tmp / SAMPLES)
         (tmp / STATE).write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n", encoding="utf-8")
@@ -276,7 +277,11 @@ def restore(path: Path, model, opt, sched, scaler=None, rank: int = 0) -> None:
 
 
 def metrics_lines(path: Path) -> list[str]:
-    return (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    """The metrics lines of a checkpoint or a run folder ([] without its file)."""
+    try:
+        return (path / METRICS).read_text(encoding="utf-8").splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
 
 
 def write_run_state(output_dir: str | Path, state: TrainerState, max_steps: int, metric: str, greater: bool,

@@ -3,8 +3,8 @@
     python -m lowmem_dpo.train RECIPE.yaml eval_fraction=0.1     # evaluate on 10% of the prompts, held out
 
 The loop (loop.py) calls these with its session (loop.Session; not imported here, loop imports this module):
-- `at_start`: a new run's step-0 samples (with eval_on_start, `evaluate` at step 0 instead) (the policy is still the reference) and their repetition, the baseline of
-  the collapse warning;
+- `at_start`: a new run's step-0 samples (the policy is still the reference) and their repetition, the baseline of
+  the collapse warning; with eval_on_start (`on_start`), `evaluate` at step 0 instead;
 - `evaluate` at every `due` step: the objective's eval metrics over the eval items with no gradients (its own
   micro-batches and chunked path), the samples and their repetition, one metrics.jsonl line ("eval_" keys);
 - `note_best` when a checkpoint is saved at an evaluated step: the best so far by metric_for_best_model, in

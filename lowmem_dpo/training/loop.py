@@ -338,7 +338,8 @@ def run(s: Session, progress: bool = True) -> TrainResult:
     try:
         last = steps(s, out_dir, bar, last)
     except KeyboardInterrupt:  # Ctrl-C: where the rerun continues
-        then = "continues from it" if checkpoint.complete(cfg.output_dir) else "starts the run again"
+        then = ("starts the run again" if not checkpoint.complete(cfg.output_dir) else "continues from it"
+                if cfg.resume == "auto" else "with resume=auto continues from it")
         raise KeyboardInterrupt(f"{output.last_checkpoint_note(s)}; the same command {then}") from None
     finally:
         bar.close()  # before any message that ends the run, which then stands on its own line

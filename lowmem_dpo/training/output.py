@@ -17,10 +17,12 @@ import torch
 
 from lowmem_dpo.config.recipe import place
 from lowmem_dpo.config.schema import FIELDS
-from lowmem_dpo.model.models import TOKENIZER_FILES
+from lowmem_dpo.model.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TOKENIZER_FILES
 from lowmem_dpo.runtime import devices, files, folders
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint
+from lowmem_dpo.training.provenance import RUN_CONFIG
+from lowmem_dpo.training.tensorboard import EVENTS_DIR
 
 
 def last_checkpoint_note(s) -> str:
@@ -30,31 +32,40 @@ def last_checkpoint_note(s) -> str:
             else "no checkpoint was written yet (save_steps)")
 
 
-# What a run writes into output_dir: overwrite_output_dir accepts a folder of other files when none has one of these
-# names (a tokenizer saving a file of another name is caught when the adapter is saved: folders.check_replacing).
-RUN_FILES = frozenset({"checkpoints", "config.yaml", "metrics.jsonl", "samples.jsonl", "trainer_state.json", "runs",
-                       "curves.png", "memory_snapshot.pickle", "adapter_config.json", "adapter_model.safetensors",
-                       "README.md", folders.MARKER, *TOKENIZER_FILES})
+PICTURE = "curves.png"  # the report's picture of a run (report.py), into its output_dir
+# What a run (and its report) writes into output_dir: overwrite_output_dir accepts a folder of other files when none
+# has one of these names; a tokenizer saving a file of a name of its own is caught when the adapter is saved
+# (folders.check_replacing). README.md: peft's model card, saved with the adapter.
+RUN_FILES = frozenset({checkpoint.FOLDER, RUN_CONFIG, checkpoint.METRICS, checkpoint.SAMPLES, checkpoint.STATE,
+                       EVENTS_DIR, PICTURE, devices.SNAPSHOT, ADAPTER_CONFIG, *ADAPTER_WEIGHTS, "README.md",
+                       folders.MARKER, *TOKENIZER_FILES})
 KIND = {"train": "dpo run", "sft": "sft run"}  # the folder kind (folders.KINDS) of each stage's output_dir
 # A run written before folders had a marker: its config.yaml holds every one of these keys (earlier_run).
 RUN_KEYS = ("model_name_or_path", "ref_cache_dir", "output_dir", "loss_type", "learning_rate", "lora_r", "seed")
 
 
-def earlier_run(folder: Path) -> bool:
-    """Whether `folder` is a run this tool wrote before it marked its folders, or checkpoints copied from one: its
-    config.yaml, or its checkpoints' trainer_state.json, holds one of our configs."""
+def earlier_run(folder: Path, kind: str) -> bool:
+    """Whether `folder` is a run of `kind` this tool wrote before it marked its folders, or checkpoints copied from
+    one: nothing but what a run writes, a config.yaml (or the checkpoints' trainer_state.json) holding one of our
+    configs, and metrics of that kind (DPO's lines have rewards, SFT's none)."""
     import yaml
 
+    held = folders.visible(folder)
+    if not set(held) <= RUN_FILES:
+        return False
     try:
-        config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+        config = yaml.safe_load((folder / RUN_CONFIG).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         config = None
-    found = checkpoint.complete(folder) if folders.visible(folder) == [checkpoint.FOLDER] else []
-    if found:
-        try:
-            config = checkpoint.read_state(found[-1][1]).config
-        except UserError:
-            return False
+    found = checkpoint.complete(folder) if held == [checkpoint.FOLDER] else []
+    try:
+        config = checkpoint.read_state(found[-1][1]).config if found else config
+        lines = checkpoint.metrics_lines(found[-1][1] if found else folder)
+    except (UserError, OSError):
+        return False
+    dpo = any('"rewards/' in line for line in lines)
+    if lines and dpo != (kind == KIND["train"]):
+        return False
     # ours: every one of RUN_KEYS, and most of the keys a Config has (an older version's lacks the newest)
     return isinstance(config, dict) and all(k in config for k in RUN_KEYS) and \
         len(set(config) & set(FIELDS)) >= len(FIELDS) // 2
@@ -64,8 +75,10 @@ def check_output_dir(cfg, stage: str) -> None:
     """Before anything heavy: output_dir must be new, empty, or `stage`'s own run (its marker; or an earlier run of
     this tool, which is then marked); with overwrite_output_dir, a folder whose files have none of RUN_FILES'
     names. Anything else is refused, naming its files: nothing a user had is replaced."""
-    folders.check(Path(cfg.output_dir), KIND[stage], "output_dir", earlier_run,
-                  RUN_FILES if cfg.overwrite_output_dir else None)
+    kind = KIND[stage]
+    folders.check(Path(cfg.output_dir), kind, "output_dir", lambda folder: earlier_run(folder, kind), RUN_FILES,
+                  cfg.overwrite_output_dir, "or set overwrite_output_dir=true to write beside files whose names it "
+                  "does not use")
 
 
 def start_output(s) -> Path:
@@ -74,7 +87,7 @@ def start_output(s) -> Path:
     folders.mark(out_dir, KIND[s.objective.name])  # before the first file: the folder is this run's
     log(f"writing to {place(s.cfg, 'output_dir')}")
     resolved_note = "".join(f"# resolved {r}\n" for r in s.resolved.reasons)
-    files.atomic_write_bytes(out_dir / "config.yaml", (s.cfg.to_yaml() + resolved_note).encode())
+    files.atomic_write_bytes(out_dir / RUN_CONFIG, (s.cfg.to_yaml() + resolved_note).encode())
     for reason in s.resolved.reasons:
         log(f"resolved {reason}")
     return out_dir
@@ -88,8 +101,8 @@ def open_metrics(s, out_dir: Path):
     elif s.replaces:
         log(f"starting over (resume={s.cfg.resume}): the {len(s.replaces)} checkpoints in "
             f"{checkpoint.root(out_dir)} are replaced by this run's first one")
-    files.atomic_write_bytes(out_dir / "metrics.jsonl", "".join(s.metrics_lines).encode())
-    return open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
+    files.atomic_write_bytes(out_dir / checkpoint.METRICS, "".join(s.metrics_lines).encode())
+    return open(out_dir / checkpoint.METRICS, "a", encoding="utf-8")
 
 
 def save_adapter(model, out_dir: Path, tokenizer=None) -> None:

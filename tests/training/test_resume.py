@@ -455,7 +455,7 @@ def test_values_that_disagree_with_their_token_counts_are_refused(built, tmp_pat
     assert _train(built, out) == 2
     err = capsys.readouterr().err
     assert "values for 1 rows disagree with their token counts" in err and "line" in err
-    assert "remove the cache folder" in err and "Traceback" not in err and not out.exists()
+    assert "point ref_cache_dir at a new folder" in err and "Traceback" not in err and not out.exists()
 
 
 def test_a_reference_that_gives_nonfinite_logps_is_refused(built, tmp_path, capsys):
