@@ -301,3 +301,23 @@ def test_plain_rows_on_a_chat_model_say_the_template_is_not_applied(tmp_path, ca
     code, err = stage(precompute.main, [TINY_RECIPE, f"dataset={conv}", f"ref_cache_dir={tmp_path / 'b'}", *no_eval],
                       "precompute", capsys)
     assert code == 0 and "chat template is not applied" not in err and stored_rows(tmp_path / "b") == 8
+
+
+def test_an_adapter_saved_twice_is_the_same_bytes(tiny_path, tmp_path):
+    """peft writes target_modules, a set, in the order of the process's string hashes: re-saving a finished SFT run
+    (its rerun) changed adapter_config.json's bytes, and the DPO stage after it refused its own cache and
+    checkpoints as built on another adapter. Saved through adapters.save, any order gives the same file."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_dpo.model import adapters
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_path),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
+    adapters.save(model, tmp_path / "a")
+    model.peft_config["default"].target_modules = ["v_proj", "up_proj", "q_proj", "down_proj"]  # another order
+    adapters.save(model, tmp_path / "b")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["target_modules"] == \
+        ["down_proj", "q_proj", "up_proj", "v_proj"]

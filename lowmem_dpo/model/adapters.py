@@ -14,12 +14,26 @@ into the base weights first, then a fresh adapter is added. The reference is bas
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 
 from lowmem_dpo.config.schema import Config
-from lowmem_dpo.model.models import ModelSource, target_names
+from lowmem_dpo.model.models import ADAPTER_CONFIG, ModelSource, target_names
 from lowmem_dpo.runtime.errors import UserError, log
+
+
+def save(model, folder) -> None:
+    """The PEFT adapter files into `folder`, the same bytes for the same adapter: peft writes target_modules (a
+    set) in the order of this process's string hashes, and a later stage keys its inputs by these bytes (a rerun
+    of a finished SFT run would otherwise change the DPO stage's reference)."""
+    model.save_pretrained(folder, safe_serialization=True)
+    path = Path(folder) / ADAPTER_CONFIG
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+        path.write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
 
 
 def carries_adapter(model: torch.nn.Module) -> bool:

@@ -34,6 +34,7 @@ import torch
 
 from lowmem_dpo.config.coerce import coerce
 from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGTH
+from lowmem_dpo.model import adapters
 from lowmem_dpo.runtime import files, folders
 from lowmem_dpo.runtime.errors import ConfigError, UserError, log
 
@@ -130,7 +131,7 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
     files.ensure_free_space(folder, need, f"checkpoint-{state.step}", then)
     tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{state.step}-", dir=folder))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        adapters.save(model, tmp)
         torch.save(opt.state_dict(), tmp / "optimizer.pt")
         torch.save(sched.state_dict(), tmp / "scheduler.pt")
         if scaler is not None:

@@ -17,6 +17,7 @@ import torch
 
 from lowmem_dpo.config.recipe import place
 from lowmem_dpo.config.schema import FIELDS
+from lowmem_dpo.model import adapters
 from lowmem_dpo.model.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TOKENIZER_FILES
 from lowmem_dpo.runtime import devices, files, folders
 from lowmem_dpo.runtime.errors import UserError, log
@@ -111,7 +112,7 @@ def save_adapter(model, out_dir: Path, tokenizer=None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out_dir))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        adapters.save(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         names = sorted(f.name for f in tmp.iterdir())
