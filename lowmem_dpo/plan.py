@@ -238,8 +238,9 @@ def main(argv: list[str]) -> int:
         print(f"warning: max_length={cfg.max_length} is beyond the model's context, {arch.context} positions (its "
               "config.json): tokens past it get positions the model never saw; set max_length to "
               f"{arch.context} or less\n")
-    if size_note(args.budget or cfg.memory_budget) is not None:
-        print(f"note: budget {size_note(args.budget or cfg.memory_budget)}\n")
+    budget_note = size_note(args.budget or cfg.memory_budget)
+    if budget_note is not None:
+        print(f"note: budget {budget_note}\n")
     columns = [("train", pred.train), ("precompute", pred.precompute)]
     if chosen.overrides:
         columns += [("train (plan)", chosen.prediction.train), ("precompute (plan)", chosen.prediction.precompute)]

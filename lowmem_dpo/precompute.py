@@ -112,7 +112,8 @@ def compute_missing(model, todo: list[data.TokenizedPair], store, side: int, cfg
 
     chunks = [todo[i:i + cfg.cache_shard_rows] for i in range(0, len(todo), cfg.cache_shard_rows)]
     mine = distributed.shard(chunks)
-    bar = tqdm(total=sum(map(len, mine)), desc="precompute", unit="row", dynamic_ncols=True,
+    total = sum(map(len, mine))
+    bar = tqdm(total=total, desc="precompute", unit="row", dynamic_ncols=True,
                disable=not progress or not distributed.is_main())
     kept = 0
     try:
@@ -134,9 +135,9 @@ def compute_missing(model, todo: list[data.TokenizedPair], store, side: int, cfg
                 raise
             kept += len(chunk)
     except KeyboardInterrupt:  # Ctrl-C: what the rerun will not compute again
-        raise KeyboardInterrupt(f"{kept} of the {sum(map(len, mine))} rows to compute are kept in the cache "
+        raise KeyboardInterrupt(f"{kept} of the {total} rows to compute are kept in the cache "
                                 f"({store.path.parent}); the same command computes only the other "
-                                f"{sum(map(len, mine)) - kept}") from None
+                                f"{total - kept}") from None
     finally:
         bar.close()  # before any error message, which then stands on its own line
 

@@ -244,8 +244,8 @@ def main(argv: list[str]) -> int:
                         "OUTPUT_DIR")
     run = load_run(Path(argv[0]))
     picture = run.out_dir / PICTURE
-    ours = folders.read_marker(run.out_dir) is not None or any(earlier_run(run.out_dir, k) for k in KIND.values())
-    if picture.exists() and not ours:  # nothing of a user's is replaced
+    if picture.exists() and folders.read_marker(run.out_dir) is None and not any(  # nothing of a user's replaced
+            earlier_run(run.out_dir, k) for k in KIND.values()):
         raise UserError(f"{run.out_dir} holds a {PICTURE} and is not a run folder this tool wrote (no "
                         f"{folders.MARKER}): drawing would replace it; move that file away and rerun")
     try:

@@ -90,13 +90,14 @@ def recipe_path(recipe: str | os.PathLike) -> Path:
 
 def read_recipe(recipe: str | os.PathLike) -> dict:
     """A recipe's mapping of key: value; a ConfigError naming the line and column of a YAML syntax error."""
-    path = recipe_path(recipe)
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = recipe_path(recipe).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"recipe {str(recipe)!r} is not UTF-8 text (byte {e.start + 1}); save it as UTF-8") from None
+    try:
+        loaded = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(yaml_problem(str(recipe), path.read_text(encoding="utf-8"), e)) from None
+        raise ConfigError(yaml_problem(str(recipe), text, e)) from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

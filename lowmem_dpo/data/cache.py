@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo.data import store as stores
+from lowmem_dpo.runtime import folders
 from lowmem_dpo.runtime.errors import UserError, log
 
 FORMAT_VERSION = 2  # the per-row store (store.py); 1 was manifest.json and shards
@@ -290,8 +291,8 @@ def earlier_cache(cache_dir: Path) -> bool:
     old = isinstance(manifest, dict) and {"fingerprint", "shard_dir"} <= set(manifest)
     names = {stores.INDEX, f"{stores.INDEX}-wal", f"{stores.INDEX}-shm", BUILD, REPORT,
              LEGACY_MANIFEST, manifest.get("shard_dir") if old else None}
-    held = [p.name for p in Path(cache_dir).iterdir() if not p.name.startswith(".")]
-    return (stores.is_store(cache_dir) or old) and all(n in names or n.startswith("legacy-v1") for n in held)
+    return (stores.is_store(cache_dir) or old) and all(n in names or n.startswith("legacy-v1")
+                                                       for n in folders.visible(cache_dir))
 
 
 def read_legacy(cache_dir: Path) -> dict | None:

@@ -85,11 +85,6 @@ def skip_reason(row: dict) -> str | None:
     return None
 
 
-def _chat_ids(tokenizer, messages: list, **kwargs) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
-    return list(out["input_ids"])
-
-
 def check_format(tokenizer, kind: str | None, spec: str, noted: set) -> None:
     """Conversations need a chat template (a UserError naming the chat_template key when the tokenizer has none);
     plain text on a tokenizer with one is tokenized as written, as TRL does, which a chat model may answer with
@@ -114,7 +109,7 @@ def _conversation_ids(tokenizer, messages: list, spec: str, where: str, **kwargs
     import jinja2
 
     try:
-        return _chat_ids(tokenizer, messages, **kwargs)
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
     except (jinja2.TemplateError, ValueError, TypeError) as e:
         raise UserError(f"dataset {spec!r} {where}: the chat template cannot render this conversation "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); fix the row, or set chat_template "

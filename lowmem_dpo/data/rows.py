@@ -164,7 +164,7 @@ def check_file(path: Path, spec: str, required: tuple[str, ...] = REQUIRED) -> N
         try:
             whole = json.loads(text)
         except json.JSONDecodeError as e:
-            line = text.splitlines()[e.lineno - 1] if e.lineno <= len(text.splitlines()) else ""
+            line = (text.splitlines() + [""])[e.lineno - 1]
             raise UserError(f"dataset {spec!r} line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}) at "
                             f"{at(line, e.colno - 1)}; use one JSON object per line, or one list of objects") from None
         if isinstance(whole, list):

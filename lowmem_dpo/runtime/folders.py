@@ -78,7 +78,7 @@ def check(folder: Path, kind: str, key: str, earlier: Callable[[Path], bool] | N
     if not folder.is_dir() or not visible(folder, hidden):
         return
     marker = read_marker(folder)
-    fresh = f"{key}={free_name(folder)} is free"
+    fresh = f"{key}={free_name(folder)} is free"  # what each refusal below offers instead
     if marker is not None and marker.get("kind") != kind:
         raise UserError(f"{key}={str(folder)!r} holds this tool's {marker.get('kind')} ({MARKER}), not a {kind}: "
                         f"writing a {kind} there would replace its files. Name a new or empty folder ({fresh})")

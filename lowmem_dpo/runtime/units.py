@@ -41,12 +41,11 @@ def size_note(text: str) -> str | None:
 
 def parse_size(text: str, what: str = "--budget") -> int:
     """'12GiB', '11.5GB', '12000MiB', '12G' (= GiB), or plain bytes (UNITS)."""
-    units = UNITS
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in units or float(m.group(1)) <= 0:
+    if not m or m.group(2).lower() not in UNITS or float(m.group(1)) <= 0:
         raise UserError(f"{what} {text!r}: expected a size such as 12GiB, 11.5GB, 12000MiB or a number of bytes "
                         f"({SIZE_UNITS})")
     if not m.group(2) and float(m.group(1)) < MiB:  # "12" meant as GiB would plan for 12 bytes
         raise UserError(f"{what} {text!r}: a size without a unit is a number of bytes, and {m.group(1)} bytes is no "
                         f"budget; write the unit, e.g. {m.group(1)}GiB")
-    return int(float(m.group(1)) * units[m.group(2).lower()])
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
