@@ -42,6 +42,8 @@ import json
 import math
 import os
 import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,6 +63,14 @@ RECIPES = {"mistral": ("recipes/mistral-7b-qlora-12gb.yaml", "mistral-7b-v0.1"),
 STEP_RECIPE = "bench/recipes/llama-25m-cpu.yaml"
 SMOKE_MODEL = "lowmem_dpo:tiny-llama"
 SMOKE_LENGTHS = {"recipe": 96, "2048": 128}  # --smoke: the tiny model's stand-ins for 1024 and 2048
+# The check in parts of at most 8 minutes each on an H100/H200 (a lent machine's 10-minute command, its model built
+# in the part that first needs it); peak memory does not depend on the steps' count, so 6 steps (5 timed) do.
+PARTS = {
+    1: dict(recipes="mistral", tools="ours", lengths="recipe,longest,2048", grads=True, step_compare=False, steps=6),
+    2: dict(recipes="mistral", tools="trl", lengths="recipe,2048", grads=False, step_compare=False, steps=6),
+    3: dict(recipes="llama", tools="ours", lengths="recipe,longest,2048", grads=False, step_compare=False, steps=6),
+    4: dict(recipes="llama", tools="trl", lengths="recipe,2048", grads=False, step_compare=True, steps=6),
+}
 WORK = ROOT / "bench" / "out" / "gpu_check"
 RESULT = ROOT / "bench" / "results" / "gpu_check.json"
 LENGTH_STEP = 256  # the longest max_length is searched in these steps
@@ -103,22 +113,23 @@ def run_overrides(name: str, recipe_cfg, model: str, max_length: int, steps: int
 
 
 def planned_train(cfg) -> tuple[float | None, dict]:
-    """The planner's train peak (GiB) for the run as train applies it (policy.apply_plan's knobs), and the plan's
-    micro-batch, accumulation and streamed layers."""
+    """The planner's train peak (GiB) for the run as train applies it (search.stage_plan: the plan
+    policy.apply_plan applies), and what that plan turns: micro-batch, accumulation, streamed layers, offloading,
+    checkpointing, the prompt shared or not."""
     from lowmem_dpo.memory import search
     from lowmem_dpo.memory.arch import load_arch
-    from lowmem_dpo.memory.setup import run_budget, setup_from_config
+    from lowmem_dpo.memory.setup import run_budget
     from lowmem_dpo.model import models
 
-    path = models.resolve_model_path(cfg.model_name_or_path)
-    arch = load_arch(str(path))
-    budget = run_budget(cfg, cfg.device)
-    knobs = ("micro_batch", "stream") + (("checkpointing",) if cfg.gradient_checkpointing == "auto" else ())
-    plan = search.choose(arch, setup_from_config(cfg, budget), budget, knobs, stages=("train",))
+    arch = load_arch(str(models.resolve_model_path(cfg.model_name_or_path)))
+    plan = search.stage_plan(cfg, arch, run_budget(cfg, cfg.device), "train", cfg.device)
     stream = plan.streams.get("train")
     peak = stream.device_peak if stream else plan.prediction.train.peak_bytes
     return round(peak / GiB, 3), {"micro_batch": plan.setup.micro_batch, "grad_accum": plan.setup.grad_accum,
-                                  "streamed_layers": stream.layers if stream else 0}
+                                  "streamed_layers": stream.layers if stream else 0,
+                                  "activation_offloading": plan.setup.activation_offloading,
+                                  "gradient_checkpointing": plan.setup.gradient_checkpointing,
+                                  "share_prompt": plan.setup.share_prompt, "fits": plan.fits}
 
 
 def summarize(lines: list[dict], tokens_key: str = "tokens_per_s") -> dict:
@@ -189,7 +200,8 @@ def run_trl(args) -> dict:
         free, held, total = devices.cuda_memory(torch.device("cuda"))
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
     bf16 = devices.cuda_native_bf16() if cuda else devices.cpu_has_native_bf16()
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    fp16 = cuda and not bf16  # a card without bf16 (T4): float16 with a loss scale, as ours runs
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     path = models.resolve_model_path(args.model)
     work = Path(args.work)
     rows = [json.loads(x) for x in data_file(args.model, args.max_length, args.steps * cfg.per_device_train_batch_size)
@@ -228,7 +240,7 @@ def run_trl(args) -> dict:
             learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler_type, warmup_steps=cfg.warmup_steps,
             beta=cfg.beta, seed=cfg.seed, save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=not cuda,
             precompute_ref_log_probs=True, precompute_ref_batch_size=cfg.precompute_batch_size,
-            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=bf16,
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=bf16, fp16=fp16,
             optim="paged_adamw_8bit" if cuda else "adamw_torch")
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=cfg.peft_target_modules, task_type="CAUSAL_LM")
@@ -253,11 +265,65 @@ def run_trl(args) -> dict:
     return {**out, **summary}
 
 
+def run_grads(args) -> dict:
+    """One step's LoRA gradients on one batch, on one loaded model: without activation offloading (twice: the
+    noise floor of the card's kernels), then with it (activations.offload_activations, as train attaches it).
+    No cap (the plain run need not fit 12 GB), lora_dropout 0 (the same forward each time), the reference live."""
+    import torch
+
+    from lowmem_dpo import train
+    from lowmem_dpo.config.recipe import build_config, load_config
+    from lowmem_dpo.model import activations
+    from lowmem_dpo.training import loop
+
+    recipe_cfg = load_config(args.recipe, args.set)
+    overrides = run_overrides(args.name, recipe_cfg, args.model, args.max_length, args.steps, args.cap_gib,
+                              args.device, Path(args.work))
+    # ref_source=live: the reference from the same model (one load, no precompute; the gradients' question alike)
+    overrides.update(activation_offloading="false", lora_dropout=0.0, memory_budget=None, ref_source="live")
+    cfg = build_config({**_values(recipe_cfg), **overrides})
+    s = train.setup(cfg, None, False)
+    items = loop.take(s.stream, s.pairs_per_step)
+    cuda = s.resolved.device.type == "cuda"
+
+    def grads() -> tuple[list, dict]:
+        s.opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        s.objective.backward(s, items)
+        if cuda:
+            torch.cuda.synchronize()
+        seen = {"s": round(time.perf_counter() - t0, 3),
+                "peak_allocated_gib": _gib(torch.cuda.max_memory_allocated()) if cuda else None}
+        return [p.grad.detach().float().cpu().clone() for p in s.params if p.grad is not None], seen
+
+    plain, plain_seen = grads()
+    again, again_seen = grads()
+    offloader = activations.offload_activations(s.model, s.resolved.device, force=not cuda)
+    off, off_seen = grads()
+    return {"pairs": len(items), "tensors": len(plain), "plain": plain_seen, "plain_again": again_seen,
+            "offloaded": {**off_seen, "packed": offloader.packed, "fetched": offloader.fetched},
+            "plain_again_vs_plain": grad_difference(again, plain), "offloaded_vs_plain": grad_difference(off, plain)}
+
+
+def grad_difference(a: list, b: list) -> dict:
+    """How far gradients `a` are from `b`: the largest absolute difference, the norm of the difference over b's
+    norm, and the cosine of the two flattened."""
+    import torch
+
+    fa, fb = torch.cat([t.flatten() for t in a]), torch.cat([t.flatten() for t in b])
+    return {"max_abs_diff": float((fa - fb).abs().max()), "max_abs": float(fb.abs().max()),
+            "rel_l2": float((fa - fb).norm() / fb.norm().clamp_min(1e-30)),
+            "cosine": float(torch.nn.functional.cosine_similarity(fa, fb, dim=0))}
+
+
 def child(args) -> int:
     """One run in this process: its result JSON to --out, whatever happens."""
     t0 = time.perf_counter()
     try:
-        result = (run_ours if args.child == "ours" else run_trl)(args)
+        result = {"ours": run_ours, "trl": run_trl, "grads": run_grads}[args.child](args)
     except Exception as e:
         result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     result["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -272,7 +338,6 @@ def longest_length(recipe: str, model: str, cap_gib: float, device: str, limit: 
     from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.memory import search
     from lowmem_dpo.memory.arch import load_arch
-    from lowmem_dpo.memory.setup import setup_from_config
     from lowmem_dpo.model import models
 
     arch = load_arch(str(models.resolve_model_path(model)))
@@ -281,10 +346,7 @@ def longest_length(recipe: str, model: str, cap_gib: float, device: str, limit: 
     for length in range(LENGTH_STEP, limit + 1, LENGTH_STEP):
         cfg = load_config(recipe, [f"model_name_or_path={model}", f"max_length={length}", "max_prompt_length=null",
                                    f"device={device}"])
-        setup = setup_from_config(cfg, budget)
-        train = search.choose(arch, setup, budget, ("micro_batch", "stream"), stages=("train",))
-        pre = search.choose(arch, setup, budget, ("precompute_batch", "stream"), stages=("precompute",))
-        if not (train.fits and pre.fits):
+        if not all(search.stage_plan(cfg, arch, budget, stage, device).fits for stage in ("train", "precompute")):
             break
         best = length
     return best
@@ -294,8 +356,8 @@ def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, devi
     """One run in a process of its own; its result with what it was."""
     work = WORK / "runs" / f"{name}-{tool}-{length}-{device}"
     out = work / "result.json"
-    work.mkdir(parents=True, exist_ok=True)
-    out.unlink(missing_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # a rerun that fails before train writes reports nothing of the last
+    work.mkdir(parents=True)
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", tool, "--name", name, "--recipe", recipe,
             "--model", model, "--max-length", str(length), "--cap-gib", str(args.cap_gib), "--steps",
             str(args.steps), "--device", device, "--work", str(work), "--out", str(out)]
@@ -305,7 +367,7 @@ def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, devi
     result = json.loads(out.read_text()) if out.is_file() else {"error": f"the run died (exit {rc})"}
     if result.get("error"):
         result["log_tail"] = (work / "log.txt").read_text(errors="replace")[-3000:]
-    entry = {"tool": "lowmem_dpo" if tool == "ours" else "trl", "recipe": Path(recipe).stem, "variant": variant,
+    entry = {"tool": {"ours": "lowmem_dpo", "grads": "lowmem_dpo gradients"}.get(tool, tool), "recipe": Path(recipe).stem, "variant": variant,
              "max_length": length, "cap_gib": args.cap_gib if device == "cuda" else None, "device": device,
              "oom": False, **result}
     log(f"  -> {json.dumps({k: entry.get(k) for k in ('oom', 'planned_gib', 'allocated_gib', 'reserved_gib', 'median_step_s', 'step1_loss_minus_ln2', 'error')})}")
@@ -356,9 +418,13 @@ def check(args) -> int:
             import random_weights
 
             model = str(random_weights.ensure_model(arch, log=log))
-        for length, variant in lengths(args, recipe, model, device):
+        for k, (length, variant) in enumerate(lengths(args, recipe, model, device)):
             for tool in args.tools.split(","):
                 report["runs"].append(spawn(tool, name, recipe, model, length, args, device, variant))
+                write(report, out)
+            if k == 0 and args.grads:  # after the recipe's own runs: the offloading check before the long ones
+                glen = SMOKE_LENGTHS["recipe"] if args.smoke else args.grads_length
+                report["runs"].append(spawn("grads", name, recipe, model, glen, args, device, "offloading"))
                 write(report, out)
     if args.step_compare:
         model = SMOKE_MODEL if args.smoke else "lowmem_dpo:llama-25m"
@@ -391,11 +457,15 @@ def parse_args(argv):
     ap.add_argument("--lengths", default="recipe,2048,longest", help="recipe, a number, or longest")
     ap.add_argument("--longest-limit", type=int, default=32768, help="the longest max_length tried")
     ap.add_argument("--no-step-compare", dest="step_compare", action="store_false")
+    ap.add_argument("--grads", action="store_true", help="also the offloaded gradients against plain ones")
+    ap.add_argument("--grads-length", type=int, default=4096, help="max_length of the gradient comparison")
+    ap.add_argument("--part", type=int, choices=sorted(PARTS), help="one part of the check (PARTS), for a short "
+                    "GPU loan: sets --recipes, --tools, --lengths, --grads, --no-step-compare and --steps")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default=str(RESULT))
     ap.add_argument("--combine", nargs="+", metavar="JSON")
     # a child run (internal)
-    ap.add_argument("--child", choices=("ours", "trl"))
+    ap.add_argument("--child", choices=("ours", "trl", "grads"))
     for name in ("--name", "--recipe", "--model", "--device", "--work", "--out"):
         ap.add_argument(name)
     ap.add_argument("--max-length", type=int)
@@ -408,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         return child(args)
+    if args.part:
+        vars(args).update(PARTS[args.part])
+    # `timeout` ends the check with SIGTERM: as an exception, so that subprocess.run kills the running child too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.combine:
         return combine(args.combine, Path(args.json))
     return check(args)

@@ -31,7 +31,7 @@ from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
 from lowmem_dpo.data.store import Value
 from lowmem_dpo.memory import search
-from lowmem_dpo.memory.setup import run_budget, setup_from_config
+from lowmem_dpo.memory.setup import run_budget
 from lowmem_dpo.model import adapters, headcheck, models, streaming
 from lowmem_dpo.model.logps import batch_logps
 from lowmem_dpo.runtime import devices, distributed, files, folders
@@ -79,9 +79,7 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     arch = search.arch_of_run(model_path, cfg, f"precompute_batch_size={cfg.precompute_batch_size} as given")
     if arch is None:
         return cfg.precompute_batch_size, None
-    knobs = ("precompute_batch",) + (("unshare",) if cfg.share_prompt == "auto" else ()) + (
-        ("stream",) if resolved.device.type == "cuda" else ())
-    plan = search.choose(arch, setup_from_config(cfg, budget), budget, knobs, stages=("precompute",))
+    plan = search.stage_plan(cfg, arch, budget, "precompute", resolved.device.type)
     batch, stream = plan.setup.precompute_batch, plan.streams.get("precompute")
     if resolved.share_prompt and not plan.setup.share_prompt:
         resolved.share_prompt = False

@@ -299,3 +299,23 @@ def arch_of_run(model_path, cfg, instead: str) -> Arch | None:
         log(f"note: no memory plan for this run ({e}); {instead}")
         return None
     return arch
+
+
+def stage_knobs(cfg, stage: str, device_type: str) -> tuple[str, ...]:
+    """The knobs a stage turns by itself on `device_type` (the rest it only advises), in the module doc's order:
+    precompute its batch, train its micro-batch and gradient checkpointing (when auto); both unshare the prompt
+    (share_prompt auto); on CUDA train offloads activations (when auto), and both stream layers last."""
+    cuda = device_type == "cuda"
+    if stage == "precompute":
+        return ("precompute_batch",) + (("unshare",) if cfg.share_prompt == "auto" else ()) + (
+            ("stream",) if cuda else ())
+    return ("micro_batch",) + (("checkpointing",) if cfg.gradient_checkpointing == "auto" else ()) + (
+        ("offloading",) if cuda and cfg.activation_offloading == "auto" else ()) + (
+        ("unshare",) if cfg.share_prompt == "auto" else ()) + (("stream",) if cuda else ())
+
+
+def stage_plan(cfg, arch: Arch, budget: int, stage: str, device_type: str) -> Plan:
+    """The plan a stage applies (training.policy.apply_plan, precompute.memory_plan; bench/gpu_check.py reports
+    the same one)."""
+    return choose(arch, setup_from_config(cfg, budget), budget, stage_knobs(cfg, stage, device_type),
+                  stages=(stage,))

@@ -136,8 +136,9 @@ class Offloader:
             self.saved[key].saves += 1  # (a dead one's memory may hold another tensor now: a new entry then)
             return key
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda")  # t's shape, contiguous
-        with devices.on_stream(self.stream):
-            devices.wait(devices.mark(self.device), self.stream)  # t is written on the compute stream
+        written = devices.mark(self.device)  # on the compute stream, after the kernel that writes t (not inside
+        with devices.on_stream(self.stream):  # on_stream: there it would mark the side stream, which waits on itself)
+            devices.wait(written, self.stream)
             host.copy_(t, non_blocking=True)
         if self.stream is not None:  # t's memory is not reused before the side stream's copy has read it
             t.record_stream(self.stream)
@@ -176,8 +177,9 @@ class Offloader:
         waits for: a reused block is never written while a kernel still reads it; the side stream's copies run in
         order, so a copy to the host still in flight ends before this one starts)."""
         out = torch.empty(s.host.shape, dtype=s.host.dtype, device=self.device)
+        free = devices.mark(self.device)  # on the compute stream: after every queued reader of out's reused block
         with devices.on_stream(self.stream):
-            devices.wait(devices.mark(self.device), self.stream)
+            devices.wait(free, self.stream)
             out.copy_(s.host, non_blocking=True)
         s.device_tensor, s.event = out, devices.mark(self.device, self.stream)
         self.fetched += 1

@@ -131,11 +131,7 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
     if arch is None:
         return None
     setup = setup_from_config(cfg, budget)
-    cuda = resolved.device.type == "cuda"
-    knobs = ("micro_batch",) + (("checkpointing",) if cfg.gradient_checkpointing == "auto" else ()) + (
-        ("offloading",) if cuda and cfg.activation_offloading == "auto" else ()) + (
-        ("unshare",) if cfg.share_prompt == "auto" else ()) + (("stream",) if cuda else ())
-    applied = search.choose(arch, setup, budget, knobs, stages=("train",))
+    applied = search.stage_plan(cfg, arch, budget, "train", resolved.device.type)
     s, stream = applied.setup, applied.streams.get("train")
     if s.micro_batch != setup.micro_batch:
         resolved.micro_batch = s.micro_batch
