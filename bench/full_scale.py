@@ -130,23 +130,34 @@ def long_row(tokenizer, max_length: int, i: int) -> dict:
     right, wrong = (GOOD, BAD) if kind == "positive" else (BAD, GOOD)
     instruction = f"Write a {kind} review of the {noun}.\n"
 
-    def tokens(text: str) -> int:
-        return len(tokenizer(text)["input_ids"])
+    def tokens(text: str, special: bool = True) -> int:
+        return len(tokenizer(text, add_special_tokens=special)["input_ids"])
 
     def prompt_of(context: list[str]) -> str:
         return (f"Earlier reviews: {' '.join(context)}\n" if context else "") + instruction
 
+    # Sentences are added with their own token counts (each with its leading space), the whole text tokenized only
+    # to check the end: tokenizing the growing text at each sentence took minutes at 20k tokens.
     context: list[str] = []
-    while tokens(prompt_of(context + ["x"])) < max_length // 4:
+    n = tokens(prompt_of(["x"]))
+    while n < max_length // 4:
         context.append(_sentence(rng, rng.choice(NOUNS), rng.choice((GOOD, BAD))))
+        n += tokens(" " + context[-1], special=False)
+    while context and tokens(prompt_of(context + ["x"])) >= max_length // 4:
+        context.pop()
     prompt, eos = prompt_of(context), tokenizer.eos_token
+    base = tokens(prompt + eos)
     chosen: list[str] = []
     rejected: list[str] = []
-    while True:
-        c, r = chosen + [_sentence(rng, noun, right)], rejected + [_sentence(rng, noun, wrong)]
-        if max(tokens(prompt + " ".join(c) + eos), tokens(prompt + " ".join(r) + eos)) > max_length:
-            break
-        chosen, rejected = c, r
+    sizes = [0, 0]
+    while max(sizes) + base <= max_length:
+        chosen.append(_sentence(rng, noun, right))
+        rejected.append(_sentence(rng, noun, wrong))
+        sizes = [sizes[0] + tokens(" " + chosen[-1], False), sizes[1] + tokens(" " + rejected[-1], False)]
+    while chosen and max(tokens(prompt + " ".join(chosen) + eos),
+                         tokens(prompt + " ".join(rejected) + eos)) > max_length:
+        chosen.pop()
+        rejected.pop()
     if not chosen:
         raise UserError(f"--max-length {max_length}: too short for a prompt and one sentence; use >= 48")
     return {"prompt": prompt, "chosen": " ".join(chosen), "rejected": " ".join(rejected)}

@@ -250,12 +250,29 @@ def test_memory_snapshot_is_cuda_only(tmp_path):
 def test_the_allocator_setting_is_the_users_when_they_set_it(monkeypatch):
     for name in devices.ALLOC_CONF:
         monkeypatch.delenv(name, raising=False)
-    assert devices.configure_allocator().startswith("CUDA allocator: expandable_segments:True (set by lowmem_dpo")
-    assert (torch.cuda.is_available() and torch.cuda.is_initialized()) or \
-        devices.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setattr(devices, "_ours", {})
+    ours = "CUDA allocator: expandable_segments:True (set by lowmem_dpo; set PYTORCH_CUDA_ALLOC_CONF to choose another)"
+    assert devices.configure_allocator() == ours
+    assert devices.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert devices.configure_allocator() == ours  # the next stage in the same process: still ours, not the user's
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert devices.configure_allocator() == "CUDA allocator: PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 (from the " \
                                             "environment)"
+    assert devices.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+def test_the_allocator_is_set_through_the_environment_only(monkeypatch):
+    """CUDA started before the tool (a notebook): the environment is read once, at CUDA's start, so nothing is set
+    and the log says how to have it. CUDA's start is simulated (no GPU here): torch.cuda's two answers."""
+    for name in devices.ALLOC_CONF:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(devices, "_ours", {})
+    monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(devices.torch.cuda, "is_initialized", lambda: True)
+    assert devices.configure_allocator() == (
+        "CUDA allocator: torch's defaults (CUDA had started before lowmem_dpo could set expandable_segments:True: set "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before starting Python to have it)")
+    assert not any(name in devices.os.environ for name in devices.ALLOC_CONF)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

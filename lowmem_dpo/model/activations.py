@@ -139,9 +139,7 @@ class Offloader:
         written = devices.mark(self.device)  # on the compute stream, after the kernel that writes t (not inside
         with devices.on_stream(self.stream):  # on_stream: there it would mark the side stream, which waits on itself)
             devices.wait(written, self.stream)
-            host.copy_(t, non_blocking=True)
-        if self.stream is not None:  # t's memory is not reused before the side stream's copy has read it
-            t.record_stream(self.stream)
+            devices.copy_async(host, t, hold_src=True)  # t's memory is freed before the copy has run
         key = next(self.ids)
         self.keys[ident] = (weakref.ref(t), key)
         self.saved[key] = Saved(host)
@@ -180,7 +178,7 @@ class Offloader:
         free = devices.mark(self.device)  # on the compute stream: after every queued reader of out's reused block
         with devices.on_stream(self.stream):
             devices.wait(free, self.stream)
-            out.copy_(s.host, non_blocking=True)
+            devices.copy_async(out, s.host)
         s.device_tensor, s.event = out, devices.mark(self.device, self.stream)
         self.fetched += 1
 

@@ -47,7 +47,7 @@ class Slot:
 
     def fill(self) -> None:
         self.tensor.untyped_storage().resize_(self.host.numel() * self.host.element_size())
-        self.tensor.data.copy_(self.host, non_blocking=True)  # .data: no version bump for autograd's saved copies
+        devices.copy_async(self.tensor.data, self.host)  # .data: no version bump for autograd's saved copies
 
     def free(self) -> None:
         self.tensor.untyped_storage().resize_(0)

@@ -1,11 +1,8 @@
 """Per-device rules applied to this machine: which device, dtype, gradient checkpointing, optimizer, memory budget
-and offload a run gets, and why; and every call into torch.cuda.
-
-The rule book and the decisions made from a device's numbers are pure functions in rules.py; this module reads
-the numbers (torch.cuda, oneDNN) and applies them. Hardware and optional-dependency code (bitsandbytes) lives here
-and in model/models.py, imported lazily, so everything imports on a CPU. The train log prints each choice with its
-reason.
-"""
+and offload a run gets, and why (the train log prints each choice with its reason); and every call into torch.cuda,
+streams and events included. The rule book and the decisions made from a device's numbers are pure functions in
+rules.py; this module reads the numbers (torch.cuda, oneDNN) and applies them. Hardware and optional-dependency
+code (bitsandbytes) lives here and in model/models.py, imported lazily, so everything imports on a CPU."""
 
 from __future__ import annotations
 
@@ -103,16 +100,19 @@ EXPANDABLE = "expandable_segments:True"
 def configure_allocator() -> str:
     """Let CUDA's caching allocator grow segments in place (expandable_segments), unless the user set the
     variable: a run whose batches change shape (every step's lengths differ) then leaves little memory reserved
-    but unusable. Before CUDA initializes, through the environment as torch documents it; after, through the
-    allocator's settings. Returns the line the log shows."""
+    but unusable. Through the environment, as torch documents it, which the allocator reads when CUDA starts:
+    after that (a notebook that used CUDA first) the log says so. Returns the line the log shows."""
     mine = [name for name in ALLOC_CONF if name in os.environ]
-    if mine:
+    if mine and os.environ.get(ALLOC_CONF[0]) != _ours.get(ALLOC_CONF[0]):
         return f"CUDA allocator: {mine[0]}={os.environ[mine[0]]} (from the environment)"
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.memory._set_allocator_settings(EXPANDABLE)
-    else:
-        os.environ[ALLOC_CONF[0]] = EXPANDABLE
+    if not mine and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return (f"CUDA allocator: torch's defaults (CUDA had started before lowmem_dpo could set {EXPANDABLE}: "
+                f"set {ALLOC_CONF[0]}={EXPANDABLE} before starting Python to have it)")
+    os.environ[ALLOC_CONF[0]] = _ours[ALLOC_CONF[0]] = EXPANDABLE
     return f"CUDA allocator: {EXPANDABLE} (set by lowmem_dpo; set {ALLOC_CONF[0]} to choose another)"
+
+
+_ours: dict[str, str] = {}  # what configure_allocator set in the environment itself
 
 
 def _pick_device(cfg) -> tuple[torch.device, str]:
@@ -301,8 +301,7 @@ def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: st
             return result
 
 
-def release_memory(device: torch.device) -> None:
-    """Hand cached blocks back after an out-of-memory error, so a smaller retry starts from a clean pool."""
+def release_memory(device: torch.device) -> None:  # after out of memory: a smaller retry starts from a clean pool
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -314,8 +313,7 @@ SNAPSHOT = "memory_snapshot.pickle"
 
 
 def record_snapshots(device: torch.device, folder: str | Path) -> str:
-    """memory_snapshot_on_oom: record CUDA's allocation history from now on, so that the first out-of-memory error
-    writes it to folder/memory_snapshot.pickle (dump_snapshot). Returns the log line."""
+    """memory_snapshot_on_oom: record CUDA's allocations from now on, for dump_snapshot. Returns the log line."""
     if device.type != "cuda":
         return f"memory_snapshot_on_oom: CUDA only; nothing is recorded on {device.type}"
     torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")  # C++ stacks: slow
@@ -343,8 +341,7 @@ def dump_snapshot() -> Path | None:
 def memory_window(device: torch.device) -> dict[str, int]:
     """The memory numbers of a metrics line on CUDA, then a new window: peak_allocated_bytes and
     peak_reserved_bytes of torch's allocator since the last call (reserved - allocated: fragmentation), and
-    device_used_bytes, what the whole card has in use now (every process, the CUDA context: nvidia-smi's figure).
-    {} on other devices."""
+    device_used_bytes, what the whole card has in use now (every process, the CUDA context: nvidia-smi's). {} off CUDA."""
     if device.type != "cuda":
         return {}
     free, total = torch.cuda.mem_get_info(device)
@@ -355,12 +352,11 @@ def memory_window(device: torch.device) -> dict[str, int]:
 
 
 def grad_scaler(device: torch.device, dtype: torch.dtype):
-    """float16 training's dynamic loss scaling: torch.amp.GradScaler (the loss times a scale that halves when
-    the scaled gradients overflow and doubles after 2000 clean steps), or None for other dtypes."""
+    """float16's dynamic loss scaling (torch.amp.GradScaler: halved on overflow, doubled after 2000 clean steps)."""
     return torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
 
-# -- streaming decoder layers (streaming.py): host memory and a side stream on CUDA -------------------------------
+# -- streams and events (streaming.py, activations.py; tests/model/test_stream_order.py records their order) --------
 def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """`nbytes` of CPU RAM (uint8) that the device reads from: pinned (page-locked) for a CUDA device, so copies run
     asynchronously at full PCIe speed. One buffer for a whole layer: torch rounds each pinned allocation up to a
@@ -373,22 +369,26 @@ def side_stream(device: torch.device):
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
-def on_stream(stream):
-    """The block's CUDA work on `stream` (None: the current stream)."""
+def on_stream(stream):  # the block's CUDA work on `stream` (None: the current stream)
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def mark(device: torch.device, stream=None):
     """An event after the work queued so far on `stream` (None: the current stream of `device`); None off CUDA."""
-    if device.type != "cuda":
-        return None
-    return (stream or torch.cuda.current_stream(device)).record_event()
+    return (stream or torch.cuda.current_stream(device)).record_event() if device.type == "cuda" else None
 
 
 def wait(event, stream=None, device: torch.device | None = None) -> None:
     """Make `stream` (None: the current stream of `device`) wait for `event` (None: nothing to wait for)."""
     if event is not None:
         (stream or torch.cuda.current_stream(device)).wait_event(event)
+
+
+def copy_async(dst: torch.Tensor, src: torch.Tensor, hold_src: bool = False) -> None:
+    """dst <- src on the current stream (async with pinned memory); hold_src: src's memory outlives the copy."""
+    dst.copy_(src, non_blocking=True)
+    if hold_src and src.is_cuda:
+        src.record_stream(torch.cuda.current_stream(src.device))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
