@@ -4,6 +4,7 @@
     python bench/gpu_check.py [--cap-gib 11.25] [--steps 20] [--recipes mistral,llama] [--tools ours,trl]
         [--lengths recipe,2048,longest] [--no-step-compare] [--json bench/results/gpu_check.json]
     python bench/gpu_check.py --smoke [...]         # the whole flow on the tiny built-in model, on this CPU
+    python bench/gpu_check.py --part N --json $OUT/partN.json   # one part of at most 8 minutes (PARTS), N = 1..4
     python bench/gpu_check.py --combine A.json B.json --json bench/results/gpu_check.json
     make gpu-check
 
@@ -28,8 +29,12 @@ tool (lowmem_dpo | trl), recipe, variant (null for a recipe as shipped, else wha
 it), allocated_gib / reserved_gib (the largest per-step peaks of torch's allocator over the train steps),
 device_used_gib (the card's used memory at its highest, all processes and the CUDA context), oom, median_step_s and
 tokens_per_s (steps 2.., non-padding tokens), step1_loss_minus_ln2, and what it ran with (micro_batch, grad_accum,
-streamed_layers, overrides), its wall time, and its error and log tail when it failed. Timings on an H100 are not
-a consumer card's; memory figures carry over.
+streamed_layers, activation_offloading, gradient_checkpointing, share_prompt: the plan's), context_gib (the card
+with the bare CUDA context), beyond_torch_gib (device_used - reserved at the peak: context, kernels, managed
+pages), its wall time, and its error and log tail when it failed. --grads adds a "lowmem_dpo gradients" run:
+one step's LoRA gradients on one batch with and without activation offloading (plain twice: the card's own
+noise; rel_l2, max_abs_diff, cosine), their peaks and times. Timings on an H100 are not a consumer card's; memory
+figures carry over.
 
 --smoke swaps every model for lowmem_dpo:tiny-llama, runs on the CPU (the cap is then only the planner's budget)
 and shortens the lengths, so the script is known to work end to end before a GPU is lent.
@@ -144,7 +149,10 @@ def summarize(lines: list[dict], tokens_key: str = "tokens_per_s") -> dict:
             "median_step_s": round(statistics.median(line["step_time_s"] for line in timed), 4) if timed else None,
             "tokens_per_s": round(statistics.median(line[tokens_key] for line in timed), 1) if timed else None,
             "step1_loss_minus_ln2": None if first is None or first.get("loss") is None
-            else round(first["loss"] - math.log(2), 6), "steps_done": len(steps)}
+            else round(first["loss"] - math.log(2), 6), "steps_done": len(steps),
+            # what the process holds beyond torch's reserve at the peak: context, kernels, managed pages
+            "beyond_torch_gib": _gib(peak["device_used_bytes"] - peak["peak_reserved_bytes"])
+            if peak["device_used_bytes"] is not None and peak["peak_reserved_bytes"] is not None else None}
 
 
 def _gib(n) -> float | None:
@@ -163,6 +171,11 @@ def run_ours(args) -> dict:
     cfg = build_config({**_values(recipe_cfg), **overrides})
     planned, applied = planned_train(cfg)
     out = {"planned_gib": planned, **applied}
+    if args.device == "cuda":  # the card with this process's bare CUDA context (rules.CUDA_AFTER_START's base)
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        out["context_gib"] = _gib(total - free)
     try:
         precompute.run(cfg, progress=False)
         train.run(cfg, progress=False)

@@ -126,6 +126,12 @@ def _mlp_saved_widths(arch: Arch) -> int:
     return 4 if arch.activation == "gelu_new" else 1
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """The host RAM that torch's caching host allocator pins for an `nbytes` request: the next power of two (it
+    rounds every pinned block up to one; a 164 MB layer input pins 256 MiB)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
 def kept_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int, completion: int) -> dict[str, int]:
     """What train keeps for backward across the whole forward, beyond the decoder layers' own:
 
@@ -302,7 +308,9 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     host = 0
     if setup.activation_offloading:
         per_layer = kept["layer_inputs"] // arch.layers if setup.gradient_checkpointing else layer_total
-        host = (kept["layer_inputs"] if setup.gradient_checkpointing else all_layers) + kept["final_norm"]
+        # each saved tensor pinned on its own: a layer's input (checkpointing), else each of a layer's terms
+        tensors = [per_layer] if setup.gradient_checkpointing else list(layer.values())
+        host = arch.layers * sum(pinned_bytes(n) for n in tensors) + pinned_bytes(kept["final_norm"])
         activations = (kept["completion"] + kept["mask"] + kept["int8_inputs"]
                        + min(arch.layers, OFFLOAD_WINDOW) * per_layer)
     layer_phase = layer_working_bytes(arch, setup, n_seq, seq_len) + (

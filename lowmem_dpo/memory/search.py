@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 from lowmem_dpo.memory.arch import Arch, adapted, load_arch
-from lowmem_dpo.memory.model import Prediction, predict
+from lowmem_dpo.memory.model import Prediction, pinned_bytes, predict
 from lowmem_dpo.memory.setup import Setup, lora_targets, setup_from_config
 from lowmem_dpo.memory.weights import layer_weight_bytes
 from lowmem_dpo.runtime.errors import UserError, log
@@ -54,12 +54,16 @@ class Stream:
     copies_per_step: int  # how often each streamed layer is copied per optimizer step (precompute: per batch)
 
     @property
-    def cpu_bytes(self) -> int:
+    def cpu_bytes(self) -> int:  # pinned: each layer's one host buffer rounded up to a power of two
+        return self.layers * pinned_bytes(self.layer_bytes)
+
+    @property
+    def copied_bytes(self) -> int:  # over the link, per pass: the layers' own bytes
         return self.layers * self.layer_bytes
 
     @property
     def bytes_per_step(self) -> int:
-        return self.cpu_bytes * self.copies_per_step
+        return self.copied_bytes * self.copies_per_step
 
     @property
     def seconds_per_step(self) -> float:

@@ -133,12 +133,12 @@ def run_budget(cfg, device: str) -> int:
 
 
 def default_budget(device: str) -> int:
-    """What a run on `device` may use: on CUDA what torch can get of the card now (free, plus what this process
-    holds already); on a CPU the RAM, shared by the run's processes on this machine, each with its own model."""
+    """What a run on `device` may use: on CUDA what torch can get of the card (rules.cuda_budget: free, plus what
+    this process holds, less what CUDA loads later); on a CPU the RAM, shared by the run's processes on this
+    machine, each with its own model."""
     if device == "cuda":
         if not torch.cuda.is_available():
             raise UserError("device=cuda but no GPU here to read its memory from: pass --budget, e.g. 11.25GiB "
                             "(what torch gets of a 12 GB card)")
-        free, held, _ = devices.cuda_memory(torch.device("cuda", torch.cuda.current_device()))
-        return free + held
+        return rules.cuda_budget(*devices.cuda_memory(torch.device("cuda", torch.cuda.current_device())), None).budget
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_size()

@@ -54,7 +54,9 @@ class Slot:
 
 
 def _in_backward() -> bool:
-    """Whether this runs inside autograd's backward (a checkpointed layer's recompute, or _Refetch)."""
+    """Whether this runs inside autograd's backward (a checkpointed layer's recompute, or _Refetch). The layer
+    hooks run in the recompute with transformers <= 5.22, which checkpoints a layer's __call__ (5.23 and later
+    checkpoint forward, inside the hooks, and then never ask from a recompute)."""
     return torch._C._current_graph_task_id() != -1
 
 

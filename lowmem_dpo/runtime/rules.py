@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowmem_dpo.runtime.units import GiB, fmt
+from lowmem_dpo.runtime.units import GiB, MiB, fmt
 
 # Optimizer names (as transformers' `optim`): torch's AdamW, or bitsandbytes' paged 8-bit AdamW, whose two
 # states take 2 bytes/param instead of 8 and whose pages move to CPU RAM when the GPU runs out, instead of OOM.
@@ -104,16 +104,26 @@ class CudaBudget:
     short: bool = False  # memory_budget asked for more than the card has free
 
 
+# What a CUDA process takes outside torch's allocator after the budget is read (the context exists by then):
+# kernels loaded on first use (CUDA's lazy loading: cuBLAS, cuDNN, bitsandbytes), cuDNN's and cuBLAS' handles,
+# the paged optimizer's managed pages (LoRA states: ~84 MB at 7B, r=16). Measured on an H200 (torch 2.11, CUDA 13,
+# bench/results/gpu_check.json): 0.87 GiB of the card beyond torch's reserve at the step peak, the context
+# included, which takes ~0.3-0.5 GiB when the budget is read; gpu_check records the context alone (context_gib).
+CUDA_AFTER_START = 512 * MiB
+
+
 def cuda_budget(free: int, held: int, total: int, memory_budget: int | None) -> CudaBudget:
     """The budget of a CUDA run from the card's numbers (torch.cuda.mem_get_info after the context exists): `free`
-    bytes, `held` by this process's allocator already (torch.cuda.memory_reserved), `total`. Without memory_budget:
-    free + held, what torch can really get (the display, other processes and this process's CUDA context are
-    gone from free). With it: at most memory_budget, enforced as a fraction of the total so that the out-of-memory
-    back-off fires at the budget and a large card behaves as the small one it emulates."""
-    available = free + held
+    bytes, `held` by this process's allocator already (torch.cuda.memory_reserved), `total`. Available: free +
+    held, what torch can get (the display, other processes and this process's CUDA context are gone from free),
+    less CUDA_AFTER_START for what CUDA itself takes later. Without memory_budget: that. With it: at most
+    memory_budget, enforced as a fraction of the total so that the out-of-memory back-off fires at the budget and a
+    large card behaves as the small one it emulates."""
+    available = max(0, free + held - CUDA_AFTER_START)
     if memory_budget is None:
-        return CudaBudget(available, None, f"{fmt(available)} free for torch on a {fmt(total)} card "
-                          "(torch.cuda.mem_get_info: the display, other processes and the CUDA context excluded)")
+        return CudaBudget(available, None, f"{fmt(available)} for torch on a {fmt(total)} card (torch.cuda."
+                          f"mem_get_info: the display, other processes and the CUDA context excluded; "
+                          f"{fmt(CUDA_AFTER_START)} kept for kernels and handles CUDA loads later)")
     fraction = min(1.0, memory_budget / total)
     if memory_budget > available:
         return CudaBudget(available, fraction, f"memory_budget={fmt(memory_budget)} but only {fmt(available)} is free "

@@ -274,7 +274,15 @@ def restore(path: Path, model, opt, sched, scaler=None, rank: int = 0) -> None:
         rng = rng["ranks"][rank]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+        for index, state in cuda_states(rng["cuda"], torch.cuda.device_count()):
+            torch.cuda.set_rng_state(state, index)
+
+
+def cuda_states(saved: list, visible: int) -> list[tuple[int, torch.Tensor]]:
+    """(GPU index, state) of the saved CUDA RNG states to restore on `visible` GPUs: each GPU's own, by index. A run
+    resumed on fewer GPUs than it saw (saved on a 2 x T4 notebook, resumed on 1 x T4) drops the states of the GPUs
+    it no longer has, which it never drew from (a process trains on one GPU); one with more keeps its new GPUs'."""
+    return list(enumerate(saved[:visible]))
 
 
 def metrics_lines(path: Path) -> list[str]:

@@ -50,9 +50,11 @@ def enable_checkpointing(base) -> None:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    # Belt and braces for models whose checkpointing ignores use_reentrant (remote code in the old format):
-    # the embedding output requires grad, so every layer's input does. Costs one (B, T, H) gradient.
-    base.enable_input_require_grads()
+    # For models whose checkpointing ignores use_reentrant (remote code in the old format): the embedding output
+    # requires grad, so every layer's input does. Costs one (B, T, H) gradient. Transformers 5 registers the same
+    # hook itself for a model of input_ids: a second would only run twice.
+    if getattr(base, "_require_grads_hook", None) is None:
+        base.enable_input_require_grads()
 
 
 def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, stream: streaming.Plan | None = None,

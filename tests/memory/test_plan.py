@@ -21,7 +21,7 @@ from lowmem_dpo.memory.arch import (
     load_arch,
     shipped_archs,
 )
-from lowmem_dpo.memory.model import logits_train_bytes, predict, predict_train
+from lowmem_dpo.memory.model import logits_train_bytes, pinned_bytes, predict, predict_train
 from lowmem_dpo.memory.search import choose
 from lowmem_dpo.memory.setup import Setup, setup_from_config
 from lowmem_dpo.memory.weights import base_weight_bytes, layer_weight_bytes, linear_weight_bytes
@@ -218,10 +218,27 @@ def test_streaming_when_nothing_else_fits():
     chosen = choose(arch, mistral_setup(), 4 * GiB)
     streamed = layer_weight_bytes(arch, "bfloat16", "4bit")
     assert chosen.setup.micro_batch == 1 and chosen.setup.quantization == "4bit" and chosen.offload_layers > 0
-    assert chosen.offload_bytes == chosen.streams["train"].layers * streamed
+    # pinned: each layer's host buffer rounded up to a power of two by torch's caching host allocator
+    assert streamed == 112_537_052 and pinned_bytes(streamed) == 128 * MiB
+    assert chosen.offload_bytes == chosen.streams["train"].layers * 128 * MiB
+    assert chosen.streams["train"].bytes_per_step == chosen.streams["train"].layers * streamed * 32
     assert chosen.fits
     hopeless = choose(arch, mistral_setup(), 1 * GiB)
     assert not hopeless.fits
+
+
+def test_offloaded_activations_pin_what_the_host_allocator_rounds_to():
+    """Mistral's 12 GB recipe at 9,984 tokens: each layer input (its tokens x 4,096 x 2 bytes) is 164 MB, pinned as
+    256 MiB; the issue's 5.18 GiB of tensors pin ~8.1 GiB (the final norm's float32 input: 327 MB -> 512 MiB)."""
+    cfg = load_config(REPO / "recipes" / "mistral-7b-qlora-12gb.yaml", ["max_length=9984", "max_prompt_length=null"])
+    arch = load_arch(cfg.model_name_or_path)
+    setup = dataclasses.replace(setup_from_config(cfg, int(11.25 * GiB)), activation_offloading=True, micro_batch=1)
+    details = predict(arch, setup).train.details
+    per_layer = details["kept.layer_inputs"] // arch.layers
+    assert per_layer == setup.sequences("train") * setup.shapes("train")[0] * 4096 * 2 > 160e6 and pinned_bytes(per_layer) == 256 * MiB
+    assert details["offload.host_bytes"] == 32 * 256 * MiB + pinned_bytes(details["kept.final_norm"])
+    assert pinned_bytes(details["kept.final_norm"]) == 512 * MiB
+    assert [pinned_bytes(n) for n in (0, 1, 4096, 4097)] == [0, 1, 4096, 8192]
 
 
 def test_fitting_recipe_is_left_alone():

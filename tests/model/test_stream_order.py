@@ -18,6 +18,7 @@ import contextlib
 
 import pytest
 import torch
+from conftest import TINY_DATA
 
 from lowmem_dpo import data
 from lowmem_dpo.model import activations, streaming
@@ -25,7 +26,6 @@ from lowmem_dpo.model.logps import completion_logps
 from lowmem_dpo.model.models import load_model
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.training import policy
-from conftest import TINY_DATA
 
 CPU = torch.device("cpu")
 COMPUTE, SIDE = "compute", "side"

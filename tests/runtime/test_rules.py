@@ -32,14 +32,17 @@ H100 = 79.2 * GiB  # what torch.cuda.mem_get_info reports as an H100's total
 
 
 @pytest.mark.parametrize("free, held, total, cap, budget, fraction, short", [
-    # no memory_budget: what torch can get now (free + what this process's allocator holds already)
-    (11.3 * GiB, 0, 12 * GiB, None, 11.3 * GiB, None, False),  # a 12 GB card with its display and context
-    (10.0 * GiB, 1.0 * GiB, 12 * GiB, None, 11.0 * GiB, None, False),
+    # no memory_budget: what torch can get now (free + what this process's allocator holds already), less 0.5 GiB
+    # for what CUDA loads later (rules.CUDA_AFTER_START)
+    (11.3 * GiB, 0, 12 * GiB, None, 10.8 * GiB, None, False),  # a 12 GB card with its display and context
+    (10.0 * GiB, 1.0 * GiB, 12 * GiB, None, 10.5 * GiB, None, False),
+    (0.25 * GiB, 0, 12 * GiB, None, 0, None, False),  # a card someone else fills: nothing, not a negative budget
     # memory_budget on a big card: the budget, enforced as a fraction of the total
     (78.5 * GiB, 0, H100, 11.25 * GiB, 11.25 * GiB, 11.25 / 79.2, False),
     # memory_budget above what is free: plan for what is free, still cap at the budget, and say so
-    (6.0 * GiB, 0, 12 * GiB, 11.25 * GiB, 6.0 * GiB, 11.25 / 12, True),
-    (12 * GiB, 0, 12 * GiB, 20 * GiB, 12 * GiB, 1.0, True),  # never a fraction above 1
+    (6.0 * GiB, 0, 12 * GiB, 11.25 * GiB, 5.5 * GiB, 11.25 / 12, True),
+    (11.5 * GiB, 0, 12 * GiB, 11.25 * GiB, 11.0 * GiB, 11.25 / 12, True),  # the reserve makes it short
+    (12 * GiB, 0, 12 * GiB, 20 * GiB, 11.5 * GiB, 1.0, True),  # never a fraction above 1
 ])
 def test_cuda_budget(free, held, total, cap, budget, fraction, short):
     b = rules.cuda_budget(int(free), int(held), int(total), None if cap is None else int(cap))

@@ -497,3 +497,14 @@ def test_a_checkpoint_from_before_the_transformers_schedules(tmp_path):
     resuming.check_older_semantics(cdpo, tmp_path, saved)  # rewrites that run's sigmoid as today's cdpo
     assert checkpoint.config_changes(saved.config, dataclasses.asdict(cdpo)) == []
     assert "warmup_ratio" in keys_where(resumable=False) - set(old)  # compared as its default, 0.0: no change
+
+
+def test_a_run_resumed_on_fewer_gpus_restores_the_states_of_the_gpus_it_has():
+    """A checkpoint written on 2 GPUs (their states stand in for CUDA's: no GPU here) resumed on 1 restores GPU 0's
+    state alone, where restoring all of them raised IndexError; on 3, the third GPU keeps its own."""
+    saved = [torch.Generator().manual_seed(seed).get_state() for seed in (1, 2)]
+    one = checkpoint.cuda_states(saved, 1)
+    assert [i for i, _ in one] == [0] and torch.equal(one[0][1], saved[0])
+    three = checkpoint.cuda_states(saved, 3)
+    assert [i for i, _ in three] == [0, 1] and torch.equal(three[1][1], saved[1])
+    assert checkpoint.cuda_states(saved, 0) == []
