@@ -170,6 +170,7 @@ def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, rows
     model = adapters.reference_model(model, ins.source)  # base + the SFT adapter, when there is one
     streaming.stream_layers(model, stream, resolved.device)
     policy.tile(model, ins.model_path)
+    policy.attention_path(model, resolved.device, resolved.ref_dtype, grad=False)
     return model, batch
 
 

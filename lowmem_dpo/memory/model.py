@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from lowmem_dpo.memory import attention
 from lowmem_dpo.memory.arch import Arch, adapted
 from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup, setup_from_config
 from lowmem_dpo.memory.weights import (
@@ -81,8 +82,10 @@ def layer_saved_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int,
                   (bool) on CUDA, 4 bytes on a CPU (there dropout multiplies by a float noise tensor).
     lora_mids:    each LoRA B keeps A's output: r per adapted Linear, in s (autocast) or 4 bytes.
     attention:    SDPA keeps q, k, v, its output and its float32 logsumexp: ((2*q_dim + 2*kv)*s + 4*heads)*NT,
-                  kv = kv_dim, or q_dim with grouped kv heads and a mask (transformers then repeats them to every
-                  head instead of using SDPA's GQA); and the additive mask where there is one (attention_masks).
+                  kv = kv_dim, or q_dim with grouped kv heads repeated to every head (transformers does for a
+                  mask; policy.attention_path on a card where SDPA's GQA would run the math kernel); the additive
+                  mask where there is one (attention_masks); and where the kernel is math all the same
+                  (attention.cuda_attention), its float32 (N, heads, T, T) softmax (attention.math_kept).
     mlp:          gated (SwiGLU): SiLU keeps gate, the product keeps act and up: 3*I*s. Not gated (fc -> act ->
                   proj): the activation keeps its input, and its output is kept for the projection's LoRA when
                   that is adapted (lora_inputs), 1*I*s; a tanh-GELU written in Python ops (GPT-2's gelu_new)
@@ -99,13 +102,14 @@ def layer_saved_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int,
     mlp = [m for m in ad if not m.role.startswith("attn")]
     mid_bytes = s if setup.autocast else 4
     masks = attention_masks(arch, setup, n_seq, seq_len)
-    kv = arch.q_dim if arch.kv_heads < arch.heads and masks[0] else arch.kv_dim
+    kv = arch.q_dim if attention.cuda_attention(arch, setup, seq_len, bool(masks[0]), grad=True)[1] else arch.kv_dim
     return {
         "norms": nt * arch.norms_per_layer * (arch.hidden * 4 + (4 if arch.norm_kind == "rms" else 8)),
         "lora_inputs": nt * _lora_widths(arch, setup, attn) + mt * _lora_widths(arch, setup, mlp),
         "lora_mids": (nt * len(attn) + mt * len(mlp)) * setup.lora_r * mid_bytes,
         "attention": nt * ((2 * arch.q_dim + 2 * kv) * s + 4 * arch.heads) + masks[1]
-        + n_seq * arch.heads * seq_len * seq_len * _eager_saved(arch, s),
+        + n_seq * arch.heads * seq_len * seq_len * _eager_saved(arch, s)
+        + attention.math_kept(arch, setup, n_seq, seq_len, bool(masks[0]))[0],
         "mlp": mt * _mlp_saved_widths(arch) * arch.intermediate * s,
     }
 
@@ -186,8 +190,9 @@ def layer_working_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> i
     lora_path = mt * (4 * arch.intermediate + (s * arch.intermediate if setup.autocast else 0)) + nt * s * arch.hidden
     dequant = dequant_bytes(arch, setup.quantization, s)
     int8_forward = nt * s * arch.hidden + int8_buffers(arch, setup.quantization, nt, mt)
+    math = attention.math_kept(arch, setup, n_seq, seq_len, bool(attention_masks(arch, setup, n_seq, seq_len)[0]))[1]
     return max(lora_path, (mt * s * arch.intermediate + nt * s * arch.hidden + dequant) if dequant else 0,
-               int8_forward)
+               int8_forward, math)
 
 
 def chunk_tokens(arch: Arch, completion_positions: int) -> int:

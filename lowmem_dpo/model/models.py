@@ -345,3 +345,20 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
         p.requires_grad_(False)
     model.eval()
     return model
+
+
+def sdpa_card(device: torch.device) -> tuple[tuple[int, int], int | None]:
+    """The CUDA card's compute capability and the runtime cuDNN's version: what SDPA's kernel choice reads."""
+    return torch.cuda.get_device_capability(device), torch.backends.cudnn.version()
+
+
+def repeat_kv_heads() -> str:
+    """Make transformers repeat a grouped-query layer's k and v to every query head before SDPA (its path for a
+    masked batch) for an unmasked batch too, instead of passing enable_gqa=True: on a card where SDPA then runs its
+    math kernel, with float32 (N, heads, T, T) scores (memory.attention.expand_kv decides). For this process: the
+    one model it loads. Returns the log line."""
+    from transformers.integrations import sdpa_attention
+
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False  # looked up at each call: this module's global
+    return ("attention: k and v repeated to every query head before SDPA (without, this card would run SDPA's "
+            "math kernel for grouped-query attention, with float32 T x T scores)")

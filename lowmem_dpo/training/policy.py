@@ -16,7 +16,7 @@ import torch
 
 from lowmem_dpo.config.schedule import make_schedule
 from lowmem_dpo.config.schema import Config
-from lowmem_dpo.memory import search
+from lowmem_dpo.memory import attention, search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 from lowmem_dpo.model import activations, adapters, models, streaming
 from lowmem_dpo.runtime import devices, rules
@@ -93,10 +93,25 @@ def tile(model, model_path: Path, grad_tiles: bool = True) -> None:
         activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix, grad_tiles)
 
 
+def attention_path(model, device: torch.device, dtype: torch.dtype, grad: bool) -> None:
+    """On CUDA, k and v repeated to every query head where the card would otherwise run SDPA's math kernel for a
+    grouped-query model (memory.attention.expand_kv: a T4 in float16; the planner counts the same path)."""
+    if device.type != "cuda":
+        return
+    config = model.config
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    card, cudnn = models.sdpa_card(device)
+    if attention.expand_kv(card, devices.dtype_name(dtype), kv < heads, False, head_dim, grad=grad, cudnn=cudnn):
+        log(models.repeat_kv_heads())
+
+
 def long_sequences(model, resolved: devices.Resolved, model_path: Path) -> None:
     """What a long sequence needs in train (activations.py): the MLP in tiles (with gradients only under
     checkpointing), and the saved tensors offloaded when resolved says so."""
     tile(model, model_path, resolved.gradient_checkpointing)
+    attention_path(model, resolved.device, resolved.dtype, grad=True)
     if resolved.activation_offloading:
         activations.offload_activations(model, resolved.device)
 
