@@ -15,11 +15,17 @@ FIELDS = ("tool", "recipe", "variant", "max_length", "cap_gib", "planned_gib", "
 def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
     out = tmp_path / "gpu_check.json"
     p = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--recipes", "llama", "--lengths", "recipe",
-                        "--steps", "3", "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+                        "--steps", "3", "--grads", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                       timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["smoke"] is True and report["device"] == "cpu (--smoke)"
     runs = report["runs"]
+    grads = runs.pop(2)  # the offloading check, after the recipe's own runs: on a CPU the same numbers exactly
+    assert (grads["tool"], grads["variant"], grads.get("error")) == ("lowmem_dpo gradients", "offloading", None)
+    assert grads["offloaded"]["packed"] == grads["offloaded"]["fetched"] > 0 and grads["tensors"] > 0
+    assert grads["offloaded_vs_plain"]["rel_l2"] == grads["offloaded_vs_plain"]["max_abs_diff"] == 0.0
+    assert grads["plain_again_vs_plain"]["max_abs_diff"] == 0.0 and grads["plain_again_vs_plain"]["max_abs"] > 0
     assert [(r["tool"], r["recipe"], r["variant"]) for r in runs] == [
         ("lowmem_dpo", "llama3.1-8b-qlora-12gb", None), ("trl", "llama3.1-8b-qlora-12gb", None),
         ("lowmem_dpo", "llama-25m-cpu", "device=cpu")]
@@ -30,4 +36,6 @@ def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
         assert abs(r["step1_loss_minus_ln2"]) < 1e-2  # both tools start at ln 2: the reference is the policy
     ours = runs[0]
     assert ours["max_length"] == 96 and ours["planned_gib"] > 0 and ours["micro_batch"] == 2
+    # the plan train applies: its knobs as train turns them on a CPU (no offloading, no streaming there)
+    assert ours["activation_offloading"] is False and ours["streamed_layers"] == 0 and ours["fits"] is True
     assert math.isclose(runs[1]["max_length"], ours["max_length"])
