@@ -162,13 +162,9 @@ def _gib(n) -> float | None:
 def run_ours(args) -> dict:
     """lowmem_dpo's plan, precompute and train in this process (a child of the check)."""
     from lowmem_dpo import precompute, train
-    from lowmem_dpo.config.recipe import build_config, load_config
     from lowmem_dpo.runtime.errors import UserError
 
-    recipe_cfg = load_config(args.recipe, args.set)
-    overrides = run_overrides(args.name, recipe_cfg, args.model, args.max_length, args.steps, args.cap_gib,
-                              args.device, Path(args.work))
-    cfg = build_config({**_values(recipe_cfg), **overrides})
+    cfg = child_config(args)
     planned, applied = planned_train(cfg)
     out = {"planned_gib": planned, **applied}
     if args.device == "cuda":  # the card with this process's bare CUDA context (rules.CUDA_AFTER_START's base)
@@ -184,6 +180,16 @@ def run_ours(args) -> dict:
     lines = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()] \
         if (Path(cfg.output_dir) / "metrics.jsonl").is_file() else []
     return {**out, **summarize(lines)}
+
+
+def child_config(args, **changes):
+    """A child run's config: the recipe with --set, run_overrides' keys, then `changes`."""
+    from lowmem_dpo.config.recipe import build_config, load_config
+
+    recipe_cfg = load_config(args.recipe, args.set)
+    overrides = run_overrides(args.name, recipe_cfg, args.model, args.max_length, args.steps, args.cap_gib,
+                              args.device, Path(args.work))
+    return build_config({**_values(recipe_cfg), **overrides, **changes})
 
 
 def _values(cfg) -> dict:
@@ -285,16 +291,11 @@ def run_grads(args) -> dict:
     import torch
 
     from lowmem_dpo import train
-    from lowmem_dpo.config.recipe import build_config, load_config
     from lowmem_dpo.model import activations
     from lowmem_dpo.training import loop
 
-    recipe_cfg = load_config(args.recipe, args.set)
-    overrides = run_overrides(args.name, recipe_cfg, args.model, args.max_length, args.steps, args.cap_gib,
-                              args.device, Path(args.work))
     # ref_source=live: the reference from the same model (one load, no precompute; the gradients' question alike)
-    overrides.update(activation_offloading="false", lora_dropout=0.0, memory_budget=None, ref_source="live")
-    cfg = build_config({**_values(recipe_cfg), **overrides})
+    cfg = child_config(args, activation_offloading="false", lora_dropout=0.0, memory_budget=None, ref_source="live")
     s = train.setup(cfg, None, False)
     items = loop.take(s.stream, s.pairs_per_step)
     cuda = s.resolved.device.type == "cuda"

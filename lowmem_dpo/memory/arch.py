@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowmem_dpo.model.logps import head_of
-from lowmem_dpo.model.models import meta_model, resolve_model_path
+from lowmem_dpo.model.models import attention_heads, meta_model, resolve_model_path, text_config
 from lowmem_dpo.model.tiny import BUILTIN_PREFIX
 from lowmem_dpo.runtime.errors import UserError
 
@@ -210,7 +210,7 @@ def arch_from_model(model, name: str) -> Arch:
     """Arch of a transformers CausalLM (instantiated on the meta device: only names and shapes are read).
     UserError when the model is not one the memory model describes."""
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     hidden, vocab = getattr(config, "hidden_size", None), getattr(config, "vocab_size", None)
     heads = getattr(config, "num_attention_heads", None)
     if not all(isinstance(v, int) for v in (hidden, vocab, heads)):
@@ -237,9 +237,9 @@ def arch_from_model(model, name: str) -> Arch:
     total = sum(p.numel() for p in model.parameters())  # tied weights count once
     outer = total - len(layers) * layer_params - (0 if tied or head is None else head.weight.numel())
     norms = [type(m).__name__.lower() for m in layers[0].modules() if "norm" in type(m).__name__.lower()]
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    _, kv_heads, head_dim = attention_heads(config)
     return Arch(name=name, model_type=str(config.model_type), hidden=hidden, layers=len(layers), heads=heads,
-                kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=vocab,
+                kv_heads=kv_heads, head_dim=head_dim, vocab=vocab,
                 tie_word_embeddings=tied, layer_linears=linears, layer_params=layer_params, outer_params=outer,
                 norms_per_layer=len(norms), norm_kind="rms" if all("rms" in n for n in norms) else "layer",
                 activation=str(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)

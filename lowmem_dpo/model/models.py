@@ -347,6 +347,19 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, quantizatio
     return model
 
 
+def text_config(config):
+    """The text model's config of a transformers config (a multimodal one nests it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_heads(config) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head_dim) of a text config: key/value heads default to the query heads,
+    head_dim to hidden_size // heads."""
+    heads = config.num_attention_heads
+    return (heads, getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
 def sdpa_card(device: torch.device) -> tuple[tuple[int, int], int | None]:
     """The CUDA card's compute capability and the runtime cuDNN's version: what SDPA's kernel choice reads."""
     return torch.cuda.get_device_capability(device), torch.backends.cudnn.version()

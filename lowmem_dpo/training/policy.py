@@ -98,10 +98,7 @@ def attention_path(model, device: torch.device, dtype: torch.dtype, grad: bool) 
     grouped-query model (memory.attention.expand_kv: a T4 in float16; the planner counts the same path)."""
     if device.type != "cuda":
         return
-    config = model.config
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv, head_dim = models.attention_heads(models.text_config(model.config))
     card, cudnn = models.sdpa_card(device)
     if attention.expand_kv(card, devices.dtype_name(dtype), kv < heads, False, head_dim, grad=grad, cudnn=cudnn):
         log(models.repeat_kv_heads())
