@@ -25,6 +25,9 @@ from lowmem_dpo.runtime.rules import ADAMW_TORCH
 # the tensor peak, with expandable segments (devices.configure_allocator). The budget is what torch may allocate
 # (devices.run_cuda_budget), so the CUDA context is outside it and not counted here.
 CUDA_FRAGMENTATION = 0.05
+# A CPU run's RSS before its model loads: Python, torch, transformers, peft and bitsandbytes imported, the recipe
+# and the tokenizer read (bench/full_scale.py's rss_before_load_bytes: 0.42-0.48 GiB with torch 2.13).
+CPU_PROCESS = 480 * 2**20
 # With activation_offloading, the offloaded tensors on the device at once in backward: the layer computing and the
 # one prefetched below it (activations.Offloader).
 OFFLOAD_WINDOW = 2
@@ -252,11 +255,12 @@ def precompute_layer_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -
 
 def framework_overhead(device: str, tensor_peak: int) -> int:
     """Memory the budget must hold beyond live tensors. CUDA: the caching allocator's fragmentation (~5% of the
-    tensor peak: an estimate; a GPU run's metrics log peak_reserved_bytes beside peak_allocated_bytes). CPU and
-    mps: 0 (the planner and --measure count tensor memory; Python and the libraries' own RSS are not in it)."""
+    tensor peak: an estimate; a GPU run's metrics log peak_reserved_bytes beside peak_allocated_bytes). CPU: the
+    process before the model loads (CPU_PROCESS), so that the plan is RSS; the heap returns freed tensors
+    (runtime/heap.py). mps: 0."""
     if device == "cuda":
         return int(CUDA_FRAGMENTATION * tensor_peak)
-    return 0
+    return CPU_PROCESS if device == "cpu" else 0
 
 
 # -- prediction --------------------------------------------------------------------------------------------------

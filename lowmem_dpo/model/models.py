@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo.model.tiny import BUILTIN_PREFIX, ensure_builtin
+from lowmem_dpo.runtime import heap
 from lowmem_dpo.runtime.devices import import_bitsandbytes, out_of_memory_means
 from lowmem_dpo.runtime.errors import UserError
 
@@ -271,19 +272,6 @@ def _one_numeric_path(model: torch.nn.Module) -> None:
             m.support_avx512bf16_for_cpu = False
 
 
-def release_freed_memory() -> None:
-    """Ask the C heap to return its freed pages to the OS (glibc's malloc_trim): after a load that built and
-    dropped large temporaries (quantizing every Linear), RSS falls to what is in use. A no-op without glibc."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl)
-        pass
-
-
 def _own_unquantized_weights(model: torch.nn.Module) -> None:
     """Saves memory after a quantized load on a CPU: transformers memory-maps the safetensors shards, and the
     weights it does not quantize (embeddings, norms, LM head, biases) point into the mappings, which keeps every
@@ -292,7 +280,7 @@ def _own_unquantized_weights(model: torch.nn.Module) -> None:
     for p in model.parameters():  # each tied weight once
         if type(p) is torch.nn.Parameter and p.device.type == "cpu":  # not bitsandbytes' Params4bit/Int8Params
             p.data = p.data.clone()
-    release_freed_memory()
+    heap.release_freed_memory()
 
 
 def load_device(device: torch.device, quantization: str, streamed_layers: int) -> torch.device:

@@ -1,8 +1,8 @@
 """Per-device rules applied to this machine: which device, dtype, gradient checkpointing, optimizer, memory budget
 and offload a run gets, and why (the train log prints each choice with its reason); and every call into torch.cuda,
 streams and events included. The rule book and the decisions made from a device's numbers are pure functions in
-rules.py; this module reads the numbers (torch.cuda, oneDNN) and applies them. Hardware and optional-dependency
-code (bitsandbytes) lives here and in model/models.py, imported lazily, so everything imports on a CPU."""
+rules.py; this module reads the numbers (torch.cuda, oneDNN) and applies them (the C heap's: heap.py). Hardware
+and optional-dependency code lives here and in model/models.py, imported lazily: everything imports on a CPU."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo.runtime import distributed, rules
+from lowmem_dpo.runtime import distributed, heap, rules
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt, parse_size, size_note
 
@@ -149,6 +149,8 @@ def resolve(cfg) -> Resolved:
     reasons = [device_reason]
     if device.type == "cuda":
         reasons.append(allocator)
+    elif device.type == "cpu":
+        reasons.append(heap.configure())
     device = distributed.init(device)  # under torchrun / accelerate launch: join the group, this rank's GPU
     w = distributed.world()
     if w.distributed:
@@ -254,9 +256,8 @@ OOM_TEXTS = ("out of memory", "can't allocate memory", "CUBLAS_STATUS_ALLOC_FAIL
 
 def is_out_of_memory(e: BaseException) -> bool:
     """CUDA's (and mps') out-of-memory error, cuBLAS' allocation failure, or the CPU allocator's failure."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return True
-    return isinstance(e, RuntimeError) and any(text in str(e) for text in OOM_TEXTS)
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(text in str(e) for text in OOM_TEXTS))
 
 
 @contextlib.contextmanager
@@ -307,8 +308,7 @@ def release_memory(device: torch.device) -> None:  # after out of memory: a smal
         torch.cuda.empty_cache()
 
 
-# memory_snapshot_on_oom: where the first out-of-memory error writes torch's memory snapshot (record_snapshots).
-_snapshot: dict[str, Path] = {}
+_snapshot: dict[str, Path] = {}  # memory_snapshot_on_oom: where the first out-of-memory error writes
 SNAPSHOT = "memory_snapshot.pickle"
 
 

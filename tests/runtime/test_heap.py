@@ -1,0 +1,62 @@
+"""The C heap under a CPU run (runtime/heap.py): with the threshold fixed, a freed tensor leaves RAM; with glibc's
+default, once its threshold has climbed, the same tensors stay resident. Real malloc, real RSS, in a fresh process
+each (the setting is for the whole process)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lowmem_dpo.memory import model as memory_model
+from lowmem_dpo.memory.arch import load_arch
+from lowmem_dpo.memory.setup import setup_from_config
+from lowmem_dpo.runtime import heap
+
+FRAGMENTS = textwrap.dedent("""
+    import sys, torch
+    from lowmem_dpo.runtime import heap
+    def rss():
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+    if sys.argv[1] == "configured":
+        heap.configure()
+    torch.ones(4 << 20).sum()  # a 16 MiB block, freed: glibc's default threshold climbs to 16 MiB
+    before = rss()
+    big, small = [], []
+    for _ in range(64):
+        big.append(torch.ones(1 << 20))  # 4 MiB each (a 7B layer's activation at 256 tokens), 256 MiB in all
+        small.append(torch.ones(4096))  # 16 KiB each, kept: they sit between the big ones
+    peak = rss()
+    del big
+    print((peak - before) >> 20, (rss() - before) >> 20)
+""")
+
+
+def freed_and_kept(mode: str) -> tuple[int, int]:
+    out = subprocess.run([sys.executable, "-c", FRAGMENTS, mode], capture_output=True, text=True, check=True)
+    grown, kept = map(int, out.stdout.split())
+    return grown, kept
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or heap._libc() is None, reason="glibc's malloc only")
+def test_with_the_threshold_fixed_freed_tensors_leave_ram_and_without_they_stay():
+    grown, kept = freed_and_kept("configured")
+    assert 250 <= grown <= 270 and kept <= 8  # MiB: the 256 MiB came and went
+    grown, kept = freed_and_kept("default")
+    assert 250 <= grown <= 270 and kept >= 240  # glibc's default: still resident after del
+
+
+def test_the_users_own_threshold_stands_and_the_log_says_what_it_means(monkeypatch):
+    monkeypatch.setenv(heap.ENV, str(32 << 20))
+    assert "RSS can exceed" in heap.configure()
+    monkeypatch.setenv(heap.ENV, str(heap.MMAP_THRESHOLD))
+    line = heap.configure()
+    assert "from the environment" in line and "exceed" not in line
+
+
+def test_the_cpu_plan_is_rss_the_process_plus_the_tensors(make_cfg):
+    cfg = make_cfg(device="cpu")
+    p = memory_model.predict(load_arch(cfg.model_name_or_path), setup_from_config(cfg))
+    for stage in (p.train, p.precompute):
+        assert stage.peak_bytes - stage.tensor_peak_bytes == memory_model.CPU_PROCESS
+        assert stage.breakdown["framework_overhead"] == memory_model.CPU_PROCESS
