@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.objectives.metrics import EVAL_SHOWN, PANELS, TRAIN_SHOWN
 from lowmem_dpo.runtime import devices, files, folders
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.training import guards
@@ -31,22 +32,10 @@ from lowmem_dpo.training.output import KIND, PICTURE, earlier_run
 NO_MATPLOTLIB = ("curves.png needs matplotlib", "'lowmem_dpo[report]'")  # devices.import_optional's message
 
 # (title, train key, eval key) per panel, in drawing order; either key may be None.
-PANELS = (
-    ("loss", "loss", "eval_loss"),
-    ("rewards/margins", "rewards/margins", "eval_rewards/margins"),
-    ("rewards/accuracies", "rewards/accuracies", "eval_rewards/accuracies"),
-    ("grad_norm", "grad_norm", None),
-    ("learning_rate", "learning_rate", None),
-    ("eval_gen/repetition", None, "eval_gen/repetition"),
-)
 COLUMNS = 2  # panels per row
 PANEL_INCHES = (6.0, 3.2)  # width, height of one panel
 DPI = 100
 
-# What the summary shows of the last train and eval lines: (metrics.jsonl key, label).
-TRAIN_SHOWN = (("loss", "loss"), ("rewards/accuracies", "accuracy"), ("rewards/margins", "margin"))
-EVAL_SHOWN = (("eval_loss", "loss"), ("eval_rewards/accuracies", "accuracy"), ("eval_rewards/margins", "margin"),
-              ("eval_gen/repetition", "repetition"), ("eval_gen/length", "length"), ("eval_gen/empty", "empty"))
 SAMPLE_CHARS = (80, 120)  # prompt, completion: longer ones are shortened in the summary
 
 

@@ -18,20 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lowmem_dpo import data
+from lowmem_dpo import data, objectives
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
 from lowmem_dpo.model import adapters, headcheck
 from lowmem_dpo.model.logps import batch_logps
+from lowmem_dpo.objectives.metrics import PAIR_METRICS as METRIC_KEYS
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import log
 from lowmem_dpo.training import guards, inputs, loop, output, policy, resuming
-from lowmem_dpo.training.loss import preference_losses, sft_shares
-
-METRIC_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-               "logps/chosen", "logps/rejected")
 
 
 @dataclass
@@ -79,24 +76,33 @@ def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
 
 
 def sft_weight(cfg: Config) -> float | None:
-    """The weight of loss_type's sft term, or None without one."""
-    return dict(cfg.loss_terms).get("sft")
+    """The weight of loss_type's per-token term (sft: the chosen tokens' NLL), or None without one."""
+    return next((w for t, w in cfg.loss_terms if objectives.OBJECTIVES[t].per_token), None)
+
+
+def judged_limits(cfg: Config):
+    """(the warning-sign limits the run's loss is judged by, the judged term's weight): its one per-pair term's
+    (None where that objective has none), or guards.SEVERAL for several summed or none (loss_type [sft])."""
+    per_pair = [(t, w) for t, w in cfg.loss_terms if not objectives.OBJECTIVES[t].per_token]
+    if len(per_pair) != 1:
+        return guards.SEVERAL, 1.0
+    return objectives.OBJECTIVES[per_pair[0][0]].limits, per_pair[0][1]
 
 
 def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_id: int,
-                  resolved: devices.Resolved, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepStats]:
-    """The preference losses (B,) of one micro-batch of pairs, the policy's chosen log-probs (B,) (the sft
-    term's), and its metric sums (detached). shared: each prompt once (data.collate_shared), the same log-probs."""
+                  resolved: devices.Resolved, shared: bool = False) -> tuple[torch.Tensor, objectives.PairLogps, StepStats]:
+    """The per-pair terms' losses (B,) of one micro-batch of pairs, its log-probs (the per-token terms'), and its
+    metric sums (detached). shared: each prompt once (data.collate_shared), the same log-probs."""
     device = resolved.device
     batch = (data.collate_shared if shared else data.collate)(pairs, pad_id).to(device)
     with devices.autocast(resolved.device, resolved.dtype):
         ref_chosen, ref_rejected = reference_logps(model, batch, ref)
         policy_logps = batch_logps(model, batch)
     chosen, rejected = policy_logps.split()  # (B,) each
-    losses, r_chosen, r_rejected = preference_losses(
-        chosen.logps, rejected.logps, ref_chosen.to(device), ref_rejected.to(device),
-        beta=cfg.beta, terms=cfg.loss_terms, label_smoothing=cfg.label_smoothing,
-        chosen_lengths=chosen.n_tokens, rejected_lengths=rejected.n_tokens)
+    x = objectives.PairLogps(chosen.logps, rejected.logps, chosen.n_tokens, rejected.n_tokens,
+                             ref_chosen.to(device), ref_rejected.to(device))
+    losses = objectives.combine(x, cfg.loss_settings, cfg.loss_terms)  # (B,)
+    r_chosen, r_rejected = objectives.rewards(x, cfg.loss_settings)
     stats = StepStats(pairs=len(pairs), tokens=batch.num_tokens, chosen_tokens=int(chosen.n_tokens.sum()),
                       nll=-chosen.logps.detach().sum().item(), sft_weight=sft_weight(cfg))
     s = stats.sums
@@ -107,7 +113,7 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     s["rewards/margins"] += (r_chosen - r_rejected).sum().item()
     s["logps/chosen"] += chosen.logps.detach().sum().item()
     s["logps/rejected"] += rejected.logps.detach().sum().item()
-    return losses, chosen.logps, stats
+    return losses, x, stats
 
 
 def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
@@ -123,10 +129,12 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
     n_pairs = len(step_pairs)
     chosen_tokens = sum(len(p.chosen_ids) for p in step_pairs)  # as logps counts them
     for pairs in group:
-        losses, chosen_logps, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)
+        losses, x, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)
         loss = losses.sum() / n_pairs
-        if stats.sft_weight is not None:
-            loss = loss + stats.sft_weight * sft_shares(chosen_logps, chosen_tokens).sum()
+        for name, weight in cfg.loss_terms:  # a per-token term: its share of the mean over the step's chosen tokens
+            if objectives.OBJECTIVES[name].per_token:
+                loss = loss + weight * (objectives.OBJECTIVES[name].formula(x, cfg.loss_settings)
+                                        / max(1, chosen_tokens)).sum()
         backward(loss)
         stats.add(batch_stats)
     return stats
@@ -172,10 +180,9 @@ class DPO:
         means = w.means()
         if w.sft_weight is not None:  # the signs judge the preference loss: the sft term has its own scale
             means["loss"] -= w.sft_weight * means["nll_loss"]
-        prefs = [(t, weight) for t, weight in cfg.loss_terms if t != "sft"]
-        judged, weight = prefs[0] if len(prefs) == 1 else (None, 1.0)  # several summed: no single loss's limits
+        limits, weight = judged_limits(cfg)
         return guards.warning_signs(means, s.step, s.steps, cfg.beta, tokens,
-                                    guards.thresholds(judged, cfg.beta, cfg.label_smoothing, tokens, weight))
+                                    guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight))
 
     def postfix(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}", "acc": f"{line['rewards/accuracies']:.2f}",
@@ -184,7 +191,11 @@ class DPO:
     def intro(self, s: loop.Session) -> list[str]:
         reference = (f"cached in {s.cfg.ref_cache_dir}" if self.ref is not None
                      else "live (adapter disabled), costs a forward")
-        return [f"reference: {reference}; prompts: {'once per pair (share_prompt)' if self.shared else 'twice'}",
+        unguarded = [] if judged_limits(s.cfg)[0] is not None else [
+            f"warning signs: loss_type={s.cfg.loss_type[0]} declares no margin or early-loss limits, so those two signs "
+            "are off (chosen log-probs falling and the samples' collapse still warn)"]
+        return unguarded + [
+                f"reference: {reference}; prompts: {'once per pair (share_prompt)' if self.shared else 'twice'}",
                 f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
                 f"{s.micro_batch} x {s.grad_accum} pairs ({len(s.pairs)} pairs in the data)"]
 

@@ -121,7 +121,7 @@ def test_dpo_run_curves_and_summary(tmp_path, capsys):
     rc, stdout, err = run_report(out, capsys)
     assert rc == 0, err
     titles = [p[0] for p in report.panels(report.load_run(out))]
-    assert titles == ["loss", "rewards/margins", "rewards/accuracies", "grad_norm", "learning_rate",
+    assert titles == ["loss", "rewards/accuracies", "rewards/margins", "grad_norm", "learning_rate",
                       "eval_gen/repetition"]
     assert png_shape(out / "curves.png") == expected_shape(6)
 

@@ -15,6 +15,7 @@ import yaml
 
 from lowmem_dpo.config.coerce import check_bounds, coerce
 from lowmem_dpo.config.schema import FIELDS, HINTS, Config
+from lowmem_dpo.objectives import REFUSED
 from lowmem_dpo.runtime import builtins
 from lowmem_dpo.runtime.errors import ConfigError
 
@@ -37,6 +38,10 @@ def build_config(values: dict, sources: dict | None = None) -> Config:
     problems, kwargs = [], {}
     for key, raw in values.items():
         where = f" (in {sources[key]})" if key in sources else ""
+        if key in REFUSED:
+            if str(raw).strip().lower() not in ("false", "0", "none", "null", ""):
+                problems.append(f"{key}={raw}{where}: {REFUSED[key]}")
+            continue
         if key not in FIELDS:
             close = difflib.get_close_matches(key, FIELDS, n=3)
             hint = f"did you mean {', '.join(close)}?" if close else "see --help for the keys"

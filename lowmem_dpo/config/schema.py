@@ -22,6 +22,10 @@ import yaml
 
 from lowmem_dpo.config.schedule import SCHEDULERS, make_schedule, throwaway_optimizer
 from lowmem_dpo.config.sources import Source, repeated, yaml_form
+from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings
+from lowmem_dpo.objectives import no_effect as objective_no_effect
+from lowmem_dpo.objectives import problems as objective_problems
+from lowmem_dpo.objectives.metrics import EVAL_METRICS
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import parse_size
 
@@ -45,6 +49,12 @@ def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fal
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _key(name: str):
+    """The field of an objective's own key, as objectives.KEYS declares it."""
+    k = KEYS[name]
+    return _f(k.default, k.doc, choices=k.choices, min=k.min, max=k.max, min_exclusive=k.min_exclusive)
 
 
 @dataclass
@@ -143,7 +153,7 @@ class Config:
     metric_for_best_model: str = _f("eval_loss", "The eval metric that picks the best checkpoint (its name in "
                                     "metrics.jsonl; the eval_ prefix may be left out).")
     greater_is_better: Optional[bool] = _f(None, "Whether a larger metric_for_best_model is better; null: known "
-                                           "from its name (config.EVAL_METRICS).")
+                                           "from its name (objectives/metrics.py).")
     load_best_model_at_end: bool = _f(False, "The best checkpoint's adapter as the final one in output_dir.",
                                       resumable=True)
     eval_generations: int = _f(4, "Eval prompts answered (greedy) at step 0 and every eval into samples.jsonl; "
@@ -155,14 +165,15 @@ class Config:
     # -- DPO loss ------------------------------------------------------------------------------------------------
     beta: float = _f(0.1, "DPO temperature: strength of the pull towards the reference.", min=0.0,
                      min_exclusive=True)
-    loss_type: list = _f(["sigmoid"], "sigmoid (DPO), cdpo (conservative DPO: sigmoid with label_smoothing), hinge "
-                         "(SLiC), ipo (length-normalised, as TRL), robust (rDPO), sft (mean NLL of the chosen "
-                         "tokens); a list sums its terms, weighted by loss_weights, as TRL: [sigmoid, sft] is RPO.",
-                         choices=("sigmoid", "cdpo", "hinge", "ipo", "robust", "sft"))
+    loss_type: list = _f(["sigmoid"], "The objective, or a list whose terms are summed with loss_weights, as TRL "
+                         "1.16's DPOConfig: sigmoid (DPO), sigmoid_norm, ipo, hinge, robust, sft, ... (the table in "
+                         "docs/objectives.md); [sigmoid, sft] is RPO.", choices=tuple(OBJECTIVES))
     loss_weights: Optional[list[float]] = _f(None, "One weight per loss_type entry; null: 1 each.", min=0.0)
-    label_smoothing: float = _f(0.0, "Assumed fraction of flipped labels, for robust (rDPO) and cdpo (conservative "
-                                "DPO); as in TRL 1.16 it does not change sigmoid (train warns when no term uses it).",
-                                min=0.0, max=0.5)
+    label_smoothing: float = _f(0.0, "Assumed share of flipped labels, for the objectives it changes (cdpo, robust, "
+                                "exo_pair, aot); as in TRL 1.16 it does not change sigmoid.", min=0.0, max=0.5)
+    f_divergence_type: str = _key("f_divergence_type")
+    f_alpha_divergence_coef: float = _key("f_alpha_divergence_coef")
+    discopop_tau: float = _key("discopop_tau")
     # -- optimizer and schedule ----------------------------------------------------------------------------------
     learning_rate: float = _f(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
     lr_scheduler_type: str = _f("linear", "transformers' schedule by its name (get_scheduler): the rate each step "
@@ -246,10 +257,7 @@ class Config:
                     problems.append(f"{key}={value}: ref_source=live computes the reference with the policy's own "
                                     f"base ({policy_key}={getattr(self, policy_key)}); set {key}=null or use "
                                     "ref_source=cache")
-        problems += self._loss_problems()
-        if "robust" in self.loss_type and self.label_smoothing >= 0.5:
-            problems.append(f"label_smoothing={self.label_smoothing}: loss_type=robust needs it below 0.5 "
-                            "(it divides by 1 - 2*label_smoothing)")
+        problems += objective_problems(self.loss_type, self.loss_weights, self.loss_settings)
         problems += self._eval_problems()
         problems += self._schedule_problems()
         if self.memory_budget is not None:
@@ -271,22 +279,10 @@ class Config:
                 problems.append(f"lora_target_modules={regexes[0]!r} is not a valid regex ({e})")
         return problems
 
-    def _loss_problems(self) -> list[str]:
-        problems = []
-        if not self.loss_type or len(set(self.loss_type)) < len(self.loss_type):
-            problems.append(f"loss_type={self.loss_type}: name each loss once, at least one")
-        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
-            problems.append(f"loss_weights={self.loss_weights} has {len(self.loss_weights)} weights for "
-                            f"loss_type={self.loss_type}: give one per loss, in its order (or null: 1 each)")
-        return problems
-
     def no_effect(self) -> list[str]:
         """Keys set to values that change nothing in this run (as in TRL and transformers, which ignore them too):
         the warnings train logs."""
-        notes = []
-        if self.label_smoothing > 0 and not {"cdpo", "robust"} & set(self.loss_type):
-            notes.append(f"label_smoothing={self.label_smoothing} does not change loss_type={self.loss_type} (TRL "
-                         "1.16's sigmoid ignores it too); for conservative DPO use loss_type=cdpo")
+        notes = objective_no_effect(self.loss_type, self.loss_settings)
         if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
             notes.append("lr_scheduler_type=constant has no warmup (as transformers'); use constant_with_warmup")
         return notes
@@ -344,6 +340,11 @@ class Config:
         return EVAL_METRICS[self.best_metric_name] if self.greater_is_better is None else self.greater_is_better
 
     @property
+    def loss_settings(self) -> Settings:
+        """What the objectives' formulas read: beta, label_smoothing and their own keys."""
+        return Settings(beta=self.beta, label_smoothing=self.label_smoothing, **{k: getattr(self, k) for k in KEYS})
+
+    @property
     def loss_terms(self) -> list[tuple[str, float]]:
         """(loss type, weight) of each loss_type entry, in order."""
         return list(zip(self.loss_type, self.loss_weights or [1.0] * len(self.loss_type)))
@@ -376,11 +377,6 @@ class Config:
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 FIELD_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
                   for f in dataclasses.fields(Config)}
-# The eval metrics (metrics.jsonl names: TRL's for DPO, eval_loss for SFT, and the samples' measures) and whether
-# larger is better: metric_for_best_model is one of them.
-EVAL_METRICS = {"eval_loss": False, "eval_rewards/chosen": True, "eval_rewards/rejected": False,
-                "eval_rewards/accuracies": True, "eval_rewards/margins": True, "eval_logps/chosen": True,
-                "eval_logps/rejected": False, "eval_gen/repetition": False, "eval_gen/empty": False}
 # A lora_target_modules entry with one of these is a regex ('.' alone is not: self_attn.q_proj is a name).
 REGEX_CHARS = frozenset("*+?[](){}|^$\\")
 HINTS = typing.get_type_hints(Config)

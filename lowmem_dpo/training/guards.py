@@ -5,8 +5,9 @@ early_stop_on_divergence=true it stops there (exit 2, the last checkpoint kept).
 are handled in the loop's update (update.apply_gradients: the update is skipped; max_nonfinite_steps in a row stop
 the run).
 
-The margin and early-loss limits depend on the loss (loss.py): `LOSS_LIMITS` holds one row per loss type and
-`thresholds` turns a run's beta, label smoothing and tokens per pair into the numbers.
+The margin and early-loss limits depend on the objective: each entry of lowmem_dpo.objectives holds its own
+(`Limits`, or None: not guarded), and `thresholds` turns them and a run's beta, label smoothing and tokens per pair
+into the numbers.
 
 `repetition` measures how much the sample generations (samples.py) repeat themselves, and `collapse_sign` turns
 its rise since step 0 into the sign "generations collapsing into repetition".
@@ -16,12 +17,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
-# The reward margin beta * Delta at which the sigmoid loss -log s(beta * Delta) is 0.05 (ln(1 / (e^0.05 - 1)) =
-# 2.97): the pairs are separated. The early-loss limit of a loss is its value there.
-SEPARATED = -math.log(math.expm1(0.05))
-_SEPARATED_WHY = "the loss is already ~0; growth now only pushes log-probs apart"
+from lowmem_dpo.objectives.registry import Limits
 
 
 @dataclass(frozen=True)
@@ -30,7 +27,7 @@ class Thresholds:
     # 5e-5: the pairs are separated, and further growth comes from pushing the two log-probs apart, the road
     # to a policy that repeats itself.
     margin: float = 10.0
-    margin_why: str = _SEPARATED_WHY
+    margin_why: str = "the loss is already ~0; growth now only pushes log-probs apart"
     # The loss below this within the first `early_fraction` of the steps: the data is too easy, or the
     # reference does not match the policy's start (e.g. a base-model reference for an SFT policy). None: no
     # such sign (a loss whose optimum is 0 reaches it by design).
@@ -41,62 +38,20 @@ class Thresholds:
     chosen_drop_per_token: float = 0.5
 
 
-@dataclass(frozen=True)
-class LossLimits:
-    """One loss type's margin and early-loss limits, from the run's numbers."""
-
-    margin: Callable[[float, float], float]  # (beta, chosen tokens per pair) -> limit on rewards/margins
-    margin_why: str  # what a margin above it means ({tokens}: the chosen tokens per pair)
-    early_loss: Callable[[float], float] | None  # label_smoothing -> limit on the loss; None: no early-loss sign
+# Several preference terms summed (or sft alone): the margin sign stays, at the sigmoid's limit; the loss is no
+# known function of the margin, so no early-loss sign.
+SEVERAL = Limits(lambda beta, n: 10.0, "the pairs are separated well beyond what DPO needs; growth now only pushes "
+                 "log-probs apart", None)
+UNGUARDED = Thresholds(margin=math.inf, margin_why="", early_loss=None)
 
 
-def cdpo_loss(margin: float, label_smoothing: float) -> float:
-    """Conservative DPO's loss (loss.py) at reward margin beta * Delta = `margin`, as a float."""
-    e = label_smoothing
-    return (1 - e) * math.log1p(math.exp(-margin)) + e * math.log1p(math.exp(margin))
-
-
-def robust_loss(margin: float, label_smoothing: float) -> float:
-    """rDPO's loss (loss.py) at reward margin beta * Delta = `margin`, as a float."""
-    e = label_smoothing
-    log_s = -math.log1p(math.exp(-margin))  # log sigmoid(margin)
-    log_s_neg = -math.log1p(math.exp(margin))  # log sigmoid(-margin)
-    return (-(1 - e) * log_s + e * log_s_neg) / (1 - 2 * e)
-
-
-LOSS_LIMITS = {
-    # sigmoid: as the module's numbers always were (label smoothing does not change it: loss.py).
-    "sigmoid": LossLimits(lambda beta, n: 10.0, _SEPARATED_WHY, lambda e: 0.05),
-    # cdpo: the sigmoid's limits; with label smoothing e its loss never goes below the binary entropy H(e), so the
-    # early limit is its value at the margin where the sigmoid loss is 0.05 (0.05 itself at e = 0).
-    "cdpo": LossLimits(lambda beta, n: 10.0, _SEPARATED_WHY, lambda e: cdpo_loss(SEPARATED, e)),
-    # robust: the sigmoid's limits; its loss falls below 0 with label smoothing, so the early limit is its value
-    # at the margin where the sigmoid loss is 0.05 (0.05 itself at e = 0; the loss falls monotonically).
-    "robust": LossLimits(lambda beta, n: 10.0, _SEPARATED_WHY, lambda e: robust_loss(SEPARATED, e)),
-    # hinge max(0, 1 - beta Delta): 0 with no gradient once a pair's margin reaches 1, by design, so a low loss
-    # is no sign; a mean margin 10 times that 1 did not come from the loss.
-    "hinge": LossLimits(lambda beta, n: 10.0, "10x the margin of 1 where the hinge loss is 0 and stops pulling; "
-                        "growth now only pushes log-probs apart", None),
-    # ipo (r_c/n_c - r_r/n_r - 1/(2 beta))^2: the optimum is a per-token margin of 1/(2 beta), i.e.
-    # rewards/margins = beta * n / (2 beta) = n/2 over n tokens; at twice it (n) the loss is back to its value
-    # at the start, (1/(2 beta))^2. Its loss is 0 at the optimum it is meant to reach: no early sign. n is the
-    # mean chosen length (the step statistics count chosen tokens only): exact when chosen and rejected are about
-    # as long; with rejected much longer than chosen the summed margin at the optimum is above n/2.
-    "ipo": LossLimits(lambda beta, n: n, "twice IPO's optimum of 1/(2 beta) nats per token over {tokens:.0f} "
-                      "chosen tokens: the loss is back above its value at the start", None),
-    # No single preference loss (loss_type [sft], or several preference terms summed): the margin sign stays,
-    # its limit the sigmoid's; the loss is no known function of the margin, so no early-loss sign.
-    None: LossLimits(lambda beta, n: 10.0, "the pairs are separated well beyond what DPO needs; growth now only "
-                     "pushes log-probs apart", None),
-}
-
-
-def thresholds(loss_type: str | None, beta: float, label_smoothing: float, tokens_per_pair: float,
+def thresholds(limits: Limits | None, beta: float, label_smoothing: float, tokens_per_pair: float,
                weight: float = 1.0) -> Thresholds:
-    """The warning-sign limits of a run with this preference loss (None: none to judge alone, see LOSS_LIMITS),
-    its weight in the loss (the early limit scales with it), beta, label smoothing and mean chosen tokens per
-    pair."""
-    limits = LOSS_LIMITS[loss_type]
+    """The warning-sign limits of a run from its objective's `limits` (objectives' entry; SEVERAL for summed terms;
+    None: an objective without limits, UNGUARDED), its weight in the loss (the early limit scales with it), beta,
+    label smoothing and mean chosen tokens per pair."""
+    if limits is None:
+        return UNGUARDED
     return Thresholds(margin=limits.margin(beta, tokens_per_pair),
                       margin_why=limits.margin_why.format(tokens=tokens_per_pair),
                       early_loss=None if limits.early_loss is None else weight * limits.early_loss(label_smoothing))

@@ -8,8 +8,16 @@ import math
 import pytest
 import torch
 
+from lowmem_dpo.objectives import OBJECTIVES, PairLogps, Settings
 from lowmem_dpo.training import guards
-from lowmem_dpo.training.loss import LOSS_TYPES, dpo_loss
+
+
+def limits(loss_type):
+    return OBJECTIVES[loss_type].limits if loss_type else guards.SEVERAL
+
+
+def thresholds(loss_type, *args, **kw):
+    return guards.thresholds(limits(loss_type), *args, **kw)
 
 # loss_type, beta, label_smoothing, chosen tokens per pair -> (margin limit, early-loss limit or None), by hand:
 #   sigmoid, robust, hinge: margin 10 whatever beta and the length.
@@ -37,7 +45,7 @@ CASES = [
 
 @pytest.mark.parametrize("loss_type, beta, e, tokens, margin, early", CASES)
 def test_thresholds_hand_computed(loss_type, beta, e, tokens, margin, early):
-    t = guards.thresholds(loss_type, beta, e, tokens)
+    t = thresholds(loss_type, beta, e, tokens)
     assert t.margin == pytest.approx(margin, rel=1e-9)
     assert (t.early_loss is None) == (early is None)
     if early is not None:
@@ -45,41 +53,45 @@ def test_thresholds_hand_computed(loss_type, beta, e, tokens, margin, early):
     assert (t.early_fraction, t.chosen_drop_per_token) == (0.2, 0.5)  # the same for every loss
 
 
-def test_every_loss_type_has_limits():
-    assert set(guards.LOSS_LIMITS) == {*LOSS_TYPES, None}  # None: no single preference loss to judge
-    assert guards.thresholds("sigmoid", 0.1, 0.0, 20.0) == guards.Thresholds()  # the default is the sigmoid's
+def test_every_objective_declares_its_limits_or_none_and_the_default_is_the_sigmoid_s():
+    guarded = {n for n, o in OBJECTIVES.items() if o.limits is not None}
+    assert {"sigmoid", "cdpo", "robust", "hinge", "ipo", "sigmoid_norm", "discopop", "sppo_hard"} <= guarded
+    assert thresholds("sigmoid", 0.1, 0.0, 20.0) == guards.Thresholds()  # the default is the sigmoid's
+    assert guards.thresholds(None, 0.1, 0.0, 20.0) == guards.UNGUARDED  # no limits: the two signs are off
+    signs = guards.warning_signs({"rewards/margins": 1e6, "loss": 0.0, "rewards/chosen": 0.0}, 1, 100, 0.1, 20.0,
+                                 guards.UNGUARDED)
+    assert signs == []
 
 
 def test_a_weighted_or_missing_preference_loss_moves_or_drops_the_early_limit():
     """loss_type [sigmoid, sft] with sigmoid weighted 2: the preference part is 2x the sigmoid loss, so its early
     limit is 2 x 0.05; loss_type [sft] (or several preference terms) has no early limit, the sigmoid's margin."""
-    assert guards.thresholds("sigmoid", 0.1, 0.0, 20.0, weight=2.0).early_loss == pytest.approx(0.1)
-    none = guards.thresholds(None, 0.1, 0.0, 20.0)
+    assert thresholds("sigmoid", 0.1, 0.0, 20.0, weight=2.0).early_loss == pytest.approx(0.1)
+    none = thresholds(None, 0.1, 0.0, 20.0)
     assert (none.margin, none.early_loss) == (10.0, None)
 
 
 def _loss(loss_type: str, reward_margin: float, beta: float, e: float = 0.0, tokens: int = 20) -> float:
-    """dpo_loss of one pair whose rewards/margins is `reward_margin` (the whole margin on the chosen side), with
-    `tokens` completion tokens on each side."""
+    """The objective's loss on one pair whose rewards/margins is `reward_margin` (the whole margin on the chosen
+    side), with `tokens` completion tokens on each side."""
     delta = torch.tensor([reward_margin / beta], dtype=torch.float64)
     zero = torch.zeros(1, dtype=torch.float64)
     n = torch.tensor([tokens])
-    losses, _, _ = dpo_loss(delta, zero, zero, zero, beta=beta, loss_type=loss_type, label_smoothing=e,
-                            chosen_lengths=n, rejected_lengths=n)
-    return losses.item()
+    x = PairLogps(delta, zero, n, n, zero, zero)
+    return OBJECTIVES[loss_type].formula(x, Settings(beta=beta, label_smoothing=e)).item()
 
 
 def test_the_limits_mean_what_they_say():
     """sigmoid: at the margin limit the loss is below 5e-5; robust's early limit is its loss at the margin where
     the sigmoid's is 0.05; ipo: at the margin limit the loss is back to its value at the start, at half of it the
     loss is 0; hinge: 0 from a margin of 1 on."""
-    assert _loss("sigmoid", guards.thresholds("sigmoid", 0.1, 0, 20).margin, 0.1) < 5e-5
+    assert _loss("sigmoid", thresholds("sigmoid", 0.1, 0, 20).margin, 0.1) < 5e-5
     x0 = math.log(1 / math.expm1(0.05))
     assert _loss("sigmoid", x0, 0.1) == pytest.approx(0.05, rel=1e-9)
-    assert _loss("robust", x0, 0.1, 0.1) == pytest.approx(guards.thresholds("robust", 0.1, 0.1, 20).early_loss,
+    assert _loss("robust", x0, 0.1, 0.1) == pytest.approx(thresholds("robust", 0.1, 0.1, 20).early_loss,
                                                           rel=1e-9)
     for beta, tokens in ((0.1, 20), (0.5, 64)):
-        limit = guards.thresholds("ipo", beta, 0, tokens).margin
+        limit = thresholds("ipo", beta, 0, tokens).margin
         start = _loss("ipo", 0.0, beta, tokens=tokens)
         assert start == pytest.approx(1 / (4 * beta ** 2))
         assert _loss("ipo", limit, beta, tokens=tokens) == pytest.approx(start)
@@ -97,7 +109,7 @@ CALM = {"rewards/margins": 0.5, "loss": 0.6, "rewards/chosen": -0.01}
     ("hinge", 0.0, 10.5, True),
 ])
 def test_margin_sign_per_loss(loss_type, e, margin, flagged):
-    t = guards.thresholds(loss_type, 0.1, e, 20.0)
+    t = thresholds(loss_type, 0.1, e, 20.0)
     signs = guards.warning_signs({**CALM, "rewards/margins": margin}, 50, 100, 0.1, 20.0, t)
     assert [s.startswith("reward margin exploding") for s in signs] == ([True] if flagged else [])
     if flagged and loss_type == "ipo":
@@ -115,6 +127,6 @@ def test_margin_sign_per_loss(loss_type, e, margin, flagged):
     ("robust", 0.1, -0.33, True),
 ])
 def test_early_loss_sign_per_loss(loss_type, e, loss, flagged):
-    t = guards.thresholds(loss_type, 0.1, e, 20.0)
+    t = thresholds(loss_type, 0.1, e, 20.0)
     signs = guards.warning_signs({**CALM, "loss": loss}, 10, 100, 0.1, 20.0, t)
     assert [s.startswith("loss collapsing early") for s in signs] == ([True] if flagged else [])

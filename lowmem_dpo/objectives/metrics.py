@@ -1,0 +1,54 @@
+"""Every metric a run logs, one row each: its metrics.jsonl name (TRL's), whether larger is better (for
+metric_for_best_model), where it is logged, and the report panel that draws it. train's step statistics, eval,
+config's metric_for_best_model check and report's panels read these rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # a train line's key; an eval line has eval_NAME
+    greater_is_better: bool | None  # None: not a metric_for_best_model
+    kind: str  # pair: a mean over a step's pairs (train.StepStats); step: the optimizer step's; sample: eval's samples
+    panel: str | None = None  # the report's panel title; None: not drawn
+    label: str | None = None  # the report's summary label; None: not in the summary
+    doc: str = ""
+
+
+METRICS = (
+    Metric("loss", False, "pair", "loss", "loss", "the objective's loss, its terms weighted and summed"),
+    Metric("rewards/chosen", True, "pair", doc="beta * the chosen completion's log-ratio to the reference"),
+    Metric("rewards/rejected", False, "pair", doc="beta * the rejected completion's log-ratio"),
+    Metric("rewards/accuracies", True, "pair", "rewards/accuracies", "accuracy",
+           "the share of pairs whose chosen reward is above the rejected one"),
+    Metric("rewards/margins", True, "pair", "rewards/margins", "margin", "chosen minus rejected reward"),
+    Metric("logps/chosen", True, "pair", doc="the policy's log-prob sum of the chosen completion"),
+    Metric("logps/rejected", False, "pair", doc="the policy's log-prob sum of the rejected completion"),
+    Metric("grad_norm", None, "step", "grad_norm", doc="the gradients' norm before clipping"),
+    Metric("learning_rate", None, "step", "learning_rate", doc="the rate the step applied"),
+    Metric("gen/repetition", False, "sample", "eval_gen/repetition", "repetition",
+           "seq-rep-4 of the sample generations (guards.repetition)"),
+    Metric("gen/length", None, "sample", label="length", doc="the samples' mean length in tokens"),
+    Metric("gen/empty", False, "sample", label="empty", doc="the share of samples that end at once"),
+)
+BY_NAME = {m.name: m for m in METRICS}
+PAIR_METRICS = tuple(m.name for m in METRICS if m.kind == "pair")  # train.StepStats sums these
+
+
+def eval_name(name: str) -> str:
+    return f"eval_{name}"
+
+
+def train_key(m: Metric) -> str | None:
+    return None if m.kind == "sample" else m.name
+
+
+# metric_for_best_model: an eval metric with a direction, by its eval name
+EVAL_METRICS = {eval_name(m.name): m.greater_is_better for m in METRICS
+                if m.greater_is_better is not None and m.kind != "step"}
+# the report's panels: (title, train key or None, eval key or None)
+PANELS = tuple((m.panel, train_key(m), None if m.kind == "step" else eval_name(m.name)) for m in METRICS if m.panel)
+TRAIN_SHOWN = tuple((m.name, m.label) for m in METRICS if m.label and m.kind == "pair")
+EVAL_SHOWN = tuple((eval_name(m.name), m.label) for m in METRICS if m.label)

@@ -1,0 +1,124 @@
+"""What an objective is: one entry holds its formula, whether it needs the reference, the keys it reads, its
+warning limits, what it logs and its paper. dpo.py and reference_free.py declare the entries; __init__.py collects
+them into OBJECTIVES, which config, train, precompute, guards, report and the docs read.
+
+A formula is a pure function over one micro-batch's sequence log-probs (PairLogps) and the run's loss settings
+(Settings), returning the per-pair loss (B,). The step sums its terms, weighted by loss_weights, and averages each
+over the step's pairs (or, for a per-token term, over the step's chosen tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PairLogps:
+    """One micro-batch of preference pairs, (B,) each: the policy's log-prob sums over each completion, the
+    completions' token counts, and the reference's sums (None where the objective needs no reference)."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+    ref_chosen: torch.Tensor | None = None
+    ref_rejected: torch.Tensor | None = None
+
+    def logratios(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """log pi/ref of the chosen and of the rejected completion, (B,) each."""
+        return self.chosen - self.ref_chosen, self.rejected - self.ref_rejected
+
+    def per_token(self, chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`chosen` and `rejected` (B,) divided by their completions' token counts (at least 1), as TRL does."""
+        return (chosen / self.chosen_tokens.clamp(min=1).to(chosen.dtype),
+                rejected / self.rejected_tokens.clamp(min=1).to(rejected.dtype))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's loss settings that formulas read (Config.loss_settings builds it): beta, label_smoothing and each
+    objective's own keys (KEYS)."""
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 1.0
+    discopop_tau: float = 0.05
+
+
+@dataclass(frozen=True)
+class Key:
+    """A config key an objective reads: its default, bounds and doc (config/schema.py builds the field from it)."""
+
+    default: object
+    doc: str
+    min: float | None = None
+    max: float | None = None
+    min_exclusive: bool = False
+    choices: tuple | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """An objective's warning-sign limits (guards.thresholds turns them into a run's numbers)."""
+
+    margin: Callable[[float, float], float]  # (beta, chosen tokens per pair) -> the limit on rewards/margins
+    margin_why: str  # what a margin above it means ({tokens}: the chosen tokens per pair)
+    early_loss: Callable[[float], float] | None  # label_smoothing -> the limit on the loss; None: no early sign
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One preference objective, declared once."""
+
+    name: str  # loss_type's value, as TRL spells it
+    formula: Callable[[PairLogps, Settings], torch.Tensor]  # per-pair loss (B,)
+    summary: str  # what it is for, one line (the docs' table)
+    paper: str
+    trl: str  # where TRL 1.16 has it: "DPOTrainer" (its loss_type of the same name), or what stands for it
+    usual_beta: str = "0.1"
+    needs_reference: bool = True
+    smoothing: bool = False  # label_smoothing changes it
+    f_divergence: bool = False  # f_divergence_type changes it (its margin is the difference of two scores)
+    keys: tuple[str, ...] = ()  # its own config keys, in KEYS
+    limits: Limits | None = None  # None: the margin and early-loss signs are off for it
+    batch_coupled: bool = False  # its per-pair loss depends on the other pairs of the micro-batch
+    per_token: bool = False  # averaged over the step's chosen tokens (sft), not over its pairs
+
+
+# -- the f-divergences of f-DPO (Wang et al. 2023, arXiv:2309.16240), as TRL 1.16 computes them ---------------------
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+_EXP_MAX = {torch.float16: 11.0, torch.bfloat16: 80.0, torch.float32: 80.0}  # exp() stays finite in the dtype
+
+
+def scores(x: PairLogps, s: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """f'(pi/ref) of the chosen and of the rejected completion, (B,) each: the log-ratios under reverse KL (DPO)."""
+    chosen, rejected = x.logratios()
+    kind, alpha = s.f_divergence_type, s.f_alpha_divergence_coef
+    if kind == "reverse_kl" or (kind == "alpha_divergence" and abs(alpha - 1.0) < 1e-6):
+        return chosen, rejected
+    if kind == "forward_kl":  # f'(t) = 1 - 1/t
+        return 1 - torch.exp(-chosen), 1 - torch.exp(-rejected)
+    if kind == "js_divergence":  # f'(t) = log(2t / (t + 1))
+        return math.log(2) + F.logsigmoid(chosen), math.log(2) + F.logsigmoid(rejected)
+    # alpha divergence: f'(t) = (t^(alpha - 1) - 1) / (alpha - 1), exp clamped to stay finite in the dtype
+    out = []
+    for r in (chosen, rejected):
+        t = (alpha - 1.0) * r
+        out.append((torch.exp(torch.clamp(t.float(), max=_EXP_MAX[t.dtype])) - 1.0).to(t.dtype) * (1.0 / (alpha - 1.0)))
+    return out[0], out[1]
+
+
+def smoothed_sigmoid(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """-(1 - e) log s(z) - e log s(-z): the sigmoid loss with a share e of the labels assumed flipped."""
+    return -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+
+
+def softplus(z: float) -> float:
+    """log(1 + e^z) = -log s(-z), as a float, without overflow."""
+    return z + math.log1p(math.exp(-z)) if z > 0 else math.log1p(math.exp(z))
