@@ -31,7 +31,6 @@ from lowmem_dpo.training.output import KIND, PICTURE, earlier_run
 
 NO_MATPLOTLIB = ("curves.png needs matplotlib", "'lowmem_dpo[report]'")  # devices.import_optional's message
 
-# (title, train key, eval key) per panel, in drawing order; either key may be None.
 COLUMNS = 2  # panels per row
 PANEL_INCHES = (6.0, 3.2)  # width, height of one panel
 DPI = 100

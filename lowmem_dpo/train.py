@@ -81,12 +81,13 @@ def sft_weight(cfg: Config) -> float | None:
 
 
 def judged_limits(cfg: Config):
-    """(the warning-sign limits the run's loss is judged by, the judged term's weight): its one per-pair term's
-    (None where that objective has none), or guards.SEVERAL for several summed or none (loss_type [sft])."""
+    """(the warning-sign limits the run's loss is judged by, the judged term's weight, its name): its one per-pair
+    term's (None where that objective has none), or guards.SEVERAL for several summed or none (loss_type [sft])."""
     per_pair = [(t, w) for t, w in cfg.loss_terms if not objectives.OBJECTIVES[t].per_token]
     if len(per_pair) != 1:
-        return guards.SEVERAL, 1.0
-    return objectives.OBJECTIVES[per_pair[0][0]].limits, per_pair[0][1]
+        return guards.SEVERAL, 1.0, None
+    name, weight = per_pair[0]
+    return objectives.OBJECTIVES[name].limits, weight, name
 
 
 def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_id: int,
@@ -130,11 +131,8 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
     chosen_tokens = sum(len(p.chosen_ids) for p in step_pairs)  # as logps counts them
     for pairs in group:
         losses, x, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)
-        loss = losses.sum() / n_pairs
-        for name, weight in cfg.loss_terms:  # a per-token term: its share of the mean over the step's chosen tokens
-            if objectives.OBJECTIVES[name].per_token:
-                loss = loss + weight * (objectives.OBJECTIVES[name].formula(x, cfg.loss_settings)
-                                        / max(1, chosen_tokens)).sum()
+        loss = losses.sum() / n_pairs + objectives.per_token_loss(x, cfg.loss_settings, cfg.loss_terms,
+                                                                  chosen_tokens)
         backward(loss)
         stats.add(batch_stats)
     return stats
@@ -180,7 +178,7 @@ class DPO:
         means = w.means()
         if w.sft_weight is not None:  # the signs judge the preference loss: the sft term has its own scale
             means["loss"] -= w.sft_weight * means["nll_loss"]
-        limits, weight = judged_limits(cfg)
+        limits, weight, _ = judged_limits(cfg)
         return guards.warning_signs(means, s.step, s.steps, cfg.beta, tokens,
                                     guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight))
 
@@ -191,9 +189,10 @@ class DPO:
     def intro(self, s: loop.Session) -> list[str]:
         reference = (f"cached in {s.cfg.ref_cache_dir}" if self.ref is not None
                      else "live (adapter disabled), costs a forward")
-        unguarded = [] if judged_limits(s.cfg)[0] is not None else [
-            f"warning signs: loss_type={s.cfg.loss_type[0]} declares no margin or early-loss limits, so those two signs "
-            "are off (chosen log-probs falling and the samples' collapse still warn)"]
+        limits, _, judged = judged_limits(s.cfg)
+        unguarded = [] if limits is not None else [
+            f"warning signs: loss_type={judged} declares no margin or early-loss limits, so those two signs are off "
+            "(chosen log-probs falling and the samples' collapse still warn)"]
         return unguarded + [
                 f"reference: {reference}; prompts: {'once per pair (share_prompt)' if self.shared else 'twice'}",
                 f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -38,8 +39,12 @@ def build_config(values: dict, sources: dict | None = None) -> Config:
     problems, kwargs = [], {}
     for key, raw in values.items():
         where = f" (in {sources[key]})" if key in sources else ""
-        if key in REFUSED:
-            if str(raw).strip().lower() not in ("false", "0", "none", "null", ""):
+        if key in REFUSED:  # TRL's key, accepted only turned off
+            try:
+                on = coerce(key, raw, Optional[bool], ())
+            except ConfigError:
+                on = True
+            if on:
                 problems.append(f"{key}={raw}{where}: {REFUSED[key]}")
             continue
         if key not in FIELDS:

@@ -46,12 +46,23 @@ def needs_reference(loss_types) -> bool:
 
 def combine(x: PairLogps, s: Settings, terms: list[tuple[str, float]]) -> torch.Tensor:
     """The weighted sum of the per-pair terms (B,) of `terms` ((loss type, weight) pairs) that average over
-    pairs; the per-token ones (sft) are the step's to add (train.train_step). Zeros when there are none."""
+    pairs; the per-token ones (sft) are per_token_loss's. Zeros when there are none."""
     losses = torch.zeros_like(x.chosen)  # (B,)
     for name, weight in terms:
         if not OBJECTIVES[name].per_token:
             losses = losses + weight * OBJECTIVES[name].formula(x, s)  # (B,)
     return losses
+
+
+def per_token_loss(x: PairLogps, s: Settings, terms: list[tuple[str, float]], chosen_tokens: int):
+    """This micro-batch's share of the per-token terms of `terms` (sft): each the mean over `chosen_tokens`, the
+    chosen completion tokens of the whole optimizer step, however its pairs are split into micro-batches. 0 when
+    there are none."""
+    loss = 0
+    for name, weight in terms:
+        if OBJECTIVES[name].per_token:
+            loss = loss + weight * (OBJECTIVES[name].formula(x, s) / max(1, chosen_tokens)).sum()
+    return loss
 
 
 def rewards(x: PairLogps, s: Settings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,4 +111,4 @@ def no_effect(loss_types, s: Settings) -> list[str]:
 
 
 __all__ = ["KEYS", "OBJECTIVES", "REFUSED", "Objective", "PairLogps", "Settings", "combine", "needs_reference", "no_effect",
-           "problems", "rewards"]
+           "per_token_loss", "problems", "rewards"]

@@ -115,12 +115,6 @@ def discopop(x, s):  # logistic and exponential losses blended by s(b Delta / ta
     return -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
 
 
-def discopop_at(margin: float, tau: float) -> float:
-    """discopop's loss at reward margin b * Delta = `margin`, as a float."""
-    mix = 1 / (1 + math.exp(-margin / tau))
-    return softplus(-margin) * (1 - mix) + math.exp(-margin) * mix
-
-
 def sigmoid_norm(x, s):  # -log s(b (r_c / n_c - r_r / n_r)): length-normalised DPO (Tulu 3's dpo_norm)
     chosen, rejected = x.per_token(*scores(x, s))
     return -F.logsigmoid(s.beta * (chosen - rejected))
@@ -166,16 +160,16 @@ OBJECTIVES = (
               limits=Limits(lambda beta, n: 2.0, "twice SPPO's optimum margin of 1 (rewards +1/2 and -1/2): the "
                             "log-ratios overshoot it", None)),
     Objective("aot", aot, "AOT: stochastic dominance of the policy's log-ratios over the reference's, paired",
-              "Melnyk et al. 2024, arXiv:2406.05882", _TRL, smoothing=True, batch_coupled=True),
+              "Melnyk et al. 2024, arXiv:2406.05882", _TRL, smoothing=True),
     Objective("aot_unpaired", aot_unpaired, "AOT, unpaired: chosen log-ratios dominate rejected ones",
-              "Melnyk et al. 2024, arXiv:2406.05882", _TRL, smoothing=True, batch_coupled=True),
+              "Melnyk et al. 2024, arXiv:2406.05882", _TRL, smoothing=True),
     Objective("apo_zero", apo_zero, "APO-zero: for chosen answers better than the model's own", "D'Oosterlinck et "
               "al. 2024, arXiv:2408.06266", _TRL),
     Objective("apo_down", apo_down, "APO-down: for chosen answers worse than the model's own", "D'Oosterlinck et "
               "al. 2024, arXiv:2408.06266", _TRL),
     Objective("discopop", discopop, "DiscoPOP: logistic and exponential losses, blended by the margin", "Chris Lu "
               "et al. 2024, arXiv:2406.08414", _TRL, usual_beta="0.05", f_divergence=True, keys=("discopop_tau",),
-              limits=Limits(lambda beta, n: _SIGMOID_MARGIN, _SEPARATED_WHY, lambda e: 0.05)),
+              limits=_SIGMOID_LIMITS),  # its loss falls like the sigmoid's: e^-z beyond the blend
     Objective("sigmoid_norm", sigmoid_norm, "length-normalised DPO (Tulu 3's dpo_norm): the margin per token",
               "Lambert et al. 2024 (Tulu 3), arXiv:2411.15124", _TRL, usual_beta="5", f_divergence=True,
               limits=Limits(lambda beta, n: _SIGMOID_MARGIN * n, "the per-token margin is 10: the sigmoid loss on "

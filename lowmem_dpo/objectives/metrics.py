@@ -33,7 +33,6 @@ METRICS = (
     Metric("gen/length", None, "sample", label="length", doc="the samples' mean length in tokens"),
     Metric("gen/empty", False, "sample", label="empty", doc="the share of samples that end at once"),
 )
-BY_NAME = {m.name: m for m in METRICS}
 PAIR_METRICS = tuple(m.name for m in METRICS if m.kind == "pair")  # train.StepStats sums these
 
 

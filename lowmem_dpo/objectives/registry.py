@@ -87,7 +87,6 @@ class Objective:
     f_divergence: bool = False  # f_divergence_type changes it (its margin is the difference of two scores)
     keys: tuple[str, ...] = ()  # its own config keys, in KEYS
     limits: Limits | None = None  # None: the margin and early-loss signs are off for it
-    batch_coupled: bool = False  # its per-pair loss depends on the other pairs of the micro-batch
     per_token: bool = False  # averaged over the step's chosen tokens (sft), not over its pairs
 
 

@@ -4,7 +4,7 @@ On a CPU torch takes every tensor from malloc. glibc serves a block under its mm
 raises that threshold (up to 32 MiB) each time a larger mapped block is freed, so after the first step a 7B
 model's activations (4-28 MiB each) all come from the heap. Blocks freed in a step then stay resident in the
 heap's holes, which later blocks of other sizes do not fill: a 4-bit 7B train step at 512 tokens held ~3.5 GiB
-over its live tensors (bench/README.md, "CPU RSS"). A fixed threshold of MMAP_THRESHOLD gives each larger tensor
+over its live tensors (docs/performance.md). A fixed threshold of MMAP_THRESHOLD gives each larger tensor
 its own mapping, returned to the system when freed: RSS is then the process before the model loaded plus the
 live tensors, within 0.03 GiB in 4-bit, at +12-30% step time (the fresh pages are zeroed by the kernel).
 

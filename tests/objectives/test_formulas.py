@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lowmem_dpo.objectives import OBJECTIVES, PairLogps, Settings, combine, rewards
+from lowmem_dpo.objectives import OBJECTIVES, PairLogps, Settings, combine, per_token_loss, rewards
 
 
 def dpo_loss(pc, pr, rc, rr, *, beta, loss_type="sigmoid", label_smoothing=0.0, chosen_lengths=None,
@@ -108,3 +108,15 @@ def test_sft_shares_sum_to_the_mean_nll_per_chosen_token():
     2/4 whichever micro-batch each pair is in."""
     shares = sft_shares(torch.tensor([-6.0, -2.0]), chosen_tokens=4)
     assert shares.tolist() == [1.5, 0.5] and shares.sum().item() == 2.0
+
+
+def test_per_token_loss_is_the_weighted_mean_nll_over_the_step_s_chosen_tokens_in_any_split():
+    """[sigmoid, sft] weights [1, 3]: the pairs of the test above, in one micro-batch or in two, give
+    3 * 8 / 4 = 6 in all; the per-pair term adds nothing here, and a list without sft gives 0."""
+    chosen = torch.tensor([-6.0, -2.0])
+    ones = torch.ones(2, dtype=torch.long)
+    terms, s = [("sigmoid", 1.0), ("sft", 3.0)], Settings()
+    whole = per_token_loss(PairLogps(chosen, chosen, ones, ones), s, terms, chosen_tokens=4)
+    parts = [per_token_loss(PairLogps(c, c, ones[:1], ones[:1]), s, terms, chosen_tokens=4) for c in chosen.split(1)]
+    assert whole.item() == 6.0 and sum(p.item() for p in parts) == 6.0
+    assert per_token_loss(PairLogps(chosen, chosen, ones, ones), s, [("sigmoid", 1.0)], chosen_tokens=4) == 0

@@ -62,6 +62,9 @@ def test_what_cannot_be_computed_is_refused_with_why(values, message):
 
 def test_a_trl_key_left_off_is_accepted_and_the_refused_keys_are_trl_s():
     assert build_config({"sync_ref_model": False}).loss_type == ["sigmoid"]
+    assert build_config({"sync_ref_model": "null"}).loss_type == ["sigmoid"]
+    with pytest.raises(ConfigError, match="sync_ref_model=yes"):
+        build_config({"sync_ref_model": "yes"})
     from trl import DPOConfig
 
     assert set(REFUSED) <= {f.name for f in dataclasses.fields(DPOConfig)}
@@ -79,10 +82,11 @@ def test_the_limits_a_run_is_judged_by():
     def judged(*types):
         return train.judged_limits(Config(loss_type=list(types)))
 
-    assert judged("sigmoid") == (OBJECTIVES["sigmoid"].limits, 1.0)
-    assert judged("sigmoid", "sft") == (OBJECTIVES["sigmoid"].limits, 1.0)  # sft is per token: not judged
-    assert judged("sigmoid", "hinge") == (guards.SEVERAL, 1.0)
-    assert judged("apo_zero") == (None, 1.0)  # declares none: unguarded, and the log says so
+    assert judged("sigmoid") == (OBJECTIVES["sigmoid"].limits, 1.0, "sigmoid")
+    assert judged("sigmoid", "sft") == (OBJECTIVES["sigmoid"].limits, 1.0, "sigmoid")  # sft is per token: not judged
+    assert judged("sigmoid", "hinge") == (guards.SEVERAL, 1.0, None)
+    assert judged("apo_zero") == (None, 1.0, "apo_zero")  # declares none: unguarded, and the log says so
+    assert judged("sft", "apo_zero") == (None, 1.0, "apo_zero")  # the log names the judged term, not the first
     assert guards.thresholds(None, 0.1, 0.0, 20.0) == guards.UNGUARDED
 
 
@@ -90,8 +94,9 @@ def test_the_docs_table_is_the_registry():
     rows = re.findall(r"^\| `(\w+)` \| (.*?) \| (.*?) \| (needed|none) \| (changes it|-) \| (yes|none) \| (.*?) \| "
                       r"(.*?) \|$", DOC.read_text(encoding="utf-8"), re.M)
     assert [r[0] for r in rows] == list(OBJECTIVES)
-    for name, summary, paper, reference, smoothing, limits, beta, _ in rows:
+    for name, summary, paper, reference, smoothing, limits, beta, trl in rows:
         o = OBJECTIVES[name]
         assert (summary, paper, beta) == (o.summary, o.paper, o.usual_beta), name
+        assert trl == (f"DPOTrainer `{name}`" if o.trl == "DPOTrainer" else o.trl), name
         assert (reference == "needed", smoothing == "changes it", limits == "yes") == (
             o.needs_reference, o.smoothing, o.limits is not None), name
