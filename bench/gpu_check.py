@@ -210,12 +210,11 @@ def run_trl(args) -> dict:
 
     from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.model import models
-    from lowmem_dpo.runtime import devices
+    from lowmem_dpo.runtime import devices, oom
 
     cfg = load_config(args.recipe, args.set)
     cuda = args.device == "cuda"
     if cuda:
-        devices.configure_allocator()
         free, held, total = devices.cuda_memory(torch.device("cuda"))
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
     bf16 = devices.cuda_native_bf16() if cuda else devices.cpu_has_native_bf16()
@@ -267,7 +266,7 @@ def run_trl(args) -> dict:
                              processing_class=tokenizer, peft_config=lora, callbacks=[Meter()])
         trainer.train()
     except Exception as e:
-        if not devices.is_out_of_memory(e):
+        if not oom.is_out_of_memory(e):
             raise
         out.update(oom=True, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
     history = {h["step"]: h for h in (trainer.state.log_history if trainer is not None else []) if "loss" in h}
@@ -338,12 +337,17 @@ def grad_difference(a: list, b: list) -> dict:
 
 def child(args) -> int:
     """One run in this process: its result JSON to --out, whatever happens."""
+    from lowmem_dpo.runtime import devices
+
     t0 = time.perf_counter()
+    # first, as `python -m lowmem_dpo.train` does (config/cli.py): the first GPU run's children asked CUDA for its
+    # free memory before lowmem_dpo set expandable segments, so ours ran on torch's defaults while TRL had them
+    allocator = devices.configure_allocator()
     try:
         result = {"ours": run_ours, "trl": run_trl, "grads": run_grads}[args.child](args)
     except Exception as e:
         result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["wall_s"], result["allocator"] = round(time.perf_counter() - t0, 1), allocator
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
@@ -383,7 +387,8 @@ def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, devi
         rc = subprocess.run(argv, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT).returncode
     result = json.loads(out.read_text()) if out.is_file() else {"error": f"the run died (exit {rc})"}
     if result.get("error"):
-        result["log_tail"] = (work / "log.txt").read_text(errors="replace")[-3000:]
+        lines = (work / "log.txt").read_text(errors="replace").splitlines()  # not the progress bars' lines
+        result["log_tail"] = "\n".join(x for x in lines if "%|" not in x)[-4000:]
     entry = {"tool": {"ours": "lowmem_dpo", "grads": "lowmem_dpo gradients"}.get(tool, tool), "recipe": Path(recipe).stem, "variant": variant,
              "max_length": length, "cap_gib": args.cap_gib if device == "cuda" else None, "device": device,
              "oom": False, **result}
@@ -457,9 +462,9 @@ def check(args) -> int:
 def combine(paths: list[str], out: Path) -> int:
     """One JSON from several calls' (each a part of the check, e.g. one per recipe): the first one's header, every
     run."""
-    parts = [json.loads(Path(p).read_text()) for p in paths]
-    report = {**parts[0], "runs": [r for p in parts for r in p["runs"]],
-              "commands": [p["command"] for p in parts]}
+    parts = [json.loads(Path(p).read_text()) for p in paths]  # a part may be an earlier combination: its commands
+    report = {**parts[0], "runs": [{"command": p["command"], **r} for p in parts for r in p["runs"]],
+              "commands": [c for p in parts for c in p.get("commands", [p["command"]])]}
     write(report, out)
     log(f"wrote {out}: {len(report['runs'])} runs from {len(parts)} files")
     return 0

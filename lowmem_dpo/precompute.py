@@ -34,7 +34,7 @@ from lowmem_dpo.memory import search
 from lowmem_dpo.memory.setup import run_budget
 from lowmem_dpo.model import adapters, headcheck, models, streaming
 from lowmem_dpo.model.logps import batch_logps
-from lowmem_dpo.runtime import devices, distributed, files, folders
+from lowmem_dpo.runtime import devices, distributed, files, folders, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training import inputs, policy
@@ -143,14 +143,14 @@ def compute_missing(model, todo: list[data.TokenizedPair], store, side: int, cfg
 def chunk_with_backoff(model, chunk: list[data.TokenizedPair], batch: int, pad_id: int,
                        resolved: devices.Resolved, bar, shared: bool) -> tuple[dict, int]:
     """rows_logps of one chunk of rows, its batch halved on out-of-memory down to 1 pair
-    (devices.halving_on_oom); the tensors, and the batch that worked, where the next chunks start."""
+    (oom.halving_on_oom); the tensors, and the batch that worked, where the next chunks start."""
     start = bar.n
 
     def attempt(size: int):
         bar.n = start  # a retry computes the chunk from its start
         return rows_logps(model, chunk, size, pad_id, resolved, bar, shared), size
 
-    return devices.halving_on_oom(
+    return oom.halving_on_oom(
         attempt, batch, resolved.device,
         lambda n: f"out of memory in precompute: retrying with precompute_batch_size={n}",
         "out of memory in precompute with 1 pair per forward: lower max_length, or set ref_quantization=4bit "
@@ -217,7 +217,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path:
             compute_missing(model, todo, store, store.side(cache.side_digest(components), components), cfg,
                             resolved, pad_id, progress, shared, batch, computed * ROW_BYTES + (1 << 20))
             del model  # its memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
-            devices.release_memory(resolved.device)
+            oom.release_memory(resolved.device)
             distributed.barrier()  # every process's rows are in the store
             seconds = time.perf_counter() - t0
         if not distributed.is_main():

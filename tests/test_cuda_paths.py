@@ -20,7 +20,7 @@ from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.memory.arch import load_arch
 from lowmem_dpo.memory.model import predict
 from lowmem_dpo.memory.setup import setup_from_config
-from lowmem_dpo.runtime import devices
+from lowmem_dpo.runtime import devices, oom
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.training import checkpoint, loop
 
@@ -164,6 +164,8 @@ def test_precompute_halves_its_batch_on_out_of_memory(tmp_path, capsys):
     finally:
         handle.remove()
     err = capsys.readouterr().err
+    # what torch failed to allocate, before each retry: the one-line error after it does not say
+    assert err.count("out of memory: CUDA out of memory. Tried to allocate 2.00 GiB (simulated)\n") == 2
     assert "out of memory in precompute: retrying with precompute_batch_size=4" in err
     assert "retrying with precompute_batch_size=2" in err
     want, got = cached(plain)[0], cached(config(tmp_path, dtype="float32", ref_cache_dir=str(tmp_path / "limited")))[0]
@@ -237,14 +239,15 @@ def test_out_of_memory_anywhere_else_is_exit_2_in_one_line(capsys):
     assert run_cli(main, ["recipe.yaml"], "train", "doc") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("lowmem_dpo.train: error: out of memory: ")
-    assert "python -m lowmem_dpo.plan RECIPE.yaml shows what fits" in err[0]
+    assert "python -m lowmem_dpo.plan RECIPE.yaml shows what fits (torch: CUDA out of memory. Tried to allocate " \
+           "20.00 MiB (simulated))" in err[0]
 
 
 def test_memory_snapshot_is_cuda_only(tmp_path):
-    assert devices.record_snapshots(torch.device("cpu"), tmp_path) == \
+    assert oom.record_snapshots(torch.device("cpu"), tmp_path) == \
         "memory_snapshot_on_oom: CUDA only; nothing is recorded on cpu"
-    assert devices.dump_snapshot() is None  # nothing recorded: nothing written
-    assert not (tmp_path / devices.SNAPSHOT).exists()
+    assert oom.dump_snapshot() is None  # nothing recorded: nothing written
+    assert not (tmp_path / oom.SNAPSHOT).exists()
 
 
 def test_the_allocator_setting_is_the_users_when_they_set_it(monkeypatch):

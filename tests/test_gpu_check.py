@@ -32,6 +32,9 @@ def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
     for r in runs:
         assert set(FIELDS) <= set(r) and r.get("error") is None, r
         assert r["oom"] is False and r["steps_done"] == 3
+        # set before anything touches CUDA, as `python -m lowmem_dpo.train` does: on the first GPU run ours went
+        # without it (the child asked CUDA for its free memory first) while TRL had it
+        assert r["allocator"].startswith("CUDA allocator: expandable_segments:True (set by lowmem_dpo"), r
         assert r["median_step_s"] > 0 and r["tokens_per_s"] > 0
         assert abs(r["step1_loss_minus_ln2"]) < 1e-2  # both tools start at ln 2: the reference is the policy
     ours = runs[0]

@@ -12,7 +12,7 @@ from lowmem_dpo.config.coerce import describe
 from lowmem_dpo.config.recipe import SHOWN_DEFAULTS
 from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, Config
 from lowmem_dpo.config.sources import yaml_form
-from lowmem_dpo.runtime import devices
+from lowmem_dpo.runtime import devices, oom
 from lowmem_dpo.runtime.errors import EXIT_USAGE, ConfigError, UserError
 from lowmem_dpo.runtime.ranks import world
 
@@ -79,11 +79,12 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
             print(f"lowmem_dpo.{stage}: error: {f'[rank {rank}] ' if rank else ''}{e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:
-        if not devices.is_out_of_memory(e):
+        if not oom.is_out_of_memory(e):
             raise
+        said = oom.torch_said(e)
         del e  # its traceback holds the tensors
-        devices.dump_snapshot()
-        print(f"lowmem_dpo.{stage}: error: {OOM_ANYWHERE}", file=sys.stderr)
+        oom.dump_snapshot()
+        print(f"lowmem_dpo.{stage}: error: {OOM_ANYWHERE} (torch: {said})", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as e:  # a stage may say what it keeps (precompute: the rows; train: the checkpoint)
         kept = e.args[0] if e.args else "committed cache rows and checkpoints are kept"

@@ -16,7 +16,7 @@ import torch
 
 from lowmem_dpo import data
 from lowmem_dpo.model import activations, logps
-from lowmem_dpo.runtime import devices
+from lowmem_dpo.runtime import devices, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.rules import SHARE_MIN_PROMPT_SHARE
 
@@ -97,7 +97,7 @@ def describe(head: logps.Head) -> str:
 def verify(model, batch: data.Batch, device: torch.device, dtype: torch.dtype) -> None:
     """Raise UserError when the chunked log-probs of an unknown architecture differ from its own forward on
     `batch` (already on `device`; the stage's forward precision `dtype`); log a note when they agree."""
-    with devices.out_of_memory_means(OOM_CHECK), devices.autocast(device, dtype):
+    with oom.out_of_memory_means(OOM_CHECK), devices.autocast(device, dtype):
         check = check_head(model, batch.input_ids, batch.attention_mask)
     if check is None:
         return
@@ -220,7 +220,7 @@ def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, 
                    f"{SHARE_MIN_PROMPT_SHARE:.0%} where sharing pays on this device (share_prompt=true forces it)")
     if problem is None:
         try:
-            with devices.out_of_memory_means(OOM_CHECK):
+            with oom.out_of_memory_means(OOM_CHECK):
                 difference = sharing_difference(model, pairs[:CHECK_ROWS], pad_id, resolved.device, dtype)
         except (TypeError, ValueError, RuntimeError) as e:  # a forward that takes no 4D mask or position_ids
             difference, problem = float("inf"), f"its forward fails on a shared-prefix batch ({type(e).__name__}: " \

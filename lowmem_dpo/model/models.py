@@ -10,8 +10,9 @@ import torch
 
 from lowmem_dpo.model.tiny import BUILTIN_PREFIX, ensure_builtin
 from lowmem_dpo.runtime import heap
-from lowmem_dpo.runtime.devices import import_bitsandbytes, out_of_memory_means
+from lowmem_dpo.runtime.devices import import_bitsandbytes
 from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.runtime.oom import out_of_memory_means
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model.logps import eval_mode
-from lowmem_dpo.runtime import devices, distributed, files
+from lowmem_dpo.runtime import distributed, files, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, guards, samples
 
@@ -36,10 +36,10 @@ def due(cfg: Config, step: int, steps: int) -> bool:
 
 
 def halving(s, run, size: int, what: str, every_rank: bool = False):
-    """run(size), retried at half the size (down to 1) on out-of-memory (devices.halving_on_oom): the eval's
+    """run(size), retried at half the size (down to 1) on out-of-memory (oom.halving_on_oom): the eval's
     micro-batches and the samples' batch can meet a fuller GPU than the training step did. every_rank: every
     process runs it, and all retry when one runs out (the eval); else rank 0 alone (the samples)."""
-    return devices.halving_on_oom(
+    return oom.halving_on_oom(
         run, size, s.resolved.device, lambda n: f"out of memory in {what} at step {s.step}: retrying {n} at a time",
         f"out of memory in {what} at step {s.step}, one at a time; lower eval_max_pairs, eval_generations or "
         "max_new_tokens (the last checkpoint is intact)",

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from lowmem_dpo.config.schema import Config
-from lowmem_dpo.runtime import devices, distributed
+from lowmem_dpo.runtime import devices, distributed, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, evaluation, guards, output, policy, resuming, tensorboard, update
 
@@ -228,7 +228,7 @@ def backward_with_backoff(s: Session, items: list):
         s.micro_batch, s.grad_accum = micro_batch, math.ceil(mine / micro_batch)
         return s.objective.backward(s, items)
 
-    return devices.halving_on_oom(
+    return oom.halving_on_oom(
         attempt, s.micro_batch, s.resolved.device,
         lambda n: f"out of memory at step {s.step + 1}: retrying with per_device_train_batch_size={n} "
                   f"gradient_accumulation_steps={math.ceil(mine / n)} (the same {len(items)} pairs per step)",
@@ -325,7 +325,7 @@ def run(s: Session, progress: bool = True) -> TrainResult:
     for line in s.objective.intro(s):
         log(line)
     if cfg.memory_snapshot_on_oom:
-        log(devices.record_snapshots(s.resolved.device, out_dir))
+        log(oom.record_snapshots(s.resolved.device, out_dir))
     devices.memory_window(s.resolved.device)  # the first line's window starts here
     train_lines = [line for line in map(json.loads, s.metrics_lines) if "loss" in line]  # not eval lines
     last = train_lines[-1] if train_lines else {}

@@ -19,7 +19,7 @@ from lowmem_dpo.config.recipe import place
 from lowmem_dpo.config.schema import FIELDS
 from lowmem_dpo.model import adapters
 from lowmem_dpo.model.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TOKENIZER_FILES
-from lowmem_dpo.runtime import devices, files, folders
+from lowmem_dpo.runtime import devices, files, folders, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint
 from lowmem_dpo.training.provenance import RUN_CONFIG
@@ -38,7 +38,7 @@ PICTURE = "curves.png"  # the report's picture of a run (report.py), into its ou
 # has one of these names; a tokenizer saving a file of a name of its own is caught when the adapter is saved
 # (folders.check_replacing). README.md: peft's model card, saved with the adapter.
 RUN_FILES = frozenset({checkpoint.FOLDER, RUN_CONFIG, checkpoint.METRICS, checkpoint.SAMPLES, checkpoint.STATE,
-                       EVENTS_DIR, PICTURE, devices.SNAPSHOT, ADAPTER_CONFIG, *ADAPTER_WEIGHTS, "README.md",
+                       EVENTS_DIR, PICTURE, oom.SNAPSHOT, ADAPTER_CONFIG, *ADAPTER_WEIGHTS, "README.md",
                        folders.MARKER, *TOKENIZER_FILES})
 KIND = {"train": "dpo run", "sft": "sft run"}  # the folder kind (folders.KINDS) of each stage's output_dir
 # A run written before folders had a marker: its config.yaml holds every one of these keys (earlier_run).

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lowmem_dpo.config.recipe import load_config
-from lowmem_dpo.runtime import devices, rules
+from lowmem_dpo.runtime import devices, oom, rules
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import GiB, MiB
 
@@ -102,13 +102,13 @@ def test_the_12gb_recipes_leave_the_dtype_to_the_card():
 
 
 def test_out_of_memory_errors_are_recognised():
-    assert devices.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert devices.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
+    assert oom.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert oom.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling "
                                                  "`cublasCreate(handle)`"))
-    assert devices.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+    assert oom.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
                                                  f"allocate {64 * MiB} bytes"))
-    assert not devices.is_out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
-    assert not devices.is_out_of_memory(ValueError("out of memory"))  # not an allocator's error type
+    assert not oom.is_out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not oom.is_out_of_memory(ValueError("out of memory"))  # not an allocator's error type
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when no GPU is present")
