@@ -50,9 +50,10 @@ from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
 from lowmem_dpo.memory.model import Prediction, StagePrediction, predict
-from lowmem_dpo.memory.search import LENGTH_STEP, Plan, choose, longest_max_length, stage_stream
+from lowmem_dpo.memory.search import KNOBS, LENGTH_STEP, Plan, choose, longest_max_length, stage_stream
 from lowmem_dpo.memory.setup import Setup, planned_device, run_budget, setup_from_config, with_prompts
 from lowmem_dpo.model import adapters, models
+from lowmem_dpo.objectives import needs_reference
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import fmt, parse_size, size_note
 
@@ -165,10 +166,11 @@ def measured_columns(args, cfg: Config, arch: Arch, setup: Setup, budget: int, r
     return columns, row + [None] * (len(columns) - len(row)), notes
 
 
-def print_plan(chosen: Plan, budget: int) -> None:
+def print_plan(chosen: Plan, budget: int, reference: bool = True) -> None:
     c = chosen.setup
     print(f"plan: quantization={c.quantization} gradient_checkpointing={str(c.gradient_checkpointing).lower()} "
-          f"micro-batch {c.micro_batch} x {c.grad_accum} accumulation, precompute batch {c.precompute_batch}, "
+          f"micro-batch {c.micro_batch} x {c.grad_accum} accumulation, "
+          + (f"precompute batch {c.precompute_batch}, " if reference else "")
           + (f"stream {chosen.offload_layers} layers ({fmt(max(chosen.offload_bytes, chosen.precompute_offload_bytes))}"
              " of CPU RAM): " if chosen.offload_layers else "no streamed layers: ")
           + ("the recipe as given " if not chosen.overrides and not chosen.offload_bytes else "")
@@ -198,11 +200,11 @@ def print_lengths(arch: Arch, chosen: Plan, budget: int) -> None:
                                                                                          else "") + capped)
 
 
-def print_prediction(arch: Arch, setup: Setup, pred: Prediction, budget: int) -> None:
+def print_prediction(arch: Arch, setup: Setup, pred: Prediction, budget: int, no_reference: str = "") -> None:
     print(f"model    {arch.describe()}")
     print(f"device   {setup.device} (rule {setup.kind}), budget {fmt(budget)}")
     print(f"train    {describe_setup(setup, 'train', pred.train.shapes)}")
-    print(f"precomp. {describe_setup(setup, 'precompute', pred.precompute.shapes)}")
+    print(f"precomp. {no_reference or describe_setup(setup, 'precompute', pred.precompute.shapes)}")
     if setup.share_prompt and setup.prompt_tokens is None:
         print("         shared rows at their worst case, a one-token prompt (2 x max_length - 1 tokens); "
               "--prompt-tokens P plans for your data's shortest prompt")
@@ -210,12 +212,14 @@ def print_prediction(arch: Arch, setup: Setup, pred: Prediction, budget: int) ->
 
 
 def json_report(cfg: Config, arch: Arch, setup: Setup, pred: Prediction, chosen: Plan, budget: int) -> dict:
-    """--json: the prediction of the recipe as given, the plan and the budget."""
+    """--json: the prediction of the recipe as given, the plan and the budget (precompute: null when the loss
+    reads no reference)."""
     as_given_offload = stage_stream(arch, setup, pred, "train", budget).cpu_bytes
+    reference = needs_reference(cfg.loss_type)
     return {"model": cfg.model_name_or_path, "arch": dataclasses.asdict(arch), "device": setup.device,
             "device_kind": setup.kind, "budget_bytes": budget, "setup": dataclasses.asdict(setup),
             "train": pred.train.to_json(budget, as_given_offload),
-            "precompute": pred.precompute.to_json(budget), "plan": chosen.to_json(budget)}
+            "precompute": pred.precompute.to_json(budget) if reference else None, "plan": chosen.to_json(budget)}
 
 
 def main(argv: list[str]) -> int:
@@ -231,9 +235,12 @@ def main(argv: list[str]) -> int:
     if args.prompt_tokens:
         setup = with_prompts(setup, args.prompt_tokens)
     pred = predict(arch, setup)
-    chosen = choose(arch, setup, budget)
+    reference = needs_reference(cfg.loss_type)  # SimPO, ORPO: no precompute, no cache, nothing to plan for them
+    chosen = choose(arch, setup, budget) if reference else choose(
+        arch, setup, budget, tuple(k for k in KNOBS if k != "precompute_batch"), stages=("train",))
     report = json_report(cfg, arch, setup, pred, chosen, budget)
-    print_prediction(arch, setup, pred, budget)
+    print_prediction(arch, setup, pred, budget, "" if reference else
+                     f"none: loss_type={cfg.loss_type} reads no reference (no precompute, no cache)")
     if arch.context and cfg.max_length > arch.context:
         print(f"warning: max_length={cfg.max_length} is beyond the model's context, {arch.context} positions (its "
               "config.json): tokens past it get positions the model never saw; set max_length to "
@@ -244,6 +251,7 @@ def main(argv: list[str]) -> int:
     columns = [("train", pred.train), ("precompute", pred.precompute)]
     if chosen.overrides:
         columns += [("train (plan)", chosen.prediction.train), ("precompute (plan)", chosen.prediction.precompute)]
+    columns = [c for c in columns if reference or not c[0].startswith("precompute")]
     measured_row, notes = None, []
     if args.measure:
         columns, measured_row, notes = measured_columns(args, cfg, arch, setup, budget, report, columns)
@@ -254,7 +262,7 @@ def main(argv: list[str]) -> int:
         print("note: 8bit's LLM.int8 buffers are modeled from CPU measurements (bitsandbytes' CUDA kernels differ): "
               "allow a margin on a GPU")
     print()
-    print_plan(chosen, budget)
+    print_plan(chosen, budget, reference)
     print_lengths(arch, chosen, budget)
     if args.json_out:
         path = Path(args.json_out)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import data, preflight
+from lowmem_dpo import data, objectives, preflight
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, place, require
 from lowmem_dpo.config.schema import Config
@@ -174,9 +174,13 @@ def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, rows
     return model, batch
 
 
-def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path:
+def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path | None:
     """Compute the rows of `cfg` the cache lacks (prune: then drop what it does not use); returns the cache
-    folder."""
+    folder, or None when the loss reads no reference (SimPO, ORPO): nothing to compute, nothing written."""
+    if not objectives.needs_reference(cfg.loss_type):
+        log(f"loss_type={cfg.loss_type} reads no reference: nothing to compute, and train needs no cache (nothing "
+            "written)")
+        return None
     require(cfg, "precompute")
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from lowmem_dpo import objectives
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.data import cache
@@ -156,6 +157,10 @@ def run(cfg, recipe: str | None = None) -> dict:
 
 def main(argv: list[str]) -> int:
     cfg = load_config(argv[0], argv[1:])
+    if not objectives.needs_reference(cfg.loss_type):
+        log(f"loss_type={cfg.loss_type} reads no reference: no cache, so no report (it judges the reference's "
+            "log-probs)")
+        return 0
     rep = run(cfg, recipe=argv[0])
     print("\n".join(summary_lines(rep)))
     log(f"report saved to {Path(cfg.ref_cache_dir) / REPORT}")

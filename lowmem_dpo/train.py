@@ -26,6 +26,7 @@ from lowmem_dpo.data import cache
 from lowmem_dpo.model import adapters, headcheck
 from lowmem_dpo.model.logps import batch_logps
 from lowmem_dpo.objectives.metrics import PAIR_METRICS as METRIC_KEYS
+from lowmem_dpo.objectives.metrics import term_metrics
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import log
 from lowmem_dpo.training import guards, inputs, loop, output, policy, resuming
@@ -38,31 +39,41 @@ class StepStats:
     sums: dict = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
     pairs: int = 0
     tokens: int = 0
-    chosen_tokens: int = 0  # completion tokens of the chosen sides (per-token guard, the sft term)
-    nll: float = 0.0  # summed -log pi of the chosen completions: the sft term's numerator
-    # the sft term's weight when loss_type has sft (sums["loss"] excludes it); not a sum (distributed.sum_stats)
-    sft_weight: float | None = field(default=None, metadata={"sum": False})
+    chosen_tokens: int = 0  # completion tokens of the chosen sides (the per-token guard)
+    nll: float = 0.0  # summed -log pi of the chosen completions (ORPO: and their prompts): the NLL's numerator
+    nll_tokens: int = 0  # the tokens nll sums
+    # the chosen NLL's weight in the loss (objectives.nll_weight: sft, ORPO's own; sums["loss"] excludes it), or
+    # None without one; not a sum (distributed.sum_stats)
+    nll_weight: float | None = field(default=None, metadata={"sum": False})
 
     def add(self, other: "StepStats") -> None:
-        for k in METRIC_KEYS:
-            self.sums[k] += other.sums[k]
+        for k, v in other.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
         self.pairs += other.pairs
         self.tokens += other.tokens
         self.chosen_tokens += other.chosen_tokens
         self.nll += other.nll
+        self.nll_tokens += other.nll_tokens
 
     def means(self) -> dict:
-        """TRL's metrics; with an sft term, also nll_loss (the mean NLL per chosen token), which the loss adds
+        """TRL's metrics; with an NLL term, also nll_loss (the mean NLL per chosen token), which the loss adds
         with its weight."""
         out = {k: v / max(1, self.pairs) for k, v in self.sums.items()}
-        if self.sft_weight is not None:
-            out["nll_loss"] = self.nll / max(1, self.chosen_tokens)
-            out["loss"] += self.sft_weight * out["nll_loss"]
+        if self.nll_weight is not None:
+            out["nll_loss"] = self.nll / max(1, self.nll_tokens)
+            out["loss"] += self.nll_weight * out["nll_loss"]
         return out
 
     @property
     def empty(self) -> bool:
         return self.pairs == 0
+
+
+def new_stats(cfg: Config) -> StepStats:
+    """Empty sums of every metric this run logs: TRL's, and its terms' own (ORPO's log odds), the same keys on
+    every rank (distributed.sum_stats), whatever pairs a rank gets."""
+    return StepStats(sums=dict.fromkeys((*METRIC_KEYS, *term_metrics(cfg.loss_type)), 0.0),
+                     nll_weight=objectives.nll_weight(cfg.loss_terms))
 
 
 def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
@@ -73,11 +84,6 @@ def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
     with torch.no_grad(), model.disable_adapter():
         chosen, rejected = batch_logps(model, batch).split()
     return chosen.logps.cpu(), rejected.logps.cpu()
-
-
-def sft_weight(cfg: Config) -> float | None:
-    """The weight of loss_type's per-token term (sft: the chosen tokens' NLL), or None without one."""
-    return next((w for t, w in cfg.loss_terms if objectives.OBJECTIVES[t].per_token), None)
 
 
 def judged_limits(cfg: Config):
@@ -94,26 +100,37 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
                   resolved: devices.Resolved, shared: bool = False) -> tuple[torch.Tensor, objectives.PairLogps, StepStats]:
     """The per-pair terms' losses (B,) of one micro-batch of pairs, its log-probs (the per-token terms'), and its
     metric sums (detached). shared: each prompt once (data.collate_shared), the same log-probs."""
-    device = resolved.device
+    device, types = resolved.device, cfg.loss_type
     batch = (data.collate_shared if shared else data.collate)(pairs, pad_id).to(device)
+    reference = objectives.needs_reference(types)  # SimPO, ORPO, sft alone: no reference at all
     with devices.autocast(resolved.device, resolved.dtype):
-        ref_chosen, ref_rejected = reference_logps(model, batch, ref)
-        policy_logps = batch_logps(model, batch)
+        ref_chosen, ref_rejected = reference_logps(model, batch, ref) if reference else (None, None)
+        policy_logps = batch_logps(model, batch, prompts=objectives.nll_prompt(types),  # ORPO: prompts' too
+                                   weighting=cfg.use_weighting)
     chosen, rejected = policy_logps.split()  # (B,) each
+    weights = None if not cfg.use_weighting else objectives.wpo_weights(chosen.aligned, chosen.n_tokens,
+                                                                         rejected.aligned, rejected.n_tokens)
     x = objectives.PairLogps(chosen.logps, rejected.logps, chosen.n_tokens, rejected.n_tokens,
-                             ref_chosen.to(device), ref_rejected.to(device))
+                             *((ref_chosen.to(device), ref_rejected.to(device)) if reference else (None, None)),
+                             chosen.prompt_logps, chosen.prompt_tokens, weights)
     losses = objectives.combine(x, cfg.loss_settings, cfg.loss_terms)  # (B,)
-    r_chosen, r_rejected = objectives.rewards(x, cfg.loss_settings)
-    stats = StepStats(pairs=len(pairs), tokens=batch.num_tokens, chosen_tokens=int(chosen.n_tokens.sum()),
-                      nll=-chosen.logps.detach().sum().item(), sft_weight=sft_weight(cfg))
+    r_chosen, r_rejected = objectives.rewards(x, cfg.loss_settings, types)
+    logps_chosen, logps_rejected = objectives.logged_logps(x, types)
+    stats = new_stats(cfg)
+    stats.pairs, stats.tokens, stats.chosen_tokens = len(pairs), batch.num_tokens, int(chosen.n_tokens.sum())
+    nll = chosen.logps if chosen.prompt_logps is None else chosen.logps + chosen.prompt_logps  # (B,)
+    stats.nll = -nll.detach().sum().item()
+    stats.nll_tokens = stats.chosen_tokens + (0 if chosen.prompt_tokens is None else int(chosen.prompt_tokens.sum()))
     s = stats.sums
     s["loss"] += losses.detach().sum().item()
     s["rewards/chosen"] += r_chosen.sum().item()
     s["rewards/rejected"] += r_rejected.sum().item()
     s["rewards/accuracies"] += (r_chosen > r_rejected).float().sum().item()
     s["rewards/margins"] += (r_chosen - r_rejected).sum().item()
-    s["logps/chosen"] += chosen.logps.detach().sum().item()
-    s["logps/rejected"] += rejected.logps.detach().sum().item()
+    s["logps/chosen"] += logps_chosen.sum().item()
+    s["logps/rejected"] += logps_rejected.sum().item()
+    for name, values in objectives.term_metrics(x, cfg.loss_settings, types).items():
+        s[name] += values.sum().item()
     return losses, x, stats
 
 
@@ -125,14 +142,16 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
     the sft term the mean over all its chosen tokens. step_pairs: every pair of the step when `group` holds this
     rank's share of them (loop.share), whose gradients the ranks sum; default: the group's pairs. backward(loss):
     the loop's (loop.Session.backward: scaled in float16)."""
-    stats = StepStats(sft_weight=sft_weight(cfg))
+    stats = new_stats(cfg)
     step_pairs = step_pairs if step_pairs is not None else [p for pairs in group for p in pairs]
     n_pairs = len(step_pairs)
-    chosen_tokens = sum(len(p.chosen_ids) for p in step_pairs)  # as logps counts them
+    # the tokens the NLL averages over, as logps counts them: the chosen completions' (ORPO: and prompts' but the
+    # first token, which nothing predicts)
+    nll_tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) - 1 if objectives.nll_prompt(cfg.loss_type)
+                     else len(p.chosen_ids) for p in step_pairs)
     for pairs in group:
         losses, x, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)
-        loss = losses.sum() / n_pairs + objectives.per_token_loss(x, cfg.loss_settings, cfg.loss_terms,
-                                                                  chosen_tokens)
+        loss = losses.sum() / n_pairs + objectives.per_token_loss(x, cfg.loss_terms, nll_tokens)
         backward(loss)
         stats.add(batch_stats)
     return stats
@@ -142,7 +161,7 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
 def eval_stats(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
                resolved: devices.Resolved, shared: bool = False) -> StepStats:
     """train_step's metric sums over held-out pairs, with no gradients."""
-    stats = StepStats(sft_weight=sft_weight(cfg))
+    stats = new_stats(cfg)
     for pairs in group:
         stats.add(forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)[2])
     return stats
@@ -152,14 +171,14 @@ def eval_stats(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
 class DPO:
     """DPO's part of the loop (loop.Objective): pairs, the loss against the reference, the warning signs."""
 
-    ref: cache.RefCache | None  # None: ref_source=live
+    cfg: Config
+    ref: cache.RefCache | None  # None: ref_source=live, or an objective without a reference (SimPO, ORPO)
     eval_ref: cache.RefCache | None = None  # the eval pairs' reference (the same cache part, or its eval part)
     shared: bool = False  # each prompt once per pair (headcheck.decide_sharing)
-    sft_weight: float | None = None  # loss_type's sft term (train.sft_weight)
     name: str = "train"
 
     def new_stats(self) -> StepStats:
-        return StepStats(sft_weight=self.sft_weight)
+        return new_stats(self.cfg)
 
     def backward(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> StepStats:
         return train_step(s.model, s.cfg, loop.split(loop.share(s, pairs), s.micro_batch), self.ref, s.pad_id,
@@ -176,9 +195,11 @@ class DPO:
         w, cfg = s.window, s.cfg
         tokens = w.chosen_tokens / w.pairs
         means = w.means()
-        if w.sft_weight is not None:  # the signs judge the preference loss: the sft term has its own scale
-            means["loss"] -= w.sft_weight * means["nll_loss"]
+        if w.nll_weight is not None:  # the signs judge the preference loss: the NLL term has its own scale
+            means["loss"] -= w.nll_weight * means["nll_loss"]
         limits, weight, _ = judged_limits(cfg)
+        if not objectives.needs_reference(cfg.loss_type):
+            tokens = 0.0  # the chosen-falling sign reads the log-ratio to the reference: there is none (SimPO, ORPO)
         return guards.warning_signs(means, s.step, s.steps, cfg.beta, tokens,
                                     guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight))
 
@@ -188,11 +209,14 @@ class DPO:
 
     def intro(self, s: loop.Session) -> list[str]:
         reference = (f"cached in {s.cfg.ref_cache_dir}" if self.ref is not None
-                     else "live (adapter disabled), costs a forward")
+                     else "live (adapter disabled), costs a forward" if objectives.needs_reference(s.cfg.loss_type)
+                     else f"none (loss_type={s.cfg.loss_type} reads no reference: no cache, no precompute)")
         limits, _, judged = judged_limits(s.cfg)
+        still = ("chosen log-probs falling and the samples' collapse still warn"
+                 if objectives.needs_reference(s.cfg.loss_type) else "the samples' collapse still warns")
         unguarded = [] if limits is not None else [
             f"warning signs: loss_type={judged} declares no margin or early-loss limits, so those two signs are off "
-            "(chosen log-probs falling and the samples' collapse still warn)"]
+            f"({still})"]
         return unguarded + [
                 f"reference: {reference}; prompts: {'once per pair (share_prompt)' if self.shared else 'twice'}",
                 f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
@@ -242,14 +266,14 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
                 f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
                 f"off ln 2; {cache.rebuild_command(cfg, recipe)} share_prompt={str(shared).lower()} computes this "
                 "run's own")
-    return loop.start(cfg, resolved, model, d.train, pad_id, DPO(ref, eval_ref, shared, sft_weight(cfg)), resume,
+    return loop.start(cfg, resolved, model, d.train, pad_id, DPO(cfg, ref, eval_ref, shared), resume,
                       trains_on, d.eval, ins.tokenizer, d.prompts)
 
 
 def reference_caches(cfg: Config, ins: inputs.Inputs, side: cache.Side, d: inputs.Data, recipe: str | None) -> tuple:
     """The reference values of the dataset's rows and of the eval rows (inputs.cached_reference; None, None with
     ref_source=live)."""
-    if cfg.ref_source != "cache":
+    if cfg.ref_source != "cache" or not objectives.needs_reference(cfg.loss_type):
         return None, None
     ref, eval_ref = inputs.cached_reference(cfg, ins, side, d, recipe)
     return ref, (eval_ref or ref if d.eval else None)

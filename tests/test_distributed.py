@@ -259,7 +259,7 @@ def test_on_a_gpu_the_group_sums_gpu_gradients_and_cpu_flags(tmp_path):
         distributed.sum_gradients([p])
         assert p.grad.tolist() == [2.0, 2.0, 2.0]
         assert distributed.any_rank(True) and not distributed.any_rank(False)
-        stats = train.StepStats(pairs=2, tokens=10, nll=1.5, sft_weight=0.5)
+        stats = train.StepStats(pairs=2, tokens=10, nll=1.5, nll_tokens=3, nll_weight=0.5)
         assert distributed.sum_stats(stats) == stats
         assert distributed.broadcast({"a": 1}) == {"a": 1}
         distributed.barrier()

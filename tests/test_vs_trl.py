@@ -1,7 +1,9 @@
 """Numbers as TRL 1.16 gives them, where a key is spelled as TRL's: the eval metrics of a trained adapter equal
 TRL's own DPOTrainer.evaluate() on the same adapter and rows (its reference: the base as ref_model, ours: the
 cache of the same base), for sigmoid, sigmoid with label_smoothing (which TRL's sigmoid ignores, as ours now
-does) and robust (which uses it)."""
+does), robust (which uses it), sigmoid_norm, apo_zero and bco_pair (TRL 1.16's has no running mean: nothing
+carries across batches); and, with no reference, SimPO and ORPO against TRL's experimental CPOTrainer and
+ORPOTrainer evaluate()."""
 
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ def trls(root, rows, tiny_path, **args) -> dict:
     return trainer.evaluate()
 
 
-@pytest.mark.parametrize("loss_type, label_smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("robust", 0.2)])
+@pytest.mark.parametrize("loss_type, label_smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("robust", 0.2),
+                                                        ("sigmoid_norm", 0.0), ("apo_zero", 0.0), ("bco_pair", 0.0)])
 def test_eval_equals_trl_evaluate(trained, tiny_path, loss_type, label_smoothing):
     root, rows, s = trained
     got = ours(s, loss_type=[loss_type], label_smoothing=label_smoothing)
@@ -82,3 +85,39 @@ def test_label_smoothing_leaves_sigmoid_alone_as_in_trl(trained, capsys):
     assert ours(s, loss_type=["cdpo"], label_smoothing=0.2)["eval_loss"] > plain  # conservative DPO: its own name
     assert any("label_smoothing=0.2 does not change loss_type=['sigmoid']" in note
                for note in dataclasses.replace(s.cfg, loss_type=["sigmoid"], label_smoothing=0.2).no_effect())
+
+
+def reference_free_trls(root, rows, tiny_path, trainer: str, **args) -> dict:
+    """TRL 1.16's experimental CPOTrainer or ORPOTrainer evaluate() on the same adapter and rows, in one batch of
+    all of them (its nll_loss is a token mean per batch, ours over the eval's tokens: one batch makes them one)."""
+    import datasets
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if trainer == "cpo":
+        from trl.experimental.cpo import CPOConfig as Config
+        from trl.experimental.cpo import CPOTrainer as Trainer
+    else:
+        from trl.experimental.orpo import ORPOConfig as Config
+        from trl.experimental.orpo import ORPOTrainer as Trainer
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32),
+                                      root / "out")
+    config = Config(output_dir=str(root / trainer), per_device_eval_batch_size=ROWS, max_length=64, report_to="none",
+                    use_cpu=True, bf16=False, disable_tqdm=True, **args)
+    ds = datasets.Dataset.from_list(rows)
+    return Trainer(model=model, args=config, train_dataset=ds, eval_dataset=ds,
+                   processing_class=AutoTokenizer.from_pretrained(tiny_path)).evaluate()
+
+
+@pytest.mark.parametrize("loss_type, trainer, args", [
+    ("simpo", "cpo", dict(loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.5)),
+    ("orpo", "orpo", dict(beta=0.5))])
+def test_reference_free_eval_equals_trl_evaluate(trained, tiny_path, loss_type, trainer, args):
+    root, rows, s = trained
+    got = ours(s, loss_type=[loss_type], beta=args["beta"], simpo_gamma=args.get("simpo_gamma", 0.5),
+               label_smoothing=0.0)  # (the session's config carries the last test's changes)
+    want = reference_free_trls(root, rows, tiny_path, trainer, **args)
+    assert got["eval_pairs"] == ROWS and 0.2 < got["eval_rewards/accuracies"] < 1.0
+    extra = ("nll_loss", "log_odds_ratio", "log_odds_chosen") if loss_type == "orpo" else ()
+    for key in (*KEYS, *extra):
+        assert got[f"eval_{key}"] == pytest.approx(want[f"eval_{key}"], abs=1e-4), key

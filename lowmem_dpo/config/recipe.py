@@ -16,7 +16,7 @@ import yaml
 
 from lowmem_dpo.config.coerce import check_bounds, coerce
 from lowmem_dpo.config.schema import FIELDS, HINTS, Config
-from lowmem_dpo.objectives import REFUSED
+from lowmem_dpo.objectives import REFUSED, needs_reference
 from lowmem_dpo.runtime import builtins
 from lowmem_dpo.runtime.errors import ConfigError
 
@@ -140,7 +140,8 @@ def derived_places(recipe: str | os.PathLike | None) -> dict[str, str]:
 
 def require(cfg: Config, stage: str) -> None:
     """ConfigError naming every key `stage` needs (NEEDS) that is not set: nothing defaults to the demo's."""
-    needs = [k for k in NEEDS[stage] if not (k == "ref_cache_dir" and cfg.ref_source == "live")]
+    no_cache = cfg.ref_source == "live" or not needs_reference(cfg.loss_type)  # SimPO, ORPO: no reference at all
+    needs = [k for k in NEEDS[stage] if not (k == "ref_cache_dir" and no_cache)]
     unset = [k for k in needs if getattr(cfg, k) is None]
     if unset:
         raise ConfigError("; ".join(f"{k} is not set: {UNSET[k]}" for k in unset) + f" ({stage} needs "

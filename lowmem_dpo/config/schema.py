@@ -22,7 +22,7 @@ import yaml
 
 from lowmem_dpo.config.schedule import SCHEDULERS, make_schedule, throwaway_optimizer
 from lowmem_dpo.config.sources import Source, repeated, yaml_form
-from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings
+from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings, logs
 from lowmem_dpo.objectives import no_effect as objective_no_effect
 from lowmem_dpo.objectives import problems as objective_problems
 from lowmem_dpo.objectives.metrics import EVAL_METRICS
@@ -174,6 +174,9 @@ class Config:
     f_divergence_type: str = _key("f_divergence_type")
     f_alpha_divergence_coef: float = _key("f_alpha_divergence_coef")
     discopop_tau: float = _key("discopop_tau")
+    simpo_gamma: float = _key("simpo_gamma")
+    alpha: float = _key("alpha")
+    use_weighting: bool = _key("use_weighting")
     # -- optimizer and schedule ----------------------------------------------------------------------------------
     learning_rate: float = _f(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
     lr_scheduler_type: str = _f("linear", "transformers' schedule by its name (get_scheduler): the rate each step "
@@ -310,6 +313,8 @@ class Config:
             close = difflib.get_close_matches(self.metric_for_best_model, EVAL_METRICS, n=2)
             problems.append(f"metric_for_best_model={self.metric_for_best_model}: not an eval metric; one of "
                             f"{', '.join(close or EVAL_METRICS)}")
+        elif not logs(self.best_metric_name.removeprefix("eval_"), self.loss_type):
+            problems.append(f"metric_for_best_model={self.metric_for_best_model}: loss_type={self.loss_type} does not log it")
         if self.best_metric_name.startswith("eval_gen/") and not self.eval_generations:
             problems.append(f"metric_for_best_model={self.best_metric_name} measures the samples: set "
                             "eval_generations above 0")

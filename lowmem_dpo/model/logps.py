@@ -31,11 +31,18 @@ class SequenceLogps:
 
     logps: torch.Tensor  # (N,) fp32
     n_tokens: torch.Tensor  # (N,) int64
+    # with prompts=True (ORPO's NLL, which TRL takes over the prompt too): the chosen rows' prompt log-prob sums
+    # and predicted prompt tokens (its first has no predictor), (B,) each; else None
+    prompt_logps: torch.Tensor | None = None
+    prompt_tokens: torch.Tensor | None = None
+    aligned: torch.Tensor | None = None  # weighting=True: (N,) sums of WPO's aligned log-probs, detached
 
     def split(self) -> tuple["SequenceLogps", "SequenceLogps"]:
-        """Chosen half and rejected half of a concatenated [chosen; rejected] batch."""
+        """Chosen half and rejected half of a concatenated [chosen; rejected] batch (the prompts' go with chosen)."""
         b = self.logps.shape[0] // 2
-        return (SequenceLogps(self.logps[:b], self.n_tokens[:b]), SequenceLogps(self.logps[b:], self.n_tokens[b:]))
+        aligned = (None, None) if self.aligned is None else (self.aligned[:b], self.aligned[b:])
+        return (SequenceLogps(self.logps[:b], self.n_tokens[:b], self.prompt_logps, self.prompt_tokens, aligned[0]),
+                SequenceLogps(self.logps[b:], self.n_tokens[b:], aligned=aligned[1]))
 
 
 @dataclass(frozen=True)
@@ -131,10 +138,17 @@ def causal_lm(model):
     return model
 
 
-def token_logps(lm_head, hidden: torch.Tensor, labels: torch.Tensor, head: Head) -> torch.Tensor:
+def token_logps(lm_head, hidden: torch.Tensor, labels: torch.Tensor, head: Head, weighting: bool = False):
+    """(c,) log p(label) of each row of `hidden`; weighting: also WPO's aligned log-prob, log p(label) - log
+    sum_v p(v)^2, detached (c,), as TRL 1.16 computes it for use_weighting."""
     logits = head.apply(lm_head(hidden).float())  # (c, V) fp32
-    # (c,) log p(label) = logit[label] - logsumexp(logits)
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    # (c,) log p(label) = logit[label] - logsumexp(logits). Saves memory: in this order (gather first) backward
+    # peaks one (c, V) float32 buffer lower than with the logsumexp first (measured: tests/memory/test_plan.py).
+    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if not weighting:
+        return logp
+    with torch.no_grad():  # log sum_v p(v)^2: one more (c, V) temporary
+        return logp, logp.detach() - torch.logsumexp(2 * torch.log_softmax(logits, dim=-1), dim=-1)
 
 
 # Attention implementations that take the custom 4D mask of a shared-prefix batch, and the mask each takes.
@@ -182,14 +196,52 @@ def _targets(attention_mask: torch.Tensor, completion_mask: torch.Tensor, shared
     return seq[keep], pred[keep], label[keep], (seq + n * rejected.long())[keep], 2 * n
 
 
+def _prompt_targets(attention_mask: torch.Tensor, completion_mask: torch.Tensor, shared: bool, n_out: int):
+    """_targets' (seq, pred, label, out) of the prompt tokens of the chosen rows (unshared: the first half; shared:
+    every row), summed into outputs n_out + pair, and the number of pairs. Token 0 has no predictor."""
+    prompt = (attention_mask[:, 1:] > 0) & (completion_mask[:, 1:] == 0)  # (N, T-1); shared: before chosen
+    if shared:  # the prompt is the row's leading run of completion_mask 0
+        prompt &= torch.cumsum(completion_mask[:, 1:] > 0, dim=1) == 0
+    seq, label = prompt.nonzero(as_tuple=True)  # (P,), (P,)
+    pairs = completion_mask.shape[0] if shared else completion_mask.shape[0] // 2
+    keep = seq < pairs
+    seq, label = seq[keep], label[keep] + 1
+    return seq, label - 1, label, n_out + seq, pairs
+
+
+def chunked_head(lm_head, head: Head, h: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None,
+                 weighting: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logps of the hidden states h (M, H) predicting `labels` (M,), in chunks of chunk_tokens rows (default:
+    CHUNK_ELEMENTS of logits): (M,) fp32 log-probs, and with weighting WPO's aligned ones (M,), detached."""
+    if chunk_tokens is None:
+        chunk_tokens = max(1, CHUNK_ELEMENTS // lm_head.weight.shape[0])
+    grad = torch.is_grad_enabled() and h.requires_grad
+    parts, aligned = [], []
+    for start in range(0, h.shape[0], chunk_tokens):
+        hc, lc = h[start:start + chunk_tokens], labels[start:start + chunk_tokens].to(h.device)  # (c, H), (c,)
+        if grad:
+            # Saves memory: keep only (c, H) hidden for backward and recompute the (c, V) logits there.
+            got = checkpoint(token_logps, lm_head, hc, lc, head, weighting, use_reentrant=False)
+        else:
+            got = token_logps(lm_head, hc, lc, head, weighting)
+        parts.append(got[0] if weighting else got)
+        if weighting:
+            aligned.append(got[1])
+    tok = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)  # (M,) fp32
+    return tok, (torch.cat(aligned) if aligned else tok.detach()) if weighting else None
+
+
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
-                     chunk_tokens: int | None = None, position_ids: torch.Tensor | None = None) -> SequenceLogps:
+                     chunk_tokens: int | None = None, position_ids: torch.Tensor | None = None,
+                     prompts: bool = False, weighting: bool = False) -> SequenceLogps:
     """Sum of log p over each sequence's completion tokens, shifted by one (position t-1 predicts token t).
 
     input_ids, attention_mask, completion_mask: (N, T). Returns (N,) fp32 sums and (N,) token counts. With
     position_ids (a shared-prefix batch, data.collate_shared: (B, T) rows [prompt, chosen, rejected] and
     completion_mask 1 on chosen, 2 on rejected), returns (2B,) in the order [chosen; rejected], as for the
-    unshared batch of the same pairs: each prompt goes through the model once.
+    unshared batch of the same pairs: each prompt goes through the model once. prompts: also the chosen rows'
+    prompt tokens' sums and counts (prompt_logps, prompt_tokens), through the same chunked LM head. weighting:
+    also each sequence's sum of WPO's aligned log-probs (aligned), detached.
     """
     lm = causal_lm(model)
     backbone = getattr(lm, lm.base_model_prefix)
@@ -210,31 +262,28 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         hidden = backbone(input_ids=input_ids, attention_mask=None if right_padded(attention_mask) else attention_mask,
                           use_cache=False).last_hidden_state  # (N, T, H)
     seq_idx, pred, label, out, n = _targets(attention_mask, completion_mask, shared)  # (M,) each
+    pairs = 0
+    if prompts:  # appended after the completion tokens, summed into outputs n..n+pairs
+        p_seq, p_pred, p_label, p_out, pairs = _prompt_targets(attention_mask, completion_mask, shared, n)  # (P,)
+        seq_idx, pred, label, out = (torch.cat(t) for t in ((seq_idx, p_seq), (pred, p_pred), (label, p_label),
+                                                             (out, p_out)))
     h = hidden[seq_idx.to(hidden.device), pred.to(hidden.device)]  # (M, H)
     labels = input_ids[seq_idx, label]  # (M,)
-    lm_device = lm_head.weight.device
-    h = h.to(lm_device)
-
-    if chunk_tokens is None:
-        chunk_tokens = max(1, CHUNK_ELEMENTS // lm_head.weight.shape[0])
-    grad = torch.is_grad_enabled() and h.requires_grad
-    parts = []
-    for start in range(0, h.shape[0], chunk_tokens):
-        hc, lc = h[start:start + chunk_tokens], labels[start:start + chunk_tokens]  # (c, H), (c,)
-        if grad:
-            # Saves memory: keep only (c, H) hidden for backward and recompute the (c, V) logits there.
-            parts.append(checkpoint(token_logps, lm_head, hc, lc.to(lm_device), head, use_reentrant=False))
-        else:
-            parts.append(token_logps(lm_head, hc, lc.to(lm_device), head))
-    tok = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)  # (M,) fp32
+    tok, aligned_tok = chunked_head(lm_head, head, h.to(lm_head.weight.device), labels, chunk_tokens, weighting)
     out = out.to(tok.device)
-    logps = torch.zeros(n, dtype=torch.float32, device=tok.device).index_add(0, out, tok)  # (N,)
-    n_tokens = torch.bincount(out, minlength=n)  # (N,)
-    return SequenceLogps(logps, n_tokens)
+    logps = torch.zeros(n + pairs, dtype=torch.float32, device=tok.device).index_add(0, out, tok)  # (N + pairs,)
+    n_tokens = torch.bincount(out, minlength=n + pairs)  # (N + pairs,)
+    aligned = None
+    if weighting:  # (N,): the completions' tokens only
+        aligned = torch.zeros(n + pairs, dtype=torch.float32, device=tok.device).index_add(0, out, aligned_tok)[:n]
+    if not prompts:
+        return SequenceLogps(logps, n_tokens, aligned=aligned)
+    return SequenceLogps(logps[:n], n_tokens[:n], logps[n:], n_tokens[n:], aligned)
 
 
-def batch_logps(model, batch, chunk_tokens: int | None = None) -> SequenceLogps:
+def batch_logps(model, batch, chunk_tokens: int | None = None, prompts: bool = False,
+                weighting: bool = False) -> SequenceLogps:
     """completion_logps of a collated batch (data.Batch: its input_ids, attention_mask, completion_mask and, for a
     shared-prefix batch, position_ids): (2B,) [chosen; rejected] for pairs, (B,) for SFT rows."""
     return completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens,
-                            position_ids=batch.position_ids)
+                            position_ids=batch.position_ids, prompts=prompts, weighting=weighting)

@@ -4,6 +4,7 @@ config, train, precompute, guards, report and the docs all read the same entries
     registry.py  what an objective is (Objective, its Limits and Keys), its inputs (PairLogps, Settings), the
                  f-divergences: pure
     dpo.py       every loss_type of TRL 1.16's DPOTrainer, and cdpo: pure
+    reference_free.py  SimPO, AlphaPO and ORPO (TRL 1.16's experimental CPO and ORPO trainers): pure
     metrics.py   every metric a run logs: its name, direction, where it is logged, its report panel
 
 Adding an objective is one entry in dpo.py (or a module beside it, collected below) and its test against TRL in
@@ -15,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from lowmem_dpo.objectives import dpo
-from lowmem_dpo.objectives.registry import F_DIVERGENCES, Key, Objective, PairLogps, Settings
+from lowmem_dpo.objectives import dpo, metrics, reference_free
+from lowmem_dpo.objectives.registry import F_DIVERGENCES, Key, Objective, PairLogps, Settings, wpo_weights
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in dpo.OBJECTIVES}
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (*dpo.OBJECTIVES, *reference_free.OBJECTIVES)}
 
 # The config keys objectives read beyond beta and label_smoothing (config/schema.py declares a field for each).
 KEYS = {
@@ -29,6 +30,12 @@ KEYS = {
                                    min=0.0, min_exclusive=True),
     "discopop_tau": Key(0.05, "DiscoPOP's temperature: how sharply the margin blends the logistic loss into the "
                         "exponential one (loss_type=discopop).", min=0.0, min_exclusive=True),
+    "simpo_gamma": Key(0.5, "SimPO's target reward margin (loss_type=simpo, alphapo): the loss pulls beta times the "
+                       "per-token margin past it.", min=0.0),
+    "alpha": Key(0.0, "AlphaPO's reward shape (loss_type=simpo, alphapo; TRL's CPOConfig.alpha): the reward is "
+                 "(1 - p^-alpha) / alpha of the per-token probability p; 0: SimPO's log p."),
+    "use_weighting": Key(False, "WPO (Zhou et al. 2024): weight each pair's loss by how likely the policy finds its "
+                         "two completions, per token, against its own distribution (as TRL's DPOConfig)."),
 }
 
 # TRL's keys whose objective this tool cannot compute, and why (config refuses a recipe that turns one on).
@@ -51,24 +58,70 @@ def combine(x: PairLogps, s: Settings, terms: list[tuple[str, float]]) -> torch.
     for name, weight in terms:
         if not OBJECTIVES[name].per_token:
             losses = losses + weight * OBJECTIVES[name].formula(x, s)  # (B,)
-    return losses
+    return losses if x.weights is None else losses * x.weights  # use_weighting: WPO's weight of each pair
 
 
-def per_token_loss(x: PairLogps, s: Settings, terms: list[tuple[str, float]], chosen_tokens: int):
-    """This micro-batch's share of the per-token terms of `terms` (sft): each the mean over `chosen_tokens`, the
-    chosen completion tokens of the whole optimizer step, however its pairs are split into micro-batches. 0 when
-    there are none."""
-    loss = 0
-    for name, weight in terms:
-        if OBJECTIVES[name].per_token:
-            loss = loss + weight * (OBJECTIVES[name].formula(x, s) / max(1, chosen_tokens)).sum()
-    return loss
+def nll_prompt(loss_types) -> bool:
+    """Whether the run's NLL covers the chosen rows' prompt tokens too (ORPO's, as TRL's): the policy's forward
+    then sums the prompt's log-probs as well (PairLogps.chosen_prompt)."""
+    return any(OBJECTIVES[t].nll_prompt for t in loss_types)
 
 
-def rewards(x: PairLogps, s: Settings) -> tuple[torch.Tensor, torch.Tensor]:
-    """The implicit rewards b * r_c and b * r_r (B,) each, detached: TRL's rewards/* metrics."""
+def per_token_loss(x: PairLogps, terms: list[tuple[str, float]], nll_tokens: int):
+    """This micro-batch's share of the chosen tokens' NLL in the loss (nll_weight: sft, ORPO's own): the mean over
+    `nll_tokens`, the tokens it covers in the whole optimizer step (the chosen completions', and with
+    chosen_prompt their prompts'), however its pairs are split into micro-batches. 0 when there is none."""
+    weight = nll_weight(terms)
+    if weight is None:
+        return 0
+    chosen = x.chosen if x.chosen_prompt is None else x.chosen + x.chosen_prompt  # (B,)
+    return weight * (-chosen / max(1, nll_tokens)).sum()
+
+
+def primary(loss_types) -> Objective:
+    """The objective whose rewards and logps the run logs: its first per-pair term (sft alone: sft)."""
+    return next((OBJECTIVES[t] for t in loss_types if not OBJECTIVES[t].per_token), OBJECTIVES[loss_types[0]])
+
+
+def rewards(x: PairLogps, s: Settings, loss_types) -> tuple[torch.Tensor, torch.Tensor]:
+    """The primary objective's implicit rewards (B,) each, detached: TRL's rewards/* metrics; by default b * r_c
+    and b * r_r, which need the reference (without one, and no rewards of its own: zeros, as TRL's sft alone)."""
+    o = primary(loss_types)
+    if o.rewards is not None:
+        return o.rewards(x, s)
+    if x.ref_chosen is None:
+        return torch.zeros_like(x.chosen).detach(), torch.zeros_like(x.rejected).detach()
     chosen, rejected = x.logratios()
     return s.beta * chosen.detach(), s.beta * rejected.detach()
+
+
+def logged_logps(x: PairLogps, loss_types) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's logps/chosen and logps/rejected (B,) each, detached: sums, or per-token means (SimPO, ORPO)."""
+    chosen, rejected = x.chosen.detach(), x.rejected.detach()
+    return x.per_token(chosen, rejected) if primary(loss_types).average_logps else (chosen, rejected)
+
+
+def term_metrics(x: PairLogps, s: Settings, loss_types) -> dict[str, torch.Tensor]:
+    """The metrics of the run's terms' own (ORPO's log odds), (B,) each, detached."""
+    out = {}
+    for t in loss_types:
+        if OBJECTIVES[t].metrics is not None:
+            out.update(OBJECTIVES[t].metrics(x, s))
+    return out
+
+
+def logs(metric: str, loss_types) -> bool:
+    """Whether a run of `loss_types` logs `metric` (its train name); True for unknown loss types (problems says)."""
+    if any(t not in OBJECTIVES for t in loss_types):
+        return True
+    return metrics.logged(metric, loss_types, nll_weight([(t, 1.0) for t in loss_types]) is not None)
+
+
+def nll_weight(terms: list[tuple[str, float]]) -> float | None:
+    """The weight of the chosen tokens' NLL in the loss (the sft term, ORPO's own), or None without one."""
+    weights = [w * (1.0 if OBJECTIVES[t].per_token else OBJECTIVES[t].nll) for t, w in terms
+               if OBJECTIVES[t].per_token or OBJECTIVES[t].nll]
+    return sum(weights) if weights else None
 
 
 def problems(loss_types, weights, s: Settings) -> list[str]:
@@ -83,6 +136,15 @@ def problems(loss_types, weights, s: Settings) -> list[str]:
     if weights is not None and len(weights) != len(loss_types):
         out.append(f"loss_weights={weights} has {len(weights)} weights for loss_type={loss_types}: give one per "
                    "loss, in its order (or null: 1 each)")
+    if nll_prompt(loss_types) and any(OBJECTIVES[t].per_token for t in loss_types):
+        out.append(f"loss_type={loss_types}: orpo has its own NLL of the chosen rows (over the prompt too, as TRL's "
+                   "ORPOTrainer); drop sft")
+    if s.use_weighting:
+        unweighted = [t for t in loss_types if t in ("aot", "aot_unpaired") or not OBJECTIVES[t].needs_reference]
+        if unweighted:
+            out.append(f"use_weighting=true with loss_type={unweighted[0]}: WPO weights the DPO losses against the "
+                       "reference, not the reference-free ones or sft (TRL 1.16 fails on sft with it), nor aot and "
+                       "aot_unpaired (they sort the pairs, which would misalign the weights)")
     if "robust" in loss_types and s.label_smoothing >= 0.5:
         out.append(f"label_smoothing={s.label_smoothing}: loss_type=robust needs it below 0.5 (it divides by "
                    "1 - 2*label_smoothing)")
@@ -103,6 +165,8 @@ def no_effect(loss_types, s: Settings) -> list[str]:
     if s.label_smoothing > 0 and not any(OBJECTIVES[t].smoothing for t in loss_types):
         out.append(f"label_smoothing={s.label_smoothing} does not change loss_type={list(loss_types)} (TRL 1.16's "
                    "sigmoid ignores it too); for conservative DPO use loss_type=cdpo")
+    if "alphapo" in loss_types and s.alpha == 0:
+        out.append("loss_type=alphapo with alpha=0 is simpo: set alpha (TRL's CPOConfig.alpha) to shape the reward")
     for key in KEYS:
         users = [t for t, o in OBJECTIVES.items() if key in o.keys]
         if users and getattr(s, key) != KEYS[key].default and not set(users) & set(loss_types):
@@ -110,5 +174,6 @@ def no_effect(loss_types, s: Settings) -> list[str]:
     return out
 
 
-__all__ = ["KEYS", "OBJECTIVES", "REFUSED", "Objective", "PairLogps", "Settings", "combine", "needs_reference", "no_effect",
-           "per_token_loss", "problems", "rewards"]
+__all__ = ["KEYS", "OBJECTIVES", "REFUSED", "Objective", "PairLogps", "Settings", "combine", "logged_logps", "logs",
+           "needs_reference", "nll_prompt", "nll_weight", "no_effect", "per_token_loss", "primary", "problems", "rewards",
+           "term_metrics", "wpo_weights"]

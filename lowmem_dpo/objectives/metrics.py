@@ -11,10 +11,13 @@ from dataclasses import dataclass
 class Metric:
     name: str  # a train line's key; an eval line has eval_NAME
     greater_is_better: bool | None  # None: not a metric_for_best_model
-    kind: str  # pair: a mean over a step's pairs (train.StepStats); step: the optimizer step's; sample: eval's samples
+    kind: str  # pair: a mean over a step's pairs (train.StepStats); step: the optimizer step's; sample: eval's
+    # samples; term: a mean over the pairs, logged by the objectives that name it in logged_by; nll: logged when
+    # the loss has the chosen tokens' NLL (objectives.nll_weight)
     panel: str | None = None  # the report's panel title; None: not drawn
     label: str | None = None  # the report's summary label; None: not in the summary
     doc: str = ""
+    logged_by: tuple[str, ...] = ()  # kind term: the objectives (loss_type names) whose runs log it
 
 
 METRICS = (
@@ -26,6 +29,12 @@ METRICS = (
     Metric("rewards/margins", True, "pair", "rewards/margins", "margin", "chosen minus rejected reward"),
     Metric("logps/chosen", True, "pair", doc="the policy's log-prob sum of the chosen completion"),
     Metric("logps/rejected", False, "pair", doc="the policy's log-prob sum of the rejected completion"),
+    Metric("nll_loss", False, "nll", doc="the chosen tokens' mean NLL, which the loss adds with its weight (the "
+           "sft term, ORPO's own): logged when the loss has it"),
+    Metric("log_odds_ratio", True, "term", doc="ORPO: the mean log s(log odds ratio), the term beta scales",
+           logged_by=("orpo",)),
+    Metric("log_odds_chosen", True, "term", doc="ORPO: the mean log odds ratio of chosen over rejected",
+           logged_by=("orpo",)),
     Metric("grad_norm", None, "step", "grad_norm", doc="the gradients' norm before clipping"),
     Metric("learning_rate", None, "step", "learning_rate", doc="the rate the step applied"),
     Metric("gen/repetition", False, "sample", "eval_gen/repetition", "repetition",
@@ -38,6 +47,17 @@ PAIR_METRICS = tuple(m.name for m in METRICS if m.kind == "pair")  # train.StepS
 
 def eval_name(name: str) -> str:
     return f"eval_{name}"
+
+
+def term_metrics(loss_types) -> tuple[str, ...]:
+    """The metrics of kind term that a run of `loss_types` logs (its objectives' own)."""
+    return tuple(m.name for m in METRICS if m.kind == "term" and set(m.logged_by) & set(loss_types))
+
+
+def logged(name: str, loss_types, nll: bool) -> bool:
+    """Whether a run of `loss_types` logs metric `name` (nll: its loss has an NLL term, objectives.nll_weight)."""
+    m = next(m for m in METRICS if m.name == name)
+    return name in term_metrics(loss_types) if m.kind == "term" else nll if m.kind == "nll" else True
 
 
 def train_key(m: Metric) -> str | None:

@@ -28,6 +28,11 @@ class PairLogps:
     rejected_tokens: torch.Tensor
     ref_chosen: torch.Tensor | None = None
     ref_rejected: torch.Tensor | None = None
+    # the chosen rows' prompt log-prob sums and predicted prompt tokens, where a term's NLL covers the prompt too
+    # (ORPO's, as TRL's); else None
+    chosen_prompt: torch.Tensor | None = None
+    chosen_prompt_tokens: torch.Tensor | None = None
+    weights: torch.Tensor | None = None  # use_weighting: WPO's per-pair weights (wpo_weights), detached; else None
 
     def logratios(self) -> tuple[torch.Tensor, torch.Tensor]:
         """log pi/ref of the chosen and of the rejected completion, (B,) each."""
@@ -49,6 +54,9 @@ class Settings:
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 1.0
     discopop_tau: float = 0.05
+    simpo_gamma: float = 0.5
+    alpha: float = 0.0
+    use_weighting: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,14 @@ class Objective:
     keys: tuple[str, ...] = ()  # its own config keys, in KEYS
     limits: Limits | None = None  # None: the margin and early-loss signs are off for it
     per_token: bool = False  # averaged over the step's chosen tokens (sft), not over its pairs
+    # The chosen tokens' NLL it adds, at this weight times its own, averaged as sft's (ORPO: 1)
+    nll: float = 0.0
+    nll_prompt: bool = False  # that NLL covers the prompt tokens too (TRL's ORPO, as ORPO's own code)
+    # Its implicit rewards (b * r_c, b * r_r), (B,) each, detached: TRL's rewards/*; None: b times the log-ratios
+    rewards: Callable[[PairLogps, Settings], tuple[torch.Tensor, torch.Tensor]] | None = None
+    average_logps: bool = False  # its logps/* metrics are per-token means (TRL's CPO simpo, ORPO), not sums
+    # Metrics of its own (metrics.py rows of kind "term"): name -> (B,) values, detached
+    metrics: Callable[[PairLogps, Settings], dict[str, torch.Tensor]] | None = None
 
 
 # -- the f-divergences of f-DPO (Wang et al. 2023, arXiv:2309.16240), as TRL 1.16 computes them ---------------------
@@ -111,6 +127,16 @@ def scores(x: PairLogps, s: Settings) -> tuple[torch.Tensor, torch.Tensor]:
         t = (alpha - 1.0) * r
         out.append((torch.exp(torch.clamp(t.float(), max=_EXP_MAX[t.dtype])) - 1.0).to(t.dtype) * (1.0 / (alpha - 1.0)))
     return out[0], out[1]
+
+
+def wpo_weights(aligned_chosen: torch.Tensor, chosen_tokens: torch.Tensor, aligned_rejected: torch.Tensor,
+                rejected_tokens: torch.Tensor) -> torch.Tensor:
+    """WPO's weight of each pair (Zhou et al. 2024, arXiv:2406.11827, eq. 2, as TRL 1.16): the product over its two
+    completions of exp(the mean over its tokens of log p(token) - log sum_v p(v)^2), from the sums of those
+    aligned log-probs (logps.SequenceLogps.aligned) and the token counts (at least 1). (B,), no gradient."""
+    chosen = torch.exp(aligned_chosen / chosen_tokens.clamp(min=1).to(aligned_chosen.dtype))
+    rejected = torch.exp(aligned_rejected / rejected_tokens.clamp(min=1).to(aligned_rejected.dtype))
+    return (chosen * rejected).detach()
 
 
 def smoothed_sigmoid(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:

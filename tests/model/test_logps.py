@@ -69,3 +69,20 @@ def test_row_alone_equals_row_in_padded_batch(model, tokenizer):
     assert torch.allclose(a_c.logps[0], m_c.logps[1], atol=1e-5)
     assert torch.allclose(a_r.logps[0], m_r.logps[1], atol=1e-5)
     assert a_c.n_tokens[0] == m_c.n_tokens[1]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_wpo_aligned_sums_equal_the_full_distribution_s(model, tokenizer, shared):
+    """weighting=True: each completion's sum of log p(token) - log sum_v p(v)^2 (WPO's, as TRL's log_sum_sq_probs),
+    from the full log-softmax by hand; the log-probs themselves unchanged. Shared rows give the same (2B,)."""
+    pairs = some_pairs(tokenizer, 4)
+    plain = data.collate(pairs, 0)
+    logits = model(input_ids=plain.input_ids).logits.float()  # (N, T, V)
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)  # (N, T-1, V)
+    tok = logp.gather(-1, plain.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (N, T-1)
+    want = ((tok - torch.logsumexp(2 * logp, dim=-1)) * plain.completion_mask[:, 1:]).sum(-1)  # (N,)
+    batch = data.collate_shared(pairs, 0) if shared else plain
+    got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=7,
+                           position_ids=batch.position_ids, weighting=True)
+    assert torch.allclose(got.aligned, want, atol=1e-4, rtol=1e-5) and not got.aligned.requires_grad
+    assert torch.allclose(got.logps, naive_logps(model, plain), atol=1e-4, rtol=1e-5)

@@ -8,6 +8,7 @@ extreme ones (log-ratios of +-40 nats), and nothing of TRL's arithmetic is repla
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -15,7 +16,15 @@ import pytest
 import torch
 from conftest import TINY_DATA
 
-from lowmem_dpo.objectives import OBJECTIVES, PairLogps, Settings, combine, rewards
+from lowmem_dpo.objectives import (
+    OBJECTIVES,
+    PairLogps,
+    Settings,
+    combine,
+    per_token_loss,
+    rewards,
+    wpo_weights,
+)
 
 B, T = 6, 24  # pairs, tokens per sequence
 TRL_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -27,14 +36,14 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 class GivenLogps(torch.nn.Module):
     """The policy's forward in TRL's _compute_loss: per-token log-probs chosen by the test (2B, T - 1)."""
 
-    def __init__(self, per_token: torch.Tensor):
+    def __init__(self, per_token: torch.Tensor, log_sum_sq: torch.Tensor | None = None):
         super().__init__()
-        self.per_token = per_token
+        self.per_token, self.log_sum_sq = per_token, log_sum_sq
 
     def forward(self, input_ids, **kwargs):
         zeros = torch.zeros_like(self.per_token)
-        return SimpleNamespace(log_probs=self.per_token, entropy=zeros, mean_logits=zeros,
-                               is_top1=zeros.bool(), log_sum_sq_probs=zeros)
+        return SimpleNamespace(log_probs=self.per_token, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(),
+                               log_sum_sq_probs=zeros if self.log_sum_sq is None else self.log_sum_sq)
 
 
 @pytest.fixture(scope="module")
@@ -73,21 +82,22 @@ def batch(seed: int, scale: float):
     return per_token, inputs, x
 
 
-def trl_numbers(trainer, per_token, inputs, loss_type, s: Settings) -> dict:
+def trl_numbers(trainer, per_token, inputs, loss_type, s: Settings, log_sum_sq=None) -> dict:
     trainer.loss_types, trainer.loss_weights = [loss_type], [1.0]
+    trainer.use_weighting = log_sum_sq is not None
     trainer.beta, trainer.label_smoothing = s.beta, s.label_smoothing
     trainer.f_divergence_type, trainer.f_alpha_divergence_coef = s.f_divergence_type, s.f_alpha_divergence_coef
     trainer.args.discopop_tau = s.discopop_tau
     trainer._metrics["train"].clear()
-    loss = trainer._compute_loss(GivenLogps(per_token), inputs, False)
+    loss = trainer._compute_loss(GivenLogps(per_token, log_sum_sq), inputs, False)
     return {"loss": loss.item(), **{k: trainer._metrics["train"][k][-1] for k in METRICS}}
 
 
 def our_numbers(x: PairLogps, loss_type: str, s: Settings) -> dict:
     o = OBJECTIVES[loss_type]
-    per_pair = o.formula(x, s)
-    loss = (per_pair.sum() / x.chosen_tokens.sum()) if o.per_token else combine(x, s, [(loss_type, 1.0)]).mean()
-    chosen, rejected = rewards(x, s)
+    loss = (per_token_loss(x, [(loss_type, 1.0)], int(x.chosen_tokens.sum())) if o.per_token
+            else combine(x, s, [(loss_type, 1.0)]).mean())
+    chosen, rejected = rewards(x, s, [loss_type])
     return {"loss": loss.item(), "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
             "rewards/accuracies": (chosen > rejected).float().mean().item(),
             "rewards/margins": (chosen - rejected).mean().item(), "logps/chosen": x.chosen.mean().item(),
@@ -117,6 +127,20 @@ def test_f_divergences_equal_trl_s(trainer, divergence, alpha, loss_type):
     assert_equal(our_numbers(x, loss_type, s), trl_numbers(trainer, per_token, inputs, loss_type, s))
 
 
+@pytest.mark.parametrize("loss_type", [t for t in TRL_LOSSES if t not in ("aot", "aot_unpaired", "sft")])
+def test_wpo_weighting_equals_trl_s(trainer, loss_type):
+    """use_weighting: each pair's loss times WPO's weight, from per-token log sum_v p(v)^2 (given to both sides)."""
+    per_token, inputs, x = batch(seed=11, scale=1.0)
+    mask = inputs["completion_mask"][:, 1:]
+    g = torch.Generator().manual_seed(3)
+    log_sum_sq = -1.5 * torch.rand(per_token.shape, generator=g)  # (2B, T-1): log sum_v p(v)^2 <= 0
+    aligned = ((per_token - log_sum_sq) * mask).sum(1)  # (2B,)
+    x = dataclasses.replace(x, weights=wpo_weights(aligned[:B], x.chosen_tokens, aligned[B:], x.rejected_tokens))
+    assert not torch.allclose(x.weights, torch.ones(B))  # the weights change the loss
+    s = Settings(beta=0.1, label_smoothing=0.1 if OBJECTIVES[loss_type].smoothing else 0.0, use_weighting=True)
+    assert_equal(our_numbers(x, loss_type, s), trl_numbers(trainer, per_token, inputs, loss_type, s, log_sum_sq))
+
+
 def test_the_list_of_trl_s_loss_types_is_trl_s():
     """The objectives hold every loss_type TRL 1.16's DPOTrainer knows (its own list, in its error message), and
     cdpo besides."""
@@ -127,4 +151,4 @@ def test_the_list_of_trl_s_loss_types_is_trl_s():
 
     listed = re.search(r"Should be one of \[(.*?)\]", inspect.getsource(DPOTrainer._compute_loss), re.S).group(1)
     assert set(re.findall(r"'(\w+)'", listed)) == set(TRL_LOSSES)
-    assert set(OBJECTIVES) == set(TRL_LOSSES) | {"cdpo"}
+    assert {n for n, o in OBJECTIVES.items() if o.needs_reference or o.per_token} == set(TRL_LOSSES) | {"cdpo"}

@@ -15,13 +15,13 @@ def dpo_loss(pc, pr, rc, rr, *, beta, loss_type="sigmoid", label_smoothing=0.0, 
     x = PairLogps(pc, pr, ones if chosen_lengths is None else chosen_lengths,
                   ones if rejected_lengths is None else rejected_lengths, rc, rr)
     s = Settings(beta=beta, label_smoothing=label_smoothing)
-    return (OBJECTIVES[loss_type].formula(x, s), *rewards(x, s))
+    return (OBJECTIVES[loss_type].formula(x, s), *rewards(x, s, [loss_type]))
 
 
 def preference_losses(pc, pr, rc, rr, *, beta, terms):
     ones = torch.ones_like(pc, dtype=torch.long)
     x, s = PairLogps(pc, pr, ones, ones, rc, rr), Settings(beta=beta)
-    return (combine(x, s, terms), *rewards(x, s))
+    return (combine(x, s, terms), *rewards(x, s, [t for t, _ in terms]))
 
 
 def sft_shares(chosen, chosen_tokens):
@@ -115,8 +115,8 @@ def test_per_token_loss_is_the_weighted_mean_nll_over_the_step_s_chosen_tokens_i
     3 * 8 / 4 = 6 in all; the per-pair term adds nothing here, and a list without sft gives 0."""
     chosen = torch.tensor([-6.0, -2.0])
     ones = torch.ones(2, dtype=torch.long)
-    terms, s = [("sigmoid", 1.0), ("sft", 3.0)], Settings()
-    whole = per_token_loss(PairLogps(chosen, chosen, ones, ones), s, terms, chosen_tokens=4)
-    parts = [per_token_loss(PairLogps(c, c, ones[:1], ones[:1]), s, terms, chosen_tokens=4) for c in chosen.split(1)]
+    terms = [("sigmoid", 1.0), ("sft", 3.0)]
+    whole = per_token_loss(PairLogps(chosen, chosen, ones, ones), terms, nll_tokens=4)
+    parts = [per_token_loss(PairLogps(c, c, ones[:1], ones[:1]), terms, nll_tokens=4) for c in chosen.split(1)]
     assert whole.item() == 6.0 and sum(p.item() for p in parts) == 6.0
-    assert per_token_loss(PairLogps(chosen, chosen, ones, ones), s, [("sigmoid", 1.0)], chosen_tokens=4) == 0
+    assert per_token_loss(PairLogps(chosen, chosen, ones, ones), [("sigmoid", 1.0)], nll_tokens=4) == 0
