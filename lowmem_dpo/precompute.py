@@ -50,17 +50,17 @@ def by_length(pairs: list[data.TokenizedPair]) -> list[data.TokenizedPair]:
 
 @torch.inference_mode()
 def rows_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id: int,
-                resolved: devices.Resolved, bar=None, shared: bool = False) -> dict:
+                resolved: devices.Resolved, bar=None, shared: bool = False, ld_alpha: float | None = None) -> dict:
     """Reference log-prob sums and completion token counts of `pairs`, by batches, in their order: (len(pairs),)
     tensors. `bar` (a progress bar) advances by the rows of each batch. shared: each prompt once
-    (data.collate_shared)."""
+    (data.collate_shared). ld_alpha: LD-DPO's sums (logps.ld_weights)."""
     out = {"chosen": [], "rejected": [], "chosen_tokens": [], "rejected_tokens": []}
     collate = data.collate_shared if shared else data.collate
     for i in range(0, len(pairs), batch_size):
         batch = collate(pairs[i:i + batch_size], pad_id).to(resolved.device)
         # The same precision as train's forward at the same settings: step 1 shows ln 2.
         with devices.autocast(resolved.device, resolved.ref_dtype):
-            chosen, rejected = batch_logps(model, batch).split()
+            chosen, rejected = batch_logps(model, batch, ld_alpha=ld_alpha).split()
         out["chosen"].append(chosen.logps.cpu())
         out["rejected"].append(rejected.logps.cpu())
         out["chosen_tokens"].append(chosen.n_tokens.cpu().int())
@@ -116,7 +116,7 @@ def compute_missing(model, todo: list[data.TokenizedPair], store, side: int, cfg
     kept = 0
     try:
         for chunk in mine:
-            tensors, batch = chunk_with_backoff(model, chunk, batch, pad_id, resolved, bar, shared)
+            tensors, batch = chunk_with_backoff(model, chunk, batch, pad_id, resolved, bar, shared, cfg.ld_alpha)
             bad = ~(torch.isfinite(tensors["chosen"]) & torch.isfinite(tensors["rejected"]))  # (rows,)
             if bad.any():
                 rows = [p.row for p, b in zip(chunk, bad.tolist()) if b]
@@ -141,14 +141,14 @@ def compute_missing(model, todo: list[data.TokenizedPair], store, side: int, cfg
 
 
 def chunk_with_backoff(model, chunk: list[data.TokenizedPair], batch: int, pad_id: int,
-                       resolved: devices.Resolved, bar, shared: bool) -> tuple[dict, int]:
+                       resolved: devices.Resolved, bar, shared: bool, ld_alpha: float | None = None) -> tuple[dict, int]:
     """rows_logps of one chunk of rows, its batch halved on out-of-memory down to 1 pair
     (oom.halving_on_oom); the tensors, and the batch that worked, where the next chunks start."""
     start = bar.n
 
     def attempt(size: int):
         bar.n = start  # a retry computes the chunk from its start
-        return rows_logps(model, chunk, size, pad_id, resolved, bar, shared), size
+        return rows_logps(model, chunk, size, pad_id, resolved, bar, shared, ld_alpha), size
 
     return oom.halving_on_oom(
         attempt, batch, resolved.device,

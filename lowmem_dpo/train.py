@@ -76,13 +76,13 @@ def new_stats(cfg: Config) -> StepStats:
                      nll_weight=objectives.nll_weight(cfg.loss_terms))
 
 
-def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None):
-    """(chosen, rejected) reference log-prob sums for this batch, (B,) each, on the CPU."""
+def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None, ld_alpha: float | None = None):
+    """(chosen, rejected) reference log-prob sums for this batch, (B,) each, on the CPU (ld_alpha: LD-DPO's)."""
     if ref is not None:
         return ref.chosen[batch.rows], ref.rejected[batch.rows]
     # ref_source=live: the same model with the adapter off. Costs a forward pass; for verification.
     with torch.no_grad(), model.disable_adapter():
-        chosen, rejected = batch_logps(model, batch).split()
+        chosen, rejected = batch_logps(model, batch, ld_alpha=ld_alpha).split()
     return chosen.logps.cpu(), rejected.logps.cpu()
 
 
@@ -104,9 +104,9 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     batch = (data.collate_shared if shared else data.collate)(pairs, pad_id).to(device)
     reference = objectives.needs_reference(types)  # SimPO, ORPO, sft alone: no reference at all
     with devices.autocast(resolved.device, resolved.dtype):
-        ref_chosen, ref_rejected = reference_logps(model, batch, ref) if reference else (None, None)
+        ref_chosen, ref_rejected = reference_logps(model, batch, ref, cfg.ld_alpha) if reference else (None, None)
         policy_logps = batch_logps(model, batch, prompts=objectives.nll_prompt(types),  # ORPO: prompts' too
-                                   weighting=cfg.use_weighting)
+                                   weighting=cfg.use_weighting, ld_alpha=cfg.ld_alpha)
     chosen, rejected = policy_logps.split()  # (B,) each
     weights = None if not cfg.use_weighting else objectives.wpo_weights(chosen.aligned, chosen.n_tokens,
                                                                          rejected.aligned, rejected.n_tokens)

@@ -54,7 +54,7 @@ def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fal
 def _key(name: str):
     """The field of an objective's own key, as objectives.KEYS declares it."""
     k = KEYS[name]
-    return _f(k.default, k.doc, choices=k.choices, min=k.min, max=k.max, min_exclusive=k.min_exclusive)
+    return _f(k.default, k.doc, **k.bounds())
 
 
 @dataclass
@@ -163,8 +163,7 @@ class Config:
                         "output_dir/runs (needs tensorboard installed).", choices=("none", "tensorboard"),
                         resumable=True)
     # -- DPO loss ------------------------------------------------------------------------------------------------
-    beta: float = _f(0.1, "DPO temperature: strength of the pull towards the reference.", min=0.0,
-                     min_exclusive=True)
+    beta: float = _f(0.1, "The loss's scale (DPO: the pull to the reference).", min=0.0, min_exclusive=True)
     loss_type: list = _f(["sigmoid"], "The objective, or a list whose terms are summed with loss_weights, as TRL "
                          "1.16's DPOConfig: sigmoid (DPO), sigmoid_norm, ipo, hinge, robust, sft, ... (the table in "
                          "docs/objectives.md); [sigmoid, sft] is RPO.", choices=tuple(OBJECTIVES))
@@ -177,6 +176,7 @@ class Config:
     simpo_gamma: float = _key("simpo_gamma")
     alpha: float = _key("alpha")
     use_weighting: bool = _key("use_weighting")
+    ld_alpha: Optional[float] = _key("ld_alpha")
     # -- optimizer and schedule ----------------------------------------------------------------------------------
     learning_rate: float = _f(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
     lr_scheduler_type: str = _f("linear", "transformers' schedule by its name (get_scheduler): the rate each step "

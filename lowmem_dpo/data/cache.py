@@ -46,11 +46,14 @@ PRECISION_COMPONENTS = {"dtype", "quantization"}
 
 
 # -- the keys ----------------------------------------------------------------------------------------------------
-def side_components(weights: dict, dtype: str, quantization: str, shared: bool) -> dict:
+def side_components(weights: dict, dtype: str, quantization: str, shared: bool, ld_alpha: float | None = None) -> dict:
     """The model side: `weights` (inputs.side_files: the base's and the SFT adapter's file digests), the
     reference's dtype and quantization, the log-prob rules, and the forward's layout where it changes rounding (a
-    16-bit dtype: the shared-prompt forward rounds differently; in float32 the two agree to ~1e-6)."""
+    16-bit dtype: the shared-prompt forward rounds differently; in float32 the two agree to ~1e-6). ld_alpha:
+    LD-DPO's weighted sums are other values of each row, a side of their own (absent: the plain sums)."""
     out = {"format": FORMAT_VERSION, "logps": LOGPS_RULES, **weights, "dtype": dtype, "quantization": quantization}
+    if ld_alpha is not None:
+        out["ld_alpha"] = ld_alpha
     if dtype != "float32":
         out["layout"] = "shared" if shared else "unshared"
     return out
@@ -136,10 +139,11 @@ class Side:
         return Side(self.other, self.components)
 
 
-def run_side(weights: dict, dtype: str, quantization: str, shared: bool = False) -> Side:
+def run_side(weights: dict, dtype: str, quantization: str, shared: bool = False,
+             ld_alpha: float | None = None) -> Side:
     """A run's Side: in a 16-bit dtype both layouts, `shared` preferred; in float32 one."""
-    components = side_components(weights, dtype, quantization, shared)
-    other = side_components(weights, dtype, quantization, not shared) if "layout" in components else None
+    components = side_components(weights, dtype, quantization, shared, ld_alpha)
+    other = side_components(weights, dtype, quantization, not shared, ld_alpha) if "layout" in components else None
     return Side(components, other)
 
 

@@ -196,6 +196,21 @@ def _targets(attention_mask: torch.Tensor, completion_mask: torch.Tensor, shared
     return seq[keep], pred[keep], label[keep], (seq + n * rejected.long())[keep], 2 * n
 
 
+def ld_weights(completion_mask: torch.Tensor, seq: torch.Tensor, label: torch.Tensor, out: torch.Tensor, n: int,
+               ld_alpha: float) -> torch.Tensor:
+    """LD-DPO's weight of each completion token (seq, label) summed into output `out` of a pair batch's 2B outputs
+    [chosen; rejected]: 1 up to the pair's shorter completion's token count, ld_alpha beyond it (TRL 1.16's
+    shared and tail masks). (M,) float32."""
+    mask = completion_mask[:, 1:]  # (N, T-1): the predicted positions
+    # 1-based position of each token in its own completion (shared rows: chosen 1, rejected 2 in one row)
+    own = torch.where(mask[seq, label - 1] == 2, (mask == 2).cumsum(1)[seq, label - 1],
+                      (mask == 1).cumsum(1)[seq, label - 1])  # (M,)
+    counts = torch.bincount(out, minlength=n)  # (2B,)
+    pairs = n // 2
+    shared = torch.minimum(counts[:pairs], counts[pairs:])  # (B,)
+    return torch.where(own.to(out.device) > shared[out % pairs], ld_alpha, 1.0).float()  # (M,)
+
+
 def _prompt_targets(attention_mask: torch.Tensor, completion_mask: torch.Tensor, shared: bool, n_out: int):
     """_targets' (seq, pred, label, out) of the prompt tokens of the chosen rows (unshared: the first half; shared:
     every row), summed into outputs n_out + pair, and the number of pairs. Token 0 has no predictor."""
@@ -233,7 +248,8 @@ def chunked_head(lm_head, head: Head, h: torch.Tensor, labels: torch.Tensor, chu
 
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
                      chunk_tokens: int | None = None, position_ids: torch.Tensor | None = None,
-                     prompts: bool = False, weighting: bool = False) -> SequenceLogps:
+                     prompts: bool = False, weighting: bool = False,
+                     ld_alpha: float | None = None) -> SequenceLogps:
     """Sum of log p over each sequence's completion tokens, shifted by one (position t-1 predicts token t).
 
     input_ids, attention_mask, completion_mask: (N, T). Returns (N,) fp32 sums and (N,) token counts. With
@@ -241,7 +257,8 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     completion_mask 1 on chosen, 2 on rejected), returns (2B,) in the order [chosen; rejected], as for the
     unshared batch of the same pairs: each prompt goes through the model once. prompts: also the chosen rows'
     prompt tokens' sums and counts (prompt_logps, prompt_tokens), through the same chunked LM head. weighting:
-    also each sequence's sum of WPO's aligned log-probs (aligned), detached.
+    also each sequence's sum of WPO's aligned log-probs (aligned), detached. ld_alpha (pairs): LD-DPO's sums,
+    each completion's tokens beyond its pair's shorter completion's count weighted by ld_alpha.
     """
     lm = causal_lm(model)
     backbone = getattr(lm, lm.base_model_prefix)
@@ -262,6 +279,7 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         hidden = backbone(input_ids=input_ids, attention_mask=None if right_padded(attention_mask) else attention_mask,
                           use_cache=False).last_hidden_state  # (N, T, H)
     seq_idx, pred, label, out, n = _targets(attention_mask, completion_mask, shared)  # (M,) each
+    weight = None if ld_alpha is None else ld_weights(completion_mask, seq_idx, label, out, n, ld_alpha)  # (M,)
     pairs = 0
     if prompts:  # appended after the completion tokens, summed into outputs n..n+pairs
         p_seq, p_pred, p_label, p_out, pairs = _prompt_targets(attention_mask, completion_mask, shared, n)  # (P,)
@@ -270,6 +288,8 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     h = hidden[seq_idx.to(hidden.device), pred.to(hidden.device)]  # (M, H)
     labels = input_ids[seq_idx, label]  # (M,)
     tok, aligned_tok = chunked_head(lm_head, head, h.to(lm_head.weight.device), labels, chunk_tokens, weighting)
+    if weight is not None:  # the completions' tokens come first in tok, the prompts' (unweighted) after
+        tok = torch.cat([tok[:weight.shape[0]] * weight.to(tok.device), tok[weight.shape[0]:]])  # (M,)
     out = out.to(tok.device)
     logps = torch.zeros(n + pairs, dtype=torch.float32, device=tok.device).index_add(0, out, tok)  # (N + pairs,)
     n_tokens = torch.bincount(out, minlength=n + pairs)  # (N + pairs,)
@@ -282,8 +302,8 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
 
 def batch_logps(model, batch, chunk_tokens: int | None = None, prompts: bool = False,
-                weighting: bool = False) -> SequenceLogps:
+                weighting: bool = False, ld_alpha: float | None = None) -> SequenceLogps:
     """completion_logps of a collated batch (data.Batch: its input_ids, attention_mask, completion_mask and, for a
     shared-prefix batch, position_ids): (2B,) [chosen; rejected] for pairs, (B,) for SFT rows."""
     return completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens,
-                            position_ids=batch.position_ids, prompts=prompts, weighting=weighting)
+                            position_ids=batch.position_ids, prompts=prompts, weighting=weighting, ld_alpha=ld_alpha)

@@ -34,6 +34,10 @@ KEYS = {
                        "per-token margin past it.", min=0.0),
     "alpha": Key(0.0, "AlphaPO's reward shape (loss_type=simpo, alphapo; TRL's CPOConfig.alpha): the reward is "
                  "(1 - p^-alpha) / alpha of the per-token probability p; 0: SimPO's log p."),
+    "ld_alpha": Key(None, "LD-DPO (arXiv:2409.06411): each completion's log-prob counts its tokens beyond the "
+                    "pair's shorter completion at this weight, for the policy and the reference alike (its "
+                    "reference values are a cache side of their own); null: off (as TRL's DPOConfig).", min=0.0,
+                    max=1.0),
     "use_weighting": Key(False, "WPO (Zhou et al. 2024): weight each pair's loss by how likely the policy finds its "
                          "two completions, per token, against its own distribution (as TRL's DPOConfig)."),
 }
@@ -139,6 +143,12 @@ def problems(loss_types, weights, s: Settings) -> list[str]:
     if nll_prompt(loss_types) and any(OBJECTIVES[t].per_token for t in loss_types):
         out.append(f"loss_type={loss_types}: orpo has its own NLL of the chosen rows (over the prompt too, as TRL's "
                    "ORPOTrainer); drop sft")
+    if s.ld_alpha is not None:
+        plain = [t for t in loss_types if not OBJECTIVES[t].needs_reference]
+        if plain:
+            out.append(f"ld_alpha={s.ld_alpha} with loss_type={plain[0]}: LD-DPO weights the log-probs of the DPO "
+                       "losses against the reference, not sft's NLL (TRL's is over the unweighted tokens) or the "
+                       "reference-free objectives; drop one")
     if s.use_weighting:
         unweighted = [t for t in loss_types if t in ("aot", "aot_unpaired") or not OBJECTIVES[t].needs_reference]
         if unweighted:

@@ -57,6 +57,7 @@ class Settings:
     simpo_gamma: float = 0.5
     alpha: float = 0.0
     use_weighting: bool = False
+    ld_alpha: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ class Key:
     max: float | None = None
     min_exclusive: bool = False
     choices: tuple | None = None
+
+    def bounds(self) -> dict:
+        """What config/schema.py's field takes beyond the default and the doc."""
+        return dict(choices=self.choices, min=self.min, max=self.max, min_exclusive=self.min_exclusive)
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,8 @@ def run_side(cfg: Config, resolved: Resolved, ins: Inputs, shared: bool = False)
     """The model side (cache.py) of a run's reference: the base's weights and config, the SFT adapter's files, the
     reference's resolved dtype and quantization; `shared` the preferred layout in 16 bits."""
     weights = {k: ins.fingerprint[k] for k in ("model", "adapter")}
-    return cache.run_side(weights, dtype_name(resolved.ref_dtype), resolved.ref_quantization, shared)
+    # ld_alpha changes each row's values, not which rows or tokens: a side of its own, the fingerprint unchanged
+    return cache.run_side(weights, dtype_name(resolved.ref_dtype), resolved.ref_quantization, shared, cfg.ld_alpha)
 
 
 def cached_reference(cfg: Config, ins: Inputs, side: cache.Side, d: Data, recipe: str | None = None) -> tuple:

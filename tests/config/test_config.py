@@ -166,7 +166,7 @@ ALTERNATIVES = {
     "dtype": "bfloat16", "quantization": "4bit", "ref_quantization": "4bit", "ref_dtype": "bfloat16",
     "gradient_checkpointing": "true", "memory_budget": "12GiB", "max_length": 48, "max_prompt_length": 16,
     "strict": True, "beta": 0.2, "loss_type": "ipo", "label_smoothing": 0.1, "f_divergence_type": "js_divergence", "f_alpha_divergence_coef": 0.5,
-    "discopop_tau": 0.1, "simpo_gamma": 1.0, "alpha": 0.25, "use_weighting": True, "learning_rate": 1e-3,
+    "discopop_tau": 0.1, "simpo_gamma": 1.0, "alpha": 0.25, "use_weighting": True, "ld_alpha": 0.5, "learning_rate": 1e-3,
     "lr_scheduler_type": "cosine", "warmup_steps": 2, "weight_decay": 0.01, "max_grad_norm": None,
     "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 5, "num_train_epochs": 2.0,
     "seed": 1, "lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.1, "lora_target_modules": ["q_proj"],

@@ -86,3 +86,30 @@ def test_wpo_aligned_sums_equal_the_full_distribution_s(model, tokenizer, shared
                            position_ids=batch.position_ids, weighting=True)
     assert torch.allclose(got.aligned, want, atol=1e-4, rtol=1e-5) and not got.aligned.requires_grad
     assert torch.allclose(got.logps, naive_logps(model, plain), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_ld_alpha_weights_the_tokens_beyond_the_shorter_completion(model, tokenizer, shared):
+    """LD-DPO's sums: each completion's tokens up to its pair's shorter completion's count at 1, the rest at
+    ld_alpha, from the full log-softmax by hand; shared rows give the same (2B,)."""
+    import dataclasses
+
+    # the demo's completions are near one length: cut some rejected ones, lengthen a chosen one, so they differ
+    pairs = [dataclasses.replace(p, rejected_ids=p.rejected_ids[:-(i % 3) or None],
+                                 chosen_ids=p.chosen_ids + p.chosen_ids[:2] * (i == 4))
+             for i, p in enumerate(some_pairs(tokenizer, 6))]
+    plain = data.collate(pairs, 0)
+    logits = model(input_ids=plain.input_ids).logits.float()  # (N, T, V)
+    tok = torch.log_softmax(logits[:, :-1], -1).gather(-1, plain.input_ids[:, 1:, None])[..., 0]  # (N, T-1)
+    on = plain.completion_mask[:, 1:].float()  # (N, T-1)
+    counts = on.sum(1)  # (N,)
+    b = len(pairs)
+    shorter = torch.minimum(counts[:b], counts[b:]).repeat(2)  # (N,)
+    beyond = (on.cumsum(1) > shorter[:, None]).float() * on
+    want = (tok * (on - beyond)).sum(1) + 0.25 * (tok * beyond).sum(1)  # (N,)
+    assert beyond.sum() > 0 and not torch.allclose(want, (tok * on).sum(1))
+    batch = data.collate_shared(pairs, 0) if shared else plain
+    got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=7,
+                           position_ids=batch.position_ids, ld_alpha=0.25)
+    assert torch.allclose(got.logps, want, atol=1e-4, rtol=1e-5)
+    assert got.n_tokens.tolist() == counts.long().tolist()

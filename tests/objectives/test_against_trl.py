@@ -141,6 +141,28 @@ def test_wpo_weighting_equals_trl_s(trainer, loss_type):
     assert_equal(our_numbers(x, loss_type, s), trl_numbers(trainer, per_token, inputs, loss_type, s, log_sum_sq))
 
 
+@pytest.mark.parametrize("loss_type", ["sigmoid", "sigmoid_norm", "ipo", "apo_zero"])
+def test_ld_alpha_equals_trl_s(trainer, loss_type):
+    """ld_alpha (LD-DPO): the policy's sums weight each completion's tokens beyond its pair's shorter completion,
+    by logps.ld_weights on the same completion masks TRL reads; the reference's come precomputed, as TRL's."""
+    from lowmem_dpo.model.logps import ld_weights
+
+    per_token, inputs, x = batch(seed=9, scale=1.0)
+    mask = inputs["completion_mask"]  # (2B, T); unshared: each row is its own output
+    seq, label = (mask[:, 1:] > 0).nonzero(as_tuple=True)
+    label = label + 1
+    w = ld_weights(mask, seq, label, seq, 2 * B, 0.3)  # (M,)
+    assert 0 < (w == 0.3).sum() < w.numel()  # some tokens are beyond the shorter completion, not all
+    sums = torch.zeros(2 * B).index_add(0, seq, per_token[seq, label - 1] * w)  # (2B,)
+    x = dataclasses.replace(x, chosen=sums[:B], rejected=sums[B:])
+    s = Settings(beta=0.1, ld_alpha=0.3)
+    trainer.ld_alpha = 0.3
+    try:
+        assert_equal(our_numbers(x, loss_type, s), trl_numbers(trainer, per_token, inputs, loss_type, s))
+    finally:
+        trainer.ld_alpha = None
+
+
 def test_the_list_of_trl_s_loss_types_is_trl_s():
     """The objectives hold every loss_type TRL 1.16's DPOTrainer knows (its own list, in its error message), and
     cdpo besides."""

@@ -1,0 +1,31 @@
+"""ld_alpha (LD-DPO) in a real run: the reference's LD-weighted sums are the cache's own values (a change of
+ld_alpha computes them anew, under another model side), train weights the policy's the same way, so step 1 is
+ln 2; and what LD-DPO cannot weight is refused."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lowmem_dpo import precompute, train
+from lowmem_dpo.runtime.errors import ConfigError
+
+
+def test_ld_alpha_keys_the_cache_and_starts_at_ln2(make_cfg, tmp_path, capsys):
+    precompute.run(make_cfg(eval_fraction=0.0), progress=False)
+    capsys.readouterr()
+    cfg = make_cfg(ld_alpha=0.3, max_steps=1, eval_fraction=0.0)
+    precompute.run(cfg, progress=False)
+    assert "computed 384 rows, reused 0" in capsys.readouterr().err  # the plain side's values serve nothing here
+    train.run(cfg, progress=False)
+    step = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert step["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["sft", "simpo", "orpo"])
+def test_what_ld_alpha_cannot_weight_is_refused(make_cfg, loss_type):
+    with pytest.raises(ConfigError, match=f"ld_alpha=0.5 with loss_type={loss_type}: LD-DPO weights"):
+        make_cfg(ld_alpha=0.5, loss_type=["sigmoid", loss_type] if loss_type == "sft" else [loss_type])
