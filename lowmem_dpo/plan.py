@@ -141,17 +141,18 @@ def measured_columns(args, cfg: Config, arch: Arch, setup: Setup, budget: int, r
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    stages = ("train", "precompute") if report["precompute"] is not None else ("train",)  # None: no reference
     if args.slice:
         result = measure.measure_slice(cfg, args.slice, args.steps)
         sliced, measured = result["prediction"], result["measured"]
         columns = [(f"train ({args.slice} layers)", sliced.train),
-                   (f"precompute ({args.slice} layers)", sliced.precompute)]
+                   (f"precompute ({args.slice} layers)", sliced.precompute)][:len(stages)]
         report["slice"] = {"layers": args.slice, "arch": dataclasses.asdict(result["arch"])}
     else:
         measured = measure.measure(cfg, args.steps)
         sliced = predict(arch, measure.at_measured_shapes(setup, measured))
     row, notes = [], []
-    for stage in ("train", "precompute"):
+    for stage in stages:
         m, p = measured[stage], getattr(sliced, stage)
         entry = {**m, "predicted_at_measured_shapes": p.tensor_peak_bytes,
                  "error_pct": _error_pct(p.tensor_peak_bytes, m["measured_peak_bytes"])}

@@ -193,7 +193,9 @@ def repetition_line(run: Run) -> str | None:
     last = measured[-1]
     text = "; ".join(f"{label}: {_num((base or {}).get(key))} at step 0 -> {_num(last.get(key))} at step {last['step']}"
                      for key, label in ((guards.GEN_REPETITION, "repetition"), (guards.GEN_LENGTH, "length"),
-                                        (guards.GEN_EMPTY, "empty answers")))
+                                        (guards.GEN_EMPTY, "empty answers"), (guards.GEN_ROUGE_L, "ROUGE-L vs chosen"),
+                                        (guards.GEN_KL, "KL from the reference"))
+                     if key in last or key in (base or {}))
     sign = guards.collapse_sign(base, last)
     return f"{text}; warning: {sign}" if sign else text
 

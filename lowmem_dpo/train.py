@@ -39,7 +39,8 @@ class StepStats:
     sums: dict = field(default_factory=lambda: dict.fromkeys(METRIC_KEYS, 0.0))
     pairs: int = 0
     tokens: int = 0
-    chosen_tokens: int = 0  # completion tokens of the chosen sides (the per-token guard)
+    chosen_tokens: int = 0  # completion tokens of the chosen sides (the per-token guards)
+    rejected_tokens: int = 0  # and of the rejected sides
     nll: float = 0.0  # summed -log pi of the chosen completions (ORPO: and their prompts): the NLL's numerator
     nll_tokens: int = 0  # the tokens nll sums
     # the chosen NLL's weight in the loss (objectives.nll_weight: sft, ORPO's own; sums["loss"] excludes it), or
@@ -52,6 +53,7 @@ class StepStats:
         self.pairs += other.pairs
         self.tokens += other.tokens
         self.chosen_tokens += other.chosen_tokens
+        self.rejected_tokens += other.rejected_tokens
         self.nll += other.nll
         self.nll_tokens += other.nll_tokens
 
@@ -118,6 +120,7 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     logps_chosen, logps_rejected = objectives.logged_logps(x, types)
     stats = new_stats(cfg)
     stats.pairs, stats.tokens, stats.chosen_tokens = len(pairs), batch.num_tokens, int(chosen.n_tokens.sum())
+    stats.rejected_tokens = int(rejected.n_tokens.sum())
     nll = chosen.logps if chosen.prompt_logps is None else chosen.logps + chosen.prompt_logps  # (B,)
     stats.nll = -nll.detach().sum().item()
     stats.nll_tokens = stats.chosen_tokens + (0 if chosen.prompt_tokens is None else int(chosen.prompt_tokens.sum()))
@@ -193,15 +196,15 @@ class DPO:
 
     def warning_signs(self, s: loop.Session) -> list[str]:
         w, cfg = s.window, s.cfg
-        tokens = w.chosen_tokens / w.pairs
+        tokens, rejected_tokens = w.chosen_tokens / w.pairs, w.rejected_tokens / w.pairs
         means = w.means()
         if w.nll_weight is not None:  # the signs judge the preference loss: the NLL term has its own scale
             means["loss"] -= w.nll_weight * means["nll_loss"]
         limits, weight, _ = judged_limits(cfg)
+        t = guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight)
         if not objectives.needs_reference(cfg.loss_type):
-            tokens = 0.0  # the chosen-falling sign reads the log-ratio to the reference: there is none (SimPO, ORPO)
-        return guards.warning_signs(means, s.step, s.steps, cfg.beta, tokens,
-                                    guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight))
+            tokens = rejected_tokens = 0.0  # the per-token signs read log-ratios to the reference: none here
+        return guards.warning_signs(means, s.step, s.steps, cfg.beta, tokens, t, rejected_tokens)
 
     def postfix(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}", "acc": f"{line['rewards/accuracies']:.2f}",
@@ -266,8 +269,10 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
                 f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
                 f"off ln 2; {cache.rebuild_command(cfg, recipe)} share_prompt={str(shared).lower()} computes this "
                 "run's own")
-    return loop.start(cfg, resolved, model, d.train, pad_id, DPO(cfg, ref, eval_ref, shared), resume,
-                      trains_on, d.eval, ins.tokenizer, d.prompts)
+    s = loop.start(cfg, resolved, model, d.train, pad_id, DPO(cfg, ref, eval_ref, shared), resume, trains_on, d.eval,
+                   ins.tokenizer, d.prompts)
+    s.adapter_off_is_start = ins.source.adapter_path is None or cfg.adapter_mode != "continue"
+    return s
 
 
 def reference_caches(cfg: Config, ins: inputs.Inputs, side: cache.Side, d: inputs.Data, recipe: str | None) -> tuple:

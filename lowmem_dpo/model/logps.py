@@ -196,19 +196,17 @@ def _targets(attention_mask: torch.Tensor, completion_mask: torch.Tensor, shared
     return seq[keep], pred[keep], label[keep], (seq + n * rejected.long())[keep], 2 * n
 
 
-def ld_weights(completion_mask: torch.Tensor, seq: torch.Tensor, label: torch.Tensor, out: torch.Tensor, n: int,
-               ld_alpha: float) -> torch.Tensor:
-    """LD-DPO's weight of each completion token (seq, label) summed into output `out` of a pair batch's 2B outputs
-    [chosen; rejected]: 1 up to the pair's shorter completion's token count, ld_alpha beyond it (TRL 1.16's
-    shared and tail masks). (M,) float32."""
-    mask = completion_mask[:, 1:]  # (N, T-1): the predicted positions
-    # 1-based position of each token in its own completion (shared rows: chosen 1, rejected 2 in one row)
-    own = torch.where(mask[seq, label - 1] == 2, (mask == 2).cumsum(1)[seq, label - 1],
-                      (mask == 1).cumsum(1)[seq, label - 1])  # (M,)
+def ld_weights(out: torch.Tensor, n: int, ld_alpha: float) -> torch.Tensor:
+    """LD-DPO's weight of each completion token summed into output `out` (M,) of a pair batch's n = 2B outputs
+    [chosen; rejected] (_targets': each output's tokens contiguous and in order): 1 up to the pair's shorter
+    completion's token count, ld_alpha beyond it (TRL 1.16's shared and tail masks). (M,) float32."""
+    index = torch.arange(out.shape[0], device=out.device)  # (M,)
+    first = torch.full((n,), out.shape[0], device=out.device).scatter_reduce(0, out, index, "amin")  # (2B,)
+    own = index - first[out] + 1  # (M,) 1-based rank of each token in its own output
     counts = torch.bincount(out, minlength=n)  # (2B,)
     pairs = n // 2
     shared = torch.minimum(counts[:pairs], counts[pairs:])  # (B,)
-    return torch.where(own.to(out.device) > shared[out % pairs], ld_alpha, 1.0).float()  # (M,)
+    return torch.where(own > shared[out % pairs], ld_alpha, 1.0).float()  # (M,)
 
 
 def _prompt_targets(attention_mask: torch.Tensor, completion_mask: torch.Tensor, shared: bool, n_out: int):
@@ -279,7 +277,7 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         hidden = backbone(input_ids=input_ids, attention_mask=None if right_padded(attention_mask) else attention_mask,
                           use_cache=False).last_hidden_state  # (N, T, H)
     seq_idx, pred, label, out, n = _targets(attention_mask, completion_mask, shared)  # (M,) each
-    weight = None if ld_alpha is None else ld_weights(completion_mask, seq_idx, label, out, n, ld_alpha)  # (M,)
+    weight = None if ld_alpha is None else ld_weights(out, n, ld_alpha)  # (M,)
     pairs = 0
     if prompts:  # appended after the completion tokens, summed into outputs n..n+pairs
         p_seq, p_pred, p_label, p_out, pairs = _prompt_targets(attention_mask, completion_mask, shared, n)  # (P,)

@@ -39,7 +39,12 @@ METRICS = (
     Metric("learning_rate", None, "step", "learning_rate", doc="the rate the step applied"),
     Metric("gen/repetition", False, "sample", "eval_gen/repetition", "repetition",
            "seq-rep-4 of the sample generations (guards.repetition)"),
+    Metric("gen/rouge_l", True, "sample", "eval_gen/rouge_l", "ROUGE-L",
+           "token ROUGE-L F1 of the samples against their held-out chosen completions (guards.rouge_l)"),
+    Metric("gen/kl", False, "sample", "eval_gen/kl", "KL",
+           "per-token KL of the policy from the reference along its own samples (samples.kl_to_reference)"),
     Metric("gen/length", None, "sample", label="length", doc="the samples' mean length in tokens"),
+    Metric("gen/chosen_length", None, "sample", doc="the sampled prompts' chosen completions' mean length"),
     Metric("gen/empty", False, "sample", label="empty", doc="the share of samples that end at once"),
 )
 PAIR_METRICS = tuple(m.name for m in METRICS if m.kind == "pair")  # train.StepStats sums these

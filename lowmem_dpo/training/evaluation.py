@@ -58,8 +58,8 @@ def sample_items(items: list, n: int) -> list:
 
 def sample_metrics(s, step: int) -> dict:
     """Greedy samples for the first eval_generations distinct eval prompts, appended to output_dir/samples.jsonl
-    with `step`; one shown in the log. Returns their repetition, mean length and share of empty answers
-    (guards.generation_stats; {} without samples)."""
+    with `step`; one shown in the log. Returns their repetition, mean length, share of empty answers, ROUGE-L
+    against the chosen completions (guards.generation_stats) and KL from the reference ({} without samples)."""
     items = sample_items(s.eval_items, s.cfg.eval_generations)
     if not items:
         return {}
@@ -72,7 +72,11 @@ def sample_metrics(s, step: int) -> dict:
     written = halving(s, write, len(items), "the samples")
     samples.append(Path(s.cfg.output_dir) / checkpoint.SAMPLES, step, written)
     log(samples.log_line(step, written[0]))
-    return guards.generation_stats([w.ids for w in written])
+    stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written])
+    if s.adapter_off_is_start:  # the reference is the model with its adapter disabled
+        kl = samples.kl_to_reference(s.model, items, [w.ids for w in written], s.resolved.device, s.resolved.dtype)
+        stats[guards.GEN_KL] = None if kl is None else round(kl, 6)
+    return stats
 
 
 def at_start(s) -> dict | None:

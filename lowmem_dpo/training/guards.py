@@ -36,6 +36,13 @@ class Thresholds:
     # Chosen log-probs this many nats per token below the reference's (each chosen token e^-0.5 = 0.61 times as
     # likely): DPO is lowering both completions, the known failure where chosen falls with rejected.
     chosen_drop_per_token: float = 0.5
+    # Likelihood displacement: with the preference learned (accuracy at least `saturated`), the rejected
+    # log-probs this many nats per token below the reference's: DPO now only pushes log-probs down, and with
+    # them the tokens the chosen answers share (SmolLM2: logps/rejected -8 to -74 while the answers got worse).
+    # PROVISIONAL: to be calibrated on SmolLM2-135M-Instruct (bench, issue 34); the healthy demo (lowmem_dpo:tiny-cpu)
+    # ends at 1.19 nats/token, the damaged SmolLM2 run fell by ~66 nats over its short rejected answers.
+    saturated: float = 0.95
+    rejected_drop_per_token: float = 2.0
 
 
 # Several preference terms summed (or sft alone): the margin sign stays, at the sigmoid's limit; the loss is no
@@ -62,10 +69,10 @@ def nonfinite(*values: float) -> bool:
 
 
 def warning_signs(means: dict, step: int, total_steps: int, beta: float, chosen_tokens_per_pair: float,
-                  t: Thresholds = Thresholds()) -> list[str]:
+                  t: Thresholds = Thresholds(), rejected_tokens_per_pair: float = 0.0) -> list[str]:
     """The warning signs that `means` (one logged line's rewards/*, loss) show at optimizer step `step` of
     `total_steps`, each as a message with its numbers; [] when none. `t`: thresholds() of the run's loss (the
-    default is the sigmoid loss's)."""
+    default is the sigmoid loss's). Token counts of 0: the signs per token against the reference are off."""
     signs = []
     margin = means["rewards/margins"]
     if margin > t.margin:
@@ -80,6 +87,14 @@ def warning_signs(means: dict, step: int, total_steps: int, beta: float, chosen_
         if per_token < -t.chosen_drop_per_token:
             signs.append(f"chosen log-probs falling fast: {per_token:.3f} nats/token below the reference (limit "
                          f"-{t.chosen_drop_per_token:g}); both completions are being pushed down")
+    accuracy = means.get("rewards/accuracies", 0.0)
+    if beta > 0 and rejected_tokens_per_pair > 0 and accuracy >= t.saturated:
+        per_token = means["rewards/rejected"] / beta / rejected_tokens_per_pair
+        if per_token < -t.rejected_drop_per_token:
+            signs.append(f"likelihood displacement: rejected log-probs {per_token:.2f} nats/token below the "
+                         f"reference (limit -{t.rejected_drop_per_token:g}) with accuracy at {accuracy:.2f}: the "
+                         "preference is learned and DPO now only pushes log-probs down, the good answer's tokens "
+                         "too; use loss_type [sigmoid, sft] (RPO) or a lower learning_rate")
     return signs
 
 
@@ -99,8 +114,18 @@ COLLAPSE_N = 4
 EMPTY_RISE = 0.5
 SHORT_FRACTION = 0.25
 SHORT_MIN_START = 4.0
+# A short answer is no collapse when it is at least this share of the held-out chosen completions' length: data
+# whose chosen answers are short teaches short answers ([sigmoid, sft] on SmolLM2 went from 46 tokens to 8).
+CHOSEN_FRACTION = 0.5
+# The answers drifting from the chosen completions: token ROUGE-L F1 against them this far below step 0's, and
+# at most this share of it. PROVISIONAL: to be calibrated on SmolLM2-135M-Instruct (bench, issue 34).
+DRIFT_DROP, DRIFT_FRACTION = 0.1, 0.6
+# The policy's own answers this many nats per token (KL of the policy's next-token distribution from the
+# reference's, along the answer) away from the reference. PROVISIONAL, as above.
+KL_LIMIT = 1.0
 # The samples' measures in metrics.jsonl (evaluation.sample_metrics), and what the collapse sign reads.
 GEN_REPETITION, GEN_LENGTH, GEN_EMPTY = "eval_gen/repetition", "eval_gen/length", "eval_gen/empty"
+GEN_ROUGE_L, GEN_CHOSEN_LENGTH, GEN_KL = "eval_gen/rouge_l", "eval_gen/chosen_length", "eval_gen/kl"
 
 
 def repetition(seqs: list[list[int]], n: int = COLLAPSE_N) -> float:
@@ -114,11 +139,31 @@ def repetition(seqs: list[list[int]], n: int = COLLAPSE_N) -> float:
     return sum(reps) / len(reps) if reps else 0.0
 
 
-def generation_stats(seqs: list[list[int]]) -> dict[str, float]:
-    """The samples' measures: seq-rep-4, mean length in tokens, and the share of empty answers (EOS at once)."""
-    return {GEN_REPETITION: round(repetition(seqs), 6),
-            GEN_LENGTH: round(sum(len(s) for s in seqs) / max(1, len(seqs)), 3),
-            GEN_EMPTY: round(sum(not s for s in seqs) / max(1, len(seqs)), 6)}
+def rouge_l(answer: list[int], reference: list[int]) -> float:
+    """ROUGE-L F1 of two token sequences (Lin 2004): the longest common subsequence's share of each, their
+    harmonic mean; 1.0 for two empty ones, 0.0 when one is empty."""
+    if not answer or not reference:
+        return float(not answer and not reference)
+    row = [0] * (len(reference) + 1)  # LCS lengths of answer[:i] against every prefix of reference
+    for a in answer:
+        diagonal = 0
+        for j, b in enumerate(reference, 1):
+            diagonal, row[j] = row[j], diagonal + 1 if a == b else max(row[j], row[j - 1])
+    lcs = row[-1]
+    return 0.0 if lcs == 0 else 2 * lcs / (len(answer) + len(reference))
+
+
+def generation_stats(seqs: list[list[int]], chosen: list[list[int]] | None = None) -> dict[str, float]:
+    """The samples' measures: seq-rep-4, mean length in tokens, and the share of empty answers (EOS at once); with
+    `chosen` (each sample's held-out chosen completion, without EOS) their mean token ROUGE-L against it and the
+    chosen completions' mean length."""
+    out = {GEN_REPETITION: round(repetition(seqs), 6),
+           GEN_LENGTH: round(sum(len(s) for s in seqs) / max(1, len(seqs)), 3),
+           GEN_EMPTY: round(sum(not s for s in seqs) / max(1, len(seqs)), 6)}
+    if chosen is not None:
+        out[GEN_ROUGE_L] = round(sum(map(rouge_l, seqs, chosen)) / max(1, len(seqs)), 6)
+        out[GEN_CHOSEN_LENGTH] = round(sum(map(len, chosen)) / max(1, len(chosen)), 3)
+    return out
 
 
 _READ = ("read output_dir/samples.jsonl, lower learning_rate or raise beta, and keep the best checkpoint rather than "
@@ -138,8 +183,28 @@ def collapse_sign(base: dict | None, now: dict) -> str | None:
     if empty is not None and empty - empty0 >= EMPTY_RISE:
         return (f"generations collapsing into empty answers: {empty:.0%} of the samples end at once against "
                 f"{empty0:.0%} at step 0 (limit: +{EMPTY_RISE:.0%}); {_READ}")
-    length, length0 = now.get(GEN_LENGTH), base.get(GEN_LENGTH)
-    if length is not None and length0 is not None and length0 >= SHORT_MIN_START and length <= SHORT_FRACTION * length0:
+    length, length0, chosen = now.get(GEN_LENGTH), base.get(GEN_LENGTH), now.get(GEN_CHOSEN_LENGTH)
+    if (length is not None and length0 is not None and length0 >= SHORT_MIN_START and length <= SHORT_FRACTION * length0
+            and (chosen is None or length < CHOSEN_FRACTION * chosen)):  # as long as the chosen answers: no collapse
         return (f"generations collapsing into short answers: {length:.1f} tokens on average against {length0:.1f} at "
-                f"step 0 (limit: {SHORT_FRACTION:g} of it); {_READ}")
+                f"step 0 (limit: {SHORT_FRACTION:g} of it){_chosen(chosen)}; {_READ}")
+    return drift_sign(base, now)
+
+
+def _chosen(length: float | None) -> str:
+    return "" if length is None else f" and {length:.1f} for the chosen answers"
+
+
+def drift_sign(base: dict, now: dict) -> str | None:
+    """The sign when the samples drift from what the data prefers (token ROUGE-L against the chosen completions
+    far below step 0's) or from the reference (the per-token KL on the policy's own answers above KL_LIMIT):
+    preference metrics can look perfect while the answers get worse. None otherwise."""
+    rouge, rouge0 = now.get(GEN_ROUGE_L), base.get(GEN_ROUGE_L)
+    if rouge is not None and rouge0 is not None and rouge <= rouge0 - DRIFT_DROP and rouge <= DRIFT_FRACTION * rouge0:
+        return (f"answers drifting from the chosen completions: ROUGE-L {rouge:.2f} against {rouge0:.2f} at step 0 "
+                f"(limits: -{DRIFT_DROP:g} and {DRIFT_FRACTION:g} of it), whatever the preference metrics say; {_READ}")
+    kl = now.get(GEN_KL)
+    if kl is not None and kl > KL_LIMIT:
+        return (f"answers drifting from the reference: KL {kl:.2f} nats per token on the policy's own answers (limit "
+                f"{KL_LIMIT:g}); {_READ}")
     return None

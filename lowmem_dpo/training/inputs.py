@@ -142,8 +142,9 @@ def cached_reference(cfg: Config, ins: Inputs, side: cache.Side, d: Data, recipe
 
 
 def convert_legacy(cfg: Config, store, ins: Inputs, side: cache.Side, d: Data) -> None:
-    """cache.convert_legacy of ref_cache_dir, by rank 0 while the other processes wait (it moves the old files)."""
-    if distributed.is_main():
+    """cache.convert_legacy of ref_cache_dir, by rank 0 while the other processes wait (it moves the old files).
+    Not under ld_alpha: a format-1 cache holds plain sums, which are not LD-DPO's (the next plain run converts it)."""
+    if distributed.is_main() and cfg.ld_alpha is None:
         cache.convert_legacy(Path(cfg.ref_cache_dir), store, ins.fingerprint, side, d.tok.pairs,
                              d.eval_tok.pairs if d.eval_tok is not None else None, cfg)
     distributed.barrier()

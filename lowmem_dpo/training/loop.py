@@ -150,6 +150,9 @@ class Session:
     world: distributed.World = field(default_factory=distributed.world)  # this process among the launched ones
     scaler: object = None  # float16: torch.amp.GradScaler (devices.grad_scaler); None otherwise
     scaler_skips: int = 0  # updates the scaler skipped (scaled gradients overflowed), in all
+    # The model with its adapter disabled is the run's start, its reference (the samples' KL): not when train
+    # continues an SFT adapter, whose start is base + that adapter
+    adapter_off_is_start: bool = True
 
     def __post_init__(self):  # a new run: the data from its start, the planner's split, an empty window
         if self.stream is None:
@@ -181,7 +184,7 @@ def resume_or_start(s: Session, resume_from: Path | None, saved: checkpoint.Trai
     take(s.stream, saved.pairs_seen)  # the data order is a function of the seed: replay it
     s.step, s.skipped_steps, s.scaler_skips = saved.step, saved.skipped_steps, saved.scaler_skips
     s.micro_batch, s.grad_accum = saved.micro_batch, saved.grad_accum
-    s.window = type(s.window)(**saved.window)
+    s.window = resuming.restored_window(s.window, saved.window)
     s.metrics_lines = checkpoint.metrics_lines(resume_from)
     s.best = {k: getattr(saved, k) for k in BEST_KEYS}
     s.resumed_from = resume_from

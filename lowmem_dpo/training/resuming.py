@@ -105,3 +105,24 @@ def follow_run_length(s, resume_from: Path, saved: checkpoint.TrainerState) -> N
     s.sched._last_lr = lrs  # what get_last_lr() reads: the learning rate the next step logs
     log(f"{what}: continuing from step {saved.step} of {s.steps} (was {old_total}), the schedule follows the "
         "new total")
+
+
+# StepStats fields a checkpoint of an earlier version saved under another name, or lacks: (name, what stands for it)
+RENAMED = {"sft_weight": "nll_weight"}
+MISSING = {"nll_tokens": "chosen_tokens", "rejected_tokens": "chosen_tokens"}  # the NLL was over chosen tokens
+
+
+def restored_window(fresh, saved: dict):
+    """The metric window (a stage's Stats dataclass) a checkpoint saved, onto the run's `fresh` one: renamed
+    fields under their new names, fields it lacks estimated from the ones it has (MISSING), its sums added to the
+    fresh keys (an objective's own metrics start from 0). A checkpoint's window written before a field was renamed
+    resumes instead of failing."""
+    saved = {RENAMED.get(k, k): v for k, v in saved.items()}
+    names = {f.name for f in dataclasses.fields(fresh)}
+    for name, stand_in in MISSING.items():
+        if name in names and name not in saved and stand_in in saved:
+            saved[name] = saved[stand_in]
+    window = dataclasses.replace(fresh, **{k: v for k, v in saved.items() if k in names and k != "sums"})
+    if isinstance(saved.get("sums"), dict):
+        window.sums = {**window.sums, **saved["sums"]}
+    return window

@@ -6,7 +6,9 @@
     keep_until a resumed run drops the lines written after its checkpoint
     log_line   the one line the log shows
 
-The completions' token ids feed guards.repetition, the degeneration measure behind the collapse sign.
+The completions' token ids feed guards.repetition, the degeneration measure behind the collapse sign, and
+guards.rouge_l against the chosen completions; kl_to_reference measures how far the policy's own answers are
+from what the reference would write.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Sample:
     completion: str  # the policy's greedy completion
     chosen: str  # the data's chosen completion (SFT: its completion)
     ids: list[int]  # the completion's token ids, without EOS (for guards.repetition)
+    chosen_ids: list[int] | None = None  # the chosen completion's, without EOS (for guards.rouge_l)
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,11 +86,38 @@ def generate(model, items: list, tokenizer, max_new_tokens: int, device, dtype,
     samples = []
     for item, ids, text in zip(items, outs, shown or [None] * len(items)):
         chosen = item.chosen_ids if isinstance(item, data.TokenizedPair) else item.completion_ids
+        chosen_ids = chosen[:-1] if chosen and chosen[-1] == tokenizer.eos_token_id else list(chosen)
         samples.append(Sample(prompt=text if text is not None else tokenizer.decode(item.prompt_ids,
                                                                                      skip_special_tokens=True),
                               completion=tokenizer.decode(ids, skip_special_tokens=True),
-                              chosen=tokenizer.decode(chosen, skip_special_tokens=True), ids=ids))
+                              chosen=tokenizer.decode(chosen, skip_special_tokens=True), ids=ids,
+                              chosen_ids=chosen_ids))
     return samples
+
+
+def token_kl(policy_logits: torch.Tensor, reference_logits: torch.Tensor) -> torch.Tensor:
+    """KL(policy || reference) of each position's next-token distributions, in float32: (n, V) each -> (n,)."""
+    p, q = torch.log_softmax(policy_logits.float(), -1), torch.log_softmax(reference_logits.float(), -1)  # (n, V)
+    return (p.exp() * (p - q)).sum(-1)  # (n,)
+
+
+def kl_to_reference(model, items: list, answers: list[list[int]], device, dtype) -> float | None:
+    """The mean per-token KL of the policy's next-token distribution from the reference's (the model with its
+    adapter disabled) along the policy's own answers, one answer at a time (only the answer's positions get
+    logits); None without any answer token."""
+    total, tokens = 0.0, 0
+    with torch.no_grad(), devices.autocast(device, dtype), eval_mode(model):
+        for item, answer in zip(items, answers):
+            if not answer or not item.prompt_ids:
+                continue
+            ids = torch.tensor([item.prompt_ids + answer], device=device)  # (1, T)
+            keep = len(answer) + 1  # the positions predicting the answer's tokens, and the last (dropped)
+            policy = model(input_ids=ids, logits_to_keep=keep).logits[0, :-1]  # (n, V)
+            with model.disable_adapter():
+                reference = model(input_ids=ids, logits_to_keep=keep).logits[0, :-1]  # (n, V)
+            total += token_kl(policy, reference).sum().item()
+            tokens += len(answer)
+    return total / tokens if tokens else None
 
 
 def append(path: Path, step: int, samples: list[Sample]) -> None:

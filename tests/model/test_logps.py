@@ -113,3 +113,18 @@ def test_ld_alpha_weights_the_tokens_beyond_the_shorter_completion(model, tokeni
                            position_ids=batch.position_ids, ld_alpha=0.25)
     assert torch.allclose(got.logps, want, atol=1e-4, rtol=1e-5)
     assert got.n_tokens.tolist() == counts.long().tolist()
+
+
+def test_ld_alpha_shared_equals_unshared_with_empty_prompts(model, tokenizer):
+    """With an empty prompt nothing predicts a completion's first token, in either layout: the shared row drops
+    rejected's first token as the unshared one does, and each token keeps its rank in its own completion."""
+    import dataclasses
+
+    pairs = [dataclasses.replace(p, prompt_ids=[], rejected_ids=p.rejected_ids[:-1 - i])
+             for i, p in enumerate(some_pairs(tokenizer, 3))]
+    plain, shared = data.collate(pairs, 0), data.collate_shared(pairs, 0)
+    a = completion_logps(model, plain.input_ids, plain.attention_mask, plain.completion_mask, ld_alpha=0.25)
+    b = completion_logps(model, shared.input_ids, shared.attention_mask, shared.completion_mask,
+                         position_ids=shared.position_ids, ld_alpha=0.25)
+    assert a.n_tokens.tolist() == b.n_tokens.tolist()
+    assert torch.allclose(a.logps, b.logps, atol=1e-4, rtol=1e-5)

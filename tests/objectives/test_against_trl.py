@@ -151,7 +151,7 @@ def test_ld_alpha_equals_trl_s(trainer, loss_type):
     mask = inputs["completion_mask"]  # (2B, T); unshared: each row is its own output
     seq, label = (mask[:, 1:] > 0).nonzero(as_tuple=True)
     label = label + 1
-    w = ld_weights(mask, seq, label, seq, 2 * B, 0.3)  # (M,)
+    w = ld_weights(seq, 2 * B, 0.3)  # (M,)
     assert 0 < (w == 0.3).sum() < w.numel()  # some tokens are beyond the shorter completion, not all
     sums = torch.zeros(2 * B).index_add(0, seq, per_token[seq, label - 1] * w)  # (2B,)
     x = dataclasses.replace(x, chosen=sums[:B], rejected=sums[B:])

@@ -8,17 +8,29 @@ import json
 import math
 
 import pytest
+import torch
+from conftest import TINY_DATA, cached, write_jsonl
 
 from lowmem_dpo import precompute, train
 from lowmem_dpo.runtime.errors import ConfigError
 
 
 def test_ld_alpha_keys_the_cache_and_starts_at_ln2(make_cfg, tmp_path, capsys):
-    precompute.run(make_cfg(eval_fraction=0.0), progress=False)
+    # the demo's completions are near one length: half the rejected ones longer, so LD-DPO's weights bite
+    rows = [json.loads(x) for x in open(TINY_DATA)][:64]
+    for i, row in enumerate(rows):
+        row["rejected"] += " It really is, truly, every single day." * (i % 2)
+    mine = write_jsonl(tmp_path / "rows.jsonl", rows)
+    plain = make_cfg(dataset=str(mine), eval_fraction=0.0)
+    precompute.run(plain, progress=False)
     capsys.readouterr()
-    cfg = make_cfg(ld_alpha=0.3, max_steps=1, eval_fraction=0.0)
+    cfg = make_cfg(dataset=str(mine), ld_alpha=0.3, max_steps=1, eval_fraction=0.0)
     precompute.run(cfg, progress=False)
-    assert "computed 384 rows, reused 0" in capsys.readouterr().err  # the plain side's values serve nothing here
+    assert "computed 64 rows, reused 0" in capsys.readouterr().err  # the plain side's values serve nothing here
+    weighted, sums = cached(cfg)[0], cached(plain)[0]
+    longer = torch.tensor([i % 2 == 1 for i in range(64)])
+    assert (weighted.rejected[longer] > sums.rejected[longer]).all()  # less of a negative tail counted
+    assert torch.equal(weighted.chosen[~longer], sums.chosen[~longer])  # equal lengths: nothing beyond
     train.run(cfg, progress=False)
     step = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert step["loss"] == pytest.approx(math.log(2), abs=1e-6)

@@ -1,0 +1,106 @@
+"""Whether the answers got better, not only the preference metrics: token ROUGE-L of the samples against their
+chosen completions, the per-token KL of the policy from the reference along its own answers (a real tiny model
+with a real LoRA adapter), likelihood displacement, and short answers that are as short as the data's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lowmem_dpo.training import guards, samples
+
+G = guards
+
+
+def test_rouge_l_by_hand():
+    assert G.rouge_l([1, 2, 3, 4], [1, 3, 4, 5]) == 0.75  # LCS [1, 3, 4]: 2 * 3 / (4 + 4)
+    assert G.rouge_l([7, 7, 7], [7]) == 0.5  # LCS 1: 2 / 4
+    assert G.rouge_l([1, 2], [3, 4]) == 0.0 and G.rouge_l([], [1]) == 0.0 and G.rouge_l([], []) == 1.0
+    assert G.rouge_l([5, 1, 2, 6, 3], [1, 2, 3]) == pytest.approx(2 * 3 / 8)
+
+
+def test_generation_stats_score_the_samples_against_their_chosen_answers():
+    stats = G.generation_stats([[1, 2, 3, 4], [9, 9]], [[1, 3, 4, 5], [9]])
+    assert stats[G.GEN_ROUGE_L] == pytest.approx((0.75 + 2 / 3) / 2, abs=1e-6)
+    assert stats[G.GEN_CHOSEN_LENGTH] == 2.5
+
+
+def test_short_answers_as_short_as_the_chosen_ones_are_no_collapse():
+    """The false alarm on SmolLM2 with [sigmoid, sft]: 46.2 tokens at step 0, 8.2 later, the chosen answers ~9."""
+    base = {G.GEN_LENGTH: 46.2, G.GEN_ROUGE_L: 0.3}
+    assert G.collapse_sign(base, {G.GEN_LENGTH: 8.2, G.GEN_CHOSEN_LENGTH: 9.0, G.GEN_ROUGE_L: 0.8}) is None
+    sign = G.collapse_sign(base, {G.GEN_LENGTH: 3.0, G.GEN_CHOSEN_LENGTH: 9.0, G.GEN_ROUGE_L: 0.3})
+    assert sign.startswith("generations collapsing into short answers: 3.0 tokens on average against 46.2 at step 0")
+    assert "and 9.0 for the chosen answers" in sign
+
+
+@pytest.mark.parametrize("rouge0, rouge, fires", [(0.6, 0.2, True), (0.6, 0.45, False), (0.12, 0.05, False),
+                                                  (0.3, 0.9, False)])
+def test_answers_drifting_from_the_chosen_completions(rouge0, rouge, fires):
+    sign = G.collapse_sign({G.GEN_ROUGE_L: rouge0}, {G.GEN_ROUGE_L: rouge})
+    assert (sign is not None) == fires
+    if fires:
+        assert sign.startswith(f"answers drifting from the chosen completions: ROUGE-L {rouge:.2f} against {rouge0:.2f}")
+
+
+def test_answers_drifting_from_the_reference():
+    assert G.collapse_sign({}, {G.GEN_KL: 0.4}) is None
+    assert G.collapse_sign({}, {G.GEN_KL: 1.7}).startswith("answers drifting from the reference: KL 1.70 nats per token")
+
+
+@pytest.mark.parametrize("accuracy, per_token, fires", [(1.0, -2.5, True), (0.97, -3.2, True), (0.8, -4.0, False),
+                                                         (1.0, -1.19, False)])  # the last: the healthy demo's end
+def test_likelihood_displacement(accuracy, per_token, fires):
+    beta, tokens = 0.1, 20.0
+    means = {"rewards/margins": 1.0, "loss": 0.3, "rewards/chosen": 0.0, "rewards/accuracies": accuracy,
+             "rewards/rejected": beta * per_token * tokens}
+    signs = G.warning_signs(means, 50, 100, beta, 20.0, rejected_tokens_per_pair=tokens)
+    shown = [s for s in signs if s.startswith("likelihood displacement")]
+    assert bool(shown) == fires
+    if fires:
+        assert f"rejected log-probs {per_token:.2f} nats/token below the reference" in shown[0]
+        assert "[sigmoid, sft] (RPO)" in shown[0]
+    # no token counts (a reference-free run): no sign against a reference
+    assert not any(s.startswith("likelihood") for s in G.warning_signs(means, 50, 100, beta, 0.0))
+
+
+@pytest.fixture(scope="module")
+def peft_model(tiny_path):
+    from peft import LoraConfig, get_peft_model
+
+    from lowmem_dpo.model.models import load_model
+
+    torch.manual_seed(0)
+    return get_peft_model(load_model(tiny_path, torch.device("cpu"), torch.float32),
+                          LoraConfig(r=4, target_modules="all-linear"))
+
+
+def test_kl_to_reference_is_zero_at_the_start_and_the_full_distributions_after(peft_model, tokenizer):
+    from lowmem_dpo import data
+
+    item = data.TokenizedPair(row=0, prompt_ids=tokenizer("Write a review.")["input_ids"], chosen_ids=[5, 6],
+                              rejected_ids=[7])
+    answer = [11, 12, 13, 14]
+    cpu = torch.device("cpu")
+    assert samples.kl_to_reference(peft_model, [item], [answer], cpu, torch.float32) == 0.0  # LoRA B = 0
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    try:
+        got = samples.kl_to_reference(peft_model, [item], [answer], cpu, torch.float32)
+        ids = torch.tensor([item.prompt_ids + answer])
+        n = len(item.prompt_ids)
+        with torch.no_grad():
+            p = torch.log_softmax(peft_model(input_ids=ids).logits[0, n - 1:-1], -1)  # (4, V)
+            with peft_model.disable_adapter():
+                q = torch.log_softmax(peft_model(input_ids=ids).logits[0, n - 1:-1], -1)
+        want = (p.exp() * (p - q)).sum(-1).mean().item()
+        assert got == pytest.approx(want, rel=1e-5) and got > 1e-3 and math.isfinite(got)
+    finally:
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.zero_()
