@@ -47,6 +47,7 @@ class Run:
     evals: list[dict] = field(default_factory=list)  # metrics.jsonl lines with an eval_ key (step 0's included)
     state: dict | None = None  # trainer_state.json; None for a run written before it existed
     samples: list[dict] = field(default_factory=list)  # samples.jsonl lines
+    warnings: list[dict] = field(default_factory=list)  # metrics.jsonl's {"step", "warnings"} lines
 
     @property
     def best_step(self) -> int | None:
@@ -88,7 +89,8 @@ def load_run(out_dir: Path) -> Run:
     if not lines:
         raise UserError(f"{metrics}: empty; the run has not logged a step yet")
     run = Run(out_dir, train=[x for x in lines if "loss" in x],
-              evals=[x for x in lines if any(k.startswith("eval_") for k in x)])
+              evals=[x for x in lines if any(k.startswith("eval_") for k in x)],
+              warnings=[x for x in lines if "warnings" in x])
     state_path = out_dir / "trainer_state.json"
     if state_path.is_file():
         try:
@@ -200,6 +202,19 @@ def repetition_line(run: Run) -> str | None:
     return f"{text}; warning: {sign}" if sign else text
 
 
+def warnings_line(run: Run) -> str:
+    """Each warning sign train logged, by its text up to the numbers, at the step it first fired and how often."""
+    first: dict[str, list] = {}
+    for line in run.warnings:
+        for sign in line["warnings"]:
+            kind = sign.split(":")[0]
+            first.setdefault(kind, [line["step"], 0])[1] += 1
+    if not first:
+        return "warnings: none"
+    return "warnings: " + "; ".join(f"{kind} at step {step}" + (f" ({n} times)" if n > 1 else "")
+                                    for kind, (step, n) in first.items()) + " (the train log has the numbers)"
+
+
 def summary_lines(run: Run, picture: Path | None) -> list[str]:
     """The printed summary, one item a line."""
     last = max([x["step"] for x in run.train + run.evals] or [0])
@@ -216,6 +231,7 @@ def summary_lines(run: Run, picture: Path | None) -> list[str]:
     else:
         lines.append("eval: none (set eval_dataset or eval_fraction to evaluate)")
     lines.append(best_line(run.state))
+    lines.append(warnings_line(run))
     rep = repetition_line(run)
     if rep:
         lines.append(rep)

@@ -292,3 +292,19 @@ def test_tensorboard_missing_is_a_user_error(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="report_to=tensorboard needs tensorboard: pip install tensorboard"):
         open_writer("tensorboard", tmp_path)
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_warnings_train_wrote_are_listed_with_their_first_step(tmp_path):
+    """train writes each warning to metrics.jsonl as {"step", "warnings"} (loop.warn); the summary names each kind
+    at the step it first fired, and the curves' readers skip those lines."""
+    lines = write_run(tmp_path / "run")
+    extra = [{"step": 10, "warnings": ["likelihood displacement: rejected log-probs -3.10 nats/token below ..."]},
+             {"step": 20, "warnings": ["likelihood displacement: rejected log-probs -4.00 ...",
+                                       "answers drifting from the reference: KL 1.20 nats per token ..."]}]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines + extra))
+    run = report.load_run(tmp_path / "run")
+    assert report.warnings_line(run) == ("warnings: likelihood displacement at step 10 (2 times); answers drifting "
+                                         "from the reference at step 20 (the train log has the numbers)")
+    assert len(run.train) == len([x for x in lines if "loss" in x])  # the warnings are not train lines
+    write_run(tmp_path / "quiet")
+    assert report.warnings_line(report.load_run(tmp_path / "quiet")) == "warnings: none"

@@ -39,8 +39,8 @@ class Thresholds:
     # Likelihood displacement: with the preference learned (accuracy at least `saturated`), the rejected
     # log-probs this many nats per token below the reference's: DPO now only pushes log-probs down, and with
     # them the tokens the chosen answers share (SmolLM2: logps/rejected -8 to -74 while the answers got worse).
-    # PROVISIONAL: to be calibrated on SmolLM2-135M-Instruct (bench, issue 34); the healthy demo (lowmem_dpo:tiny-cpu)
-    # ends at 1.19 nats/token, the damaged SmolLM2 run fell by ~66 nats over its short rejected answers.
+    # On SmolLM2 (bench/signs.py, as above) the healthy runs end at -0.20, -0.05 and -0.30 nats/token and the
+    # damaged ones at -10.5, -2.4 and -5.7, all three with accuracy saturated; the healthy demo at -1.19.
     saturated: float = 0.95
     rejected_drop_per_token: float = 2.0
 
@@ -117,12 +117,17 @@ SHORT_MIN_START = 4.0
 # A short answer is no collapse when it is at least this share of the held-out chosen completions' length: data
 # whose chosen answers are short teaches short answers ([sigmoid, sft] on SmolLM2 went from 46 tokens to 8).
 CHOSEN_FRACTION = 0.5
-# The answers drifting from the chosen completions: token ROUGE-L F1 against them this far below step 0's, and
-# at most this share of it. PROVISIONAL: to be calibrated on SmolLM2-135M-Instruct (bench, issue 34).
+# The limits below are calibrated on SmolLM2-135M-Instruct (bench/signs.py; its table in bench/README.md): three
+# kinds of data (style, correctness, length), a healthy run (learning rate 5e-5) and a damaged one (5e-4) of
+# each; every damaged run warns, no healthy one does, and the tiny demo stays quiet.
+# The answers drifting from the chosen completions: token ROUGE-L F1 against them this far below step 0's, and at
+# most this share of it. Healthy runs: 0.48 -> 0.44, 0.57 -> 0.61, 0.57 -> 0.57 (the demo 0.71 -> 0.61); damaged:
+# 0.48 -> 0.24 (fires at the first eval), 0.57 -> 0.37, 0.57 -> 0.50.
 DRIFT_DROP, DRIFT_FRACTION = 0.1, 0.6
 # The policy's own answers this many nats per token (KL of the policy's next-token distribution from the
-# reference's, along the answer) away from the reference. PROVISIONAL, as above.
-KL_LIMIT = 1.0
+# reference's, along the answer) away from the reference. Healthy: 0.10, 0.01, 0.02 (the demo 0.59); damaged:
+# 1.60, 0.99, 0.66.
+KL_LIMIT = 0.8
 # The samples' measures in metrics.jsonl (evaluation.sample_metrics), and what the collapse sign reads.
 GEN_REPETITION, GEN_LENGTH, GEN_EMPTY = "eval_gen/repetition", "eval_gen/length", "eval_gen/empty"
 GEN_ROUGE_L, GEN_CHOSEN_LENGTH, GEN_KL = "eval_gen/rouge_l", "eval_gen/chosen_length", "eval_gen/kl"

@@ -285,10 +285,13 @@ class TrainResult:
     model: object  # the PEFT model as trained (in memory)
 
 
-def warn(s: Session, signs: list[str]) -> None:
-    """Log the warning signs of this step; with early_stop_on_divergence, stop on the first (exit 2)."""
+def warn(s: Session, signs: list[str], metrics_file) -> None:
+    """Log the warning signs of this step, and write them to metrics.jsonl ({"step", "warnings"}: the report lists
+    them); with early_stop_on_divergence, stop on the first (exit 2)."""
     for sign in signs:
         log(f"warning: step {s.step}: {sign}")
+    if signs:
+        output.write_line(s, metrics_file, {"step": s.step, "warnings": signs})
     if signs and s.cfg.early_stop_on_divergence:
         raise UserError(f"stopped at step {s.step} (early_stop_on_divergence=true): {signs[0]}; "
                         + output.last_checkpoint_note(s))
@@ -303,7 +306,7 @@ def log_step(s: Session, metrics_file, stats: Stats, grad_norm: float, lr: float
         output.show(bar, s.objective.postfix(line))
         signs = s.objective.warning_signs(s)
     s.window = s.objective.new_stats()
-    warn(s, signs)
+    warn(s, signs, metrics_file)
     return line
 
 
@@ -314,7 +317,7 @@ def eval_step(s: Session, metrics_file, bar) -> dict:
     line, sign = distributed.broadcast((line, evaluation.collapse_sign(s, line) if s.world.main else None))
     output.write_line(s, metrics_file, line)
     output.show(bar, evaluation.postfix(line))
-    warn(s, [sign] if sign else [])
+    warn(s, [sign] if sign else [], metrics_file)
     return line
 
 

@@ -46,7 +46,7 @@ def test_answers_drifting_from_the_chosen_completions(rouge0, rouge, fires):
 
 
 def test_answers_drifting_from_the_reference():
-    assert G.collapse_sign({}, {G.GEN_KL: 0.4}) is None
+    assert G.collapse_sign({}, {G.GEN_KL: 0.59}) is None  # the healthy demo's end
     assert G.collapse_sign({}, {G.GEN_KL: 1.7}).startswith("answers drifting from the reference: KL 1.70 nats per token")
 
 
