@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# The tests use no hub. Offline, a name that could be a hub id is answered at once, not after the network's
+# timeouts on a machine without one (27 s for one test of model paths); the stages' processes inherit it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_DATA = REPO / "lowmem_dpo" / "demo" / "tiny-prefs.jsonl"  # lowmem_dpo:tiny-prefs, the demo's rows
 TINY_RECIPE = "lowmem_dpo:tiny-cpu"  # the demo's recipe (lowmem_dpo/demo/tiny-cpu.yaml)
