@@ -104,3 +104,11 @@ def test_kl_to_reference_is_zero_at_the_start_and_the_full_distributions_after(p
             for name, p in peft_model.named_parameters():
                 if "lora_B" in name:
                     p.zero_()
+
+
+def test_the_best_checkpoint_can_be_the_one_whose_answers_are_closest_to_the_chosen_ones():
+    from lowmem_dpo.config.recipe import load_config
+
+    cfg = load_config("lowmem_dpo:tiny-cpu", ["metric_for_best_model=eval_gen/rouge_l"])
+    assert cfg.best_metric_name == G.GEN_ROUGE_L and cfg.best_is_greater is True
+    assert load_config("lowmem_dpo:tiny-cpu", ["metric_for_best_model=gen/kl"]).best_is_greater is False
