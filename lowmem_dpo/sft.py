@@ -154,7 +154,10 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     pad_id = data.pad_token_id(tokenizer)
     headcheck.verify(model, data.collate_completions(d.train[:2], pad_id).to(resolved.device), resolved.device,
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-    return loop.start(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer, d.prompts)
+    s = loop.start(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer, d.prompts)
+    # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
+    s.adapter_off_is_start = False
+    return s
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

@@ -340,3 +340,13 @@ def test_sft_checkpoints_record_its_inputs_and_resume_checks_them(tmp_path, rows
     write_jsonl(prefs, [{**rows[0], "chosen": rows[0]["chosen"] + " Indeed."}, *rows[1:]])
     with pytest.raises(UserError, match="checkpoint-4 was trained on other inputs: data, tokenization changed since"):
         sft.setup(tiny_cfg(tmp_path, dataset=str(prefs), max_steps=4, save_steps=2), progress=False)
+
+
+def test_sft_samples_are_scored_against_their_completions_but_not_as_drift_from_the_base(tmp_path, rows64):
+    """SFT means to move away from its base: its evals log ROUGE-L against the completions, and no KL (the DPO
+    sign's measure), so the drift-from-the-reference sign never judges an SFT run."""
+    cfg = tiny_cfg(tmp_path, dataset=str(rows64), eval_fraction=0.2, eval_steps=1, eval_generations=2,
+                   max_new_tokens=8)
+    sft.run(cfg, progress=False)
+    evals = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if "eval_gen" in x]
+    assert evals and all("eval_gen/rouge_l" in e and "eval_gen/kl" not in e for e in evals)

@@ -150,8 +150,8 @@ class Session:
     world: distributed.World = field(default_factory=distributed.world)  # this process among the launched ones
     scaler: object = None  # float16: torch.amp.GradScaler (devices.grad_scaler); None otherwise
     scaler_skips: int = 0  # updates the scaler skipped (scaled gradients overflowed), in all
-    # The model with its adapter disabled is the run's start, its reference (the samples' KL): not when train
-    # continues an SFT adapter, whose start is base + that adapter
+    # The model with its adapter disabled is the run's start, its reference (the samples' KL is measured): not
+    # when train continues an SFT adapter (its start is base + that adapter), nor in SFT (which means to move)
     adapter_off_is_start: bool = True
 
     def __post_init__(self):  # a new run: the data from its start, the planner's split, an empty window
