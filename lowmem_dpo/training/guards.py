@@ -121,8 +121,8 @@ CHOSEN_FRACTION = 0.5
 # kinds of data (style, correctness, length), a healthy run (learning rate 5e-5) and a damaged one (5e-4) of
 # each; every damaged run warns, no healthy one does, and the tiny demo stays quiet.
 # The answers drifting from the chosen completions: token ROUGE-L F1 against them this far below step 0's, and at
-# most this share of it. Healthy runs: 0.48 -> 0.44, 0.57 -> 0.61, 0.57 -> 0.57 (the demo 0.71 -> 0.61); damaged:
-# 0.48 -> 0.24 (fires at the first eval), 0.57 -> 0.37, 0.57 -> 0.50.
+# most this share of it. Healthy runs: 0.53 -> 0.48, 0.64 -> 0.69, 0.64 -> 0.64 (the demo 0.71 -> 0.61); damaged:
+# 0.53 -> 0.25 (fires at the first eval), 0.64 -> 0.39, 0.64 -> 0.55.
 DRIFT_DROP, DRIFT_FRACTION = 0.1, 0.6
 # The policy's own answers this many nats per token (KL of the policy's next-token distribution from the
 # reference's, along the answer) away from the reference. Healthy: 0.10, 0.01, 0.02 (the demo 0.59); damaged:

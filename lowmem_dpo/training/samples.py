@@ -86,7 +86,9 @@ def generate(model, items: list, tokenizer, max_new_tokens: int, device, dtype,
     samples = []
     for item, ids, text in zip(items, outs, shown or [None] * len(items)):
         chosen = item.chosen_ids if isinstance(item, data.TokenizedPair) else item.completion_ids
-        chosen_ids = chosen[:-1] if chosen and chosen[-1] == tokenizer.eos_token_id else list(chosen)
+        # cut at its end of turn, as the samples are (a chat template may put a newline after it: SmolLM2's does)
+        eos = tokenizer.eos_token_id
+        chosen_ids = list(chosen[:chosen.index(eos)] if eos in chosen else chosen)
         samples.append(Sample(prompt=text if text is not None else tokenizer.decode(item.prompt_ids,
                                                                                      skip_special_tokens=True),
                               completion=tokenizer.decode(ids, skip_special_tokens=True),

@@ -112,3 +112,15 @@ def test_the_best_checkpoint_can_be_the_one_whose_answers_are_closest_to_the_cho
     cfg = load_config("lowmem_dpo:tiny-cpu", ["metric_for_best_model=eval_gen/rouge_l"])
     assert cfg.best_metric_name == G.GEN_ROUGE_L and cfg.best_is_greater is True
     assert load_config("lowmem_dpo:tiny-cpu", ["metric_for_best_model=gen/kl"]).best_is_greater is False
+
+
+def test_the_chosen_answer_is_cut_at_its_end_of_turn_as_the_samples_are(peft_model, tokenizer):
+    """A chat template may put a newline after the end-of-turn token (SmolLM2's "<|im_end|>\\n"): the chosen ids the
+    samples are scored against stop at it, as the greedy samples do."""
+    from lowmem_dpo import data
+
+    eos = tokenizer.eos_token_id
+    item = data.TokenizedPair(row=0, prompt_ids=tokenizer("Write a review.")["input_ids"],
+                              chosen_ids=[5, 6, eos, 7], rejected_ids=[8])
+    sample = samples.generate(peft_model, [item], tokenizer, 4, torch.device("cpu"), torch.float32)[0]
+    assert sample.chosen_ids == [5, 6] and eos not in sample.ids
