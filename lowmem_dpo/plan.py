@@ -135,13 +135,14 @@ def _error_pct(predicted: int, measured: int) -> float:
     return round(100 * (predicted - measured) / measured, 1)
 
 
-def measured_columns(args, cfg: Config, arch: Arch, setup: Setup, budget: int, report: dict, columns: list):
+def measured_columns(args, cfg: Config, arch: Arch, setup: Setup, budget: int, report: dict, columns: list,
+                     reference: bool = True):
     """--measure: run the harness (measure.py); returns (the table's columns, its measured row, the notes), and
     puts the measurements and the errors against the prediction at the measured shapes into `report`."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    stages = ("train", "precompute") if report["precompute"] is not None else ("train",)  # None: no reference
+    stages = ("train", "precompute") if reference else ("train",)  # no reference: no precompute to measure
     if args.slice:
         result = measure.measure_slice(cfg, args.slice, args.steps)
         sliced, measured = result["prediction"], result["measured"]
@@ -212,11 +213,11 @@ def print_prediction(arch: Arch, setup: Setup, pred: Prediction, budget: int, no
     print()
 
 
-def json_report(cfg: Config, arch: Arch, setup: Setup, pred: Prediction, chosen: Plan, budget: int) -> dict:
+def json_report(cfg: Config, arch: Arch, setup: Setup, pred: Prediction, chosen: Plan, budget: int,
+                reference: bool = True) -> dict:
     """--json: the prediction of the recipe as given, the plan and the budget (precompute: null when the loss
     reads no reference)."""
     as_given_offload = stage_stream(arch, setup, pred, "train", budget).cpu_bytes
-    reference = needs_reference(cfg.loss_type)
     return {"model": cfg.model_name_or_path, "arch": dataclasses.asdict(arch), "device": setup.device,
             "device_kind": setup.kind, "budget_bytes": budget, "setup": dataclasses.asdict(setup),
             "train": pred.train.to_json(budget, as_given_offload),
@@ -239,7 +240,7 @@ def main(argv: list[str]) -> int:
     reference = needs_reference(cfg.loss_type)  # SimPO, ORPO: no precompute, no cache, nothing to plan for them
     chosen = choose(arch, setup, budget) if reference else choose(
         arch, setup, budget, tuple(k for k in KNOBS if k != "precompute_batch"), stages=("train",))
-    report = json_report(cfg, arch, setup, pred, chosen, budget)
+    report = json_report(cfg, arch, setup, pred, chosen, budget, reference)
     print_prediction(arch, setup, pred, budget, "" if reference else
                      f"none: loss_type={cfg.loss_type} reads no reference (no precompute, no cache)")
     if arch.context and cfg.max_length > arch.context:
@@ -255,7 +256,7 @@ def main(argv: list[str]) -> int:
     columns = [c for c in columns if reference or not c[0].startswith("precompute")]
     measured_row, notes = None, []
     if args.measure:
-        columns, measured_row, notes = measured_columns(args, cfg, arch, setup, budget, report, columns)
+        columns, measured_row, notes = measured_columns(args, cfg, arch, setup, budget, report, columns, reference)
     print(table(columns, budget, measured_row))
     for note in notes:
         print(note)

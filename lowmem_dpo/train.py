@@ -26,7 +26,7 @@ from lowmem_dpo.data import cache
 from lowmem_dpo.model import adapters, headcheck
 from lowmem_dpo.model.logps import batch_logps
 from lowmem_dpo.objectives.metrics import PAIR_METRICS as METRIC_KEYS
-from lowmem_dpo.objectives.metrics import term_metrics
+from lowmem_dpo.objectives.metrics import term_metric_names
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import log
 from lowmem_dpo.training import guards, inputs, loop, output, policy, resuming
@@ -74,7 +74,7 @@ class StepStats:
 def new_stats(cfg: Config) -> StepStats:
     """Empty sums of every metric this run logs: TRL's, and its terms' own (ORPO's log odds), the same keys on
     every rank (distributed.sum_stats), whatever pairs a rank gets."""
-    return StepStats(sums=dict.fromkeys((*METRIC_KEYS, *term_metrics(cfg.loss_type)), 0.0),
+    return StepStats(sums=dict.fromkeys((*METRIC_KEYS, *term_metric_names(cfg.loss_type)), 0.0),
                      nll_weight=objectives.nll_weight(cfg.loss_terms))
 
 
@@ -121,9 +121,8 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     stats = new_stats(cfg)
     stats.pairs, stats.tokens, stats.chosen_tokens = len(pairs), batch.num_tokens, int(chosen.n_tokens.sum())
     stats.rejected_tokens = int(rejected.n_tokens.sum())
-    nll = chosen.logps if chosen.prompt_logps is None else chosen.logps + chosen.prompt_logps  # (B,)
-    stats.nll = -nll.detach().sum().item()
-    stats.nll_tokens = stats.chosen_tokens + (0 if chosen.prompt_tokens is None else int(chosen.prompt_tokens.sum()))
+    nll, nll_tokens = x.nll_logps()  # (B,) each
+    stats.nll, stats.nll_tokens = -nll.detach().sum().item(), int(nll_tokens.sum())
     s = stats.sums
     s["loss"] += losses.detach().sum().item()
     s["rewards/chosen"] += r_chosen.sum().item()
@@ -271,7 +270,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
                 "run's own")
     s = loop.start(cfg, resolved, model, d.train, pad_id, DPO(cfg, ref, eval_ref, shared), resume, trains_on, d.eval,
                    ins.tokenizer, d.prompts)
-    s.adapter_off_is_start = ins.source.adapter_path is None or cfg.adapter_mode != "continue"
+    s.adapter_off_is_start = adapters.adapter_off_is_start(cfg, ins.source)
     return s
 
 

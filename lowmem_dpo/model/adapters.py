@@ -69,6 +69,12 @@ def reference_model(base: torch.nn.Module, source: ModelSource) -> torch.nn.Modu
     return model
 
 
+def adapter_off_is_start(cfg: Config, source: ModelSource) -> bool:
+    """Whether the trained model with its adapter disabled is where the run starts (its reference): not when it
+    continues an SFT adapter, whose start is base + that adapter."""
+    return source.adapter_path is None or cfg.adapter_mode != "continue"
+
+
 def check_mode(cfg: Config, source: ModelSource, quantization: str, reference: bool = True) -> None:
     """Before anything loads: the adapter_mode (and, for a stage with a reference, ref_source) settings that
     cannot work with this source."""
@@ -82,7 +88,7 @@ def check_mode(cfg: Config, source: ModelSource, quantization: str, reference: b
                         "start from a different model than the cached reference and lose the adapter's precision. "
                         "Use adapter_mode=continue (trains the SFT adapter itself on the quantized base), or "
                         "quantization=none")
-    if reference and cfg.ref_source == "live" and cfg.adapter_mode == "continue":
+    if reference and cfg.ref_source == "live" and not adapter_off_is_start(cfg, source):
         raise UserError("ref_source=live with adapter_mode=continue: the live reference is the model with its "
                         "adapter off, which is the base without the SFT adapter, not the SFT model. Use "
                         "ref_source=cache (python -m lowmem_dpo.precompute first)")

@@ -78,8 +78,7 @@ def per_token_loss(x: PairLogps, terms: list[tuple[str, float]], nll_tokens: int
     weight = nll_weight(terms)
     if weight is None:
         return 0
-    chosen = x.chosen if x.chosen_prompt is None else x.chosen + x.chosen_prompt  # (B,)
-    return weight * (-chosen / max(1, nll_tokens)).sum()
+    return weight * (-x.nll_logps()[0] / max(1, nll_tokens)).sum()
 
 
 def primary(loss_types) -> Objective:

@@ -54,7 +54,7 @@ def eval_name(name: str) -> str:
     return f"eval_{name}"
 
 
-def term_metrics(loss_types) -> tuple[str, ...]:
+def term_metric_names(loss_types) -> tuple[str, ...]:
     """The metrics of kind term that a run of `loss_types` logs (its objectives' own)."""
     return tuple(m.name for m in METRICS if m.kind == "term" and set(m.logged_by) & set(loss_types))
 
@@ -62,7 +62,7 @@ def term_metrics(loss_types) -> tuple[str, ...]:
 def logged(name: str, loss_types, nll: bool) -> bool:
     """Whether a run of `loss_types` logs metric `name` (nll: its loss has an NLL term, objectives.nll_weight)."""
     m = next(m for m in METRICS if m.name == name)
-    return name in term_metrics(loss_types) if m.kind == "term" else nll if m.kind == "nll" else True
+    return name in term_metric_names(loss_types) if m.kind == "term" else nll if m.kind == "nll" else True
 
 
 def train_key(m: Metric) -> str | None:

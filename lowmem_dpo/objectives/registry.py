@@ -38,6 +38,13 @@ class PairLogps:
         """log pi/ref of the chosen and of the rejected completion, (B,) each."""
         return self.chosen - self.ref_chosen, self.rejected - self.ref_rejected
 
+    def nll_logps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-prob sums the chosen NLL is over and their token counts, (B,) each: the chosen completions, with
+        chosen_prompt their prompts too (ORPO's NLL, as TRL's)."""
+        if self.chosen_prompt is None:
+            return self.chosen, self.chosen_tokens
+        return self.chosen + self.chosen_prompt, self.chosen_tokens + self.chosen_prompt_tokens
+
     def per_token(self, chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`chosen` and `rejected` (B,) divided by their completions' token counts (at least 1), as TRL does."""
         return (chosen / self.chosen_tokens.clamp(min=1).to(chosen.dtype),
