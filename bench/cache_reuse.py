@@ -1,13 +1,14 @@
-"""The reference cache keyed by row content, against a full rebuild: what each change of the data costs.
+"""The reference cache keyed by sequence content, against a full rebuild: what each change of the data costs.
 
     python bench/cache_reuse.py [--rows 2000] [--device cpu] [--no-trl] [--json bench/results/cache_reuse.json]
     python bench/cache_reuse.py --smoke      # 44 short rows on the tiny model: the flow, in seconds
 
 On lowmem_dpo:llama-25m (bench/recipes/llama-25m-cpu.yaml: dtype auto, max_length 256, batch 8) with --rows rows
 of bench/make_data.py's reviews (~230 tokens each, nothing cut), each scenario is one precompute.run on the cache
-the scenario before left, timed in this process from the call to its return (tokenization, row lookups, the
-model's load and forwards of the rows it computes, the preflight report; not the built-in model's first build
-or the first hashing of its files, done before):
+the scenario before left, timed in this process from the call to its return (tokenization, sequence lookups,
+the model's load and forwards of the sequences it computes, the preflight report; not the built-in model's first
+build or the first hashing of its files, done before). Ours counts sequences (a prompt and one completion: a pair
+is two, a completion several pairs share is one); TRL's counts rows (pairs):
 
   full              the rows, an empty cache: T
   10% new rows      the same rows and 10% more                       goal <= 0.15 T, computes only the new rows
@@ -97,10 +98,12 @@ def run_ours(work: Path, rows: list[dict], other: list[dict], device: str, smoke
         precompute.run(cfg, progress=False)
         wall = time.perf_counter() - t0
         build = json.loads((cache_dir / precompute.BUILD).read_text())
-        out.append({"scenario": name, "rows": build["computed"] + build["reused"], "computed": build["computed"],
-                    "reused": build["reused"], "wall_s": round(wall, 3), "forward_s": build["compute_s"]})
-        print(f"ours  {name:18s} computed {build['computed']:5d} reused {build['reused']:5d}  {wall:8.2f} s",
-              flush=True)
+        # counts in sequences (build.json's): a pair is two
+        out.append({"scenario": name, "sequences": build["computed"] + build["reused"],
+                    "computed": build["computed"], "reused": build["reused"], "wall_s": round(wall, 3),
+                    "forward_s": build["compute_s"]})
+        print(f"ours  {name:18s} computed {build['computed']:5d} reused {build['reused']:5d} sequences  "
+              f"{wall:8.2f} s", flush=True)
     full = out[0]["wall_s"]
     for r in out:
         r["of_full"] = round(r["wall_s"] / full, 4)
@@ -121,22 +124,25 @@ def run_trl(work: Path, rows: list[dict], device: str, smoke: bool) -> list[dict
                      smoke)
         result = trl_step.bench_trl(cfg, device, steps=1, warmup=0, trl_sets={}, setup="best")
         (pre,) = [p for p in result["reference_precompute"] if p["dataset"] == "train"]
+        # counts in rows (pairs): TRL computes a row's chosen and rejected together
         out.append({"scenario": name, "rows": pre["rows"], "computed": pre["rows"], "precompute_s": pre["seconds"]})
-        print(f"trl   {name:18s} computed {pre['rows']:5d}             {pre['seconds']:8.2f} s", flush=True)
+        print(f"trl   {name:18s} computed {pre['rows']:5d} rows                     {pre['seconds']:8.2f} s",
+              flush=True)
     return out
 
 
 def table(ours: list[dict], trl: list[dict]) -> str:
-    """Markdown: each change, ours against the full build, and TRL's precompute (measured for the full build and
-    the reordered rows; the other changes give its cache a new fingerprint too: its full build again, marked *)."""
+    """Markdown: each change, ours against the full build (sequences: a pair is two), and TRL's precompute
+    (measured for the full build and the reordered rows, every row computed; the other changes give its cache a
+    new fingerprint too: its full build again, marked *)."""
     trl_by = {r["scenario"]: r["precompute_s"] for r in trl}
-    lines = ["| change | rows | computed | reused | ours s | of our full build | goal | TRL precompute s |",
+    lines = ["| change | sequences | computed | reused | ours s | of our full build | goal | TRL precompute s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in ours:
         measured = trl_by.get(r["scenario"])
         trl_s = "" if not trl_by else f"{measured:.1f}" if measured is not None else f"{trl_by['full']:.1f}*"
         goal = "" if r["goal"] is None else f"<= {r['goal']} ({'met' if r['meets_goal'] else 'MISSED'})"
-        lines.append(f"| {r['scenario']} | {r['rows']} | {r['computed']} | {r['reused']} | {r['wall_s']:.2f} | "
+        lines.append(f"| {r['scenario']} | {r['sequences']} | {r['computed']} | {r['reused']} | {r['wall_s']:.2f} | "
                      f"{r['of_full']:.3f} | {goal} | {trl_s} |")
     return "\n".join(lines)
 

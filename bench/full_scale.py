@@ -13,7 +13,7 @@
    gradient checkpointing on, 1 pair per micro-batch, LoRA r 8 on all linear layers, the reference as the cache)
    and, each stage in a fresh process so that its peaks are its own:
      plan        python -m lowmem_dpo.plan RECIPE --json: the planner's predicted peaks;
-     precompute  lowmem_dpo.precompute's CLI (from an empty cache): rows/s, load time, peaks;
+     precompute  lowmem_dpo.precompute's CLI (from an empty cache): sequences/s, load time, peaks;
      train       lowmem_dpo.train's CLI (max_steps --steps, one pair each): step times, load time, peaks;
    the stage CLIs run under `python bench/full_scale.py --stage STAGE RECIPE OUT`, which adds the planner's
    tensor meter (with --plain: `python -m lowmem_dpo.STAGE RECIPE`, RSS only). The matmul FLOP/s of this CPU in
@@ -84,14 +84,16 @@ METHOD = {
         "planned_vs_tensor_peak_pct = (planned - tensor peak) / tensor peak. The profiler slows each op by "
         "microseconds (visible only on tiny models); --plain runs the stages without it.",
     "load_s": "from the stage's log line before its model load to the first output after it (precompute: "
-        "'precompute: N rows on ...' to its progress bar's first render; train: the 'model: ...' line to the "
+        "'precompute: N sequences on ...' to its progress bar's first render; train: the 'model: ...' line to the "
         "first 'resolved ...' line, so it includes the few rows' tokenization, the LoRA wrap and the optimizer), "
         "timed as the lines arrive. bf16 weights are memory-mapped: their pages are read at the first forward, "
         "not in load_s. 4bit quantizes every decoder Linear on the CPU while loading. The run's load_s is "
         "precompute's.",
-    "rows_per_s": "precompute's rows (pairs) / seconds from the end of its load to its 'computed N rows' "
-        f"line ({PRECOMPUTE_ROWS} pairs in one batch of {PRECOMPUTE_ROWS}); build_rows_per_s is the stage's "
-        "own figure, its forwards only (ref_cache_dir/build.json, rounded to 3 decimals).",
+    "sequences_per_s": "precompute's sequences (prompt + one completion: a pair is two) / seconds from the end "
+        f"of its load to its 'computed N sequences' line (the data's max({PRECOMPUTE_ROWS}, --steps) rows: twice "
+        f"that many sequences, {PRECOMPUTE_ROWS} pairs per forward); build_sequences_per_s is the stage's own "
+        "figure, its forwards only (ref_cache_dir/build.json, rounded to 3 decimals). Results from before the "
+        "reference cache was keyed per sequence have rows_per_s and build_rows_per_s instead: pairs/s.",
     "median_step_s": "median over the --steps steps of metrics.jsonl step_time_s (train's own wall time of "
         "loop.optimizer_step: forward, DPO loss against the cached reference, backward, clip, AdamW; "
         "logging_steps 1). Step 1 includes first-touch page faults of the weights.",
@@ -387,10 +389,10 @@ def precompute_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bo
     from lowmem_dpo.data import cache
 
     cache_dir, meter_json = run_dir / "ref-cache", run_dir / "precompute-meter.json"
-    shutil.rmtree(cache_dir, ignore_errors=True)  # from scratch: rows/s of a real build
+    shutil.rmtree(cache_dir, ignore_errors=True)  # from scratch: sequences/s of a real build
     meter_json.unlink(missing_ok=True)
     stage = Stage(stage_argv("precompute", recipe, meter_json, plain), run_dir / "precompute.log",
-                  lambda s: s.startswith("precompute: ") and " rows on " in s,
+                  lambda s: s.startswith("precompute: ") and (" rows on " in s or " sequences on " in s),
                   lambda s: s.startswith("precompute:") and "%|" in s)  # its progress bar, not the load's
     out = stage.run()
     add_planned(out, planned)
@@ -398,17 +400,17 @@ def precompute_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bo
     if out["exit_code"] != 0:
         return out
     build = json.loads((cache_dir / precompute.BUILD).read_text())
-    rows = build["computed"]
-    end = first_time(stage, lambda s: s.startswith(f"computed {rows} rows"))
+    sequences = build["computed"]
+    end = first_time(stage, lambda s: s.startswith(f"computed {sequences} sequences"))
     load_end = stage.marks.get("load_end")
-    out["rows"] = rows
-    out["build_rows_per_s"] = build["rows_per_s"]
-    out["rows_per_s"] = (round(rows / (end - load_end), 4) if rows and end and load_end and end > load_end
-                         else build["rows_per_s"])
+    out["sequences"] = sequences
+    out["build_sequences_per_s"] = build["sequences_per_s"]
+    out["sequences_per_s"] = (round(sequences / (end - load_end), 4) if sequences and end and load_end and
+                              end > load_end else build["sequences_per_s"])
     with cache.open_store(cache_dir) as store:
         values = store.values(store.side(build["model_side"]))
-    logps = torch.tensor([[v.chosen, v.rejected] for v in values], dtype=torch.float64)  # (rows, 2)
-    n_tokens = sum(v.chosen_tokens + v.rejected_tokens for v in values)
+    logps = torch.tensor([v.logps for v in values], dtype=torch.float64)  # (sequences,)
+    n_tokens = sum(v.tokens for v in values)
     out["ref_logps_finite"] = bool(torch.isfinite(logps).all())
     out["ref_logp_per_token"] = round(float(logps.sum() / max(1, n_tokens)), 4)
     return out
@@ -529,7 +531,7 @@ def bench_run(name: str, model_dir: Path, data: Path, work: Path, args, params: 
         if "error" in pre:
             log(f"[{name}] precompute failed: {pre['error']}")
             return run
-        log(f"[{name}] precompute: {pre['rows_per_s']} rows/s, peak {fmt(pre['measured_peak_bytes'])}")
+        log(f"[{name}] precompute: {pre['sequences_per_s']} sequences/s, peak {fmt(pre['measured_peak_bytes'])}")
         log(f"[{name}] train, {args.steps} steps ({run_dir / 'train.log'})")
         run["train"] = train = train_stage(recipe, run_dir, plan.get("train_peak_bytes"), args.plain)
         if run["load_s"] is None:
@@ -555,13 +557,13 @@ def table(runs: list[dict]) -> str:
     def num(v, f="{:.3g}"):
         return f.format(v) if isinstance(v, (int, float)) else "-"
 
-    head = (f"{'run':6}{'params':>8}{'load_s':>8} | {'pre rows/s':>10}{'planned':>11}{'measured':>11}{'err%':>7} | "
+    head = (f"{'run':6}{'params':>8}{'load_s':>8} | {'pre seq/s':>10}{'planned':>11}{'measured':>11}{'err%':>7} | "
             f"{'step_s':>8}{'vs mm':>7}{'planned':>11}{'measured':>11}{'err%':>7}")
     lines = [head, "-" * len(head)]
     for r in runs:
         p, t = r.get("precompute", {}), r.get("train", {})
         lines.append(f"{r['run']:6}{r['params'] / 1e9:>7.2f}B{num(r.get('load_s'), '{:.1f}'):>8} | "
-                     f"{num(p.get('rows_per_s')):>10}{size(p.get('planned_peak_bytes')):>11}"
+                     f"{num(p.get('sequences_per_s')):>10}{size(p.get('planned_peak_bytes')):>11}"
                      f"{size(p.get('measured_peak_bytes')):>11}{num(p.get('planned_vs_measured_pct'), '{:+.1f}'):>7} | "
                      f"{num(t.get('median_step_s'), '{:.2f}'):>8}{num(t.get('step_vs_matmul_peak'), '{:.3f}'):>7}"
                      f"{size(t.get('planned_peak_bytes')):>11}{size(t.get('measured_peak_bytes')):>11}"

@@ -2,11 +2,12 @@
 
     python bench/step_time.py RECIPE.yaml --devices cpu --steps N --json OUT   # runs these per device
 
-1. `precompute_vs_bare_forward`: precompute's own code path (`precompute.rows_logps`: collate, forward under
-   the reference's autocast, completion log-probs, copies to the CPU) against a bare
-   `model(input_ids, attention_mask).logits` of the same loaded model over the same batches (pre-collated, same
-   inference mode and autocast). Rows/s ours / rows/s bare; the goal is >= 0.9 (>= 1.3 on prompt-heavy data,
-   where each prompt once pays off: step_time.py --precompute-goal).
+1. `precompute_vs_bare_forward`: precompute's own code path over the data's sequences (`precompute.units_logps`
+   on `forward_units` sorted `by_length`: collate, forward under the reference's autocast, completion log-probs,
+   copies to the CPU) against a bare `model(input_ids, attention_mask).logits` of the same loaded model over the
+   same sequences in the same batches (pre-collated one sequence per row, same inference mode and autocast).
+   Sequences/s ours / sequences/s bare; the goal is >= 0.9 (>= 1.3 on prompt-heavy data, where each prompt once
+   pays off: step_time.py --precompute-goal).
 2. `matmul_peak`: dense `torch.mm` FLOP/s of square matrices (and one matmul of the model's own MLP shape) in
    bfloat16 and float32 on the same threads, median over repeats.
 3. `train_step_flops`: the FLOPs of `loop.optimizer_step` counted by `torch.utils.flop_counter.FlopCounterMode`
@@ -30,8 +31,9 @@ def _sync(device: torch.device) -> None:
 
 # -- 1. precompute against a bare forward -------------------------------------------------------------------------
 def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
-    """Rows/s of `precompute.rows_logps` and of a bare forward over precompute's batches, timed batch by batch
-    back to back (the order alternates between repeats), after one untimed batch of each."""
+    """Sequences/s of `precompute.units_logps` and of a bare forward over precompute's batches (the same
+    sequences), timed batch by batch back to back (the order alternates between repeats), after one untimed batch
+    of each."""
     from lowmem_dpo import data, precompute
     from lowmem_dpo.model import headcheck
     from lowmem_dpo.runtime import devices
@@ -39,22 +41,28 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
 
     resolved = devices.resolve(cfg)
     ins = inputs.prepare(cfg, resolved)
-    tok = inputs.tokenized(cfg, ins.tokenizer, progress=False)
-    bs = cfg.precompute_batch_size
-    # precompute's batches: longest rows first, cut into batches within each commit's rows
-    order = precompute.by_length(tok.pairs)
-    commits = [order[i:i + cfg.cache_shard_rows] for i in range(0, len(order), cfg.cache_shard_rows)]
-    batches = [rows[i:i + bs] for rows in commits for i in range(0, len(rows), bs)]
-    model, _ = precompute.load_model(cfg, resolved, ins, len(order))  # as precompute loads it
+    d = inputs.load_data(cfg, ins.tokenizer, progress=False)
+    seqs = list(d.sequences().values())  # what precompute computes from an empty cache: each sequence once
+    pairs = d.tok.pairs
+    bs = cfg.precompute_batch_size  # in pairs
+    model, _ = precompute.load_model(cfg, resolved, ins, len(seqs))  # as precompute loads it
     pad_id = data.pad_token_id(ins.tokenizer)
-    collated = [data.collate(b, pad_id).to(resolved.device) for b in batches]
     device = resolved.device
     # As precompute decides it: each prompt once where the device rule and the model allow (share_prompt).
-    shared = headcheck.decide_sharing(model, tok.pairs, pad_id, resolved, resolved.ref_dtype, cfg.share_prompt,
+    shared = headcheck.decide_sharing(model, pairs, pad_id, resolved, resolved.ref_dtype, cfg.share_prompt,
                                       cfg.max_length)
+    # precompute's batches: forward units longest first, cut into batches within each commit's units; a pair is
+    # one shared unit or two unshared ones (precompute.chunk_with_backoff)
+    per_batch = bs * (1 if shared else 2)
+    order = precompute.by_length(precompute.forward_units(precompute.pairs_of(d), d.keys("train") + d.keys("eval"),
+                                                          None, shared))
+    commits = [order[i:i + cfg.cache_shard_rows] for i in range(0, len(order), cfg.cache_shard_rows)]
+    batches = [units[i:i + per_batch] for units in commits for i in range(0, len(units), per_batch)]
+    # the bare forward: the same sequences of each batch, one per row (the prompt in every row)
+    collated = [data.collate_completions([s for u in b for s in u], pad_id).to(device) for b in batches]
 
     def ours(k: int) -> None:
-        precompute.rows_logps(model, batches[k], bs, pad_id, resolved, shared=shared)
+        precompute.units_logps(model, batches[k], per_batch, pad_id, resolved, shared=shared)
 
     @torch.inference_mode()
     def bare(k: int) -> None:
@@ -70,7 +78,7 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
 
     ours(0)
     bare(0)
-    rows = sum(len(b) for b in batches)
+    sequences = sum(len(u) for b in batches for u in b)
     per_repeat = []
     for r in range(repeats):
         t_ours = t_bare = 0.0
@@ -81,26 +89,27 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
             else:
                 t_bare += timed(bare, k)
                 t_ours += timed(ours, k)
-        per_repeat.append((rows / t_ours, rows / t_bare))
-    ours_rps = statistics.median(o for o, _ in per_repeat)
-    bare_rps = statistics.median(b for _, b in per_repeat)
+        per_repeat.append((sequences / t_ours, sequences / t_bare))
+    ours_sps = statistics.median(o for o, _ in per_repeat)
+    bare_sps = statistics.median(b for _, b in per_repeat)
     return {
-        "rows": rows,
+        "sequences": sequences,
         "batches": len(batches),
         "batch_pairs": bs,
+        "batch_units": per_batch,
         "dtype": devices.dtype_name(resolved.ref_dtype),
         "repeats": repeats,
-        "ours": "precompute.rows_logps per batch: collate, forward (LM head on completion positions only), "
-                "log-probs, .cpu()" + ("; each prompt once (share_prompt)" if shared else ""),
+        "ours": "precompute.units_logps per batch of forward units: collate, forward (LM head on completion "
+                "positions only), log-probs, .cpu()" + ("; each prompt once (share_prompt)" if shared else ""),
         "share_prompt": shared,
-        "bare": "model(input_ids, attention_mask).logits on pre-collated batches (full-vocabulary LM head), "
-                "inference_mode + the same autocast",
-        "ours_rows_per_s": round(ours_rps, 3),
-        "bare_rows_per_s": round(bare_rps, 3),
+        "bare": "model(input_ids, attention_mask).logits on the same sequences pre-collated one per row "
+                "(full-vocabulary LM head), inference_mode + the same autocast",
+        "ours_sequences_per_s": round(ours_sps, 3),
+        "bare_sequences_per_s": round(bare_sps, 3),
         "per_repeat_ratio": [round(o / b, 4) for o, b in per_repeat],
-        "ratio": round(ours_rps / bare_rps, 4),
+        "ratio": round(ours_sps / bare_sps, 4),
         "goal": goal,
-        "meets_goal": ours_rps / bare_rps >= goal,
+        "meets_goal": ours_sps / bare_sps >= goal,
     }
 
 

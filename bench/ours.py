@@ -39,20 +39,20 @@ def bench_precompute(cfg, device: str, reuse: bool) -> dict:
         synchronize(device)
         wall = time.perf_counter() - t0
     after = json.loads(build.read_text())
-    # with --reuse-cache a cache holding every row is kept: precompute.run computes nothing, and the rows/s are
-    # those of the earlier build
+    # with --reuse-cache a cache holding every sequence is kept: precompute.run computes nothing, and the
+    # sequences/s are those of the earlier build
     rebuilt = after["computed"] > 0
-    rows = after["computed"] + after["reused"]
+    sequences = after["computed"] + after["reused"]
     return {
         "cache_dir": str(cache_dir),
         "rebuilt": rebuilt,
-        "rows": rows,
+        "sequences": sequences,
         "batch_size": cfg.precompute_batch_size,
-        # rows_per_s: the forward loop only, as precompute records it in build.json (model load, hashing and
-        # tokenization excluded). rows_per_s_wall: the whole precompute.run call.
-        "rows_per_s": after["rows_per_s"] if rebuilt else (before or {}).get("rows_per_s"),
+        # sequences_per_s: the forward loop only, as precompute records it in build.json (model load, hashing and
+        # tokenization excluded); a pair is two sequences. sequences_per_s_wall: the whole precompute.run call.
+        "sequences_per_s": after["sequences_per_s"] if rebuilt else (before or {}).get("sequences_per_s"),
         "wall_s": round(wall, 3),
-        "rows_per_s_wall": round(after["computed"] / wall, 3) if wall > 0 and rebuilt else None,
+        "sequences_per_s_wall": round(after["computed"] / wall, 3) if wall > 0 and rebuilt else None,
         "peak_memory": pm.result, "peak_mem_bytes": pm.result.get("peak_bytes"),
     }
 

@@ -24,6 +24,22 @@ RATIOS = (
 )
 
 
+def rate(d: dict, prefix: str = "", suffix: str = "", spec: str = "") -> tuple[str, bool]:
+    """d's `{prefix}sequences_per_s{suffix}` formatted with `spec`, and False; a result measured before the
+    reference cache was keyed per sequence has `{prefix}rows_per_s{suffix}` instead (a cache row was a pair):
+    that one labelled pairs/s, and True."""
+    new, old = f"{prefix}sequences_per_s{suffix}", f"{prefix}rows_per_s{suffix}"
+    if new in d or old not in d:
+        value = d.get(new)
+        return ("-" if value is None else format(value, spec)), False
+    value = d[old]
+    return ("-" if value is None else f"{format(value, spec)} pairs/s"), True
+
+
+OLD_RATES = ("pairs/s: a result measured before the reference cache was keyed per sequence, in its cache rows "
+             "(one pair each; a pair is two sequences)")
+
+
 def ratio_notes(dev: str, r: dict) -> list[str]:
     """One line per ratio the device's run holds: ours / TRL median step against its target."""
     notes = []
@@ -41,9 +57,9 @@ def markdown(report: dict) -> str:
              f"transformers {report['machine']['transformers']}, peft {report['machine']['peft']}, "
              f"trl {report['machine']['trl']}", "",
              "| device | implementation | median step s | min s | max s | tokens/s | peak mem MiB (delta) | "
-             "precompute rows/s |",
+             "precompute sequences/s |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
-    notes = []
+    notes, old_rates = [], False
     for dev, r in report["devices"].items():
         if not r.get("available") or "error" in r:
             status, why = ("not available", r.get("reason")) if not r.get("available") else ("failed", r["error"])
@@ -60,12 +76,16 @@ def markdown(report: dict) -> str:
                 notes.append(f"{dev} {label}: {s['error']}")
                 continue
             pm = s["peak_memory"]
-            wall = f"{pre['rows_per_s_wall']} wall" if pre["rebuilt"] else "cache reused: an earlier build's"
-            pre_col = (f"{pre['rows_per_s']} ({wall})" if name == "ours" else "-")
+            (forward, old), (wall, _) = rate(pre), rate(pre, suffix="_wall")
+            wall = f"{wall} wall" if pre["rebuilt"] else "cache reused: an earlier build's"
+            pre_col = (f"{forward} ({wall})" if name == "ours" else "-")
+            old_rates |= old and name == "ours"
             lines.append(f"| {dev} | {label} | {s['median_step_s']:.3f} | {s['min_step_s']:.3f} | {s['max_step_s']:.3f} | "
                          f"{s['tokens_per_s']:,.0f} | {_mib(pm['peak_bytes'])} ({_mib(pm['peak_delta_bytes'])}) | "
                          f"{pre_col} |")
         notes += ratio_notes(dev, r)
+    if old_rates:
+        notes.append(OLD_RATES)
     lines.append("")
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines + limits_table(report)) + "\n"
@@ -79,11 +99,11 @@ def limits_table(report: dict) -> list[str]:
     """Precompute against a bare forward, and the train step's counted FLOP/s against the matmul peak."""
     goals = {r["precompute_vs_bare_forward"].get("goal", 0.9) for r in report["devices"].values()
              if r.get("precompute_vs_bare_forward")} or {0.9}
-    lines = ["", f"| device | precompute rows/s (rows_logps) | bare forward rows/s | precompute / bare (goal >= "
-             f"{max(goals):g}) "
+    lines = ["", "| device | precompute sequences/s (units_logps) | bare forward sequences/s | precompute / bare "
+             f"(goal >= {max(goals):g}) "
              "| step GFLOP (counted) | step GFLOP/s | matmul GFLOP/s bf16 / fp32 | step / matmul (dtype) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    rows = 0
+    rows, old_rates = 0, False
     for dev, r in report["devices"].items():
         vs, step, peak = r.get("precompute_vs_bare_forward"), r.get("train_step_vs_matmul_peak"), r.get("matmul_peak")
         if not (vs or step):
@@ -91,9 +111,12 @@ def limits_table(report: dict) -> list[str]:
         rows += 1
         if vs and "error" in vs:
             pre = "failed | - | -"
+        elif vs:
+            (ours, old), (bare, _) = rate(vs, "ours_", spec=".1f"), rate(vs, "bare_", spec=".1f")
+            pre = f"{ours} | {bare} | {vs['ratio']:.2f}"
+            old_rates |= old
         else:
-            pre = (f"{vs['ours_rows_per_s']:.1f} | {vs['bare_rows_per_s']:.1f} | {vs['ratio']:.2f}" if vs
-                   else "- | - | -")
+            pre = "- | - | -"
         if step:
             flops = r["ours"]["flops"]
             per_step = statistics.median(flops["flops_per_step"])
@@ -107,9 +130,11 @@ def limits_table(report: dict) -> list[str]:
         lines.append(f"| {dev} | {pre} | {train} |")
     if not rows:
         return []
-    return lines + ["", "- precompute / bare: rows/s of precompute.rows_logps over precompute's batches against a "
-                    "bare `model(input_ids, attention_mask).logits` of the same model on the same batches "
-                    "(medians of repeats, timed back to back).",
+    old = [f"- {OLD_RATES}; there precompute / bare is precompute.rows_logps against a bare forward of the "
+           "same pairs."] if old_rates else []
+    return lines + ["", "- precompute / bare: sequences/s of precompute.units_logps over precompute's batches "
+                    "against a bare `model(input_ids, attention_mask).logits` of the same model on the same "
+                    "sequences, one per row (medians of repeats, timed back to back)."] + old + [
                     "- step GFLOP: FlopCounterMode over loop.optimizer_step (matmuls and attention only); "
                     "step GFLOP/s = counted FLOPs per token x median tokens per step / median step s; matmul GFLOP/s: the "
                     "fastest median of torch.mm over square and model-shaped matrices; back to back: the "

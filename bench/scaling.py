@@ -1,11 +1,11 @@
-"""Precompute rows/s and train pairs/s by process count, each count started with torchrun as a user starts it.
+"""Precompute sequences/s and train pairs/s by process count, each count started with torchrun as a user starts it.
 
     python bench/scaling.py bench/recipes/llama-25m-cpu.yaml --procs 1,2 --steps 8 --json bench/out/scaling.json
 
 Each run gets the machine's cores split between its processes (OMP_NUM_THREADS = cores / processes), so the
 1-process run uses every core too. per_device_train_batch_size stays as the recipe says, as transformers counts
-it: N processes train on N times the pairs per step. Precompute's rows/s is build.json's (the forwards of the
-whole build, every process's blocks of rows); train's pairs/s is the step's pairs over the median step time of the
+it: N processes train on N times the pairs per step. Precompute's sequences/s is build.json's (the forwards of the
+whole build, every process's blocks of sequences; a pair is two); train's pairs/s is the step's pairs over the median step time of the
 steps after the first (metrics.jsonl's step_time_s, rank 0's clock after the gradient sum). On one machine's CPU
 cores, processes only split the same cores: expect little or no gain here; the point is GPUs, one per process.
 """
@@ -57,8 +57,8 @@ def measure(recipe: str, procs: int, steps: int, work: Path, shard_rows: int) ->
     cfg = load_config(recipe, base)
     pairs_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * procs
     step = statistics.median(times)
-    return {"processes": procs, "threads_per_process": threads, "precompute_rows": build["computed"],
-            "precompute_rows_per_s": build["rows_per_s"], "train_pairs_per_step": pairs_per_step,
+    return {"processes": procs, "threads_per_process": threads, "precompute_sequences": build["computed"],
+            "precompute_sequences_per_s": build["sequences_per_s"], "train_pairs_per_step": pairs_per_step,
             "train_step_s": round(step, 4), "train_pairs_per_s": round(pairs_per_step / step, 3)}
 
 
@@ -67,17 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("recipe")
     ap.add_argument("--procs", default="1,2", help="process counts, comma-separated")
     ap.add_argument("--steps", type=int, default=8, help="train steps per run (the first is not counted)")
-    ap.add_argument("--shard-rows", type=int, default=12, help="cache_shard_rows: a block of rows is one process's "
-                    "unit of precompute work, so the rows must make several blocks per process")
+    ap.add_argument("--shard-rows", type=int, default=12, help="cache_shard_rows: a block of that many sequences is one "
+                    "process's unit of precompute work, so the data must make several blocks per process")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     ensure_dataset(load_config(args.recipe))
     work = REPO / "bench" / "out" / "scaling"
     rows = [measure(args.recipe, int(n), args.steps, work, args.shard_rows) for n in args.procs.split(",")]
-    print("| processes | threads each | precompute rows/s | train pairs/step | train s/step | train pairs/s |")
+    print("| processes | threads each | precompute sequences/s | train pairs/step | train s/step | train pairs/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['processes']} | {r['threads_per_process']} | {r['precompute_rows_per_s']} | "
+        print(f"| {r['processes']} | {r['threads_per_process']} | {r['precompute_sequences_per_s']} | "
               f"{r['train_pairs_per_step']} | {r['train_step_s']} | {r['train_pairs_per_s']} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

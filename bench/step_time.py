@@ -5,7 +5,7 @@
         [--target-vs-best X] [--limit-repeats R] [--flop-steps K] [--threads T] [--reuse-cache]
 
 Run from the repository root (recipe paths are relative to it). Per device in --devices:
-  1. precompute: `lowmem_dpo.precompute.run(cfg)` builds the reference cache (rows/s; an existing cache for the
+  1. precompute: `lowmem_dpo.precompute.run(cfg)` builds the reference cache (sequences/s; an existing cache for the
      device is removed first unless --reuse-cache);
   2. ours: W warm-up + N timed optimizer steps of lowmem_dpo.train's step (train_step, clip_grad_norm_, AdamW
      step, scheduler step, zero_grad), each timed with perf_counter (torch.cuda.synchronize on CUDA);
@@ -13,7 +13,7 @@ Run from the repository root (recipe paths are relative to it). Per device in --
      W + N steps, each timed by a TrainerCallback (on_step_begin..on_step_end), twice: with its DPOConfig
      defaults (--trl-set changes them) and at its best (trl_step.best_settings: precomputed reference, no
      checkpointing, bf16 where native; --trl-best-set changes them); ours / each is a ratio in the report;
-  4. against the machine (bench/limits.py): precompute's rows/s against a bare forward over the same batches
+  4. against the machine (bench/limits.py): precompute's sequences/s against a bare forward over the same sequences
      (R repeats), K train steps' FLOPs counted and set against the measured bf16/fp32 matmul FLOP/s.
 Devices that are not present are reported as {"available": false, "reason": ...}.
 
@@ -97,8 +97,8 @@ def precompute_limit(out: dict, cfg, device: str, repeats: int, goal: float = 0.
                      lambda: limits.precompute_vs_bare_forward(cfg, repeats, goal))
     out["precompute_vs_bare_forward"] = vs
     if ok:
-        log(f"[{device}] precompute {vs['ours_rows_per_s']} rows/s, bare forward {vs['bare_rows_per_s']} "
-            f"rows/s: ratio {vs['ratio']}")
+        log(f"[{device}] precompute {vs['ours_sequences_per_s']} sequences/s, bare forward "
+            f"{vs['bare_sequences_per_s']} sequences/s: ratio {vs['ratio']}")
     release_freed_memory()
 
 
@@ -129,7 +129,8 @@ def bench_device(device: str, args) -> dict:
                  "torch_threads": torch.get_num_threads()}
     log(f"[{device}] precompute ({'reuse' if args.reuse_cache else 'fresh'} cache in {cfg.ref_cache_dir})")
     out["precompute"] = bench_precompute(cfg, device, args.reuse_cache)
-    log(f"[{device}] precompute: {out['precompute']['rows']} rows, {out['precompute']['rows_per_s']} rows/s")
+    log(f"[{device}] precompute: {out['precompute']['sequences']} sequences, "
+        f"{out['precompute']['sequences_per_s']} sequences/s")
     if args.limit_repeats:
         precompute_limit(out, cfg, device, args.limit_repeats, args.precompute_goal)
     log(f"[{device}] ours: {args.warmup} warm-up + {args.steps} timed steps")
@@ -193,15 +194,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help=f"goal for ours / TRL at its best (default {TARGET_RATIO_VS_BEST}; the issue's goal for "
                     "the long-prompt recipe is 0.6)")
     ap.add_argument("--precompute-goal", type=float, default=0.9, metavar="X",
-                    help="goal for precompute rows/s / a bare forward's (issue 13: 1.3 on the long-prompt recipe)")
+                    help="goal for precompute sequences/s / a bare forward's (issue 13: 1.3 on the long-prompt recipe)")
     ap.add_argument("--limit-repeats", type=int, default=3, metavar="R",
-                    help="repeats of precompute against a bare forward over all rows (0: skip)")
+                    help="repeats of precompute against a bare forward over all sequences (0: skip)")
     ap.add_argument("--flop-steps", type=int, default=3, metavar="K",
                     help="train steps whose FLOPs are counted, and the matmul peak measured (0: skip both)")
     ap.add_argument("--threads", type=int, default=0, metavar="T",
                     help="torch.set_num_threads(T) for the whole run (default: torch's default, the usable cores)")
     ap.add_argument("--reuse-cache", action="store_true", help="keep an up-to-date reference cache instead of "
-                    "rebuilding it (precompute rows/s then come from build.json of the earlier build)")
+                    "rebuilding it (precompute sequences/s then come from build.json of the earlier build)")
     args = ap.parse_args(argv)
     args.devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     bad = [d for d in args.devices if d not in KNOWN_DEVICES]

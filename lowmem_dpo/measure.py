@@ -22,6 +22,7 @@ import torch
 from lowmem_dpo import data, precompute, train
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.config.sources import Source
+from lowmem_dpo.data import cache
 from lowmem_dpo.memory.arch import arch_config_path, load_arch
 from lowmem_dpo.memory.model import predict
 from lowmem_dpo.memory.setup import Setup, setup_from_config
@@ -165,20 +166,23 @@ def _longest_rows(cfg: Config, tokenizer, n: int, out: Path) -> list[Source]:
 
 
 def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Resolved):
-    """(PeakMeter, pairs) of precompute.rows_logps over one batch of the longest rows, the reference loaded as
-    precompute loads it."""
+    """(PeakMeter, (padded T, completion tokens, forward rows), shared) of precompute.units_logps over one batch of
+    the longest sequences, the reference loaded as precompute loads it."""
     tok = inputs.tokenized(mcfg, ins.tokenizer, progress=False)
-    batch_pairs = precompute.by_length(tok.pairs)[:mcfg.precompute_batch_size]
     model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
     policy.tile(model, ins.model_path)
     pad_id = data.pad_token_id(ins.tokenizer)
     shared = headcheck.decide_sharing(model, tok.pairs, pad_id, resolved, resolved.ref_dtype, mcfg.share_prompt,
                                       mcfg.max_length)  # on the rows precompute.run decides on
+    rows = mcfg.precompute_batch_size * (1 if shared else 2)  # a pair is one shared row, or two unshared ones
+    units = precompute.forward_units(tok.pairs, [cache.pair_keys(p) for p in tok.pairs], None, shared)
+    units = precompute.by_length(units)[:rows]
     with PeakMeter(resolved.device) as meter:
-        precompute.rows_logps(model, batch_pairs, mcfg.precompute_batch_size, pad_id, resolved, shared=shared)
+        precompute.units_logps(model, units, rows, pad_id, resolved, shared=shared)
     del model
     gc.collect()
-    return meter, batch_pairs, shared
+    lengths = [len(u[0].prompt_ids) + sum(len(seq.completion_ids) for seq in u) for u in units]
+    return meter, (max(lengths), sum(len(seq.completion_ids) for u in units for seq in u), len(units)), shared
 
 
 def _measure_train(mcfg: Config, steps: int, timed: int = 0):
@@ -218,8 +222,8 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
     """Measured peaks of precompute and train for `cfg` on this machine (PeakMeter), on the dataset's longest
     rows, in a temporary folder (the recipe's output_dir and ref_cache_dir are not touched).
 
-    precompute: the reference loaded as precompute loads it, then precompute.rows_logps over one batch of
-      precompute_batch_size of the longest rows. train: precompute.run into a temporary cache, then
+    precompute: the reference loaded as precompute loads it, then precompute.units_logps over one batch of
+      precompute_batch_size pairs' worth of the longest sequences. train: precompute.run into a temporary cache, then
       train.setup and `steps` loop.optimizer_step calls (the second step has the optimizer state)."""
     resolved = devices.resolve(cfg)
     rows = max(cfg.precompute_batch_size,
@@ -231,10 +235,8 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
         mcfg = dataclasses.replace(cfg, dataset=subset, dataset_split="train", max_train_samples=None,
                                    ref_cache_dir=str(tmp / "cache"),
                                    output_dir=str(tmp / "out"), max_steps=steps + timed, save_steps=0)
-        pre, batch_pairs, pre_shared = _measure_precompute(mcfg, ins, resolved)
+        pre, (pre_t, pre_m, n_pre), _ = _measure_precompute(mcfg, ins, resolved)
         tr, seen, shared, times = _measure_train(mcfg, steps, timed)
-    pre_t, pre_m = _pair_shape(batch_pairs, pre_shared)
-    n_pre = len(batch_pairs) * (1 if pre_shared else 2)
     t = max(s[0] for s in seen)
     m = max(s[1] for s in seen)
     n_train = cfg.per_device_train_batch_size * (1 if shared else 2)

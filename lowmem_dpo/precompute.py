@@ -1,23 +1,25 @@
-"""Run the reference model over the rows the reference cache lacks, and store their completion log-probs.
+"""Run the reference model over the sequences the reference cache lacks, and store their completion log-probs.
 
     python -m lowmem_dpo.precompute lowmem_dpo:tiny-cpu [key=value ...] [--prune]
 
-Each row's values are stored under its model side and its row key (cache.py: the model's weights, dtype and
-quantization; the row's own token ids), in ref_cache_dir/index.sqlite (store.py). Precompute looks every row of
-the recipe up (the dataset's, and eval_dataset's when it is set) and computes only the missing ones, then says
-`computed N rows, reused M`. Reordered, subset or newly mixed rows cost no forward; a run whose rows are all there
-loads no model. A killed run keeps every batch it committed. --prune drops the values this recipe does not use
+Each sequence's values (a prompt and one completion: a pair is two) are stored under its model side and its
+sequence key (cache.py: the model's weights, dtype and quantization; the sequence's own token ids), in
+ref_cache_dir/index.sqlite (store.py). Precompute looks every sequence of the recipe's rows up (the dataset's, and
+eval_dataset's when it is set) and computes only the missing ones, then says `computed N sequences, reused M`.
+Reordered, subset, newly mixed or re-paired rows cost no forward; a run whose sequences are all there loads no
+model. A killed run keeps every batch it committed. --prune drops the values this recipe does not use
 (other model sides included) and says how much the cache holds. It ends with the preflight report
 (lowmem_dpo.preflight), printed and saved as ref_cache_dir/preflight.json.
 
-On several processes (distributed.py) each computes every world-size-th batch of the missing rows into the same
-store:
+On several processes (distributed.py) each computes every world-size-th batch of the missing sequences into the
+same store:
 
     torchrun --nproc-per-node 2 -m lowmem_dpo.precompute lowmem_dpo:tiny-cpu
 """
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import time
 from pathlib import Path
@@ -39,35 +41,65 @@ from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training import inputs, policy
 
-ROW_BYTES = 100  # what a row takes in the store, with its index, for the free-space check (~60 measured)
-BUILD = cache.BUILD  # what the last precompute did: rows computed and reused, its forward's rows/s
+SEQUENCE_BYTES = 100  # what a sequence takes in the store, with its index, for the free-space check (~40 measured)
+BUILD = cache.BUILD  # what the last precompute did: sequences computed and reused, its forward's sequences/s
 
 
-def by_length(pairs: list[data.TokenizedPair]) -> list[data.TokenizedPair]:
+def forward_units(pairs: list[data.TokenizedPair], keys: list[tuple[bytes, bytes]], todo: set[bytes] | None,
+                  shared: bool) -> list[list[data.TokenizedCompletion]]:
+    """The sequences of `pairs` (`keys`: their cache.pair_keys) in `todo` (None: all), each once, as the rows of
+    their forwards: unshared, one sequence a row. Shared, a pair both of whose sequences are to compute is one row
+    [prompt, chosen, rejected], exactly as train lays it out (the same numbers to the bit in 16 bits); the
+    sequences left (a completion another pair already computes, or one of a re-pairing) go two of one prompt to a
+    row, an odd one alone."""
+    units, singles, taken = [], {}, set()
+    for p, pair in zip(pairs, keys):
+        wanted = [seq for key, seq in zip(pair, cache.pair_sequences(p))
+                  if (todo is None or key in todo) and key not in taken]
+        taken.update(key for key in pair if todo is None or key in todo)
+        if not shared:
+            units += [[seq] for seq in wanted]
+        elif len(wanted) == 2:
+            units.append(wanted)
+        else:
+            singles.setdefault(tuple(p.prompt_ids), []).extend(wanted)
+    return units + [group[i:i + 2] for group in singles.values() for i in range(0, len(group), 2)]
+
+
+def by_length(units: list[list[data.TokenizedCompletion]]) -> list[list[data.TokenizedCompletion]]:
     """Longest first (an out-of-memory shows at once, and batches carry little padding), ties by row."""
-    return sorted(pairs, key=lambda p: (-(len(p.prompt_ids) + max(len(p.chosen_ids), len(p.rejected_ids))), p.row))
+    return sorted(units, key=lambda u: (-(len(u[0].prompt_ids) + max(len(s.completion_ids) for s in u)), u[0].row))
+
+
+def collate_units(units: list[list[data.TokenizedCompletion]], pad_id: int, shared: bool
+                  ) -> tuple[data.Batch, list]:
+    """One forward of `units` (forward_units), and the sequence each of its outputs is (None: an empty slot)."""
+    if not shared:
+        return data.collate_completions([u[0] for u in units], pad_id), [u[0] for u in units]
+    rows = [data.TokenizedPair(u[0].row, u[0].prompt_ids, u[0].completion_ids, u[1].completion_ids if len(u) > 1
+                               else []) for u in units]
+    return data.collate_shared(rows, pad_id), [u[0] for u in units] + [u[1] if len(u) > 1 else None for u in units]
 
 
 @torch.inference_mode()
-def rows_logps(model, pairs: list[data.TokenizedPair], batch_size: int, pad_id: int,
-                resolved: devices.Resolved, bar=None, shared: bool = False, ld_alpha: float | None = None) -> dict:
-    """Reference log-prob sums and completion token counts of `pairs`, by batches, in their order: (len(pairs),)
-    tensors. `bar` (a progress bar) advances by the rows of each batch. shared: each prompt once
-    (data.collate_shared). ld_alpha: LD-DPO's sums (logps.ld_weights)."""
-    out = {"chosen": [], "rejected": [], "chosen_tokens": [], "rejected_tokens": []}
-    collate = data.collate_shared if shared else data.collate
-    for i in range(0, len(pairs), batch_size):
-        batch = collate(pairs[i:i + batch_size], pad_id).to(resolved.device)
+def units_logps(model, units: list[list[data.TokenizedCompletion]], batch_size: int, pad_id: int,
+                resolved: devices.Resolved, bar=None, shared: bool = False, per_token: bool = False) -> list:
+    """(sequence, store Value) of every sequence of `units`, batch_size units per forward. `bar` (a progress bar)
+    advances by the sequences of each batch. per_token: each token's log-prob kept too (a per_token side)."""
+    out = []
+    for i in range(0, len(units), batch_size):
+        batch, seqs = collate_units(units[i:i + batch_size], pad_id, shared)
         # The same precision as train's forward at the same settings: step 1 shows ln 2.
         with devices.autocast(resolved.device, resolved.ref_dtype):
-            chosen, rejected = batch_logps(model, batch, ld_alpha=ld_alpha).split()
-        out["chosen"].append(chosen.logps.cpu())
-        out["rejected"].append(rejected.logps.cpu())
-        out["chosen_tokens"].append(chosen.n_tokens.cpu().int())
-        out["rejected_tokens"].append(rejected.n_tokens.cpu().int())
+            got = batch_logps(model, batch.to(resolved.device), per_token=per_token)
+        logps, counts = got.logps.cpu().tolist(), got.n_tokens.cpu().tolist()
+        for j, seq in enumerate(seqs):
+            if seq is not None:
+                tokens = got.tokens[j].float().cpu().numpy().tobytes() if per_token else None  # (n,) float32
+                out.append((seq, Value(logps[j], counts[j], tokens)))
         if bar is not None:
-            bar.update(len(batch.rows))
-    return {k: torch.cat(v) for k, v in out.items()}
+            bar.update(sum(seq is not None for seq in seqs))
+    return out
 
 
 def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tuple[int, streaming.Plan | None]:
@@ -93,76 +125,83 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     return batch, streaming.Plan(stream.layers, arch.layers_prefix) if stream and plan.fits else None
 
 
-def values_of(pairs: list[data.TokenizedPair], tensors: dict) -> dict:
-    """rows_logps' tensors of `pairs` (in that order) as store values by row key."""
-    return {cache.row_key(p): Value(float(c), float(r), int(nc), int(nr))
-            for p, c, r, nc, nr in zip(pairs, tensors["chosen"].tolist(), tensors["rejected"].tolist(),
-                                       tensors["chosen_tokens"].tolist(), tensors["rejected_tokens"].tolist())}
-
-
-def compute_missing(model, todo: list[data.TokenizedPair], store, side: int, cfg: Config,
+def compute_missing(model, todo: list[list[data.TokenizedCompletion]], store, side: int, cfg: Config,
                     resolved: devices.Resolved, pad_id: int, progress: bool, shared: bool, batch: int,
                     need: int) -> None:
-    """Compute `todo` (longest first) by batches and commit each batch to the store (a killed run keeps what it
-    committed). Several processes: each its every world-size-th batch. Out of memory halves the batch (down to
-    1 pair) for that batch and the ones after it."""
+    """Compute the sequences of `todo` (forward units, longest first) by batches and commit each chunk to the
+    store (a killed run keeps what it committed). Several processes: each its every world-size-th chunk. Out of
+    memory halves the batch (down to 1 pair) for that chunk and the ones after it."""
     from tqdm.auto import tqdm
 
-    chunks = [todo[i:i + cfg.cache_shard_rows] for i in range(0, len(todo), cfg.cache_shard_rows)]
-    mine = distributed.shard(chunks)
-    total = sum(map(len, mine))
-    bar = tqdm(total=total, desc="precompute", unit="row", dynamic_ncols=True,
+    mine = distributed.shard(commits(todo, cfg.cache_shard_rows))
+    total = sum(len(u) for chunk in mine for u in chunk)
+    bar = tqdm(total=total, desc="precompute", unit="seq", dynamic_ncols=True,
                disable=not progress or not distributed.is_main())
     kept = 0
+    per_token = cfg.ld_alpha is not None
     try:
         for chunk in mine:
-            tensors, batch = chunk_with_backoff(model, chunk, batch, pad_id, resolved, bar, shared, cfg.ld_alpha)
-            bad = ~(torch.isfinite(tensors["chosen"]) & torch.isfinite(tensors["rejected"]))  # (rows,)
-            if bad.any():
-                rows = [p.row for p, b in zip(chunk, bad.tolist()) if b]
-                raise UserError(f"the reference gives non-finite reference log-probs for {len(rows)} rows (rows "
-                                f"{', '.join(map(str, rows[:5]))}): its weights, or its dtype's range (float16 "
+            got, batch = chunk_with_backoff(model, chunk, batch, pad_id, resolved, bar, shared, per_token)
+            bad = sorted({seq.row for seq, v in got if not math.isfinite(v.logps)})
+            if bad:
+                raise UserError(f"the reference gives non-finite reference log-probs for {len(bad)} rows (rows "
+                                f"{', '.join(map(str, bad[:5]))}): its weights, or its dtype's range (float16 "
                                 "overflows above 65504), cannot score them; nothing was stored for them. Check the "
                                 "model, or set ref_dtype=float32")
             try:
-                store.put(side, values_of(chunk, tensors))
+                store.put(side, {cache.sequence_key(seq.prompt_ids, seq.completion_ids): v for seq, v in got})
             except Exception as e:
                 if files.is_disk_full(e) or "database or disk is full" in str(e):
-                    raise files.disk_full_error(store.path.parent, "the reference cache", need, "The rows committed "
-                                                "so far are kept: the rerun computes only the rest.") from None
+                    raise files.disk_full_error(store.path.parent, "the reference cache", need, "The sequences "
+                                                "committed so far are kept: the rerun computes only the rest."
+                                                ) from None
                 raise
-            kept += len(chunk)
+            kept += len(got)
     except KeyboardInterrupt:  # Ctrl-C: what the rerun will not compute again
-        raise KeyboardInterrupt(f"{kept} of the {total} rows to compute are kept in the cache "
+        raise KeyboardInterrupt(f"{kept} of the {total} sequences to compute are kept in the cache "
                                 f"({store.path.parent}); the same command computes only the other "
                                 f"{total - kept}") from None
     finally:
         bar.close()  # before any error message, which then stands on its own line
 
 
-def chunk_with_backoff(model, chunk: list[data.TokenizedPair], batch: int, pad_id: int,
-                       resolved: devices.Resolved, bar, shared: bool, ld_alpha: float | None = None) -> tuple[dict, int]:
-    """rows_logps of one chunk of rows, its batch halved on out-of-memory down to 1 pair
-    (oom.halving_on_oom); the tensors, and the batch that worked, where the next chunks start."""
+def commits(units: list[list[data.TokenizedCompletion]], size: int) -> list[list]:
+    """`units` in order, cut into commits of at most `size` sequences (cache_shard_rows; one unit at least)."""
+    out, count = [[]], 0
+    for unit in units:
+        if out[-1] and count + len(unit) > size:
+            out.append([])
+            count = 0
+        out[-1].append(unit)
+        count += len(unit)
+    return out if out[0] else []
+
+
+def chunk_with_backoff(model, chunk: list[list[data.TokenizedCompletion]], batch: int, pad_id: int,
+                       resolved: devices.Resolved, bar, shared: bool, per_token: bool = False) -> tuple[list, int]:
+    """units_logps of one chunk, its batch halved on out-of-memory down to 1 pair (oom.halving_on_oom); the
+    values, and the batch that worked, where the next chunks start. `batch` is in pairs: a pair is one shared
+    row, or two unshared ones."""
     start = bar.n
+    rows_per_pair = 1 if shared else 2
 
     def attempt(size: int):
         bar.n = start  # a retry computes the chunk from its start
-        return rows_logps(model, chunk, size, pad_id, resolved, bar, shared, ld_alpha), size
+        return units_logps(model, chunk, size * rows_per_pair, pad_id, resolved, bar, shared, per_token), size
 
     return oom.halving_on_oom(
         attempt, batch, resolved.device,
         lambda n: f"out of memory in precompute: retrying with precompute_batch_size={n}",
         "out of memory in precompute with 1 pair per forward: lower max_length, or set ref_quantization=4bit "
-        "(python -m lowmem_dpo.plan RECIPE.yaml shows what fits); the rows computed so far are kept, and the rerun "
-        "computes only the rest")
+        "(python -m lowmem_dpo.plan RECIPE.yaml shows what fits); the sequences computed so far are kept, and the "
+        "rerun computes only the rest")
 
 
-def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, rows: int):
+def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, sequences: int):
     """The reference (base, or base + SFT adapter) as the planner fits it; and the batch it plans."""
     batch, stream = memory_plan(cfg, resolved, ins.model_path)
     quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
-    log(f"precompute: {rows} rows on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
+    log(f"precompute: {sequences} sequences on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
         f"{quantized}, batch {batch}, into {cfg.ref_cache_dir}")
     model = models.load_model(ins.model_path, models.load_device(resolved.device, resolved.ref_quantization,
                                                                  stream.layers if stream else 0),
@@ -174,8 +213,8 @@ def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, rows
     return model, batch
 
 
-def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path | None:
-    """Compute the rows of `cfg` the cache lacks (prune: then drop what it does not use); returns the cache
+def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | None = None) -> Path | None:
+    """Compute the sequences of `cfg` the cache lacks (prune: then drop what it does not use); returns the cache
     folder, or None when the loss reads no reference (SimPO, ORPO): nothing to compute, nothing written."""
     if not objectives.needs_reference(cfg.loss_type):
         log(f"loss_type={cfg.loss_type} reads no reference: nothing to compute, and train needs no cache (nothing "
@@ -190,52 +229,61 @@ def run(cfg: Config, progress: bool = True, prune: bool = False) -> Path | None:
         devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
     log(ins.source.description)
     d = inputs.load_data(cfg, ins.tokenizer, progress)  # bad data stops here, before anything is written
-    pairs = d.tok.pairs + (d.eval_tok.pairs if d.eval_tok is not None else [])
-    by_key = dict(zip(d.keys("train") + d.keys("eval"), pairs))  # one pair per row key (the same ids: one value)
-    keys, rows = list(by_key), list(by_key.values())
+    sequences = d.sequences()  # key -> the sequence: one per key, however many rows pair it
+    keys = list(sequences)
     side = inputs.run_side(cfg, resolved, ins)
+    command = cache.rebuild_command(cfg, recipe)
+    cache.refuse_earlier_format(cache_dir, command)  # before anything is written there
     folders.mark(cache_dir, "reference cache")  # every rank before it creates the store: a rank checking late sees it
     log(f"reference cache: {place(cfg, 'ref_cache_dir')}")
-    with cache.open_store(cache_dir, create=True) as store:
-        inputs.convert_legacy(cfg, store, ins, side, d)
+    with cache.open_store(cache_dir, create=True, command=command) as store:
         lacking = missing(store, side, keys)
-        files.ensure_free_space(cache_dir, min(map(len, lacking.values())) * ROW_BYTES + (1 << 20),
+        files.ensure_free_space(cache_dir, min(map(len, lacking.values())) * SEQUENCE_BYTES + (1 << 20),
                                 "the reference cache", "Nothing was computed; the cache there is untouched.")
         want = None if side.other is None or cfg.share_prompt == "auto" else cfg.share_prompt == "true"
         complete = [layout for layout, miss in lacking.items() if not miss and want in (None, layout)]
-        if complete:  # every row is there: no model
+        if complete:  # every sequence is there: no model
             computed, used, seconds = 0, complete[0], 0.0
         else:
-            model, batch = load_model(cfg, resolved, ins, len(rows))
+            model, batch = load_model(cfg, resolved, ins, len(keys))
             pad_id = data.pad_token_id(ins.tokenizer)
-            headcheck.verify(model, data.collate(d.tok.pairs[:1], pad_id).to(resolved.device), resolved.device,
+            pairs = d.tok.pairs  # train decides sharing on these rows too
+            headcheck.verify(model, data.collate(pairs[:1], pad_id).to(resolved.device), resolved.device,
                              resolved.ref_dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-            shared = headcheck.decide_sharing(model, d.tok.pairs, pad_id, resolved, resolved.ref_dtype,
-                                              cfg.share_prompt, cfg.max_length)
-            first = (data.collate_shared if shared else data.collate)(d.tok.pairs[:1], pad_id).to(resolved.device)
+            shared = headcheck.decide_sharing(model, pairs, pad_id, resolved, resolved.ref_dtype, cfg.share_prompt,
+                                              cfg.max_length)
+            first = (data.collate_shared if shared else data.collate)(pairs[:1], pad_id).to(resolved.device)
             log(headcheck.attention_kernel(model, first, resolved.ref_dtype, cfg.max_length))
             used = shared if side.other is not None else None
-            todo = by_length([rows[i] for i in lacking[used]])
+            todo = {keys[i] for i in lacking[used]}
+            units = forward_units(pairs_of(d), d.keys("train") + d.keys("eval"), todo, shared)
             computed, t0 = len(todo), time.perf_counter()
             components = side.layouts()[used]
-            compute_missing(model, todo, store, store.side(cache.side_digest(components), components), cfg,
-                            resolved, pad_id, progress, shared, batch, computed * ROW_BYTES + (1 << 20))
+            compute_missing(model, by_length(units), store,
+                            store.side(cache.side_digest(components), components), cfg, resolved, pad_id, progress,
+                            shared, batch, computed * SEQUENCE_BYTES + (1 << 20))
             del model  # its memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
             oom.release_memory(resolved.device)
-            distributed.barrier()  # every process's rows are in the store
+            distributed.barrier()  # every process's sequences are in the store
             seconds = time.perf_counter() - t0
         if not distributed.is_main():
             return cache_dir
-        record_build(cache_dir, computed, len(rows) - computed, seconds if computed else 0.0, side.at(used).digest)
+        record_build(cache_dir, computed, len(keys) - computed, seconds if computed else 0.0, side.at(used).digest)
         if prune:
             prune_store(store, side.layouts()[used], set(keys))
-        report(cache_dir, store, side.at(used), d)
+        report(cache_dir, store, side.at(used), d, cfg.ld_alpha)
     return cache_dir
+
+
+def pairs_of(d: inputs.Data) -> list[data.TokenizedPair]:
+    """Every pair the cache serves: the dataset's, then eval_dataset's (d.keys("train") + d.keys("eval"))."""
+    return d.tok.pairs + (d.eval_tok.pairs if d.eval_tok is not None else [])
 
 
 def missing(store, side: cache.Side, keys: list[bytes]) -> dict:
     """layout (None in float32, else whether shared) -> the indices of `keys` the store lacks in it, as rank 0
-    reads them: every process then splits the same rows (a read after another rank's first commit would not)."""
+    reads them: every process then splits the same sequences (a read after another rank's first commit would
+    not)."""
     if distributed.is_main():
         lacking = {}
         for layout, components in side.layouts().items():
@@ -245,19 +293,19 @@ def missing(store, side: cache.Side, keys: list[bytes]) -> dict:
 
 
 def record_build(cache_dir: Path, computed: int, reused: int, seconds: float, side: str) -> None:
-    """Say what this build did, in one line, and keep it in ref_cache_dir/build.json (benchmarks read rows/s
-    there: the forwards only, not the model's load or the tokenization)."""
+    """Say what this build did, in one line, and keep it in ref_cache_dir/build.json (benchmarks read
+    sequences/s there: the forwards only, not the model's load or the tokenization)."""
     rate = round(computed / seconds, 3) if seconds > 0 else None
     if rate is not None:
-        log(f"precompute: {rate:.1f} rows/s")
-    log(f"computed {computed} rows, reused {reused} (reference cache {cache_dir}, model side {side[:12]})")
+        log(f"precompute: {rate:.1f} sequences/s")
+    log(f"computed {computed} sequences, reused {reused} (reference cache {cache_dir}, model side {side[:12]})")
     files.atomic_write_json(cache_dir / BUILD, {"computed": computed, "reused": reused, "compute_s": round(seconds, 3),
-                                                "rows_per_s": rate, "model_side": side,
+                                                "sequences_per_s": rate, "model_side": side,
                                                 "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
 
 def prune_store(store, components: dict, keep: set[bytes]) -> None:
-    """--prune: keep only this recipe's rows (their row keys) under this run's model side; say what went. SQLite
+    """--prune: keep only this recipe's sequences (their keys) under this run's model side; say what went. SQLite
     rewrites the file to shrink it (VACUUM), which needs room for a copy; a full disk leaves it as it was."""
     folder = store.path.parent
     files.ensure_free_space(folder, store.file_bytes(), "pruning the reference cache",
@@ -269,19 +317,20 @@ def prune_store(store, components: dict, keep: set[bytes]) -> None:
             raise
         raise files.disk_full_error(folder, "pruning the reference cache", store.file_bytes(),
                                     "The cache is as it was before --prune.") from None
-    log(f"pruned {dropped} rows this recipe does not use (other data, other model sides)")
+    log(f"pruned {dropped} sequences this recipe does not use (other data, other model sides)")
 
 
-def report(cache_dir: Path, store, side, d: inputs.Data) -> None:
+def report(cache_dir: Path, store, side, d: inputs.Data, ld_alpha: float | None = None) -> None:
     """The preflight report of the recipe's rows, printed and saved; then what the cache holds, per model side."""
-    ref, _ = cache.reference(store, side, d.tok, keys=d.keys("train"))
-    eval_ref = cache.reference(store, side, d.eval_tok, keys=d.keys("eval"))[0] if d.eval_tok is not None else None
+    ref, _ = cache.reference(store, side, d.tok, keys=d.keys("train"), ld_alpha=ld_alpha)
+    eval_ref = (cache.reference(store, side, d.eval_tok, keys=d.keys("eval"), ld_alpha=ld_alpha)[0]
+                if d.eval_tok is not None else None)
     for line in preflight.summary_lines(preflight.save(cache_dir, preflight.report(ref, eval_ref))):
         log(line)
     log(f"preflight report: {cache_dir / preflight.REPORT}")
     for u in store.usage():
         mine = " (this run's)" if u.digest in {cache.side_digest(c) for c in side.layouts().values()} else ""
-        log(f"  model side {u.digest[:12]}{mine}: {u.rows} rows, {fmt(u.bytes)} ({u.components.get('dtype')}, "
+        log(f"  model side {u.digest[:12]}{mine}: {u.sequences} sequences, {fmt(u.bytes)} ({u.components.get('dtype')}, "
             f"quantization {u.components.get('quantization')}" + (f", {u.components['layout']}" if
                                                                   "layout" in u.components else "") + ")")
 
@@ -289,7 +338,7 @@ def report(cache_dir: Path, store, side, d: inputs.Data) -> None:
 def main(argv: list[str]) -> int:
     prune = "--prune" in argv
     argv = [a for a in argv if a != "--prune"]
-    run(load_config(argv[0], argv[1:]), prune=prune)
+    run(load_config(argv[0], argv[1:]), prune=prune, recipe=argv[0])
     return 0
 
 

@@ -104,15 +104,26 @@ def cached(cfg):
     return inputs.reference_of(cfg)
 
 
-def stored_rows(cache_dir) -> int:
-    """Rows the cache folder's store holds (every model side); 0 without a store."""
+def stored_sequences(cache_dir) -> int:
+    """Sequences the cache folder's store holds (every model side); 0 without a store."""
     from lowmem_dpo.data import cache
 
     store = cache.open_store(Path(cache_dir))
     if store is None:
         return 0
     with store:
-        return store.db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+        return store.count()
+
+
+def sequences_of(cfg) -> set:
+    """The distinct (prompt, completion) token ids cfg's rows read (the dataset's and eval_dataset's), tokenized
+    as train tokenizes them: what a full build computes."""
+    from lowmem_dpo.runtime import devices
+    from lowmem_dpo.training import inputs
+
+    ins = inputs.prepare(cfg, devices.resolve(cfg))
+    d = inputs.load_data(cfg, ins.tokenizer, progress=False)
+    return {(tuple(s.prompt_ids), tuple(s.completion_ids)) for s in d.sequences().values()}
 
 
 def stored_sides(cache_dir) -> list[dict]:
@@ -120,4 +131,4 @@ def stored_sides(cache_dir) -> list[dict]:
     from lowmem_dpo.data import cache
 
     with cache.open_store(Path(cache_dir)) as store:
-        return [u.components for u in store.usage() if u.rows]
+        return [u.components for u in store.usage() if u.sequences]

@@ -11,12 +11,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_DATA, TINY_RECIPE, cached
+from conftest import TINY_DATA, TINY_RECIPE, cached, sequences_of
 from safetensors.torch import load_file
 
 from lowmem_dpo import precompute, train
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.config.recipe import build_config
+from lowmem_dpo.config.recipe import build_config, load_config
 from lowmem_dpo.memory.arch import load_arch
 from lowmem_dpo.memory.model import predict
 from lowmem_dpo.memory.setup import setup_from_config
@@ -174,8 +174,8 @@ def test_precompute_halves_its_batch_on_out_of_memory(tmp_path, capsys):
 
 
 def test_precompute_out_of_memory_at_one_pair_exits_2_and_resumes(tmp_path, capsys):
-    """Out of memory even at 1 pair after a few batches: exit 2 naming what to lower, the committed rows kept; the
-    rerun (memory back) computes only the rest."""
+    """Out of memory even at 1 pair after a few batches: exit 2 naming what to lower, the committed sequences kept;
+    the rerun (memory back) computes only the rest."""
     args = [str(TINY_RECIPE), f"dataset={TINY_DATA}", f"ref_cache_dir={tmp_path / 'c'}",
             "cache_shard_rows=64", "precompute_batch_size=64", "dtype=float32", "share_prompt=false"]
     handle = _too_big(10_000, after_calls=4)  # the attention-kernel probe's forward (it stops early), 3 batches
@@ -186,9 +186,11 @@ def test_precompute_out_of_memory_at_one_pair_exits_2_and_resumes(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("lowmem_dpo.precompute: error: out of memory in precompute with 1 pair per forward: "
                               "lower max_length, or set ref_quantization=4bit")
-    assert "the rows computed so far are kept" in err[-1] and "Traceback" not in "".join(err)
+    assert "the sequences computed so far are kept" in err[-1] and "Traceback" not in "".join(err)
     assert run_cli(precompute.main, args, "precompute", precompute.__doc__) == 0
-    assert "computed 192 rows, reused 192" in capsys.readouterr().err  # 3 batches of 64 were committed
+    total = len(sequences_of(load_config(args[0], args[1:])))
+    # 3 chunks of 64 sequences were committed
+    assert f"computed {total - 192} sequences, reused 192" in capsys.readouterr().err
 
 
 def test_out_of_memory_loading_the_model_exits_2(tmp_path, monkeypatch, capsys):

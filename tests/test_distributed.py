@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, cached
+from conftest import REPO, TINY_DATA, cached, sequences_of
 from safetensors.torch import load_file
 
 from lowmem_dpo import precompute, sft, train
@@ -66,7 +66,7 @@ def run(tmp_path_factory, tiny_path):
 
 
 def test_precompute_on_two_processes_equals_one_and_computes_only_what_is_missing(run):
-    """2 processes split one build into one store: the values equal one process's. With rows deleted from the
+    """2 processes split one build into one store: the values equal one process's. With sequences deleted from the
     store (a killed build's aftermath, made by hand), the rerun computes only those."""
     root, recipe = run
     two = root / "cache2"
@@ -76,13 +76,14 @@ def test_precompute_on_two_processes_equals_one_and_computes_only_what_is_missin
     cfg2 = load_config(recipe, [f"ref_cache_dir={two}"])
     a, b = cached(cfg1)[0], cached(cfg2)[0]
     assert (a.chosen - b.chosen).abs().max() < 1e-5 and (a.rejected - b.rejected).abs().max() < 1e-5
-    assert p.stderr.count("computed 384 rows, reused 0") == 1  # rank 0 reports, once
+    total = len(sequences_of(cfg2))
+    assert p.stderr.count(f"computed {total} sequences, reused 0") == 1  # rank 0 reports, once
     with cache.open_store(two) as store:
-        store.db.execute("DELETE FROM rows WHERE key IN (SELECT key FROM rows LIMIT 100)")
+        store.db.execute("DELETE FROM sequences WHERE key IN (SELECT key FROM sequences LIMIT 100)")
         store.db.commit()
     p = torchrun("precompute", recipe, f"ref_cache_dir={two}")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "computed 100 rows, reused 284" in p.stderr
+    assert f"computed 100 sequences, reused {total - 100}" in p.stderr
     c = cached(cfg2)[0]
     assert (a.chosen - c.chosen).abs().max() < 1e-5
 

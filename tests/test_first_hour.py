@@ -7,10 +7,11 @@ import json
 import re
 
 import pytest
-from conftest import TINY_DATA, TINY_RECIPE, write_jsonl
+from conftest import TINY_DATA, TINY_RECIPE, sequences_of, write_jsonl
 
 from lowmem_dpo import plan, precompute, train
 from lowmem_dpo.config.cli import help_text, run_cli
+from lowmem_dpo.config.recipe import load_config
 
 RECIPE = str(TINY_RECIPE)
 
@@ -46,9 +47,13 @@ def test_the_fill_command_keeps_the_overrides_and_names_the_rows(tmp_path, capsy
     missing = int(re.search(r"has no reference values for (\d+) of the (\d+) rows", last)[1])
     command = last.split("Compute them (only them) with: ")[1]
     assert command == "python -m lowmem_dpo.precompute " + " ".join([RECIPE, *args[1:]])
-    # copied: the rows and length the user asked for, only the missing rows computed, and train is content
+    # copied: the rows and length the user asked for, only the missing rows' new sequences computed, and train is
+    # content
+    cfg = load_config(RECIPE, args[1:])
+    new = len(sequences_of(cfg) - sequences_of(load_config(RECIPE, [f"ref_cache_dir={cache}", "dtype=float32"])))
     assert run_cli(precompute.main, command.split()[3:], "precompute", "doc") == 0
-    assert f"computed {missing} rows, reused {60 - missing}" in capsys.readouterr().err
+    assert f"computed {new} sequences, reused {len(sequences_of(cfg)) - new}" in capsys.readouterr().err
+    assert 0 < new <= 2 * missing
     code, err = stage(train.main, args, "train", capsys)
     assert code == 0, err[-2000:]
 

@@ -9,10 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY_DATA, TINY_RECIPE, stored_rows, write_jsonl
+from conftest import TINY_DATA, TINY_RECIPE, sequences_of, stored_sequences, write_jsonl
 
 from lowmem_dpo import plan, precompute, sft, train
 from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.runtime.folders import MARKER
 
 ROWS = [json.loads(x) for x in open(TINY_DATA)]
@@ -221,9 +222,9 @@ def test_a_missing_model_folder_says_it_does_not_exist(tmp_path, capsys, monkeyp
 
 
 def test_ctrl_c_in_precompute_says_how_many_rows_are_kept(tmp_path, capsys, monkeypatch):
-    """Ctrl-C while the third chunk of rows is computed (raised here from that chunk's forward: a signal's timing
-    cannot be chosen in a test): the message says how many rows are kept, the store holds exactly those, and the
-    rerun computes only the rest."""
+    """Ctrl-C while the third commit of sequences is computed (raised here from its forward: a signal's timing
+    cannot be chosen in a test): the message says how many sequences are kept, the store holds exactly those, and
+    the rerun computes only the rest."""
     real, calls = precompute.chunk_with_backoff, []
 
     def third_is_interrupted(*args, **kwargs):
@@ -236,12 +237,14 @@ def test_ctrl_c_in_precompute_says_how_many_rows_are_kept(tmp_path, capsys, monk
     cache = tmp_path / "c"
     args = [TINY_RECIPE, f"ref_cache_dir={cache}", "cache_shard_rows=50", "dtype=float32"]
     code, err = stage(precompute.main, args, "precompute", capsys)
-    assert code == 130 and stored_rows(cache) == 100
-    assert f"interrupted: 100 of the 384 rows to compute are kept in the cache ({cache}); the same command " \
-           "computes only the other 284." in err
+    total = len(sequences_of(load_config(TINY_RECIPE, args[1:])))
+    kept = stored_sequences(cache)  # two commits of at most 50 (a shared row's two completions stay together)
+    assert code == 130 and 96 <= kept <= 100
+    assert f"interrupted: {kept} of the {total} sequences to compute are kept in the cache ({cache}); the same " \
+           f"command computes only the other {total - kept}." in err
     monkeypatch.setattr(precompute, "chunk_with_backoff", real)
     code, err = stage(precompute.main, args, "precompute", capsys)
-    assert code == 0 and "computed 284 rows, reused 100" in err
+    assert code == 0 and f"computed {total - kept} sequences, reused {kept}" in err
 
 
 def test_budget_units_are_stated_and_plan_stops_at_the_models_context(capsys):
@@ -300,7 +303,7 @@ def test_plain_rows_on_a_chat_model_say_the_template_is_not_applied(tmp_path, ca
     conv = write_jsonl(tmp_path / "conv.jsonl", conversations(8))
     code, err = stage(precompute.main, [TINY_RECIPE, f"dataset={conv}", f"ref_cache_dir={tmp_path / 'b'}", *no_eval],
                       "precompute", capsys)
-    assert code == 0 and "chat template is not applied" not in err and stored_rows(tmp_path / "b") == 8
+    assert code == 0 and "chat template is not applied" not in err and stored_sequences(tmp_path / "b") == 16
 
 
 def test_an_adapter_saved_twice_is_the_same_bytes(tiny_path, tmp_path):

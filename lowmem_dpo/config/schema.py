@@ -234,8 +234,8 @@ class Config:
     # -- precompute ----------------------------------------------------------------------------------------------
     precompute_batch_size: int = _f(8, "Pairs per reference forward in precompute (no grads: can exceed the "
                                     "training batch).", min=1, resumable=True)
-    cache_shard_rows: int = _f(64, "Rows per commit to the reference cache: a killed precompute loses at most "
-                               "this many computed rows, and a torchrun build hands out this many at a time.",
+    cache_shard_rows: int = _f(64, "Sequences per commit to the reference cache: a killed precompute loses at "
+                               "most this many, and a torchrun build hands out this many at a time.",
                                min=1, resumable=True)
     ref_source: str = _f("cache", "cache: reference log-probs from ref_cache_dir. live: recomputed each step with "
                          "the adapter disabled (for verification; costs a forward).", choices=("cache", "live"))

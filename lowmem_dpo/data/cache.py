@@ -1,29 +1,29 @@
-"""The reference cache's keys: each row's reference values are stored (store.py) under its model side and its
-row key, so a row computed once is never computed again, whatever else changed in the data.
+"""The reference cache's keys: each sequence's reference values are stored (store.py) under its model side and
+its sequence key, so a completion computed once under a prompt is never computed again, however the rows pair it.
 
-    model side  what the values depend on besides the row: the base's weights and config, the SFT adapter's
-                files, the reference's dtype and quantization, how log-probs are computed (LOGPS_RULES), and in a
-                16-bit dtype the forward's layout (share_prompt rounds differently). Hashed once per build
-                (side_components, side_digest).
-    row key     a digest of the row's own token ids, prompt, chosen and rejected, after truncation (row_key): the
-                ids train feeds the model. A changed text, chat template, tokenizer or max_length that changes a
-                row's ids gives it a new key; one that leaves them alone keeps its value (the same ids through the
-                same weights give the same numbers).
+    model side    what the values depend on besides the sequence: the base's weights and config, the SFT adapter's
+                  files, the reference's dtype and quantization, how log-probs are computed (LOGPS_RULES), whether
+                  each token's log-prob is kept (LD-DPO's sums weigh tokens by where the pair's shorter completion
+                  ends, which only the row knows), and in a 16-bit dtype the forward's layout (share_prompt rounds
+                  differently). Hashed once per build (side_components, side_digest).
+    sequence key  a digest of one prompt's and one completion's token ids, after template and truncation
+                  (sequence_key): the ids train feeds the model. A pair reads two (pair_keys). A changed text, chat
+                  template, tokenizer or max_length that changes a sequence's ids gives it a new key; one that
+                  leaves them alone keeps its value (the same ids through the same weights give the same numbers).
 
-Reordering the rows, taking a subset, a mixture's fractions, max_train_samples and the eval split never change a
-row's key: precompute computes only the rows the store lacks, and train looks each of its rows up. Old values stay
-until `python -m lowmem_dpo.precompute RECIPE --prune` drops what the recipe does not use.
+Reordering the rows, taking a subset, pairing the same completions another way, a mixture's fractions,
+max_train_samples and the eval split never change a sequence's key: precompute computes only the sequences the
+store lacks, and train looks each of its rows' sequences up. Old values stay until
+`python -m lowmem_dpo.precompute RECIPE --prune` drops what the recipe does not use.
 
-The cache of the format before this one (manifest.json and shards, keyed by one fingerprint over the whole data)
-is converted once, with a message, when it was built for the recipe's data (convert_legacy).
+A cache of an earlier format (pair-keyed, or manifest.json and shards) is refused with what to remove and the
+command that rebuilds it (open_store): its values cannot be split into sequences, and no release wrote one.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
-import os
 import shlex
 from array import array
 from dataclasses import dataclass, field
@@ -32,13 +32,14 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo.data import store as stores
+from lowmem_dpo.data.encode import TokenizedCompletion
 from lowmem_dpo.runtime import folders
-from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.runtime.errors import UserError
 
-FORMAT_VERSION = 2  # the per-row store (store.py); 1 was manifest.json and shards
-FINGERPRINT_FORMAT = 1  # the "format" in inputs.fingerprint_components: what a format-1 cache's fingerprint holds
+FORMAT_VERSION = 3  # values per sequence; 2 was per pair, 1 was manifest.json and shards
+FINGERPRINT_FORMAT = 1  # the "format" in inputs.fingerprint_components
 LOGPS_RULES = 1  # bump when logps.completion_logps gives other numbers for the same ids and weights
-LEGACY_MANIFEST = "manifest.json"
+LEGACY_MANIFEST = "manifest.json"  # format 1's index: refused, and recognised as this tool's folder
 BUILD, REPORT = "build.json", "preflight.json"  # precompute's record of its last build, preflight's report
 # A side's components that are the reference's precision: a cache holding another precision can serve train as
 # built (ref_dtype, ref_quantization), and the message says so.
@@ -46,14 +47,15 @@ PRECISION_COMPONENTS = {"dtype", "quantization"}
 
 
 # -- the keys ----------------------------------------------------------------------------------------------------
-def side_components(weights: dict, dtype: str, quantization: str, shared: bool, ld_alpha: float | None = None) -> dict:
+def side_components(weights: dict, dtype: str, quantization: str, shared: bool, per_token: bool = False) -> dict:
     """The model side: `weights` (inputs.side_files: the base's and the SFT adapter's file digests), the
     reference's dtype and quantization, the log-prob rules, and the forward's layout where it changes rounding (a
-    16-bit dtype: the shared-prompt forward rounds differently; in float32 the two agree to ~1e-6). ld_alpha:
-    LD-DPO's weighted sums are other values of each row, a side of their own (absent: the plain sums)."""
+    16-bit dtype: the shared-prompt forward rounds differently; in float32 the two agree to ~1e-6). per_token:
+    each token's log-prob is kept beside the sum (LD-DPO: any ld_alpha, any pairing); a side of its own, so that
+    the plain sides stay small."""
     out = {"format": FORMAT_VERSION, "logps": LOGPS_RULES, **weights, "dtype": dtype, "quantization": quantization}
-    if ld_alpha is not None:
-        out["ld_alpha"] = ld_alpha
+    if per_token:
+        out["per_token"] = True
     if dtype != "float32":
         out["layout"] = "shared" if shared else "unshared"
     return out
@@ -63,18 +65,40 @@ def side_digest(components: dict) -> str:
     return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def row_key(pair) -> bytes:
-    """16 bytes of sha256 over a pair's token ids (data.TokenizedPair: prompt, chosen, rejected, each with its
-    length, so the boundaries count)."""
-    ids = [len(pair.prompt_ids), *pair.prompt_ids, len(pair.chosen_ids), *pair.chosen_ids,
-           len(pair.rejected_ids), *pair.rejected_ids]
+def sequence_key(prompt_ids: list[int], completion_ids: list[int]) -> bytes:
+    """16 bytes of sha256 over one sequence's token ids: the prompt's and the completion's, each with its length,
+    so the boundary counts."""
+    ids = [len(prompt_ids), *prompt_ids, len(completion_ids), *completion_ids]
     return hashlib.sha256(array("q", ids).tobytes()).digest()[:16]
+
+
+def pair_keys(pair) -> tuple[bytes, bytes]:
+    """The sequence keys of a data.TokenizedPair's chosen and rejected."""
+    return sequence_key(pair.prompt_ids, pair.chosen_ids), sequence_key(pair.prompt_ids, pair.rejected_ids)
+
+
+def pair_sequences(pair) -> tuple[TokenizedCompletion, TokenizedCompletion]:
+    """A pair's chosen and rejected as sequences, each named by the pair's row."""
+    return (TokenizedCompletion(pair.row, pair.prompt_ids, pair.chosen_ids),
+            TokenizedCompletion(pair.row, pair.prompt_ids, pair.rejected_ids))
 
 
 def completion_tokens(prompt_ids: list[int], completion_ids: list[int]) -> int:
     """The completion tokens logps.completion_logps counts for a sequence: each is predicted by the token before
     it, so a completion with no prompt before it loses its first token."""
     return len(completion_ids) - (1 if completion_ids and not prompt_ids else 0)
+
+
+def ld_sums(chosen: stores.Value, rejected: stores.Value, ld_alpha: float) -> tuple[float, float]:
+    """LD-DPO's sums of a pair from its sequences' token log-probs (logps.ld_weights' rule): each token up to the
+    pair's shorter completion's count at weight 1, those beyond it at ld_alpha."""
+    shared = min(chosen.tokens, rejected.tokens)
+
+    def weighted(v: stores.Value) -> float:
+        t = torch.frombuffer(bytearray(v.token_logps), dtype=torch.float32)  # (tokens,)
+        return float(t[:shared].sum() + ld_alpha * t[shared:].sum())
+
+    return weighted(chosen), weighted(rejected)
 
 
 # -- reading -----------------------------------------------------------------------------------------------------
@@ -96,13 +120,17 @@ class RefCache:
         return cls(torch.full((num_rows,), float("nan")), torch.full((num_rows,), float("nan")),
                    torch.zeros(num_rows, dtype=torch.int32), torch.zeros(num_rows, dtype=torch.int32), **kwargs)
 
-    def fill(self, pairs: list, keys: list[bytes], values: dict) -> None:
-        """Put the values of `pairs` (`keys`: their row keys, in `values`) at their rows."""
-        for p, key in zip(pairs, keys):
-            v = values.get(key)
-            if v is not None:
-                self.chosen[p.row], self.rejected[p.row] = v.chosen, v.rejected
-                self.chosen_tokens[p.row], self.rejected_tokens[p.row] = v.chosen_tokens, v.rejected_tokens
+    def fill(self, pairs: list, keys: list[tuple[bytes, bytes]], values: dict, ld_alpha: float | None = None
+             ) -> None:
+        """Put the values of `pairs` (`keys`: their pair_keys, in `values`) at their rows; ld_alpha: LD-DPO's
+        sums, from the token log-probs."""
+        for p, (kc, kr) in zip(pairs, keys):
+            c, r = values.get(kc), values.get(kr)
+            if c is None or r is None:
+                continue
+            self.chosen[p.row], self.rejected[p.row] = (c.logps, r.logps) if ld_alpha is None else ld_sums(
+                c, r, ld_alpha)
+            self.chosen_tokens[p.row], self.rejected_tokens[p.row] = c.tokens, r.tokens
 
 
 @dataclass(frozen=True)
@@ -122,6 +150,10 @@ class Side:
         return None if layout is None else layout == "shared"
 
     @property
+    def per_token(self) -> bool:
+        return bool(self.components.get("per_token"))
+
+    @property
     def identity(self) -> str:
         """The side whatever the layout: what a checkpoint records of the reference it trained against."""
         return side_digest({k: v for k, v in self.components.items() if k != "layout"})
@@ -139,25 +171,39 @@ class Side:
         return Side(self.other, self.components)
 
 
-def run_side(weights: dict, dtype: str, quantization: str, shared: bool = False,
-             ld_alpha: float | None = None) -> Side:
+def run_side(weights: dict, dtype: str, quantization: str, shared: bool = False, per_token: bool = False) -> Side:
     """A run's Side: in a 16-bit dtype both layouts, `shared` preferred; in float32 one."""
-    components = side_components(weights, dtype, quantization, shared, ld_alpha)
-    other = side_components(weights, dtype, quantization, not shared, ld_alpha) if "layout" in components else None
+    components = side_components(weights, dtype, quantization, shared, per_token)
+    other = side_components(weights, dtype, quantization, not shared, per_token) if "layout" in components else None
     return Side(components, other)
 
 
-def open_store(cache_dir: Path, create: bool = False) -> stores.Store | None:
-    """The cache folder's store; None when it has none (and `create` is off)."""
+def open_store(cache_dir: Path, create: bool = False, command: str = "") -> stores.Store | None:
+    """The cache folder's store; None when it has none (and `create` is off). A cache of an earlier format is
+    refused (refuse_earlier_format)."""
+    refuse_earlier_format(cache_dir, command)
     try:
         return stores.Store(cache_dir, create=create)
     except FileNotFoundError:
         return None
 
 
+def refuse_earlier_format(cache_dir: Path, command: str = "") -> None:
+    """A UserError, before anything is written there, when the folder holds a cache of an earlier format: what to
+    remove and `command` (the precompute that rebuilds it)."""
+    cache_dir = Path(cache_dir)
+    whole = (cache_dir / LEGACY_MANIFEST).is_file()  # format 1: one fingerprint over the whole data
+    if not whole and stores.OLD_TABLE not in stores.tables(cache_dir):
+        return
+    raise UserError(f"the reference cache in {str(cache_dir)!r} is of an earlier format (values keyed by "
+                    f"{'the whole dataset' if whole else 'pair'}; this version keys them per completion) and cannot "
+                    f"be read: remove it (rm -r {shlex.quote(str(cache_dir))}) and rebuild it with: "
+                    f"{command or 'python -m lowmem_dpo.precompute RECIPE.yaml'}")
+
+
 def lookup(store: stores.Store, side: Side, keys: list[bytes]) -> tuple[dict, bool]:
-    """The values `store` holds for row `keys` under `side`, and under its twin for the rows the preferred layout
-    lacks; and whether any came from the twin."""
+    """The values `store` holds for sequence `keys` under `side`, and under its twin for the sequences the
+    preferred layout lacks; and whether any came from the twin."""
     found = store.get(store.side(side.digest), keys)
     from_other = False
     if side.other is not None and len(found) < len(set(keys)):
@@ -173,25 +219,33 @@ def part_counts(tok) -> dict:
             "skipped": tok.skipped, "truncated": {part: len(rows) for part, rows in tok.truncated.items()}}
 
 
-def reference(store: stores.Store, side: Side, tok, name_row=str, keys: list[bytes] | None = None
-              ) -> tuple[RefCache, list]:
-    """The RefCache of one part's rows (tok: the dataset's or eval_dataset's data.TokenizedData; keys: their row
-    keys, when the caller has them) from the store, in the side's preferred layout and its twin's; and the pairs
-    it lacks. A value whose token counts are not its row's (a key is the row's token ids: only a damaged file
-    holds one) is refused, naming the rows."""
-    keys = keys if keys is not None else [row_key(p) for p in tok.pairs]
-    found, from_other = lookup(store, side, keys)
-    wrong = [p for p, k in zip(tok.pairs, keys) if (v := found.get(k)) is not None and (v.chosen_tokens, v.rejected_tokens)
-             != (completion_tokens(p.prompt_ids, p.chosen_ids), completion_tokens(p.prompt_ids, p.rejected_ids))]
+def damaged(found: dict, sequences: dict, per_token: bool) -> list:
+    """The sequences (key -> data.TokenizedCompletion) whose stored value disagrees with their token count, or
+    lacks the token log-probs its side keeps (a key is the sequence's ids: only a damaged file holds one)."""
+    return [s for k, s in sequences.items() if (v := found.get(k)) is not None and (
+        v.tokens != completion_tokens(s.prompt_ids, s.completion_ids)
+        or per_token and (v.token_logps is None or len(v.token_logps) != 4 * v.tokens))]
+
+
+def reference(store: stores.Store, side: Side, tok, name_row=str, keys: list | None = None,
+              ld_alpha: float | None = None) -> tuple[RefCache, list]:
+    """The RefCache of one part's rows (tok: the dataset's or eval_dataset's data.TokenizedData; keys: their
+    pair_keys, when the caller has them) from the store, in the side's preferred layout and its twin's; and the
+    pairs it lacks (either sequence). ld_alpha: LD-DPO's sums (a per_token side). A damaged value is refused,
+    naming the rows."""
+    keys = keys if keys is not None else [pair_keys(p) for p in tok.pairs]
+    sequences = {k: s for p, ks in zip(tok.pairs, keys) for k, s in zip(ks, pair_sequences(p))}
+    found, from_other = lookup(store, side, list(sequences))
+    wrong = damaged(found, sequences, side.per_token)
     if wrong:
-        raise UserError(f"the reference cache in {str(store.path.parent)!r} is damaged: its values for {len(wrong)} "
-                        f"rows disagree with their token counts ({'; '.join(name_row(p.row) for p in wrong[:3])}); "
-                        "point ref_cache_dir at a new folder and run precompute again (this one, which other "
-                        "recipes may share, is left as it is)")
+        raise UserError(f"the reference cache in {str(store.path.parent)!r} is damaged: its values for "
+                        f"{len(wrong)} sequences disagree with their token counts (of "
+                        f"{'; '.join(name_row(s.row) for s in wrong[:3])}); point ref_cache_dir at a new folder and "
+                        "run precompute again (this one, which other recipes may share, is left as it is)")
     ref = RefCache.empty(tok.num_rows, side=side.digest, counts=part_counts(tok),
                          shared=None if side.shared is None else side.shared != from_other)
-    ref.fill(tok.pairs, keys, found)
-    return ref, [p for p, k in zip(tok.pairs, keys) if k not in found]
+    ref.fill(tok.pairs, keys, found, ld_alpha)
+    return ref, [p for p, (kc, kr) in zip(tok.pairs, keys) if kc not in found or kr not in found]
 
 
 def missing_message(cache_dir: Path, rows: list, total: int, name_row, command: str, store=None,
@@ -209,8 +263,8 @@ def missing_message(cache_dir: Path, rows: list, total: int, name_row, command: 
 
 
 def nearest_difference(store: stores.Store, components: dict) -> str | None:
-    """What differs between this model side and the one the store holds most rows of, in words."""
-    usage = [u for u in store.usage() if u.rows]
+    """What differs between this model side and the one the store holds most sequences of, in words."""
+    usage = [u for u in store.usage() if u.sequences]
     if not usage:
         return None
     near = usage[0].components
@@ -236,7 +290,7 @@ def rebuild_command(cfg, recipe: str | None) -> str:
 
 # -- what changed, in words ------------------------------------------------------------------------------------
 WHAT = {"model": "the base model's weights or config", "adapter": "the SFT adapter's files",
-        "tokenizer": "the tokenizer's files", "chat_template": "the chat template's text", "format": "the cache format",
+        "tokenizer": "the tokenizer's files", "chat_template": "the chat template's text", "format": "the cache format", "per_token": "whether token log-probs are kept",
         "logps": "the log-prob rules"}
 
 
@@ -282,87 +336,17 @@ def _source_change(key: str, old: dict, new: dict, path: str) -> str:
     return ", ".join(parts) or key
 
 
-# -- the format before: one fingerprint, manifest.json and shards ---------------------------------------------
-def fingerprint_digest(components: dict) -> str:
-    """The format-1 cache's fingerprint of inputs.fingerprint_components."""
-    return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()
-
 
 def earlier_cache(cache_dir: Path) -> bool:
-    """Whether the folder is a reference cache this tool wrote before it marked its folders: its index, or a
-    format-1 cache's manifest, and nothing but what a cache holds (SQLite's files, the reports, the old format's)."""
-    manifest = read_legacy(cache_dir)
+    """Whether the folder is a reference cache this tool wrote before it marked its folders: its index (of any
+    format), or a format-1 cache's manifest, and nothing but what a cache holds (SQLite's files, the reports, the
+    old format's). open_store then refuses the earlier formats with what to do."""
+    try:
+        manifest = json.loads((Path(cache_dir) / LEGACY_MANIFEST).read_text())
+    except (OSError, ValueError):
+        manifest = None
     old = isinstance(manifest, dict) and {"fingerprint", "shard_dir"} <= set(manifest)
     names = {stores.INDEX, f"{stores.INDEX}-wal", f"{stores.INDEX}-shm", BUILD, REPORT,
              LEGACY_MANIFEST, manifest.get("shard_dir") if old else None}
     return (stores.is_store(cache_dir) or old) and all(n in names or n.startswith("legacy-v1")
                                                        for n in folders.visible(cache_dir))
-
-
-def read_legacy(cache_dir: Path) -> dict | None:
-    """A format-1 cache's manifest, or None."""
-    try:
-        return json.loads((Path(cache_dir) / LEGACY_MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _legacy_values(cache_dir: Path, manifest: dict, part: dict, pairs: list) -> tuple[dict, int]:
-    """The values a format-1 cache's part (its manifest, or its "eval" entry) holds for `pairs`, by row key; and
-    how many it holds for rows whose token counts are not this tokenization's (a tokenizers upgrade since: they
-    are left to compute)."""
-    from safetensors.torch import load_file
-
-    by_row = {p.row: p for p in pairs}
-    out, other = {}, 0
-    for name in part["shards"]:
-        t = load_file(Path(cache_dir) / manifest["shard_dir"] / name)
-        for i, row in enumerate(t["rows"].tolist()):
-            p = by_row.get(row)
-            if p is None or not (torch.isfinite(t["chosen"][i]) and torch.isfinite(t["rejected"][i])):
-                continue
-            counts = (int(t["chosen_tokens"][i]), int(t["rejected_tokens"][i]))
-            if counts != (completion_tokens(p.prompt_ids, p.chosen_ids), completion_tokens(p.prompt_ids,
-                                                                                           p.rejected_ids)):
-                other += 1
-                continue
-            out[row_key(p)] = stores.Value(float(t["chosen"][i]), float(t["rejected"][i]), *counts)
-    return out, other
-
-
-def convert_legacy(cache_dir: Path, store: stores.Store, fingerprint: dict, side: Side, pairs: list,
-                   eval_pairs: list | None, cfg=None) -> int:
-    """Convert a format-1 cache in `cache_dir` once, when its fingerprint is this run's (`fingerprint`:
-    inputs.fingerprint_components): its rows go into the store under this side in the layout it was built with,
-    and its files move to legacy-v1/. Another run's format-1 cache is left alone, with a message. Returns the rows
-    converted."""
-    manifest = read_legacy(cache_dir)
-    if manifest is None:
-        return 0
-    if manifest.get("fingerprint") != fingerprint_digest(fingerprint):
-        old = manifest.get("components", {})
-        what = "; ".join(describe_change(k, old.get(k), fingerprint.get(k), cfg)
-                         for k in sorted(set(old) | set(fingerprint)) if old.get(k) != fingerprint.get(k))
-        log(f"note: {cache_dir} holds a reference cache of the format before rows were keyed by content, built for "
-            f"other inputs ({what or 'its format'} changed): its values cannot be matched to these rows and are "
-            f"not used; its files ({LEGACY_MANIFEST}, {manifest.get('shard_dir')}/) stay until you remove them")
-        return 0
-    shared = bool(manifest.get("share_prompt", False))
-    components = side.components if side.shared in (None, shared) else side.other
-    values, other = _legacy_values(cache_dir, manifest, manifest, pairs)
-    if manifest.get("eval") and eval_pairs:
-        more, other_eval = _legacy_values(cache_dir, manifest, manifest["eval"], eval_pairs)
-        values.update(more)
-        other += other_eval
-    store.put(store.side(side_digest(components), components), values)
-    names = itertools.chain(["legacy-v1"], (f"legacy-v1-{i}" for i in itertools.count(2)))
-    moved = next(Path(cache_dir) / n for n in names if not (Path(cache_dir) / n).exists())
-    moved.mkdir()
-    for name in (LEGACY_MANIFEST, manifest.get("shard_dir")):
-        if name and (Path(cache_dir) / name).exists():
-            os.replace(Path(cache_dir) / name, moved / name)
-    skipped = (f"; {other} rows whose token counts differ from this tokenization (a tokenizers upgrade since) are "
-               "left to compute" if other else "")
-    log(f"converted the reference cache in {cache_dir} to the per-row format: {len(values)} rows, kept as they were "
-        f"computed{skipped}; the old files are in {moved} (remove them when you like)")
-    return len(values)

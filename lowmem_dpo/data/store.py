@@ -1,17 +1,23 @@
-"""The reference cache's store: one SQLite file, ref_cache_dir/index.sqlite, holding each row's reference values
-under (model side, row key). cache.py makes the keys; this module keeps them.
+"""The reference cache's store: one SQLite file, ref_cache_dir/index.sqlite, holding each sequence's reference
+values under (model side, sequence key). cache.py makes the keys; this module keeps them.
 
-    sides  id (never reused: AUTOINCREMENT), digest (cache.side_digest), components (JSON: what the side is),
-           created
-    rows   side, key (16 bytes: cache.row_key), chosen, rejected (float32 values, stored exactly as doubles),
-           chosen_tokens, rejected_tokens                    PRIMARY KEY (side, key), WITHOUT ROWID
+    sides      id (never reused: AUTOINCREMENT), digest (cache.side_digest), components (JSON: what the side is),
+               created
+    sequences  side, key (16 bytes: cache.sequence_key of a prompt and one completion), logps (the completion's
+               float32 log-prob sum, stored exactly as a double), tokens (its token count), token_logps (each
+               token's float32 log-prob, for the sides that keep them: LD-DPO's; else NULL)
+                                                             PRIMARY KEY (side, key), WITHOUT ROWID
 
 Why SQLite (the standard library's) rather than safetensors shards with an index file: a build looks up every row
 and adds the missing ones, a few at a time; SQLite does both by key, commits each batch atomically (a kill -9
 loses at most the batch in flight, and the file is consistent when next opened: its journal rolls back), and lets
 two processes (two recipes on one cache folder, or the ranks of one build) write the same file, each waiting for
-the other's commit. Shards would need their own index, compaction and locking to do the same. A row costs ~40
-bytes on disk. SQLite's locks need a local filesystem: keep ref_cache_dir off NFS.
+the other's commit. Shards would need their own index, compaction and locking to do the same. A sequence costs
+~40 bytes on disk (and 4 per token where token_logps are kept). SQLite's locks need a local filesystem: keep
+ref_cache_dir off NFS.
+
+An index of an earlier format (the pair-keyed `rows` table) is refused (OldFormat): no release wrote one, and
+its values cannot be split into sequences.
 """
 
 from __future__ import annotations
@@ -30,26 +36,37 @@ INDEX = "index.sqlite"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sides (id INTEGER PRIMARY KEY AUTOINCREMENT, digest TEXT UNIQUE NOT NULL,
                                   components TEXT NOT NULL, created TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS rows (side INTEGER NOT NULL, key BLOB NOT NULL, chosen REAL NOT NULL,
-                                 rejected REAL NOT NULL, chosen_tokens INTEGER NOT NULL,
-                                 rejected_tokens INTEGER NOT NULL, PRIMARY KEY (side, key)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS sequences (side INTEGER NOT NULL, key BLOB NOT NULL, logps REAL NOT NULL,
+                                      tokens INTEGER NOT NULL, token_logps BLOB, PRIMARY KEY (side, key))
+                                      WITHOUT ROWID;
 """
+OLD_TABLE = "rows"  # the pair-keyed format's table
 
 
-def is_store(cache_dir: str | Path) -> bool:
-    """Whether the folder holds this tool's index (its tables), read without writing."""
+class OldFormat(UserError):
+    """The folder's index is of an earlier format (cache.open_store says what to remove and the command)."""
+
+
+def tables(cache_dir: str | Path) -> set[str]:
+    """The tables of the folder's index, read without writing (immutable: not even SQLite's -wal and -shm files are
+    made); empty when it has none or it is unreadable."""
     path = Path(cache_dir) / INDEX
     if not path.is_file():
-        return False
+        return set()
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        db = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
         try:
-            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            return {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:
             db.close()
     except sqlite3.Error:
-        return False
-    return {"sides", "rows"} <= tables
+        return set()
+
+
+def is_store(cache_dir: str | Path) -> bool:
+    """Whether the folder holds this tool's index, of this format or an earlier one."""
+    found = tables(cache_dir)
+    return "sides" in found and bool({"sequences", OLD_TABLE} & found)
 
 
 CHUNK = 500  # keys per lookup query (SQLite's bound on parameters is 999 on old builds)
@@ -58,20 +75,19 @@ WAIT_S = 600  # how long a writer waits for another process's commit before givi
 
 @dataclass(frozen=True)
 class Value:
-    """One row's reference values."""
+    """One sequence's reference values."""
 
-    chosen: float
-    rejected: float
-    chosen_tokens: int
-    rejected_tokens: int
+    logps: float  # the completion's log-prob sum
+    tokens: int  # its token count
+    token_logps: bytes | None = None  # (tokens,) float32, where the side keeps them (cache.Side.per_token)
 
 
 @dataclass(frozen=True)
 class SideUsage:
     digest: str
     components: dict
-    rows: int
-    bytes: int  # its share of the file, by rows
+    sequences: int
+    bytes: int  # its share of the file, by sequences
 
 
 class Store:
@@ -84,6 +100,9 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.db = sqlite3.connect(self.path, timeout=WAIT_S)
+            if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (OLD_TABLE,)).fetchone():
+                self.db.close()  # before anything writes: the file stays as it is
+                raise OldFormat(f"{self.path} is a reference cache of the earlier pair-keyed format")
             if self.db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                 # readers do not wait for a writer; SQLite answers "locked" at once (no busy wait) while another
                 # process holds the file, as when two processes create a new cache together
@@ -132,7 +151,7 @@ class Store:
         unique = list(dict.fromkeys(keys))
         for i in range(0, len(unique), CHUNK):
             chunk = unique[i:i + CHUNK]
-            query = ("SELECT key, chosen, rejected, chosen_tokens, rejected_tokens FROM rows WHERE side = ? AND key "
+            query = ("SELECT key, logps, tokens, token_logps FROM sequences WHERE side = ? AND key "
                      f"IN ({','.join('?' * len(chunk))})")
             for key, *values in self.db.execute(query, (side, *chunk)):
                 out[bytes(key)] = Value(*values)
@@ -143,45 +162,48 @@ class Store:
         if side is None:
             return []
         return [Value(*v) for v in self.db.execute(
-            "SELECT chosen, rejected, chosen_tokens, rejected_tokens FROM rows WHERE side = ?", (side,))]
+            "SELECT logps, tokens, token_logps FROM sequences WHERE side = ?", (side,))]
 
     def put(self, side: int, values: dict[bytes, Value]) -> None:
-        """Add rows, in one transaction (all or none of them); a key already there keeps its value (any process
+        """Add sequences, in one transaction (all or none of them); a key already there keeps its value (any process
         computes the same one). A side that another process's --prune removed meanwhile is refused: its id is
-        never reused, and rows under it would serve nothing."""
+        never reused, and sequences under it would serve nothing."""
         with self.writing():
             if self.db.execute("SELECT 1 FROM sides WHERE id = ?", (side,)).fetchone() is None:
                 raise UserError(f"the reference cache in {str(self.path.parent)!r} lost this run's model side to a "
                                 "--prune in another process while precompute ran; run precompute again")
-            self.db.executemany("INSERT OR IGNORE INTO rows VALUES (?, ?, ?, ?, ?, ?)",
-                                [(side, k, v.chosen, v.rejected, v.chosen_tokens, v.rejected_tokens)
-                                 for k, v in values.items()])
+            self.db.executemany("INSERT OR IGNORE INTO sequences VALUES (?, ?, ?, ?, ?)",
+                                [(side, k, v.logps, v.tokens, v.token_logps) for k, v in values.items()])
 
     def usage(self) -> list[SideUsage]:
-        """Each model side's rows and its share of the file's bytes in use (pages not on the free list), the
+        """Each model side's sequences and its share of the file's bytes in use (pages not on the free list), the
         largest first."""
-        counts = dict(self.db.execute("SELECT side, COUNT(*) FROM rows GROUP BY side").fetchall())
-        total_rows = max(1, sum(counts.values()))
+        counts = dict(self.db.execute("SELECT side, COUNT(*) FROM sequences GROUP BY side").fetchall())
+        total = max(1, sum(counts.values()))
         pages, free, page = (self.db.execute(f"PRAGMA {k}").fetchone()[0]
                              for k in ("page_count", "freelist_count", "page_size"))
         size = (pages - free) * page
-        out = [SideUsage(digest, json.loads(components), counts.get(i, 0), size * counts.get(i, 0) // total_rows)
+        out = [SideUsage(digest, json.loads(components), counts.get(i, 0), size * counts.get(i, 0) // total)
                for i, digest, components in self.db.execute("SELECT id, digest, components FROM sides")]
-        return sorted(out, key=lambda u: -u.rows)
+        return sorted(out, key=lambda u: -u.sequences)
 
     def prune(self, side: int, keep: set[bytes]) -> int:
-        """Drop every row but `keep` under `side`, and every other side; returns the rows dropped. The file
-        shrinks (VACUUM) afterwards."""
-        before = self.db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+        """Drop every sequence but `keep` under `side`, and every other side; returns the sequences dropped. The
+        file shrinks (VACUUM) afterwards."""
+        before = self.count()
         with self.writing():
             self.db.execute("CREATE TEMP TABLE keep (key BLOB PRIMARY KEY) WITHOUT ROWID")
             self.db.executemany("INSERT OR IGNORE INTO keep VALUES (?)", [(k,) for k in keep])
-            self.db.execute("DELETE FROM rows WHERE side != ? OR key NOT IN (SELECT key FROM keep)", (side,))
+            self.db.execute("DELETE FROM sequences WHERE side != ? OR key NOT IN (SELECT key FROM keep)", (side,))
             self.db.execute("DELETE FROM sides WHERE id != ?", (side,))
             self.db.execute("DROP TABLE keep")
         self.db.execute("VACUUM")
         self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the rewritten file replaces the old one now
-        return before - self.db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+        return before - self.count()
+
+    def count(self) -> int:
+        """The sequences stored, under every side."""
+        return self.db.execute("SELECT COUNT(*) FROM sequences").fetchone()[0]
 
     def file_bytes(self) -> int:
         """The index's files on disk (the write-ahead log included)."""

@@ -36,6 +36,7 @@ class SequenceLogps:
     prompt_logps: torch.Tensor | None = None
     prompt_tokens: torch.Tensor | None = None
     aligned: torch.Tensor | None = None  # weighting=True: (N,) sums of WPO's aligned log-probs, detached
+    tokens: list[torch.Tensor] | None = None  # per_token=True: each sequence's (n_tokens[i],) fp32 log-probs
 
     def split(self) -> tuple["SequenceLogps", "SequenceLogps"]:
         """Chosen half and rejected half of a concatenated [chosen; rejected] batch (the prompts' go with chosen)."""
@@ -247,7 +248,7 @@ def chunked_head(lm_head, head: Head, h: torch.Tensor, labels: torch.Tensor, chu
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
                      chunk_tokens: int | None = None, position_ids: torch.Tensor | None = None,
                      prompts: bool = False, weighting: bool = False,
-                     ld_alpha: float | None = None) -> SequenceLogps:
+                     ld_alpha: float | None = None, per_token: bool = False) -> SequenceLogps:
     """Sum of log p over each sequence's completion tokens, shifted by one (position t-1 predicts token t).
 
     input_ids, attention_mask, completion_mask: (N, T). Returns (N,) fp32 sums and (N,) token counts. With
@@ -256,7 +257,8 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     unshared batch of the same pairs: each prompt goes through the model once. prompts: also the chosen rows'
     prompt tokens' sums and counts (prompt_logps, prompt_tokens), through the same chunked LM head. weighting:
     also each sequence's sum of WPO's aligned log-probs (aligned), detached. ld_alpha (pairs): LD-DPO's sums,
-    each completion's tokens beyond its pair's shorter completion's count weighted by ld_alpha.
+    each completion's tokens beyond its pair's shorter completion's count weighted by ld_alpha. per_token (not with
+    prompts): also each sequence's token log-probs, in order (tokens).
     """
     lm = causal_lm(model)
     backbone = getattr(lm, lm.base_model_prefix)
@@ -295,13 +297,17 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     if weighting:  # (N,): the completions' tokens only
         aligned = torch.zeros(n + pairs, dtype=torch.float32, device=tok.device).index_add(0, out, aligned_tok)[:n]
     if not prompts:
-        return SequenceLogps(logps, n_tokens, aligned=aligned)
+        # each output's tokens are contiguous in `out` and in order (_targets): a stable sort keeps that order
+        tokens = None if not per_token else list(tok.detach()[torch.sort(out, stable=True)[1]].split(
+            n_tokens.tolist()))
+        return SequenceLogps(logps, n_tokens, aligned=aligned, tokens=tokens)
     return SequenceLogps(logps[:n], n_tokens[:n], logps[n:], n_tokens[n:], aligned)
 
 
 def batch_logps(model, batch, chunk_tokens: int | None = None, prompts: bool = False,
-                weighting: bool = False, ld_alpha: float | None = None) -> SequenceLogps:
+                weighting: bool = False, ld_alpha: float | None = None, per_token: bool = False) -> SequenceLogps:
     """completion_logps of a collated batch (data.Batch: its input_ids, attention_mask, completion_mask and, for a
     shared-prefix batch, position_ids): (2B,) [chosen; rejected] for pairs, (B,) for SFT rows."""
     return completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens,
-                            position_ids=batch.position_ids, prompts=prompts, weighting=weighting, ld_alpha=ld_alpha)
+                            position_ids=batch.position_ids, prompts=prompts, weighting=weighting, ld_alpha=ld_alpha,
+                            per_token=per_token)

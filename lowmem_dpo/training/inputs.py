@@ -32,8 +32,8 @@ class Inputs:
     model_path: Path  # the base model folder
     source: models.ModelSource  # the base and the SFT adapter on it, if any
     tokenizer: object
-    fingerprint: dict  # fingerprint_components: the model side's weights (run_side), what a checkpoint records
-    #                    (run_inputs), and what a format-1 cache was keyed by (cache.convert_legacy)
+    fingerprint: dict  # fingerprint_components: the model side's weights (run_side), and what a checkpoint
+    #                    records (run_inputs)
 
 
 def data_component(spec: str, split: str, rows=None) -> dict:
@@ -112,42 +112,31 @@ def run_side(cfg: Config, resolved: Resolved, ins: Inputs, shared: bool = False)
     """The model side (cache.py) of a run's reference: the base's weights and config, the SFT adapter's files, the
     reference's resolved dtype and quantization; `shared` the preferred layout in 16 bits."""
     weights = {k: ins.fingerprint[k] for k in ("model", "adapter")}
-    # ld_alpha changes each row's values, not which rows or tokens: a side of its own, the fingerprint unchanged
-    return cache.run_side(weights, dtype_name(resolved.ref_dtype), resolved.ref_quantization, shared, cfg.ld_alpha)
+    # LD-DPO weighs each token by where the pair's shorter completion ends: its side keeps the token log-probs
+    return cache.run_side(weights, dtype_name(resolved.ref_dtype), resolved.ref_quantization, shared,
+                          per_token=cfg.ld_alpha is not None)
 
 
 def cached_reference(cfg: Config, ins: Inputs, side: cache.Side, d: Data, recipe: str | None = None) -> tuple:
-    """(the dataset's rows' reference values, eval_dataset's or None) from the cache in ref_cache_dir, looked up by
-    each row's key under `side`; a UserError naming the rows without one and the command that computes them. A
-    cache of the format before, built for these inputs, is converted first (cache.convert_legacy)."""
+    """(the dataset's rows' reference values, eval_dataset's or None) from the cache in ref_cache_dir, each row's
+    sequences looked up by key under `side`; a UserError naming the rows without them and the command that
+    computes them."""
     cache_dir = Path(cfg.ref_cache_dir)
     command = cache.rebuild_command(cfg, recipe)
-    legacy = distributed.broadcast(cache.read_legacy(cache_dir) is not None if distributed.is_main() else None)
-    store = cache.open_store(cache_dir, create=legacy)
+    store = cache.open_store(cache_dir, command=command)
     if store is None:
         raise UserError(f"no reference cache in {str(cache_dir)!r}; build it with: {command}")
     refs = {}
     with store:
-        if legacy:
-            convert_legacy(cfg, store, ins, side, d)
         for part, tok in [("train", d.tok), ("eval", d.eval_tok)]:
             if tok is None:
                 continue
             name = lambda row, part=part: d.name_row(row, part)  # noqa: E731
-            refs[part], lacking = cache.reference(store, side, tok, name, d.keys(part))
+            refs[part], lacking = cache.reference(store, side, tok, name, d.keys(part), cfg.ld_alpha)
             if lacking:
                 raise UserError(cache.missing_message(cache_dir, lacking, len(tok.pairs), name, command, store,
                                                       side))
     return refs["train"], refs.get("eval")
-
-
-def convert_legacy(cfg: Config, store, ins: Inputs, side: cache.Side, d: Data) -> None:
-    """cache.convert_legacy of ref_cache_dir, by rank 0 while the other processes wait (it moves the old files).
-    Not under ld_alpha: a format-1 cache holds plain sums, which are not LD-DPO's (the next plain run converts it)."""
-    if distributed.is_main() and cfg.ld_alpha is None:
-        cache.convert_legacy(Path(cfg.ref_cache_dir), store, ins.fingerprint, side, d.tok.pairs,
-                             d.eval_tok.pairs if d.eval_tok is not None else None, cfg)
-    distributed.barrier()
 
 
 def reference_of(cfg: Config) -> tuple:
@@ -195,14 +184,26 @@ class Data:
     #                                      fingerprint from them
     prompts: dict = field(default_factory=dict)  # eval item's row -> its prompt as the samples show it
     eval_mixture: data.Mixture | None = None  # eval_dataset's rows as loaded
-    row_keys: dict = field(default_factory=dict)  # part -> its pairs' cache.row_key, computed once (keys())
+    pair_keys: dict = field(default_factory=dict)  # part -> its pairs' cache.pair_keys, computed once (keys())
 
-    def keys(self, part: str = "train") -> list[bytes]:
-        """The cache's row keys of the dataset's pairs (part "train") or eval_dataset's ("eval"), in order."""
-        if part not in self.row_keys:
+    def keys(self, part: str = "train") -> list[tuple[bytes, bytes]]:
+        """The cache's sequence keys (chosen, rejected) of the dataset's pairs (part "train") or eval_dataset's
+        ("eval"), in order."""
+        if part not in self.pair_keys:
             tok = self.eval_tok if part == "eval" else self.tok
-            self.row_keys[part] = [cache.row_key(p) for p in tok.pairs] if tok is not None else []
-        return self.row_keys[part]
+            self.pair_keys[part] = [cache.pair_keys(p) for p in tok.pairs] if tok is not None else []
+        return self.pair_keys[part]
+
+    def sequences(self) -> dict:
+        """Every sequence the rows of both parts read, once: its key -> data.TokenizedCompletion (named by the
+        first row that reads it). A completion paired several ways is one sequence."""
+        out = {}
+        for part, tok in [("train", self.tok), ("eval", self.eval_tok)]:
+            if tok is not None:
+                for p, keys in zip(tok.pairs, self.keys(part)):
+                    for key, seq in zip(keys, cache.pair_sequences(p)):
+                        out.setdefault(key, seq)
+        return out
 
     def name_row(self, row: int, part: str = "train") -> str:
         """A row for messages: its file and line ("data/a.jsonl row 3 at line 4"); part "eval": eval_dataset's."""

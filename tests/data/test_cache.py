@@ -1,6 +1,7 @@
-"""The reference cache keyed by row content: served values equal an independent forward and a fresh build after
-every kind of data change, only new rows are computed, a rerun loads no model, the store survives kill -9 and a
-second writer, the format before is converted once, --prune, and the digest memo and atomic writes under it."""
+"""The reference cache keyed per sequence: served values equal an independent forward and a fresh build after
+every kind of data change, only new sequences are computed (none for a re-pairing), a rerun loads no model, the
+store survives kill -9 and a second writer, the formats before are refused with what to do, --prune, and the
+digest memo and atomic writes under it."""
 
 import json
 import math
@@ -15,13 +16,21 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, TINY_DATA, TINY_RECIPE, cached, stored_rows, stored_sides, write_jsonl
+from conftest import (
+    REPO,
+    TINY_DATA,
+    TINY_RECIPE,
+    cached,
+    sequences_of,
+    stored_sequences,
+    stored_sides,
+    write_jsonl,
+)
 from safetensors.torch import load_file, save_file
 
 from lowmem_dpo import data, precompute, train
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config
-from lowmem_dpo.data import cache
 from lowmem_dpo.model import models
 from lowmem_dpo.model.logps import completion_logps
 from lowmem_dpo.model.models import load_model
@@ -54,16 +63,8 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def counted(err: str) -> tuple[int, int]:
     """(computed, reused) from precompute's line."""
-    m = re.findall(r"computed (\d+) rows, reused (\d+)", err)
+    m = re.findall(r"computed (\d+) sequences, reused (\d+)", err)
     return int(m[-1][0]), int(m[-1][1])
-
-
-def token_ids(cfg) -> set:
-    """The distinct (prompt, chosen, rejected) token ids of cfg's rows, tokenized as train tokenizes them."""
-    ins = inputs.prepare(cfg, devices.resolve(cfg))
-    d = inputs.load_data(cfg, ins.tokenizer, progress=False)
-    pairs = d.tok.pairs + (d.eval_tok.pairs if d.eval_tok is not None else [])
-    return {(tuple(p.prompt_ids), tuple(p.chosen_ids), tuple(p.rejected_ids)) for p in pairs}
 
 
 def test_cache_equals_independent_forward_in_row_order(make_cfg, tiny_path, tokenizer, tmp_path, capsys):
@@ -72,7 +73,7 @@ def test_cache_equals_independent_forward_in_row_order(make_cfg, tiny_path, toke
     cfg = make_cfg(dataset=str(write_jsonl(tmp_path / "d.jsonl", some)), cache_shard_rows=5,
                    precompute_batch_size=3)
     precompute.run(cfg, progress=False)
-    assert counted(capsys.readouterr().err) == (11, 0)
+    assert counted(capsys.readouterr().err) == (len(sequences_of(cfg)), 0) and len(sequences_of(cfg)) > 11
     ref = cached(cfg)[0]
     assert ref.chosen.dtype == torch.float32 and ref.chosen.shape == (12,)
     assert math.isnan(ref.chosen[5]) and math.isnan(ref.rejected[5]) and ref.counts["dropped_rows"] == [5]
@@ -93,7 +94,8 @@ def test_cache_equals_independent_forward_in_row_order(make_cfg, tiny_path, toke
 def test_rerun_and_training_knobs_load_no_model(make_cfg, monkeypatch, capsys):
     cfg = make_cfg()
     precompute.run(cfg, progress=False)
-    assert counted(capsys.readouterr().err) == (384, 0)
+    total = len(sequences_of(cfg))  # 384 pairs, some completions shared between rows: each computed once
+    assert counted(capsys.readouterr().err) == (total, 0) and 384 < total < 768
 
     def no_model(*args, **kwargs):
         raise AssertionError("precompute loaded a model for a cache that holds every row")
@@ -103,8 +105,8 @@ def test_rerun_and_training_knobs_load_no_model(make_cfg, monkeypatch, capsys):
                      precompute_batch_size=5, loss_type="hinge", eval_fraction=0.3)
     precompute.run(knobs, progress=False)
     err = capsys.readouterr().err
-    assert counted(err) == (0, 384) and "preflight report" in err
-    assert stored_rows(cfg.ref_cache_dir) == 384
+    assert counted(err) == (0, total) and "preflight report" in err
+    assert stored_sequences(cfg.ref_cache_dir) == total
 
 
 def _changed_weights(tiny_path, tmp_path) -> str:
@@ -156,8 +158,8 @@ def _change(name: str, tmp_path, tiny_path) -> tuple[dict, dict]:
                                   "truncation (max_length)", "weights"])
 def test_a_change_computes_only_new_rows_and_serves_a_fresh_builds_values(name, make_cfg, tiny_path, tmp_path,
                                                                           capsys):
-    """After each change, precompute on the old cache computes exactly the rows whose token ids it never saw
-    (every row for new weights), the values served equal a fresh build's within 1e-6 (float32), and the first
+    """After each change, precompute on the old cache computes exactly the sequences whose token ids it never saw
+    (every one for new weights), the values served equal a fresh build's within 1e-6 (float32), and the first
     train step sits at ln 2."""
     before, after = _change(name, tmp_path, tiny_path)
     old = make_cfg(**before, ref_cache_dir=str(tmp_path / "cache"))
@@ -166,8 +168,8 @@ def test_a_change_computes_only_new_rows_and_serves_a_fresh_builds_values(name, 
     capsys.readouterr()
     precompute.run(new, progress=False)
     computed, reused = counted(capsys.readouterr().err)
-    ids = token_ids(new)
-    expected = len(ids) if name == "weights" else len(ids - token_ids(old))
+    ids = sequences_of(new)
+    expected = len(ids) if name == "weights" else len(ids - sequences_of(old))
     assert (computed, reused) == (expected, len(ids) - expected)
     fresh = make_cfg(**after, ref_cache_dir=str(tmp_path / "fresh"))
     precompute.run(fresh, progress=False)
@@ -214,7 +216,8 @@ def _stored_of(cache_dir, keys: list[bytes]) -> int:
         return 0
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=60)
     try:
-        return db.execute(f"SELECT COUNT(*) FROM rows WHERE key IN ({','.join('?' * len(keys))})", keys).fetchone()[0]
+        return db.execute(f"SELECT COUNT(*) FROM sequences WHERE key IN ({','.join('?' * len(keys))})",
+                          keys).fetchone()[0]
     except sqlite3.OperationalError:  # the tables are not created yet
         return 0
     finally:
@@ -222,16 +225,16 @@ def _stored_of(cache_dir, keys: list[bytes]) -> int:
 
 
 def test_two_writers_and_a_kill_9_leave_the_store_consistent(tmp_path, capsys):
-    """Two precompute processes (two recipes: overlapping rows) write one cache folder at once, one row per
+    """Two precompute processes (two recipes: overlapping rows) write one cache folder at once, one sequence per
     commit; one is killed with SIGKILL mid-build (a real kill, not simulated). The other finishes; the store
-    passes SQLite's integrity check and holds no partial row; the killed recipe's rerun computes only the rows
-    nobody committed, and each recipe's served values equal a fresh build's."""
+    passes SQLite's integrity check and holds no partial value; the killed recipe's rerun computes only the
+    sequences nobody committed, and each recipe's served values equal a fresh build's."""
     keys = {n: [f"dataset={write_jsonl(tmp_path / f'{n}.jsonl', rows(120, start))}", "dtype=float32",
                 f"ref_cache_dir={tmp_path / 'cache'}", "cache_shard_rows=1", "precompute_batch_size=1"]
             for n, start in (("a", 0), ("b", 60))}
     only_a = load_config(RECIPE, [f"dataset={write_jsonl(tmp_path / 'only-a.jsonl', rows(60))}", *keys["a"][1:]])
     ins = inputs.prepare(only_a, devices.resolve(only_a))
-    only_a_keys = inputs.load_data(only_a, ins.tokenizer, progress=False).keys()  # rows b does not have
+    only_a_keys = list(inputs.load_data(only_a, ins.tokenizer, progress=False).sequences())  # rows b lacks
     logs = {n: open(tmp_path / f"{n}.log", "w") for n in keys}
     a, b = _build(keys["a"], logs["a"]), _build(keys["b"], logs["b"])
     deadline = time.monotonic() + 300
@@ -241,76 +244,86 @@ def test_two_writers_and_a_kill_9_leave_the_store_consistent(tmp_path, capsys):
     assert a.wait() == -signal.SIGKILL and b.wait(timeout=300) == 0, (tmp_path / "b.log").read_text()[-2000:]
     db = sqlite3.connect(tmp_path / "cache" / "index.sqlite")
     assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-    kept = db.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+    kept = db.execute("SELECT COUNT(*) FROM sequences").fetchone()[0]
     db.close()
-    assert 120 <= kept < 180  # b's 120, and what a committed before the kill
     cfg = load_config(RECIPE, keys["a"])
+    seq_a, seq_b = sequences_of(cfg), sequences_of(load_config(RECIPE, keys["b"]))
+    total = len(seq_a | seq_b)
+    assert len(seq_b) + 3 <= kept < total  # b's, and what a committed before the kill
     precompute.run(cfg, progress=False)
-    assert counted(capsys.readouterr().err) == (180 - kept, 120 - (180 - kept))
-    assert stored_rows(tmp_path / "cache") == 180
+    assert counted(capsys.readouterr().err) == (total - kept, len(seq_a) - (total - kept))
+    assert stored_sequences(tmp_path / "cache") == total
     for n in ("a", "b"):
         fresh = load_config(RECIPE, [*keys[n][:2], f"ref_cache_dir={tmp_path / ('fresh-' + n)}"])
         precompute.run(fresh, progress=False)
         assert same(served(load_config(RECIPE, keys[n])), served(fresh))
 
 
-def _format_1(cfg, values: torch.Tensor, fingerprint: dict) -> None:
-    """A cache as the format before wrote it (manifest.json, one shard of rows in order), holding `values`
-    ((4, rows): chosen, rejected, token counts)."""
-    n = values.shape[1]
-    shard_dir = cache.Path(cfg.ref_cache_dir) / "shards-00000000"
-    shard_dir.mkdir(parents=True)
-    save_file({"rows": torch.arange(n), "chosen": values[0].contiguous(), "rejected": values[1].contiguous(),
-               "chosen_tokens": values[2].int(), "rejected_tokens": values[3].int()},
-              shard_dir / "shard-00000.safetensors")
-    files.atomic_write_json(cache.Path(cfg.ref_cache_dir) / cache.LEGACY_MANIFEST, {
-        "format": 1, "fingerprint": cache.fingerprint_digest(fingerprint), "components": fingerprint,
-        "share_prompt": False, "shard_dir": shard_dir.name, "shards": ["shard-00000.safetensors"],
-        "num_rows": n, "num_pairs": n, "dropped_rows": [], "skipped": {}, "truncated": {}})
+def test_a_cache_of_an_earlier_format_is_refused_with_what_to_remove_and_the_command(make_cfg, tmp_path, capsys):
+    """A pair-keyed index (format 2) and a manifest.json cache (format 1) are refused by precompute and by train:
+    exit 2, one line naming the folder, what to remove and the precompute that rebuilds it; nothing is changed
+    or recomputed silently."""
+    some = write_jsonl(tmp_path / "d.jsonl", rows(10))
+    pair_keyed = tmp_path / "pair-keyed"
+    pair_keyed.mkdir()
+    db = sqlite3.connect(pair_keyed / "index.sqlite")
+    db.executescript("CREATE TABLE sides (id INTEGER PRIMARY KEY AUTOINCREMENT, digest TEXT UNIQUE NOT NULL, "
+                     "components TEXT NOT NULL, created TEXT NOT NULL); CREATE TABLE rows (side INTEGER NOT NULL, "
+                     "key BLOB NOT NULL, chosen REAL NOT NULL, rejected REAL NOT NULL, chosen_tokens INTEGER NOT NULL,"
+                     " rejected_tokens INTEGER NOT NULL, PRIMARY KEY (side, key)) WITHOUT ROWID;")
+    db.close()
+    whole = tmp_path / "whole"
+    (whole / "shards-00000000").mkdir(parents=True)
+    (whole / "manifest.json").write_text(json.dumps({"format": 1, "fingerprint": "f" * 64,
+                                                      "shard_dir": "shards-00000000", "shards": []}))
+    for folder, keyed in ((pair_keyed, "pair"), (whole, "the whole dataset")):
+        before = {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        for stage in (precompute, train):
+            args = [RECIPE, f"dataset={some}", f"ref_cache_dir={folder}", "dtype=float32",
+                    f"output_dir={tmp_path / 'out'}", "max_steps=1"]
+            assert run_cli(stage.main, args, stage.__name__.split(".")[-1], stage.__doc__) == 2
+            err = capsys.readouterr().err.strip()
+            assert "Traceback" not in err
+            assert err.splitlines()[-1].endswith(
+                f"the reference cache in {str(folder)!r} is of an earlier format (values keyed by {keyed}; this "
+                f"version keys them per completion) and cannot be read: remove it (rm -r {folder}) and rebuild it "
+                "with: python -m lowmem_dpo.precompute " + " ".join(args))
+        assert {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+        assert not (tmp_path / "out").exists()
 
 
-def test_a_cache_of_the_format_before_is_converted_once(make_cfg, tmp_path, capsys):
-    """A format-1 cache built for this recipe's inputs is converted with a message (by precompute, or by train
-    run on it directly), its values kept as they were computed (here marked: each moved by 1e-3) but for a row
-    whose token counts are not this tokenization's, and its files moved aside; one built for other inputs is left
-    alone, named, and every row computed."""
-    some = write_jsonl(tmp_path / "d.jsonl", rows(40))
-    fresh = make_cfg(dataset=str(some), ref_cache_dir=str(tmp_path / "fresh"))
-    precompute.run(fresh, progress=False)
-    want = served(fresh)
-    marked = want.clone()
-    marked[:2] += 1e-3
-    marked[2, 7] += 1  # row 7's chosen token count is not this tokenization's (a tokenizers upgrade since)
-    old = make_cfg(dataset=str(some))
-    fingerprint = inputs.prepare(old, devices.resolve(old)).fingerprint
-    _format_1(old, marked, fingerprint)
-    capsys.readouterr()
-    precompute.run(old, progress=False)
-    err = capsys.readouterr().err
-    assert f"converted the reference cache in {old.ref_cache_dir} to the per-row format: 39 rows, kept as they " \
-           "were computed; 1 rows whose token counts differ from this tokenization" in err
-    assert counted(err) == (1, 39)
-    assert same(served(old)[:, 7], want[:, 7]) and same(torch.cat([served(old)[:, :7], served(old)[:, 8:]], 1),
-                                                         torch.cat([marked[:, :7], marked[:, 8:]], 1))
-    assert sorted(p.name for p in (cache.Path(old.ref_cache_dir) / "legacy-v1").iterdir()) == [
-        "manifest.json", "shards-00000000"]
-    precompute.run(old, progress=False)
-    assert "converted" not in capsys.readouterr().err  # once
+def _four_completions(n: int) -> list[list]:
+    """n prompts with 4 completions each, best first (UltraFeedback's shape): the demo rows' chosen and rejected
+    of row i and of row i + n."""
+    some = rows(2 * n)
+    return [[some[i]["prompt"], [some[i]["chosen"], some[i + n]["chosen"], some[i + n]["rejected"],
+                                 some[i]["rejected"]]] for i in range(n)]
 
-    direct = make_cfg(dataset=str(some), ref_cache_dir=str(tmp_path / "direct"), max_steps=1)
-    _format_1(direct, want, fingerprint)
-    train.run(direct, progress=False)  # train on a format-1 cache, no precompute first: converted, not refused
-    assert "converted the reference cache" in capsys.readouterr().err
-    first = json.loads(open(f"{direct.output_dir}/metrics.jsonl").readline())
-    assert first["step"] == 1 and first["loss"] == pytest.approx(math.log(2), abs=1e-5)
 
-    other = make_cfg(dataset=str(some), ref_cache_dir=str(tmp_path / "other"))
-    _format_1(other, marked, {**fingerprint, "max_length": 32})
-    precompute.run(other, progress=False)
-    err = capsys.readouterr().err
-    assert "built for other inputs (max_length 32 -> 64 changed): its values cannot be matched" in err
-    assert counted(err) == (40, 0) and same(served(other), want)
-    assert (cache.Path(other.ref_cache_dir) / "manifest.json").is_file()  # left where it was
+def test_a_new_pairing_of_the_same_completions_computes_no_sequence(make_cfg, tmp_path, capsys):
+    """Best-vs-worst, then best-vs-each, then every pair and a subset: each completion is computed once, in the
+    first build that reads it; a pairing of completions already there computes none and serves a fresh build's
+    values."""
+    prompts = _four_completions(20)
+
+    def pairing(name: str, pairs: list[tuple[int, int]]) -> str:
+        return str(write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": p, "chosen": c[i], "rejected": c[j]}
+                                                             for p, c in prompts for i, j in pairs]))
+
+    worst = make_cfg(dataset=pairing("worst", [(0, 3)]))
+    precompute.run(worst, progress=False)
+    assert counted(capsys.readouterr().err) == (len(sequences_of(worst)), 0)
+    each = make_cfg(dataset=pairing("each", [(0, 1), (0, 2), (0, 3)]))
+    precompute.run(each, progress=False)
+    new = len(sequences_of(each) - sequences_of(worst))
+    assert counted(capsys.readouterr().err) == (new, len(sequences_of(each)) - new) and new >= 2 * len(prompts) - 2
+    for name, pairs in (("all", [(i, j) for i in range(4) for j in range(i + 1, 4)]), ("subset", [(1, 2)])):
+        again = make_cfg(dataset=pairing(name, pairs))
+        precompute.run(again, progress=False)
+        assert counted(capsys.readouterr().err) == (0, len(sequences_of(again)))
+        fresh = make_cfg(dataset=pairing(name, pairs), ref_cache_dir=str(tmp_path / f"fresh-{name}"))
+        precompute.run(fresh, progress=False)
+        assert same(served(again), served(fresh))
 
 
 def test_prune_keeps_this_recipes_rows_and_says_what_each_side_holds(make_cfg, tmp_path, capsys):
@@ -319,17 +332,21 @@ def test_prune_keeps_this_recipes_rows_and_says_what_each_side_holds(make_cfg, t
     precompute.run(make_cfg(dataset=str(a)), progress=False)
     precompute.run(make_cfg(dataset=str(a), ref_dtype="bfloat16"), progress=False)
     capsys.readouterr()
-    precompute.run(make_cfg(dataset=str(b)), progress=False)
-    err = capsys.readouterr().err
-    assert counted(err) == (20, 10)
-    assert re.search(r"model side \w{12} \(this run's\): 50 rows, [\d.]+ KiB \(float32, quantization none\)", err)
-    assert re.search(r"model side \w{12}: 30 rows, [\d.]+ KiB \(bfloat16, quantization none, (un)?shared\)", err)
     cfg = make_cfg(dataset=str(b))
+    seq_a, seq_b = sequences_of(make_cfg(dataset=str(a))), sequences_of(cfg)
+    precompute.run(cfg, progress=False)
+    err = capsys.readouterr().err
+    assert counted(err) == (len(seq_b - seq_a), len(seq_b & seq_a))
+    assert re.search(rf"model side \w{{12}} \(this run's\): {len(seq_a | seq_b)} sequences, [\d.]+ KiB \(float32, "
+                     r"quantization none\)", err)
+    assert re.search(rf"model side \w{{12}}: {len(seq_a)} sequences, [\d.]+ KiB \(bfloat16, quantization none, "
+                     r"(un)?shared\)", err)
     assert run_cli(precompute.main, [RECIPE, f"dataset={b}", f"ref_cache_dir={cfg.ref_cache_dir}", "dtype=float32",
                                      "--prune"], "precompute", precompute.__doc__) == 0
     err = capsys.readouterr().err
-    assert "pruned 50 rows this recipe does not use (other data, other model sides)" in err
-    assert stored_rows(cfg.ref_cache_dir) == 30 and [s["dtype"] for s in stored_sides(cfg.ref_cache_dir)] == [
+    assert f"pruned {len(seq_a | seq_b) + len(seq_a) - len(seq_b)} sequences this recipe does not use (other data, " \
+           "other model sides)" in err
+    assert stored_sequences(cfg.ref_cache_dir) == len(seq_b) and [s["dtype"] for s in stored_sides(cfg.ref_cache_dir)] == [
         "float32"]
     assert not torch.isnan(served(cfg)[0]).any()
 

@@ -10,7 +10,7 @@ from lowmem_dpo.runtime.errors import UserError
 
 
 def values(n: int, start: int = 0) -> dict:
-    return {i.to_bytes(16, "big"): stores.Value(-float(i), -float(i) - 1, 3, 4) for i in range(start, start + n)}
+    return {i.to_bytes(16, "big"): stores.Value(-float(i), 3) for i in range(start, start + n)}
 
 
 def _open_and_write(folder, k: int, start) -> None:
@@ -52,7 +52,7 @@ def test_prune_never_hands_a_dropped_sides_id_to_a_new_side(tmp_path):
         assert s.get(new, list(values(10))) == {}
         with pytest.raises(UserError, match="lost this run's model side to a --prune in another process"):
             s.put(old, values(3))
-        assert s.db.execute("SELECT COUNT(*) FROM rows").fetchone()[0] == 5
+        assert s.count() == 5
 
 
 def test_usage_counts_the_pages_in_use_not_the_write_ahead_log(tmp_path):
@@ -63,9 +63,9 @@ def test_usage_counts_the_pages_in_use_not_the_write_ahead_log(tmp_path):
         s.put(a, values(20_000))
         s.put(b, values(20_000, 20_000))
         before = {u.digest: u for u in s.usage()}
-        assert before["a"].rows == 20_000 and 20 * 20_000 < before["a"].bytes < 100 * 20_000
+        assert before["a"].sequences == 20_000 and 20 * 20_000 < before["a"].bytes < 100 * 20_000
         s.prune(a, set(values(20_000)))
-        (after,) = [u for u in s.usage() if u.rows]
+        (after,) = [u for u in s.usage() if u.sequences]
         assert after.digest == "a" and after.bytes <= s.file_bytes() < 100 * 20_000
         assert not (tmp_path / "index.sqlite-wal").exists() or (tmp_path / "index.sqlite-wal").stat().st_size == 0
 
@@ -74,3 +74,27 @@ def test_an_unreadable_index_is_named_with_what_to_do(tmp_path):
     (tmp_path / "index.sqlite").write_bytes(b"not a database" * 100)
     with pytest.raises(UserError, match="index.sqlite is unreadable .*: move it away and run precompute again"):
         stores.Store(tmp_path)
+
+
+def test_token_log_probs_come_back_as_stored_and_a_pair_keyed_index_is_refused(tmp_path):
+    """A per_token side's blobs round-trip bit for bit; an index of the pair-keyed format (its `rows` table) is
+    refused, not opened or altered."""
+    blob = b"".join(float(x).hex().encode()[:4] for x in range(3))  # 12 arbitrary bytes: 3 float32
+    with stores.Store(tmp_path / "new", create=True) as s:
+        side = s.side("t", {"per_token": True})
+        s.put(side, {b"k" * 16: stores.Value(-1.5, 3, blob)})
+        assert s.get(side, [b"k" * 16]) == {b"k" * 16: stores.Value(-1.5, 3, blob)}
+    import sqlite3
+
+    old = tmp_path / "old"
+    old.mkdir()
+    db = sqlite3.connect(old / "index.sqlite")
+    db.executescript("CREATE TABLE sides (id INTEGER PRIMARY KEY, digest TEXT, components TEXT, created TEXT);"
+                     "CREATE TABLE rows (side INTEGER, key BLOB, chosen REAL, rejected REAL, chosen_tokens INTEGER,"
+                     " rejected_tokens INTEGER);")
+    db.close()
+    before = (old / "index.sqlite").read_bytes()
+    assert stores.is_store(old)
+    with pytest.raises(stores.OldFormat):
+        stores.Store(old)
+    assert (old / "index.sqlite").read_bytes() == before

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_DATA, build_tiny_model, cached, stored_rows
+from conftest import TINY_DATA, build_tiny_model, cached, stored_sequences
 
 from lowmem_dpo import data, precompute, sft, train
 from lowmem_dpo.model import headcheck, logps
@@ -112,7 +112,7 @@ def test_unknown_architecture_that_differs_is_refused(arch_dir, make_cfg, tmp_pa
     cfg = make_cfg(**run)
     with pytest.raises(UserError, match=r"model_type 'hyperclovax' is not in .* differ .* by up to \d"):
         precompute.run(cfg, progress=False)
-    assert stored_rows(cfg.ref_cache_dir) == 0
+    assert stored_sequences(cfg.ref_cache_dir) == 0
     with pytest.raises(UserError, match="'hyperclovax'"):
         train.run(make_cfg(**run, ref_source="live"), progress=False)
     with pytest.raises(UserError, match="'hyperclovax'"):

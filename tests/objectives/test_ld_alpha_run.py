@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_DATA, cached, write_jsonl
+from conftest import TINY_DATA, cached, sequences_of, write_jsonl
 
 from lowmem_dpo import precompute, train
 from lowmem_dpo.runtime.errors import ConfigError
@@ -26,11 +26,16 @@ def test_ld_alpha_keys_the_cache_and_starts_at_ln2(make_cfg, tmp_path, capsys):
     capsys.readouterr()
     cfg = make_cfg(dataset=str(mine), ld_alpha=0.3, max_steps=1, eval_fraction=0.0)
     precompute.run(cfg, progress=False)
-    assert "computed 64 rows, reused 0" in capsys.readouterr().err  # the plain side's values serve nothing here
+    # the plain side's values keep no token log-probs: every sequence once more, into the per-token side
+    assert f"computed {len(sequences_of(cfg))} sequences, reused 0" in capsys.readouterr().err
     weighted, sums = cached(cfg)[0], cached(plain)[0]
     longer = torch.tensor([i % 2 == 1 for i in range(64)])
     assert (weighted.rejected[longer] > sums.rejected[longer]).all()  # less of a negative tail counted
-    assert torch.equal(weighted.chosen[~longer], sums.chosen[~longer])  # equal lengths: nothing beyond
+    # equal lengths: nothing beyond (the token log-probs summed again: float32's rounding)
+    assert torch.allclose(weighted.chosen[~longer], sums.chosen[~longer], rtol=1e-6, atol=1e-5)
+    other = make_cfg(dataset=str(mine), ld_alpha=0.7, eval_fraction=0.0)
+    precompute.run(other, progress=False)  # another ld_alpha reads the same token log-probs
+    assert f"computed 0 sequences, reused {len(sequences_of(cfg))}" in capsys.readouterr().err
     train.run(cfg, progress=False)
     step = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert step["loss"] == pytest.approx(math.log(2), abs=1e-6)

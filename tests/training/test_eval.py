@@ -92,7 +92,9 @@ def test_eval_on_start_evaluates_the_reference_at_step_0(make_cfg, split_files):
     got = eval_lines(out)
     assert [m["step"] for m in got] == [0, 2]
     assert got[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert got[0]["eval_rewards/margins"] == 0 and got[0]["eval_rewards/accuracies"] == 0
+    # a completion that another row also holds is computed once, in that row's forward: float32 may round it an
+    # ulp apart from this row's, which can tip the accuracy of the 6 of 40 eval pairs that hold one
+    assert got[0]["eval_rewards/margins"] == pytest.approx(0, abs=1e-6) and got[0]["eval_rewards/accuracies"] <= 6 / 40
     assert got[0]["eval_gen/repetition"] is not None and got[1]["eval_loss"] != got[0]["eval_loss"]
     assert [r["step"] for r in lines(out / "samples.jsonl")] == [0, 0, 2, 2]
 

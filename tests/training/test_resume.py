@@ -24,9 +24,9 @@ from lowmem_dpo import precompute, train
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.data import cache
-from lowmem_dpo.runtime import files
+from lowmem_dpo.runtime import devices, files
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import checkpoint, guards, loop, output
+from lowmem_dpo.training import checkpoint, guards, inputs, loop, output
 
 # lora_dropout > 0: the resumed run must restore the RNG too, not only the weights and the optimizer.
 RUN = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", dtype="float32",
@@ -309,7 +309,7 @@ def test_a_wrong_reference_is_flagged_and_stops_with_early_stop(built, tmp_path,
     """A cache whose chosen log-probs are 200 nats too low (what a reference that is not the policy's start
     gives): margin 0.1 * 200 = 20 at step 1 and a loss of ~0. Logged as warnings; with
     early_stop_on_divergence=true the run stops there with exit 2."""
-    _edit_store(tmp_path / "cache", "UPDATE rows SET chosen = chosen - 200")
+    _edit_store(tmp_path / "cache", "UPDATE sequences SET logps = logps - 200 WHERE key IN ({})", chosen_keys())
     out = tmp_path / "out"
     assert run_cli(train.main, [str(built), f"output_dir={out}", "max_steps=5"], "train", "") == 0
     err = capsys.readouterr().err
@@ -325,7 +325,8 @@ def test_a_run_of_nonfinite_losses_logs_nulls_and_stops_as_diverged(built, tmp_p
     """Reference values at float32's limits (finite, so the cache passes its checks) make every loss
     infinite: the log lines of the skipped steps carry null metrics (not 0, which would read as a perfect
     loss), and the third in a row stops the run with exit 2 and no traceback; no adapter is saved."""
-    _edit_store(tmp_path / "cache", "UPDATE rows SET chosen = 3.4e38, rejected = -3.4e38")
+    _edit_store(tmp_path / "cache", "UPDATE sequences SET logps = -3.4e38")
+    _edit_store(tmp_path / "cache", "UPDATE sequences SET logps = 3.4e38 WHERE key IN ({})", chosen_keys())
     out = tmp_path / "out"
     code = run_cli(train.main, [str(built), f"output_dir={out}", "logging_steps=1", "max_steps=10"], "train", "")
     err = capsys.readouterr().err
@@ -437,24 +438,32 @@ def test_a_checkpoint_without_its_inputs_resumes_with_a_warning(built, tmp_path,
         " its data, model weights, adapter weights, tokenizer, tokenization, reference cache are" in err
 
 
-def _edit_store(cache_dir: Path, sql: str) -> None:
-    """Change the values in a real cache's store (what a damaged file, or a wrong reference, would hold)."""
+def _edit_store(cache_dir: Path, sql: str, keys: list[bytes] = ()) -> None:
+    """Change the values in a real cache's store (what a damaged file, or a wrong reference, would hold); `keys`
+    fill the {} of `sql`."""
     with cache.open_store(cache_dir) as store:
-        store.db.execute(sql)
+        store.db.execute(sql.format(",".join("?" * len(keys))), list(keys))
         store.db.commit()
 
 
+def chosen_keys() -> list[bytes]:
+    """The sequence keys of RUN's chosen completions."""
+    cfg = build_config({**RUN, "ref_cache_dir": "unused"})
+    d = inputs.load_data(cfg, inputs.prepare(cfg, devices.resolve(cfg)).tokenizer, progress=False)
+    return sorted({c for c, _ in d.keys()})
+
+
 def test_values_that_disagree_with_their_token_counts_are_refused(built, tmp_path, capsys):
-    """A row's stored chosen token count raised by 1 (a damaged store: a row's key is its token ids, so a true
-    value cannot disagree with them): train stops with exit 2 before the model loads, naming the row."""
+    """A sequence's stored token count raised by 1 (a damaged store: a key is the sequence's token ids, so a true
+    value cannot disagree with them): train stops with exit 2 before the model loads, naming its row."""
     with cache.open_store(tmp_path / "cache") as store:
-        key = store.db.execute("SELECT key FROM rows LIMIT 1").fetchone()[0]
-        store.db.execute("UPDATE rows SET chosen_tokens = chosen_tokens + 1 WHERE key = ?", (key,))
+        key = store.db.execute("SELECT key FROM sequences LIMIT 1").fetchone()[0]
+        store.db.execute("UPDATE sequences SET tokens = tokens + 1 WHERE key = ?", (key,))
         store.db.commit()
     out = tmp_path / "out"
     assert _train(built, out) == 2
     err = capsys.readouterr().err
-    assert "values for 1 rows disagree with their token counts" in err and "line" in err
+    assert "values for 1 sequences disagree with their token counts" in err and "line" in err
     assert "point ref_cache_dir at a new folder" in err and "Traceback" not in err and not out.exists()
 
 
