@@ -42,6 +42,8 @@ from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training import inputs, policy
 
 SEQUENCE_BYTES = 100  # what a sequence takes in the store, with its index, for the free-space check (~40 measured)
+TOKEN_BYTES = 12  # what a token's log-prob takes on a per-token side (4 B of float32; ~10 measured with SQLite's
+#                   overflow pages and its write-ahead log)
 BUILD = cache.BUILD  # what the last precompute did: sequences computed and reused, its forward's sequences/s
 
 
@@ -238,8 +240,10 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
     log(f"reference cache: {place(cfg, 'ref_cache_dir')}")
     with cache.open_store(cache_dir, create=True, command=command) as store:
         lacking = missing(store, side, keys)
-        files.ensure_free_space(cache_dir, min(map(len, lacking.values())) * SEQUENCE_BYTES + (1 << 20),
-                                "the reference cache", "Nothing was computed; the cache there is untouched.")
+        need = {layout: stored_bytes([sequences[keys[i]] for i in miss], side.per_token)
+                for layout, miss in lacking.items()}
+        files.ensure_free_space(cache_dir, min(need.values()), "the reference cache",
+                                "Nothing was computed; the cache there is untouched.")
         want = None if side.other is None or cfg.share_prompt == "auto" else cfg.share_prompt == "true"
         complete = [layout for layout, miss in lacking.items() if not miss and want in (None, layout)]
         if complete:  # every sequence is there: no model
@@ -261,7 +265,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
             components = side.layouts()[used]
             compute_missing(model, by_length(units), store,
                             store.side(cache.side_digest(components), components), cfg, resolved, pad_id, progress,
-                            shared, batch, computed * SEQUENCE_BYTES + (1 << 20))
+                            shared, batch, need[used])
             del model  # its memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
             oom.release_memory(resolved.device)
             distributed.barrier()  # every process's sequences are in the store
@@ -273,6 +277,12 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
             prune_store(store, side.layouts()[used], set(keys))
         report(cache_dir, store, side.at(used), d, cfg.ld_alpha)
     return cache_dir
+
+
+def stored_bytes(seqs: list[data.TokenizedCompletion], per_token: bool) -> int:
+    """What storing `seqs` takes on disk, at most, for the free-space check (and 1 MiB for SQLite's own)."""
+    tokens = sum(len(s.completion_ids) for s in seqs) if per_token else 0
+    return len(seqs) * SEQUENCE_BYTES + tokens * TOKEN_BYTES + (1 << 20)
 
 
 def pairs_of(d: inputs.Data) -> list[data.TokenizedPair]:

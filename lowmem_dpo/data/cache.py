@@ -95,6 +95,8 @@ def ld_sums(chosen: stores.Value, rejected: stores.Value, ld_alpha: float) -> tu
     shared = min(chosen.tokens, rejected.tokens)
 
     def weighted(v: stores.Value) -> float:
+        if not v.tokens:  # nothing to weigh (frombuffer refuses an empty buffer)
+            return 0.0
         t = torch.frombuffer(bytearray(v.token_logps), dtype=torch.float32)  # (tokens,)
         return float(t[:shared].sum() + ld_alpha * t[shared:].sum())
 

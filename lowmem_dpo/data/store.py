@@ -48,13 +48,15 @@ class OldFormat(UserError):
 
 
 def tables(cache_dir: str | Path) -> set[str]:
-    """The tables of the folder's index, read without writing (immutable: not even SQLite's -wal and -shm files are
-    made); empty when it has none or it is unreadable."""
+    """The tables of the folder's index, read without writing; empty when it has none or it is unreadable. Without
+    a write-ahead log it is read as immutable (SQLite makes no -shm file); with one (a writer killed, or still
+    running) read-only through it, since the tables may be there only."""
     path = Path(cache_dir) / INDEX
     if not path.is_file():
         return set()
+    wal = Path(f"{path}-wal").is_file()
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+        db = sqlite3.connect(f"file:{path}?mode=ro" + ("" if wal else "&immutable=1"), uri=True)
         try:
             return {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:
@@ -69,6 +71,7 @@ def is_store(cache_dir: str | Path) -> bool:
     return "sides" in found and bool({"sequences", OLD_TABLE} & found)
 
 
+SEQUENCE_BYTES = 40  # a value without token log-probs, with its key and index entry (measured)
 CHUNK = 500  # keys per lookup query (SQLite's bound on parameters is 999 on old builds)
 WAIT_S = 600  # how long a writer waits for another process's commit before giving up
 
@@ -99,10 +102,9 @@ class Store:
             raise FileNotFoundError(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self.db = sqlite3.connect(self.path, timeout=WAIT_S)
-            if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (OLD_TABLE,)).fetchone():
-                self.db.close()  # before anything writes: the file stays as it is
+            if OLD_TABLE in tables(cache_dir):  # read only: the file stays as it is
                 raise OldFormat(f"{self.path} is a reference cache of the earlier pair-keyed format")
+            self.db = sqlite3.connect(self.path, timeout=WAIT_S)
             if self.db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                 # readers do not wait for a writer; SQLite answers "locked" at once (no busy wait) while another
                 # process holds the file, as when two processes create a new cache together
@@ -176,14 +178,17 @@ class Store:
                                 [(side, k, v.logps, v.tokens, v.token_logps) for k, v in values.items()])
 
     def usage(self) -> list[SideUsage]:
-        """Each model side's sequences and its share of the file's bytes in use (pages not on the free list), the
-        largest first."""
-        counts = dict(self.db.execute("SELECT side, COUNT(*) FROM sequences GROUP BY side").fetchall())
-        total = max(1, sum(counts.values()))
+        """Each model side's sequences and its share of the file's bytes in use (pages not on the free list), by
+        what its values hold (a per-token side's blobs count), the largest first."""
+        sizes = self.db.execute("SELECT side, COUNT(*), SUM(COALESCE(LENGTH(token_logps), 0)) FROM sequences "
+                                "GROUP BY side").fetchall()
+        counts = {side: n for side, n, _ in sizes}
+        weight = {side: n * SEQUENCE_BYTES + blobs for side, n, blobs in sizes}
+        total = max(1, sum(weight.values()))
         pages, free, page = (self.db.execute(f"PRAGMA {k}").fetchone()[0]
                              for k in ("page_count", "freelist_count", "page_size"))
         size = (pages - free) * page
-        out = [SideUsage(digest, json.loads(components), counts.get(i, 0), size * counts.get(i, 0) // total)
+        out = [SideUsage(digest, json.loads(components), counts.get(i, 0), size * weight.get(i, 0) // total)
                for i, digest, components in self.db.execute("SELECT id, digest, components FROM sides")]
         return sorted(out, key=lambda u: -u.sequences)
 

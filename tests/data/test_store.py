@@ -89,12 +89,31 @@ def test_token_log_probs_come_back_as_stored_and_a_pair_keyed_index_is_refused(t
     old = tmp_path / "old"
     old.mkdir()
     db = sqlite3.connect(old / "index.sqlite")
+    db.execute("PRAGMA journal_mode=WAL")
     db.executescript("CREATE TABLE sides (id INTEGER PRIMARY KEY, digest TEXT, components TEXT, created TEXT);"
                      "CREATE TABLE rows (side INTEGER, key BLOB, chosen REAL, rejected REAL, chosen_tokens INTEGER,"
                      " rejected_tokens INTEGER);")
-    db.close()
-    before = (old / "index.sqlite").read_bytes()
-    assert stores.is_store(old)
+    # its writer still open (or killed): the tables are in the write-ahead log only, and are found there
+    # the data and its log (-shm is SQLite's shared-memory index, which readers mark)
+    files = lambda: {p.name: p.read_bytes() for p in old.iterdir() if not p.name.endswith("-shm")}  # noqa: E731
+    before = files()
+    assert "index.sqlite-wal" in before and stores.is_store(old)
     with pytest.raises(stores.OldFormat):
         stores.Store(old)
-    assert (old / "index.sqlite").read_bytes() == before
+    assert files() == before
+    db.close()
+    before = files()
+    with pytest.raises(stores.OldFormat):
+        stores.Store(old)
+    assert files() == before
+
+
+def test_usage_weighs_a_per_token_sides_blobs(tmp_path):
+    """Two sides of as many sequences, one keeping 512 token log-probs each: its share of the file is ~50x."""
+    with stores.Store(tmp_path, create=True) as s:
+        plain, per_token = s.side("plain", {"model": "a"}), s.side("tokens", {"per_token": True})
+        s.put(plain, values(500))
+        s.put(per_token, {k: stores.Value(v.logps, 512, bytes(2048)) for k, v in values(500).items()})
+        got = {u.digest: u for u in s.usage()}
+        assert got["plain"].sequences == got["tokens"].sequences == 500
+        assert got["tokens"].bytes > 40 * got["plain"].bytes
