@@ -57,7 +57,7 @@ def forward_units(pairs: list[data.TokenizedPair], keys: list[tuple[bytes, bytes
     units, singles, taken = [], {}, set()
     for p, pair in zip(pairs, keys):
         wanted = [seq for key, seq in zip(pair, cache.pair_sequences(p))
-                  if (todo is None or key in todo) and key not in taken]
+                  if (todo is None or key in todo) and key not in taken and seq.completion_ids]
         taken.update(key for key in pair if todo is None or key in todo)
         if not shared:
             units += [[seq] for seq in wanted]
@@ -251,13 +251,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
         else:
             model, batch = load_model(cfg, resolved, ins, len(keys))
             pad_id = data.pad_token_id(ins.tokenizer)
-            pairs = d.tok.pairs  # train decides sharing on these rows too
-            headcheck.verify(model, data.collate(pairs[:1], pad_id).to(resolved.device), resolved.device,
-                             resolved.ref_dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-            shared = headcheck.decide_sharing(model, pairs, pad_id, resolved, resolved.ref_dtype, cfg.share_prompt,
-                                              cfg.max_length)
-            first = (data.collate_shared if shared else data.collate)(pairs[:1], pad_id).to(resolved.device)
-            log(headcheck.attention_kernel(model, first, resolved.ref_dtype, cfg.max_length))
+            shared = first_batch_checks(model, cfg, resolved, d.tok.pairs, pad_id)
             used = shared if side.other is not None else None
             todo = {keys[i] for i in lacking[used]}
             units = forward_units(pairs_of(d), d.keys("train") + d.keys("eval"), todo, shared)
@@ -275,8 +269,21 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
         record_build(cache_dir, computed, len(keys) - computed, seconds if computed else 0.0, side.at(used).digest)
         if prune:
             prune_store(store, side.layouts()[used], set(keys))
-        report(cache_dir, store, side.at(used), d, cfg.ld_alpha)
+        report(cache_dir, store, side.at(used), d, cfg)
     return cache_dir
+
+
+def first_batch_checks(model, cfg: Config, resolved: devices.Resolved, pairs: list, pad_id: int) -> bool:
+    """The reference's checks on the first rows (`pairs`: the dataset's, on which train decides too): its LM head
+    against its own forward (an architecture logps.HEADS does not know), whether prompts are shared, the
+    attention kernel (logged). Returns whether prompts are shared."""
+    headcheck.verify(model, data.collate(pairs[:1], pad_id).to(resolved.device), resolved.device, resolved.ref_dtype)
+    # KTO's rows go one sequence a row in train (training/kto.py): its values in that layout
+    shared = not objectives.unpaired(cfg.loss_type) and headcheck.decide_sharing(
+        model, pairs, pad_id, resolved, resolved.ref_dtype, cfg.share_prompt, cfg.max_length)
+    first = (data.collate_shared if shared else data.collate)(pairs[:1], pad_id).to(resolved.device)
+    log(headcheck.attention_kernel(model, first, resolved.ref_dtype, cfg.max_length))
+    return shared
 
 
 def stored_bytes(seqs: list[data.TokenizedCompletion], per_token: bool) -> int:
@@ -330,14 +337,20 @@ def prune_store(store, components: dict, keep: set[bytes]) -> None:
     log(f"pruned {dropped} sequences this recipe does not use (other data, other model sides)")
 
 
-def report(cache_dir: Path, store, side, d: inputs.Data, ld_alpha: float | None = None) -> None:
-    """The preflight report of the recipe's rows, printed and saved; then what the cache holds, per model side."""
-    ref, _ = cache.reference(store, side, d.tok, keys=d.keys("train"), ld_alpha=ld_alpha)
-    eval_ref = (cache.reference(store, side, d.eval_tok, keys=d.keys("eval"), ld_alpha=ld_alpha)[0]
-                if d.eval_tok is not None else None)
-    for line in preflight.summary_lines(preflight.save(cache_dir, preflight.report(ref, eval_ref))):
-        log(line)
-    log(f"preflight report: {cache_dir / preflight.REPORT}")
+def report(cache_dir: Path, store, side, d: inputs.Data, cfg: Config) -> None:
+    """The preflight report of the recipe's rows, printed and saved (KTO's rows: their classes, printed); then
+    what the cache holds, per model side."""
+    if objectives.unpaired(cfg.loss_type):
+        for line in preflight.unpaired_lines([d.unpaired["train"][v.row].desirable for v in d.train],
+                                             cfg.loss_settings):
+            log(line)
+    else:
+        ref, _ = cache.reference(store, side, d.tok, keys=d.keys("train"), ld_alpha=cfg.ld_alpha)
+        eval_ref = (cache.reference(store, side, d.eval_tok, keys=d.keys("eval"), ld_alpha=cfg.ld_alpha)[0]
+                    if d.eval_tok is not None else None)
+        for line in preflight.summary_lines(preflight.save(cache_dir, preflight.report(ref, eval_ref))):
+            log(line)
+        log(f"preflight report: {cache_dir / preflight.REPORT}")
     for u in store.usage():
         mine = " (this run's)" if u.digest in {cache.side_digest(c) for c in side.layouts().values()} else ""
         log(f"  model side {u.digest[:12]}{mine}: {u.sequences} sequences, {fmt(u.bytes)} ({u.components.get('dtype')}, "

@@ -31,6 +31,7 @@ from lowmem_dpo import objectives
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.data import cache
+from lowmem_dpo.objectives import kto
 from lowmem_dpo.runtime import devices, files
 from lowmem_dpo.runtime.errors import log
 from lowmem_dpo.training import inputs
@@ -144,6 +145,21 @@ def save(cache_dir: Path, rep: dict) -> dict:
     return rep
 
 
+def unpaired_lines(desirable: list[bool], s) -> list[str]:
+    """KTO's rows instead of pairs: how many of each class, and a warning when the class weights (s: Settings) are
+    outside KTO's advice for them (objectives.kto.weight_advice, as TRL 1.16 warns)."""
+    good = sum(desirable)
+    lines = [f"preflight: {len(desirable)} unpaired training rows: {good} desirable, {len(desirable) - good} "
+             f"undesirable (desirable_weight={s.desirable_weight}, undesirable_weight={s.undesirable_weight})"]
+    advice = kto.weight_advice(good, len(desirable) - good, s)
+    if advice is not None:
+        (d_low, d_high), (u_low, u_high) = advice
+        lines.append(f"warning: the classes are unbalanced past KTO's advice (desirable_weight x desirable rows / "
+                     f"(undesirable_weight x undesirable rows) in [1, 4/3], the paper's eq. 8): set desirable_weight "
+                     f"in [{d_low}, {d_high}] or undesirable_weight in [{u_low}, {u_high}], not both")
+    return lines
+
+
 def run(cfg, recipe: str | None = None) -> dict:
     """The report of the recipe's rows from the cache (refused, with the command that fills it, when rows lack
     values)."""
@@ -160,6 +176,11 @@ def main(argv: list[str]) -> int:
     if not objectives.needs_reference(cfg.loss_type):
         log(f"loss_type={cfg.loss_type} reads no reference: no cache, so no report (it judges the reference's "
             "log-probs)")
+        return 0
+    if objectives.unpaired(cfg.loss_type):
+        ins = inputs.prepare(cfg, devices.resolve(cfg))
+        d = inputs.load_data(cfg, ins.tokenizer, progress=False)
+        print("\n".join(unpaired_lines([d.unpaired["train"][v.row].desirable for v in d.train], cfg.loss_settings)))
         return 0
     rep = run(cfg, recipe=argv[0])
     print("\n".join(summary_lines(rep)))

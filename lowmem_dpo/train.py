@@ -29,7 +29,7 @@ from lowmem_dpo.objectives.metrics import PAIR_METRICS as METRIC_KEYS
 from lowmem_dpo.objectives.metrics import term_metric_names
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import log
-from lowmem_dpo.training import guards, inputs, loop, output, policy, resuming
+from lowmem_dpo.training import guards, inputs, kto, loop, output, policy, resuming
 
 
 @dataclass
@@ -255,9 +255,10 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     pad_id = data.pad_token_id(ins.tokenizer)
     headcheck.verify(model, data.collate(d.train[:1], pad_id).to(resolved.device), resolved.device,
                      resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-    # the same rows as precompute's decision (every row of dataset), so that the two agree on the layout
-    shared = headcheck.decide_sharing(model, d.tok.pairs, pad_id, resolved, resolved.dtype, cfg.share_prompt,
-                                      cfg.max_length)
+    # the same rows as precompute's decision (every row of dataset), so that the two agree on the layout; KTO's
+    # rows go one sequence a row (kto.py)
+    shared = not objectives.unpaired(cfg.loss_type) and headcheck.decide_sharing(
+        model, d.tok.pairs, pad_id, resolved, resolved.dtype, cfg.share_prompt, cfg.max_length)
     first = (data.collate_shared if shared else data.collate)(d.train[:1], pad_id).to(resolved.device)
     log(headcheck.attention_kernel(model, first, resolved.dtype, cfg.max_length, train=True))
     if ref is not None and side.other is not None:  # 16-bit: the values of this run's layout first
@@ -268,8 +269,13 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
                 f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
                 f"off ln 2; {cache.rebuild_command(cfg, recipe)} share_prompt={str(shared).lower()} computes this "
                 "run's own")
-    s = loop.start(cfg, resolved, model, d.train, pad_id, DPO(cfg, ref, eval_ref, shared), resume, trains_on, d.eval,
-                   ins.tokenizer, d.prompts)
+    objective, items = DPO(cfg, ref, eval_ref, shared), d.train
+    if objectives.unpaired(cfg.loss_type):
+        objective = kto.KTO(cfg, ref, kto.labels(d.unpaired["train"]), eval_ref,
+                            kto.labels(d.unpaired[d.eval_part]) if d.eval_part else None)
+        items = kto.blocks(d.train, cfg.per_device_train_batch_size)
+    s = loop.start(cfg, resolved, model, items, pad_id, objective, resume, trains_on, d.eval, ins.tokenizer,
+                   d.prompts)
     s.adapter_off_is_start = adapters.adapter_off_is_start(cfg, ins.source)
     return s
 

@@ -66,11 +66,11 @@ class Config:
     sft_adapter: Optional[str] = _f(None, "A PEFT LoRA adapter folder from an SFT stage, on model_name_or_path (a "
                                     "base): the reference is base + adapter (its files are in the cache's "
                                     "model side) and train continues it (adapter_mode).", reference="files")
-    dataset: Optional[list[Source]] = _f(None, "Preference rows {prompt, chosen, rejected} (required): a .jsonl/"
-                                         ".json/.parquet/.csv file, a datasets save_to_disk folder, a hub dataset "
-                                         "name (online) or the demo's lowmem_dpo:tiny-prefs; or a mixture, a list of "
-                                         "these or of {path, split, fraction | rows} (docs/data.md, Mixtures).",
-                                         reference="files")
+    dataset: Optional[list[Source]] = _f(None, "Preference rows {prompt, chosen, rejected} (required; KTO: or "
+                                         "{prompt, completion, label}): a .jsonl/.json/.parquet/.csv file, a datasets "
+                                         "save_to_disk folder, a hub dataset name (online) or the demo's "
+                                         "lowmem_dpo:tiny-prefs; or a mixture, a list of these or of {path, split, "
+                                         "fraction | rows} (docs/data.md, Mixtures).", reference="files")
     dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders); "
                             "a mixture's source may name its own.", reference="files")
     prompt_column: Optional[str] = _f(None, "The column holding the prompts when it is not called prompt (e.g. "
@@ -160,13 +160,12 @@ class Config:
                                "their repetition warns of collapse. 0: none.", min=0, resumable=True)
     max_new_tokens: int = _f(64, "Most tokens a sample generation writes.", min=1, resumable=True)
     report_to: str = _f("none", "tensorboard: also write metrics.jsonl's scalars as TensorBoard events into "
-                        "output_dir/runs (needs tensorboard installed).", choices=("none", "tensorboard"),
-                        resumable=True)
+                        "output_dir/runs (needs tensorboard).", choices=("none", "tensorboard"), resumable=True)
     # -- DPO loss ------------------------------------------------------------------------------------------------
     beta: float = _f(0.1, "The loss's scale (DPO: the pull to the reference).", min=0.0, min_exclusive=True)
     loss_type: list = _f(["sigmoid"], "The objective, or a list whose terms are summed with loss_weights, as TRL "
-                         "1.16's DPOConfig: sigmoid (DPO), sigmoid_norm, ipo, hinge, robust, sft, ... (the table in "
-                         "docs/objectives.md); [sigmoid, sft] is RPO.", choices=tuple(OBJECTIVES))
+                         "1.16's DPOConfig: sigmoid (DPO), sigmoid_norm, ipo, hinge, robust, sft, ..., kto on unpaired "
+                         "rows (the table in docs/objectives.md); [sigmoid, sft] is RPO.", choices=tuple(OBJECTIVES))
     loss_weights: Optional[list[float]] = _f(None, "One weight per loss_type entry; null: 1 each.", min=0.0)
     label_smoothing: float = _f(0.0, "Assumed share of flipped labels, for the objectives it changes (cdpo, robust, "
                                 "exo_pair, aot); as in TRL 1.16 it does not change sigmoid.", min=0.0, max=0.5)
@@ -177,6 +176,8 @@ class Config:
     alpha: float = _key("alpha")
     use_weighting: bool = _key("use_weighting")
     ld_alpha: Optional[float] = _key("ld_alpha")
+    desirable_weight: float = _key("desirable_weight")
+    undesirable_weight: float = _key("undesirable_weight")
     # -- optimizer and schedule ----------------------------------------------------------------------------------
     learning_rate: float = _f(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
     lr_scheduler_type: str = _f("linear", "transformers' schedule by its name (get_scheduler): the rate each step "
@@ -202,8 +203,7 @@ class Config:
                                  "max_steps).", min=0.0, min_exclusive=True, resumable="length")
     seed: int = _f(42, "Seed for LoRA init and data order.", min=0)
     # -- LoRA ----------------------------------------------------------------------------------------------------
-    lora_r: int = _f(8, "LoRA rank. Trainable params (and their grads + 2 AdamW states) grow linearly with it.",
-                     min=1)
+    lora_r: int = _f(8, "LoRA rank. Trainable params (and their grads + 2 AdamW states) grow with it.", min=1)
     lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0.0, min_exclusive=True)
     lora_dropout: float = _f(0.0, "Dropout on the LoRA input. The base model's own dropout is always off, as "
                              "in TRL.", min=0.0, max=1.0)

@@ -77,8 +77,12 @@ def pair_keys(pair) -> tuple[bytes, bytes]:
     return sequence_key(pair.prompt_ids, pair.chosen_ids), sequence_key(pair.prompt_ids, pair.rejected_ids)
 
 
+EMPTY = stores.Value(0.0, 0, b"")  # an empty completion (an unpaired row's missing KL sequence): nothing to compute
+
+
 def pair_sequences(pair) -> tuple[TokenizedCompletion, TokenizedCompletion]:
-    """A pair's chosen and rejected as sequences, each named by the pair's row."""
+    """A pair's chosen and rejected as sequences, each named by the pair's row (an empty one is never computed:
+    its value is EMPTY)."""
     return (TokenizedCompletion(pair.row, pair.prompt_ids, pair.chosen_ids),
             TokenizedCompletion(pair.row, pair.prompt_ids, pair.rejected_ids))
 
@@ -237,7 +241,8 @@ def reference(store: stores.Store, side: Side, tok, name_row=str, keys: list | N
     naming the rows."""
     keys = keys if keys is not None else [pair_keys(p) for p in tok.pairs]
     sequences = {k: s for p, ks in zip(tok.pairs, keys) for k, s in zip(ks, pair_sequences(p))}
-    found, from_other = lookup(store, side, list(sequences))
+    found, from_other = lookup(store, side, [k for k, s in sequences.items() if s.completion_ids])
+    found.update({k: EMPTY for k, s in sequences.items() if not s.completion_ids})
     wrong = damaged(found, sequences, side.per_token)
     if wrong:
         raise UserError(f"the reference cache in {str(store.path.parent)!r} is damaged: its values for "

@@ -307,15 +307,24 @@ def tokenize_completions(ds, tokenizer, max_length: int, max_prompt_length: int 
     skipped: dict[str, list[int]] = {"empty_completion": [], "prompt_too_long": []}
     noted: set = set()
     for checked, kind in _checked_chunks(ds, spec, where, ("prompt", column), progress):
-        usable = [(i, r) for i, r in checked if not (_is_empty(r["prompt"]) or _is_empty(r[column]))]
-        skipped["empty_completion"] += sorted({i for i, _ in checked} - {i for i, _ in usable})
-        check_format(tokenizer, kind, spec, noted)
-        encoded = _encode_completions(usable, column, tokenizer, kind == "conversation", spec, where) \
-            if usable else []
-        for (i, _), (p, pc) in zip(usable, encoded):
-            split = _split_prompt(p, [pc], max_length, max_prompt_length)
-            if split is None:
-                skipped["prompt_too_long"].append(i)
-            else:
-                items.append(TokenizedCompletion(i, split[0], split[1][0]))
+        items += [TokenizedCompletion(i, p, c) for i, _, p, c, _ in completion_rows(
+            checked, kind, column, tokenizer, max_length, max_prompt_length, spec, where, skipped, noted)]
     return _checked_result(items, len(ds), skipped, {}, spec, max_length, max_prompt_length, strict, where)
+
+
+def completion_rows(checked: list, kind: str | None, column: str, tokenizer, max_length: int,
+                    max_prompt_length: int | None, spec: str, where: Callable[[int], str], skipped: dict,
+                    noted: set):
+    """(index, row, prompt ids, completion ids, the whole completion's ids) of each usable row of one checked chunk
+    (SFT's rows, KTO's), prompt + `column` tokenized as tokenize_rows tokenizes prompt + chosen; the rows left out
+    are added to `skipped` (empty_completion, prompt_too_long)."""
+    usable = [(i, r) for i, r in checked if not (_is_empty(r["prompt"]) or _is_empty(r[column]))]
+    skipped["empty_completion"] += sorted({i for i, _ in checked} - {i for i, _ in usable})
+    check_format(tokenizer, kind, spec, noted)
+    encoded = _encode_completions(usable, column, tokenizer, kind == "conversation", spec, where) if usable else []
+    for (i, row), (p, pc) in zip(usable, encoded):
+        split = _split_prompt(p, [pc], max_length, max_prompt_length)
+        if split is None:
+            skipped["prompt_too_long"].append(i)
+        else:
+            yield i, row, split[0], split[1][0], pc[_common_prefix_length(p, pc):]

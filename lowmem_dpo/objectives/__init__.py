@@ -5,6 +5,7 @@ config, train, precompute, guards, report and the docs all read the same entries
                  f-divergences: pure
     dpo.py       every loss_type of TRL 1.16's DPOTrainer, and cdpo: pure
     reference_free.py  SimPO, AlphaPO and ORPO (TRL 1.16's experimental CPO and ORPO trainers): pure
+    kto.py       KTO and apo_zero_unpaired on unpaired rows (TRL 1.16's KTOTrainer), their KL sequences: pure
     metrics.py   every metric a run logs: its name, direction, where it is logged, its report panel
 
 Adding an objective is one entry in dpo.py (or a module beside it, collected below) and its test against TRL in
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from lowmem_dpo.objectives import dpo, metrics, reference_free
+from lowmem_dpo.objectives import dpo, kto, metrics, reference_free
 from lowmem_dpo.objectives.registry import F_DIVERGENCES, Key, Objective, PairLogps, Settings, wpo_weights
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (*dpo.OBJECTIVES, *reference_free.OBJECTIVES)}
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (*dpo.OBJECTIVES, *reference_free.OBJECTIVES,
+                                                           *kto.OBJECTIVES)}
 
 # The config keys objectives read beyond beta and label_smoothing (config/schema.py declares a field for each).
 KEYS = {
@@ -38,6 +40,12 @@ KEYS = {
                     "pair's shorter completion at this weight, for the policy and the reference alike (its "
                     "reference values are a cache side of their own); null: off (as TRL's DPOConfig).", min=0.0,
                     max=1.0),
+    "desirable_weight": Key(1.0, "KTO: the weight of the desirable rows' losses (TRL's KTOConfig); with unequal "
+                            "classes keep desirable_weight * desirable rows / (undesirable_weight * undesirable "
+                            "rows) in [1, 4/3] (the KTO paper's advice, which preflight checks).", min=0.0,
+                            min_exclusive=True),
+    "undesirable_weight": Key(1.0, "KTO: the weight of the undesirable rows' losses (TRL's KTOConfig).", min=0.0,
+                              min_exclusive=True),
     "use_weighting": Key(False, "WPO (Zhou et al. 2024): weight each pair's loss by how likely the policy finds its "
                          "two completions, per token, against its own distribution (as TRL's DPOConfig)."),
 }
@@ -117,7 +125,8 @@ def logs(metric: str, loss_types) -> bool:
     """Whether a run of `loss_types` logs `metric` (its train name); True for unknown loss types (problems says)."""
     if any(t not in OBJECTIVES for t in loss_types):
         return True
-    return metrics.logged(metric, loss_types, nll_weight([(t, 1.0) for t in loss_types]) is not None)
+    return metrics.logged(metric, loss_types, nll_weight([(t, 1.0) for t in loss_types]) is not None,
+                          unpaired(loss_types))
 
 
 def nll_weight(terms: list[tuple[str, float]]) -> float | None:
@@ -139,6 +148,7 @@ def problems(loss_types, weights, s: Settings) -> list[str]:
     if weights is not None and len(weights) != len(loss_types):
         out.append(f"loss_weights={weights} has {len(weights)} weights for loss_type={loss_types}: give one per "
                    "loss, in its order (or null: 1 each)")
+    out += unpaired_problems(loss_types, s)
     if nll_prompt(loss_types) and any(OBJECTIVES[t].per_token for t in loss_types):
         out.append(f"loss_type={loss_types}: orpo has its own NLL of the chosen rows (over the prompt too, as TRL's "
                    "ORPOTrainer); drop sft")
@@ -168,6 +178,29 @@ def problems(loss_types, weights, s: Settings) -> list[str]:
     return out
 
 
+def unpaired(loss_types) -> bool:
+    """Whether the run trains on unpaired rows (KTO): its one term is an unpaired objective."""
+    return any(OBJECTIVES[t].unpaired for t in loss_types if t in OBJECTIVES)
+
+
+def needs_kl(loss_types) -> bool:
+    """Whether the run's reference point is KTO's KL estimate (its rows then have KL sequences)."""
+    return bool(kto.NEEDS_KL & set(loss_types))
+
+
+def unpaired_problems(loss_types, s: Settings) -> list[str]:
+    """An unpaired objective (KTO) is a run's only term, without the pair-only settings."""
+    if not unpaired(loss_types):
+        return []
+    if len(loss_types) > 1:
+        return [f"loss_type={loss_types}: {loss_types[0] if OBJECTIVES[loss_types[0]].unpaired else loss_types[1]} "
+                "trains on unpaired rows, one loss per row; it cannot be summed with a pair loss: train it alone"]
+    paired_only = [k for k, on in (("ld_alpha", s.ld_alpha is not None), ("use_weighting", s.use_weighting),
+                                   ("label_smoothing", s.label_smoothing > 0)) if on]
+    return [f"{paired_only[0]} with loss_type={loss_types[0]}: it changes the pair losses only (TRL's KTOConfig has "
+            "no such key); remove it"] if paired_only else []
+
+
 def no_effect(loss_types, s: Settings) -> list[str]:
     """Settings that change none of `loss_types` (the warnings train logs)."""
     out = []
@@ -184,5 +217,5 @@ def no_effect(loss_types, s: Settings) -> list[str]:
 
 
 __all__ = ["KEYS", "OBJECTIVES", "REFUSED", "Objective", "PairLogps", "Settings", "combine", "logged_logps", "logs",
-           "needs_reference", "nll_prompt", "nll_weight", "no_effect", "per_token_loss", "primary", "problems", "rewards",
-           "term_metrics", "wpo_weights"]
+           "needs_kl", "needs_reference", "nll_prompt", "nll_weight", "no_effect", "per_token_loss", "primary",
+           "problems", "rewards", "term_metrics", "unpaired", "wpo_weights"]

@@ -18,6 +18,7 @@ class Metric:
     label: str | None = None  # the report's summary label; None: not in the summary
     doc: str = ""
     logged_by: tuple[str, ...] = ()  # kind term: the objectives (loss_type names) whose runs log it
+    unpaired: bool = True  # an unpaired run (KTO) logs it too (its rows have no pair to be accurate about)
 
 
 METRICS = (
@@ -25,7 +26,7 @@ METRICS = (
     Metric("rewards/chosen", True, "pair", doc="beta * the chosen completion's log-ratio to the reference"),
     Metric("rewards/rejected", False, "pair", doc="beta * the rejected completion's log-ratio"),
     Metric("rewards/accuracies", True, "pair", "rewards/accuracies", "accuracy",
-           "the share of pairs whose chosen reward is above the rejected one"),
+           "the share of pairs whose chosen reward is above the rejected one", unpaired=False),
     Metric("rewards/margins", True, "pair", "rewards/margins", "margin", "chosen minus rejected reward"),
     Metric("logps/chosen", True, "pair", doc="the policy's log-prob sum of the chosen completion"),
     Metric("logps/rejected", False, "pair", doc="the policy's log-prob sum of the rejected completion"),
@@ -35,6 +36,8 @@ METRICS = (
            logged_by=("orpo",)),
     Metric("log_odds_chosen", True, "term", doc="ORPO: the mean log odds ratio of chosen over rejected",
            logged_by=("orpo",)),
+    Metric("kl", None, "term", "kl (KTO's z0)", doc="KTO: its reference point z0, the policy's KL estimate from the reference "
+           "on the mismatched pairs (TRL's kl)", logged_by=("kto",)),
     Metric("grad_norm", None, "step", "grad_norm", doc="the gradients' norm before clipping"),
     Metric("learning_rate", None, "step", "learning_rate", doc="the rate the step applied"),
     Metric("gen/repetition", False, "sample", "eval_gen/repetition", "repetition",
@@ -59,9 +62,12 @@ def term_metric_names(loss_types) -> tuple[str, ...]:
     return tuple(m.name for m in METRICS if m.kind == "term" and set(m.logged_by) & set(loss_types))
 
 
-def logged(name: str, loss_types, nll: bool) -> bool:
-    """Whether a run of `loss_types` logs metric `name` (nll: its loss has an NLL term, objectives.nll_weight)."""
+def logged(name: str, loss_types, nll: bool, unpaired: bool = False) -> bool:
+    """Whether a run of `loss_types` logs metric `name` (nll: its loss has an NLL term, objectives.nll_weight;
+    unpaired: it trains on unpaired rows, KTO)."""
     m = next(m for m in METRICS if m.name == name)
+    if unpaired and not m.unpaired:
+        return False
     return name in term_metric_names(loss_types) if m.kind == "term" else nll if m.kind == "nll" else True
 
 

@@ -65,6 +65,8 @@ class Settings:
     alpha: float = 0.0
     use_weighting: bool = False
     ld_alpha: float | None = None
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class Objective:
     average_logps: bool = False  # its logps/* metrics are per-token means (TRL's CPO simpo, ORPO), not sums
     # Metrics of its own (metrics.py rows of kind "term"): name -> (B,) values, detached
     metrics: Callable[[PairLogps, Settings], dict[str, torch.Tensor]] | None = None
+    # Trains on unpaired rows (KTO): its formula takes kto.UnpairedLogps, one loss per row; it is a run's only term
+    unpaired: bool = False
 
 
 # -- the f-divergences of f-DPO (Wang et al. 2023, arXiv:2309.16240), as TRL 1.16 computes them ---------------------

@@ -60,7 +60,8 @@ def sample_metrics(s, step: int) -> dict:
     """Greedy samples for the first eval_generations distinct eval prompts, appended to output_dir/samples.jsonl
     with `step`; one shown in the log. Returns their repetition, mean length, share of empty answers, ROUGE-L
     against the chosen completions (guards.generation_stats) and KL from the reference ({} without samples)."""
-    items = sample_items(s.eval_items, s.cfg.eval_generations)
+    pool = getattr(s.objective, "samples_from", lambda items: items)(s.eval_items)  # KTO: its desirable rows
+    items = sample_items(pool, s.cfg.eval_generations)
     if not items:
         return {}
 

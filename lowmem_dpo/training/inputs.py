@@ -9,10 +9,10 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowmem_dpo import data
+from lowmem_dpo import data, objectives
 from lowmem_dpo.config.schema import Config, keys_where
 from lowmem_dpo.config.sources import Source, label
-from lowmem_dpo.data import cache
+from lowmem_dpo.data import cache, unpaired
 from lowmem_dpo.model import models
 from lowmem_dpo.runtime import devices, distributed
 from lowmem_dpo.runtime.devices import Resolved, dtype_name
@@ -202,13 +202,21 @@ class Data:
             if tok is not None:
                 for p, keys in zip(tok.pairs, self.keys(part)):
                     for key, seq in zip(keys, cache.pair_sequences(p)):
-                        out.setdefault(key, seq)
+                        if seq.completion_ids:  # an empty one is never computed (cache.EMPTY)
+                            out.setdefault(key, seq)
         return out
+
+    unpaired: dict = field(default_factory=dict)  # KTO: part -> its data.unpaired rows, by their pairs' row
 
     def name_row(self, row: int, part: str = "train") -> str:
         """A row for messages: its file and line ("data/a.jsonl row 3 at line 4"); part "eval": eval_dataset's."""
         mix = self.eval_mixture if part == "eval" else self.mixture
+        row = self.dataset_row(row, part)
         return mix.name(row) if mix is not None else f"row {row}"
+
+    def dataset_row(self, row: int, part: str = "train") -> int:
+        """The dataset row of an item's `row` (KTO's items are numbered in their part: unpaired_views)."""
+        return self.unpaired[part][row].row if part in self.unpaired else row
 
 
 def _tokenize(cfg: Config, tokenizer, sources: list[Source], split: str, progress: bool, sft: bool,
@@ -216,9 +224,10 @@ def _tokenize(cfg: Config, tokenizer, sources: list[Source], split: str, progres
     """(mixture, TokenizedData) of a dataset's sources (split: the default split; cap: max_train_samples), taken
     (data/mix.py), checked and tokenized: SFT rows (prompt + completion or chosen) or pairs; messages name each
     row's source and its place there."""
-    required = ("prompt",) if sft else data.REQUIRED
+    rows = not sft and objectives.unpaired(cfg.loss_type)  # KTO: unpaired rows, or pairs unpaired
+    required = ("prompt",) if sft or rows else data.REQUIRED
     load = lambda path, part: data.load_rows(path, part, required, cfg.prompt_column)  # noqa: E731
-    tokenize = data.tokenize_completions if sft else data.tokenize_rows
+    tokenize = data.tokenize_completions if sft else unpaired.tokenize_unpaired if rows else data.tokenize_rows
     mix = data.load_mixture(sources, split, cfg.seed, cap, load)
     return mix, data.tokenize_mixture(mix, lambda rows, spec, where: tokenize(
         rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=spec, progress=progress, strict=cfg.strict,
@@ -255,18 +264,51 @@ def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) 
     if cfg.eval_dataset is not None:
         eval_mix, eval_tok = _tokenize(cfg, tokenizer, [Source(cfg.eval_dataset)], cfg.eval_split, progress, sft)
         log(f"eval: {len(eval_tok.pairs)} pairs from {cfg.eval_dataset}")
-        evals = eval_tok.pairs[:cfg.eval_max_pairs]
-        return Data(tok, tok.pairs, evals, "eval", eval_tok, mix, shown_prompts(eval_mix, evals), eval_mix)
-    if cfg.eval_fraction > 0:
-        train, evals = _held_out(cfg, mix, tok)
-        evals = evals[:cfg.eval_max_pairs]
-        return Data(tok, train, evals, "train", mixture=mix, prompts=shown_prompts(mix, evals))
-    return Data(tok, tok.pairs, [], None, mixture=mix)
+        d = Data(tok, tok.pairs, eval_tok.pairs, "eval", eval_tok, mix, eval_mixture=eval_mix)
+    elif cfg.eval_fraction > 0:
+        d = Data(tok, *_held_out(cfg, mix, tok), "train", mixture=mix)
+    else:
+        d = Data(tok, tok.pairs, [], None, mixture=mix)
+    if not sft and objectives.unpaired(cfg.loss_type):
+        unpaired_views(cfg, d)
+    d.eval = d.eval[:cfg.eval_max_pairs]
+    d.prompts = shown_prompts(d, d.eval)
+    return d
 
 
-def shown_prompts(mix: data.Mixture, items: list) -> dict[int, str]:
-    """Each item's row -> its prompt as the samples show it (data.shown_prompt of the row's prompt)."""
-    return {item.row: data.shown_prompt(mix.row(item.row).get("prompt")) for item in items}
+def unpaired_views(cfg: Config, d: Data) -> None:
+    """KTO's rows in `d` as the pair code reads them (data.unpaired.TokenizedUnpaired.as_pair): each part's rows
+    (the training rows, then the held-out ones) numbered in order, each with its KL sequence when the loss has
+    one, paired within blocks of per_device_train_batch_size of its own part (TRL's)."""
+    def views(tok: data.TokenizedData, groups: list[list]) -> list:
+        for group in groups:
+            if objectives.needs_kl(cfg.loss_type):
+                unpaired.with_kl(group, cfg.per_device_train_batch_size, cfg.max_length)
+        rows = [item for group in groups for item in group]
+        tok.pairs, tok.num_rows, tok.dropped = [item.as_pair(i) for i, item in enumerate(rows)], len(rows), []
+        return rows
+
+    if objectives.needs_kl(cfg.loss_type) and cfg.per_device_train_batch_size < 2:
+        raise UserError(f"loss_type={cfg.loss_type[0]} with per_device_train_batch_size="
+                        f"{cfg.per_device_train_batch_size}: its KL estimate pairs each row with another row's "
+                        "completion in the same micro-batch, so it needs 2 rows at least (as TRL's KTOTrainer); raise "
+                        "it, or use loss_type=apo_zero_unpaired")
+    train, evals = list(d.train), list(d.eval)
+    if d.eval_part == "eval":
+        d.unpaired = {"train": views(d.tok, [train]), "eval": views(d.eval_tok, [evals])}
+        d.train, d.eval = d.tok.pairs, d.eval_tok.pairs
+    else:
+        d.unpaired = {"train": views(d.tok, [train, evals])}
+        d.train, d.eval = d.tok.pairs[:len(train)], d.tok.pairs[len(train):]
+
+
+def shown_prompts(d: Data, items: list) -> dict[int, str]:
+    """Each eval item's row -> its prompt as the samples show it (data.shown_prompt of the row's prompt)."""
+    mix = d.eval_mixture if d.eval_part == "eval" else d.mixture
+    if mix is None:
+        return {}
+    return {item.row: data.shown_prompt(mix.row(d.dataset_row(item.row, d.eval_part)).get("prompt"))
+            for item in items}
 
 
 def tokens_digest(items: list) -> str:

@@ -225,7 +225,8 @@ def backward_with_backoff(s: Session, items: list):
     """The objective's forward+backward of this rank's share of one optimizer step's items, split into
     micro-batches of s.micro_batch. On out-of-memory (on any rank), halve the micro-batch (the accumulation
     doubles: the same items, the same update) and retry, down to 1 item."""
-    mine = math.ceil(len(items) / s.world.size)  # this rank's items (share), at most
+    rows = sum(len(x) if isinstance(x, list) else 1 for x in items)  # KTO's items are blocks of rows
+    mine = math.ceil(rows / s.world.size)  # this rank's rows, at most
 
     def attempt(micro_batch: int):
         s.micro_batch, s.grad_accum = micro_batch, math.ceil(mine / micro_batch)

@@ -173,4 +173,5 @@ def test_the_list_of_trl_s_loss_types_is_trl_s():
 
     listed = re.search(r"Should be one of \[(.*?)\]", inspect.getsource(DPOTrainer._compute_loss), re.S).group(1)
     assert set(re.findall(r"'(\w+)'", listed)) == set(TRL_LOSSES)
-    assert {n for n, o in OBJECTIVES.items() if o.needs_reference or o.per_token} == set(TRL_LOSSES) | {"cdpo"}
+    assert {n for n, o in OBJECTIVES.items() if (o.needs_reference or o.per_token) and not o.unpaired} == set(
+        TRL_LOSSES) | {"cdpo"}
