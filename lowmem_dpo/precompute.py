@@ -239,7 +239,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
     folders.mark(cache_dir, "reference cache")  # every rank before it creates the store: a rank checking late sees it
     log(f"reference cache: {place(cfg, 'ref_cache_dir')}")
     with cache.open_store(cache_dir, create=True, command=command) as store:
-        lacking = missing(store, side, keys)
+        lacking = missing(store, side, keys, reuse_twin=objectives.unpaired(cfg.loss_type))
         need = {layout: stored_bytes([sequences[keys[i]] for i in miss], side.per_token)
                 for layout, miss in lacking.items()}
         files.ensure_free_space(cache_dir, min(need.values()), "the reference cache",
@@ -297,15 +297,19 @@ def pairs_of(d: inputs.Data) -> list[data.TokenizedPair]:
     return d.tok.pairs + (d.eval_tok.pairs if d.eval_tok is not None else [])
 
 
-def missing(store, side: cache.Side, keys: list[bytes]) -> dict:
+def missing(store, side: cache.Side, keys: list[bytes], reuse_twin: bool = False) -> dict:
     """layout (None in float32, else whether shared) -> the indices of `keys` the store lacks in it, as rank 0
     reads them: every process then splits the same sequences (a read after another rank's first commit would
-    not)."""
+    not). reuse_twin (KTO, which trains one sequence a row: a DPO build's values are mostly in the shared layout):
+    what neither layout holds, in both; train reads the other layout's values, ~1e-3 apart in 16 bits."""
     if distributed.is_main():
         lacking = {}
         for layout, components in side.layouts().items():
             have = store.get(store.side(cache.side_digest(components)), keys)
             lacking[layout] = [i for i, k in enumerate(keys) if k not in have]
+        if reuse_twin and len(lacking) == 2:
+            both = sorted(set(lacking[True]) & set(lacking[False]))
+            lacking = {True: both, False: both}
     return distributed.broadcast(lacking if distributed.is_main() else None)
 
 
@@ -341,8 +345,8 @@ def report(cache_dir: Path, store, side, d: inputs.Data, cfg: Config) -> None:
     """The preflight report of the recipe's rows, printed and saved (KTO's rows: their classes, printed); then
     what the cache holds, per model side."""
     if objectives.unpaired(cfg.loss_type):
-        for line in preflight.unpaired_lines([d.unpaired["train"][v.row].desirable for v in d.train],
-                                             cfg.loss_settings):
+        for line in preflight.unpaired_lines([d.unpaired["train"][v.row] for v in d.train], cfg.loss_settings,
+                                             objectives.needs_kl(cfg.loss_type)):
             log(line)
     else:
         ref, _ = cache.reference(store, side, d.tok, keys=d.keys("train"), ld_alpha=cfg.ld_alpha)

@@ -38,6 +38,7 @@ from lowmem_dpo.training import inputs
 
 REPORT = cache.REPORT
 QUANTILES = {"p5": 0.05, "p25": 0.25, "p50": 0.5, "p75": 0.75, "p95": 0.95}
+KL_MATCHED = 0.25  # the share of KTO's KL sequences under their partner's own prompt past which preflight warns
 THRESHOLDS = {
     "per_token_margin_median_below": -0.5,  # nats/token: chosen tokens e^0.5 = 1.6x less likely than rejected
     "length_ratio_median_above": 1.5,  # chosen tokens / rejected tokens
@@ -145,9 +146,12 @@ def save(cache_dir: Path, rep: dict) -> dict:
     return rep
 
 
-def unpaired_lines(desirable: list[bool], s) -> list[str]:
-    """KTO's rows instead of pairs: how many of each class, and a warning when the class weights (s: Settings) are
-    outside KTO's advice for them (objectives.kto.weight_advice, as TRL 1.16 warns)."""
+def unpaired_lines(rows: list, s, needs_kl: bool) -> list[str]:
+    """KTO's rows (data.unpaired's) instead of pairs: how many of each class, and warnings: the class weights
+    (s: Settings) outside KTO's advice for them (objectives.kto.weight_advice, as TRL 1.16 warns); KL sequences
+    whose partner row has the same prompt (data in prompt order: a block of one prompt's completions estimates
+    z0 on matched pairs)."""
+    desirable = [row.desirable for row in rows]
     good = sum(desirable)
     lines = [f"preflight: {len(desirable)} unpaired training rows: {good} desirable, {len(desirable) - good} "
              f"undesirable (desirable_weight={s.desirable_weight}, undesirable_weight={s.undesirable_weight})"]
@@ -157,6 +161,12 @@ def unpaired_lines(desirable: list[bool], s) -> list[str]:
         lines.append(f"warning: the classes are unbalanced past KTO's advice (desirable_weight x desirable rows / "
                      f"(undesirable_weight x undesirable rows) in [1, 4/3], the paper's eq. 8): set desirable_weight "
                      f"in [{d_low}, {d_high}] or undesirable_weight in [{u_low}, {u_high}], not both")
+    matched = sum(row.kl_matched for row in rows)
+    if needs_kl and matched > len(rows) * KL_MATCHED:
+        lines.append(f"warning: {matched} of the {len(rows)} KL sequences pair a row with a completion of its own "
+                     f"prompt (its block's rows share prompts: the data is in prompt order), so z0 is estimated on "
+                     f"matched pairs; shuffle the rows (the KL partners are the neighbours within each block of "
+                     f"per_device_train_batch_size, as TRL's)")
     return lines
 
 
@@ -180,7 +190,8 @@ def main(argv: list[str]) -> int:
     if objectives.unpaired(cfg.loss_type):
         ins = inputs.prepare(cfg, devices.resolve(cfg))
         d = inputs.load_data(cfg, ins.tokenizer, progress=False)
-        print("\n".join(unpaired_lines([d.unpaired["train"][v.row].desirable for v in d.train], cfg.loss_settings)))
+        print("\n".join(unpaired_lines([d.unpaired["train"][v.row] for v in d.train], cfg.loss_settings,
+                                        objectives.needs_kl(cfg.loss_type))))
         return 0
     rep = run(cfg, recipe=argv[0])
     print("\n".join(summary_lines(rep)))

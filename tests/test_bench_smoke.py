@@ -47,3 +47,16 @@ def test_readme_recipe_smoke(bench_path, tiny_path, capsys):
     assert [int(e[1]) for e in evals] == [0, 2, 4]  # eval_on_start, then eval_steps=2 of 4 steps
     assert abs(float(evals[0][2]) - math.log(2)) < 1e-3 and float(evals[0][4]) == 0.0
     assert all(0.0 <= float(e[3]) <= 1.0 for e in evals)
+
+
+def test_repairing_smoke(bench_path, capsys):
+    """12 prompts of 4 completions: best-vs-worst computes its 24, best-vs-each only the 24 it adds, every pair and
+    a subset nothing, KTO on the same completions only KL sequences (its 48 own completions reused)."""
+    import repairing
+
+    assert repairing.main(["--smoke", "--no-trl"]) == 0
+    table = {line.split("|")[1].strip(): line.split("|") for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| ") and "scenario" not in line}
+    computed = [int(table[k][4]) for k in ("best vs worst", "best vs each", "every pair", "a subset")]
+    assert computed == [24, 24, 0, 0]
+    assert 0 < int(table["kto"][4]) <= 48 and int(table["kto"][5]) == 48

@@ -42,6 +42,7 @@ class TokenizedUnpaired:
     completion_ids: list[int]  # cut at max_length
     desirable: bool
     kl_completion_ids: list[int] | None = None  # with_kl: another row's completion under this prompt, cut
+    kl_matched: bool = False  # with_kl: that row has this row's prompt (a matched pair: no KL evidence)
     uncut: list[int] = field(default_factory=list, repr=False)  # the whole completion: a KL sequence cuts its own
 
     def as_pair(self, index: int) -> TokenizedPair:
@@ -101,6 +102,7 @@ def with_kl(items: list[TokenizedUnpaired], block: int, max_length: int) -> list
     """`items` (in data order) with their KL completions (module doc): blocks of `block`, each rotated by one."""
     for item, partner in zip(items, kl_partners(len(items), block)):
         item.kl_completion_ids = items[partner].uncut[:max(0, max_length - len(item.prompt_ids))]
+        item.kl_matched = items[partner].prompt_ids == item.prompt_ids
     return items
 
 

@@ -90,3 +90,25 @@ def test_kl_partners_rotate_within_blocks():
     from lowmem_dpo.objectives.kto import kl_partners
 
     assert kl_partners(7, 3) == [2, 0, 1, 5, 3, 4, 6]
+
+
+def test_blocks_of_one_prompt_are_warned_of(tokenizer, tmp_path):
+    """Four answers of each prompt in a row: every KL sequence in blocks of 4 is a matched pair, and preflight
+    says so; the same rows shuffled pair across prompts."""
+    import random
+
+    from lowmem_dpo import preflight
+    from lowmem_dpo.objectives import Settings
+
+    demo = demo_rows(40)
+    ordered = [{"prompt": demo[i]["prompt"], "completion": c, "label": k < 2} for i in range(0, 40, 4)
+               for k, c in enumerate([demo[i]["chosen"], demo[i + 1]["chosen"], demo[i + 1]["rejected"] + " No.",
+                                      demo[i]["rejected"]])]
+    got = ours(ordered, tokenizer, 4, tmp_path)
+    assert all(it.kl_matched for it in got)
+    assert "warning: 40 of the 40 KL sequences pair a row with a completion of its own prompt" in "\n".join(
+        preflight.unpaired_lines(got, Settings(), True))
+    random.Random(0).shuffle(ordered)
+    got = ours(ordered, tokenizer, 4, tmp_path)
+    assert sum(it.kl_matched for it in got) < 10
+    assert not any("KL sequences" in line for line in preflight.unpaired_lines(got, Settings(), True))

@@ -1,0 +1,85 @@
+"""KTO through the stages on the tiny model: a DPO cache of the same pairs serves KTO's rows (only the KL
+sequences are computed; none for apo_zero_unpaired), in float32 and in bfloat16 where DPO's values are in the
+shared layout; a run starts at the loss of a policy equal to its reference, resumes from a checkpoint to the same
+adapter bit for bit, and scores its samples against desirable completions only; what KTO cannot take is refused."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from conftest import TINY_DATA, sequences_of, write_jsonl
+
+from lowmem_dpo import precompute, train
+from lowmem_dpo.runtime.errors import ConfigError, UserError
+
+
+def rows(n: int) -> list[dict]:
+    return [json.loads(x) for x in open(TINY_DATA)][:n]
+
+
+def counted(err: str) -> tuple[int, int]:
+    m = re.findall(r"computed (\d+) sequences, reused (\d+)", err)
+    return int(m[-1][0]), int(m[-1][1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_dpo_cache_serves_kto_and_only_kl_sequences_are_computed(make_cfg, tmp_path, capsys, dtype):
+    path = str(write_jsonl(tmp_path / "pairs.jsonl", rows(40)))
+    dpo = make_cfg(dataset=path, dtype=dtype, share_prompt="true" if dtype == "bfloat16" else "auto")
+    precompute.run(dpo, progress=False)
+    kto = make_cfg(dataset=path, dtype=dtype, loss_type=["kto"])
+    capsys.readouterr()
+    precompute.run(kto, progress=False)
+    new = len(sequences_of(kto) - sequences_of(dpo))  # the KL sequences no pair holds
+    assert counted(capsys.readouterr().err) == (new, len(sequences_of(kto)) - new) and new > 20
+    apo = make_cfg(dataset=path, dtype=dtype, loss_type=["apo_zero_unpaired"])
+    precompute.run(apo, progress=False)
+    assert counted(capsys.readouterr().err) == (0, len(sequences_of(apo)))
+    assert sequences_of(apo) <= sequences_of(dpo)
+    train.run(make_cfg(dataset=path, dtype=dtype, loss_type=["kto"], max_steps=1, eval_fraction=0.0),
+              progress=False)
+    first = json.loads(open(tmp_path / "out" / "metrics.jsonl").readline())
+    # a policy equal to its reference: z0 = 0, every log-ratio 0, each row's loss 1 - s(0) = 0.5 (in bf16 the
+    # shared layout's values are ~1e-3 from this unshared forward's)
+    assert first["loss"] == pytest.approx(0.5, abs=1e-6 if dtype == "float32" else 2e-3)
+
+
+def test_kto_resumes_to_the_same_adapter_and_samples_desirable_rows(make_cfg, tmp_path):
+    cfg = make_cfg(loss_type=["kto"], max_steps=4, save_steps=2, eval_fraction=0.15, eval_generations=3,
+                   max_new_tokens=6, learning_rate=3e-2)
+    precompute.run(cfg, progress=False)
+    train.run(cfg, progress=False)
+    out = tmp_path / "out"
+    whole = (out / "adapter_model.safetensors").read_bytes()
+    lines = [json.loads(x) for x in open(out / "metrics.jsonl") if '"loss"' in x]
+    assert lines[0]["step"] == 1 and lines[0]["loss"] == pytest.approx(0.5, abs=1e-6) and lines[0]["kl"] == 0.0
+    assert lines[-1]["rewards/margins"] != 0 and "rewards/accuracies" not in lines[-1]
+    from lowmem_dpo.training import kto
+
+    s = train.setup(cfg, progress=False)  # the finished run, resumed at step 4: its eval rows and labels
+    desirable = {tuple(v.chosen_ids) for v in s.eval_items if bool(s.objective.eval_desirable[v.row])}
+    assert isinstance(s.objective, kto.KTO) and len(desirable) < len(s.eval_items)
+    tokenizer = s.tokenizer
+    for sample in (json.loads(x) for x in open(out / "samples.jsonl")):
+        assert any(tokenizer.decode(list(c), skip_special_tokens=True) == sample["chosen"] for c in desirable)
+    shutil.rmtree(out / "checkpoints" / "checkpoint-4")  # the last checkpoint gone: resumes from step 2
+    train.run(cfg, progress=False)
+    assert (out / "adapter_model.safetensors").read_bytes() == whole
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"loss_type": ["kto", "sigmoid"]}, "kto trains on unpaired rows, one loss per row; it cannot be summed"),
+    ({"loss_type": ["kto"], "ld_alpha": 0.5}, "ld_alpha with loss_type=kto: it changes the pair losses only"),
+    ({"loss_type": ["apo_zero_unpaired"], "use_weighting": True}, "use_weighting with loss_type=apo_zero_unpaired"),
+])
+def test_what_kto_cannot_take_is_refused(make_cfg, values, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_cfg(**values)
+
+
+def test_a_block_of_one_row_is_refused_for_kto(make_cfg):
+    with pytest.raises(UserError, match="needs 2 rows at least .* or use loss_type=apo_zero_unpaired"):
+        precompute.run(make_cfg(loss_type=["kto"], per_device_train_batch_size=1), progress=False)
