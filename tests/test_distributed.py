@@ -266,3 +266,18 @@ def test_on_a_gpu_the_group_sums_gpu_gradients_and_cpu_flags(tmp_path):
         distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_kto_on_two_processes_finishes_with_an_odd_number_of_eval_blocks(run):
+    """KTO on 2 processes, its 72 eval rows 5 blocks of 16 (rank 0 evaluates 3, rank 1 2): no call pairs across
+    processes in a block (each process's z0 is its own block's), so nothing waits on another; both processes
+    agree on the metrics (summed over the ranks)."""
+    root, recipe = run
+    keys = [f"ref_cache_dir={root / 'kto-cache'}", f"output_dir={root / 'kto'}", "loss_type=kto",
+            "per_device_train_batch_size=16", "max_steps=2", "eval_steps=2", "save_steps=2"]
+    p = torchrun("precompute", recipe, *keys)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = torchrun("train", recipe, *keys)
+    assert p.returncode == 0, p.stderr[-3000:]
+    evals = [m for m in metrics(root / "kto") if "eval_loss" in m]
+    assert evals[-1]["step"] == 2 and evals[-1]["eval_pairs"] == 72 and evals[-1]["eval_loss"] > 0

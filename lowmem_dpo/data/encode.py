@@ -314,11 +314,13 @@ def tokenize_completions(ds, tokenizer, max_length: int, max_prompt_length: int 
 
 def completion_rows(checked: list, kind: str | None, column: str, tokenizer, max_length: int,
                     max_prompt_length: int | None, spec: str, where: Callable[[int], str], skipped: dict,
-                    noted: set):
+                    noted: set, keep_empty: bool = False):
     """(index, row, prompt ids, completion ids, the whole completion's ids) of each usable row of one checked chunk
     (SFT's rows, KTO's), prompt + `column` tokenized as tokenize_rows tokenizes prompt + chosen; the rows left out
-    are added to `skipped` (empty_completion, prompt_too_long)."""
-    usable = [(i, r) for i, r in checked if not (_is_empty(r["prompt"]) or _is_empty(r[column]))]
+    are added to `skipped` (empty_completion, prompt_too_long). keep_empty (KTO, as TRL): an empty text is a row
+    too (its completion the EOS alone); only a missing (null) one is left out."""
+    empty = (lambda v: v is None) if keep_empty else _is_empty
+    usable = [(i, r) for i, r in checked if not (empty(r["prompt"]) or empty(r[column]))]
     skipped["empty_completion"] += sorted({i for i, _ in checked} - {i for i, _ in usable})
     check_format(tokenizer, kind, spec, noted)
     encoded = _encode_completions(usable, column, tokenizer, kind == "conversation", spec, where) if usable else []

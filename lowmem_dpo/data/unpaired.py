@@ -5,7 +5,8 @@ A row is {prompt, completion, label}, label a bool (true: desirable), in text or
 (unpair_preference_dataset: per 1000 rows, every chosen, then every rejected). Tokenization is the SFT rows' (a
 text completion gets the EOS text unless it ends with it; prompt and prompt + completion tokenized; the
 completion starts where their ids part), so a completion tokenizes to the same ids as in a pair and the cache
-serves both. A row whose prompt alone reaches max_length is skipped, as TRL drops it; so is an empty one.
+serves both. A row whose prompt alone reaches max_length is skipped, as TRL drops it; an empty text is kept (a
+completion of EOS alone), as TRL keeps it; a null one is skipped.
 
 The KL sequences (with_kl): the kept rows in data order, cut into blocks of per_device_train_batch_size; within a
 block row i's KL sequence is its own prompt with the completion of row i - 1 (the first row: the block's last),
@@ -84,7 +85,8 @@ def tokenize_unpaired(ds, tokenizer, max_length: int, max_prompt_length: int | N
     for checked, kind in _checked_chunks(ds, spec, where, ("prompt", *columns), progress):
         for column in columns:
             for i, row, prompt, completion, uncut in completion_rows(checked, kind, column, tokenizer, max_length,
-                                                                     max_prompt_length, spec, where, skipped, noted):
+                                                                     max_prompt_length, spec, where, skipped, noted,
+                                                                     keep_empty=True):
                 label = column == "chosen" if len(columns) == 2 else _label(row, spec, where(i))
                 items.append(TokenizedUnpaired(i, prompt, completion, label, uncut=uncut))
     skipped = {k: sorted(set(v)) for k, v in skipped.items()}

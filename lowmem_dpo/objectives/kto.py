@@ -3,8 +3,8 @@ arXiv:2408.06266), as TRL 1.16's KTOTrainer computes them: pure.
 
 A row is one completion with a label: desirable (a thumbs-up) or not. KTO's reference point z0 estimates
 KL(policy || reference): the policy's log-ratio to the reference on mismatched (prompt, completion) pairs of the
-same micro-batch, averaged, detached, averaged again over the processes and clamped at 0 (kl_share,
-reference_point). A desirable row's loss is w_d (1 - s(b (r - z0))), an undesirable one's w_u (1 - s(b (z0 - r))),
+same micro-batch, averaged, detached and clamped at 0 (kl_share, reference_point; TRL also averages over the
+processes first). A desirable row's loss is w_d (1 - s(b (r - z0))), an undesirable one's w_u (1 - s(b (z0 - r))),
 r its log-ratio; apo_zero_unpaired puts 0 for z0 and needs no KL sequences. A micro-batch's loss is the mean over
 its rows.
 
@@ -70,13 +70,14 @@ def kl_partners(n: int, block: int) -> list[int]:
 
 
 def kl_share(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
-    """This process's share of z0: the mean log-ratio over the micro-batch's KL sequences (N,), detached, ()."""
+    """A micro-batch's estimate of z0 before the clamp: the mean log-ratio over its KL sequences (N,), detached,
+    ()."""
     return (kl_logps - ref_kl_logps).float().mean().detach()
 
 
-def reference_point(mean_share: torch.Tensor) -> torch.Tensor:
-    """z0 from the processes' mean kl_share: at least 0."""
-    return mean_share.clamp(min=0)
+def reference_point(share: torch.Tensor) -> torch.Tensor:
+    """z0 from kl_share: at least 0."""
+    return share.clamp(min=0)
 
 
 def rewards(x: UnpairedLogps, s: Settings) -> torch.Tensor:

@@ -107,13 +107,6 @@ def any_rank(flag: bool) -> bool:
     return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int64), torch.distributed.ReduceOp.MAX).item())
 
 
-def mean(t: torch.Tensor) -> torch.Tensor:
-    """The mean of `t` over the ranks (each rank its own `t`, of one shape), on every rank."""
-    if not active():
-        return t
-    return _reduce(t.clone(), torch.distributed.ReduceOp.SUM) / world().size
-
-
 def broadcast(obj):
     """Rank 0's `obj` on every rank (a picklable value)."""
     if not active():

@@ -251,9 +251,14 @@ def _held_out(cfg: Config, mix: data.Mixture, tok: data.TokenizedData) -> tuple[
         raise UserError(f"eval_fraction={cfg.eval_fraction} holds out every usable row of dataset "
                         f"{label(cfg.dataset)!r} ({prompts} distinct prompts), leaving none to train on: lower "
                         "eval_fraction, or name held-out rows with eval_dataset")
-    log(f"eval: {len(evals)} pairs held out of {label(cfg.dataset)} by eval_fraction={cfg.eval_fraction} "
+    log(f"eval: {len(evals)} {rows_noun(cfg, False)} held out of {label(cfg.dataset)} by eval_fraction={cfg.eval_fraction} "
         f"({len({keys[p.row] for p in evals})} of {prompts} prompts)")
     return train, evals
+
+
+def rows_noun(cfg: Config, sft: bool) -> str:
+    """What a stage's eval items are, for the log."""
+    return "rows" if sft or objectives.unpaired(cfg.loss_type) else "pairs"
 
 
 def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) -> Data:
@@ -263,15 +268,15 @@ def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) 
     mix, tok = _tokenize(cfg, tokenizer, cfg.dataset, cfg.dataset_split, progress, sft, cfg.max_train_samples)
     if cfg.eval_dataset is not None:
         eval_mix, eval_tok = _tokenize(cfg, tokenizer, [Source(cfg.eval_dataset)], cfg.eval_split, progress, sft)
-        log(f"eval: {len(eval_tok.pairs)} pairs from {cfg.eval_dataset}")
+        log(f"eval: {len(eval_tok.pairs)} {rows_noun(cfg, sft)} from {cfg.eval_dataset}")
         d = Data(tok, tok.pairs, eval_tok.pairs, "eval", eval_tok, mix, eval_mixture=eval_mix)
     elif cfg.eval_fraction > 0:
         d = Data(tok, *_held_out(cfg, mix, tok), "train", mixture=mix)
     else:
         d = Data(tok, tok.pairs, [], None, mixture=mix)
+    d.eval = d.eval[:cfg.eval_max_pairs]  # before KTO's KL sequences: they pair within what is evaluated
     if not sft and objectives.unpaired(cfg.loss_type):
         unpaired_views(cfg, d)
-    d.eval = d.eval[:cfg.eval_max_pairs]
     d.prompts = shown_prompts(d, d.eval)
     return d
 

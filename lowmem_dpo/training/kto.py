@@ -5,7 +5,7 @@ A data item of the loop is a block: per_device_train_batch_size rows whose KL se
 (data.unpaired.with_kl), one micro-batch. The loop shuffles whole blocks each epoch (TRL keeps them in data
 order); a block is never split across micro-batches or steps. Per block:
   1. the reference point z0 (kto only): the policy's log-probs of the block's KL sequences, no gradient, minus the
-     reference's from the cache, averaged over the block and over the processes, clamped at 0;
+     reference's from the cache, averaged over the block, clamped at 0 (TRL also averages the processes' blocks);
   2. the policy's log-probs of the block's own completions, the loss of each row against z0, their mean over the
      block; the step's gradient is the mean over its blocks.
 Both forwards go by sub-batches of s.micro_batch rows (the out-of-memory back-off halves it), which changes no
@@ -76,14 +76,14 @@ def policy_logps(model, items: list[data.TokenizedCompletion], pad_id: int, reso
 
 
 def reference_point(s: loop.Session, views: list, ref: cache.RefCache, micro: int) -> tuple[torch.Tensor, int]:
-    """z0 of a block (module doc) and the KL forward's tokens; 0 for apo_zero_unpaired."""
+    """z0 of a block (module doc) and the KL forward's tokens; 0 for apo_zero_unpaired. Over this process's block
+    only: TRL averages the processes' block means at each micro-step, a collective call that would pair wrongly
+    here when one process retries after running out of memory or holds one eval block more."""
     if not objectives.needs_kl(s.cfg.loss_type):
         return torch.zeros(()), 0
     with torch.no_grad():
         logps, tokens = policy_logps(s.model, sequences(views, kl=True), s.pad_id, s.resolved, micro)
-    share = kto.kl_share(logps.cpu(), ref.rejected[[v.row for v in views]])
-    shares = distributed.mean(share.reshape(1))  # TRL gathers the processes' block means
-    return kto.reference_point(shares[0]), tokens
+    return kto.reference_point(kto.kl_share(logps.cpu(), ref.rejected[[v.row for v in views]])), tokens
 
 
 def block_step(s: loop.Session, views: list, ref: cache.RefCache, desirable: torch.Tensor, micro: int,
@@ -130,6 +130,7 @@ class KTO:
     eval_ref: cache.RefCache | None = None
     eval_desirable: torch.Tensor | None = None
     name: str = "train"
+    blocks: bool = True  # its data items are blocks of rows (loop.Session.pairs_per_step counts them)
 
     def new_stats(self) -> KtoStats:
         return KtoStats()

@@ -168,8 +168,9 @@ class Session:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     @property
-    def pairs_per_step(self) -> int:  # all ranks'
-        return policy.items_per_step(self.cfg, self.world.size)
+    def pairs_per_step(self) -> int:  # data items, all ranks': pairs, SFT rows, or KTO's blocks (one a micro-batch)
+        rows = policy.items_per_step(self.cfg, self.world.size)
+        return rows // self.cfg.per_device_train_batch_size if getattr(self.objective, "blocks", False) else rows
 
 
 # -- resume ------------------------------------------------------------------------------------------------------
@@ -198,7 +199,7 @@ def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: i
     `resume` (find_resume's pair, its inputs already checked against `inputs`) or at the start. `eval_items` are
     evaluated (Objective.evaluate) every eval_steps, their prompts answered with `tokenizer`'s decoding and shown
     as `prompts` has them (inputs.Data.prompts)."""
-    steps = policy.total_steps(cfg, len(items), distributed.world().size)
+    steps = policy.total_steps(cfg, policy.rows_of(items), distributed.world().size)
     opt, sched, params = policy.setup_optimizer(cfg, model, steps, resolved)
     s = Session(cfg, resolved, model, opt, sched, params, items, pad_id, steps, objective, inputs=inputs or {},
                 eval_items=list(eval_items), tokenizer=tokenizer, prompts=prompts or {},
@@ -225,8 +226,7 @@ def backward_with_backoff(s: Session, items: list):
     """The objective's forward+backward of this rank's share of one optimizer step's items, split into
     micro-batches of s.micro_batch. On out-of-memory (on any rank), halve the micro-batch (the accumulation
     doubles: the same items, the same update) and retry, down to 1 item."""
-    rows = sum(len(x) if isinstance(x, list) else 1 for x in items)  # KTO's items are blocks of rows
-    mine = math.ceil(rows / s.world.size)  # this rank's rows, at most
+    mine = math.ceil(policy.rows_of(items) / s.world.size)  # this rank's rows, at most
 
     def attempt(micro_batch: int):
         s.micro_batch, s.grad_accum = micro_batch, math.ceil(mine / micro_batch)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import objectives
 from lowmem_dpo.config.schedule import make_schedule
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory import attention, search
@@ -123,11 +122,14 @@ def setup_optimizer(cfg: Config, model, total_steps: int, resolved: devices.Reso
 
 
 def items_per_step(cfg: Config, world_size: int = 1) -> int:
-    """Data items per optimizer step, over all ranks: pairs (or SFT rows), per_device_train_batch_size per rank and
-    micro-batch, as transformers counts it; KTO's items are blocks of that many rows (training/kto.py), one per
-    rank and micro-batch."""
-    per_micro_batch = 1 if objectives.unpaired(cfg.loss_type) else cfg.per_device_train_batch_size
-    return per_micro_batch * cfg.gradient_accumulation_steps * world_size
+    """Rows per optimizer step, over all ranks: pairs (SFT rows, KTO rows), per_device_train_batch_size per rank
+    and micro-batch, as transformers counts it."""
+    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
+
+
+def rows_of(items: list) -> int:
+    """The rows of a stage's data items: a pair or SFT row is one, a KTO block (a list: training/kto.py) its rows."""
+    return sum(len(item) if isinstance(item, list) else 1 for item in items)
 
 
 def total_steps(cfg: Config, num_items: int, world_size: int = 1) -> int:

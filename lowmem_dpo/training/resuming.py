@@ -94,7 +94,7 @@ def follow_run_length(s, resume_from: Path, saved: checkpoint.TrainerState) -> N
     """Session `s` (loop.Session, restored from checkpoint `resume_from`) was written with another max_steps or
     num_train_epochs (check_run_length: not past the new total): the run continues from its step to the new
     total, at the learning rate the new schedule gives there."""
-    old_total = _old_total(s.cfg, saved, len(s.pairs))
+    old_total = _old_total(s.cfg, saved, policy.rows_of(s.pairs))
     if old_total == s.steps:
         return
     what = _length_changes(s.cfg, saved)

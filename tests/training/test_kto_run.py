@@ -83,3 +83,21 @@ def test_what_kto_cannot_take_is_refused(make_cfg, values, message):
 def test_a_block_of_one_row_is_refused_for_kto(make_cfg):
     with pytest.raises(UserError, match="needs 2 rows at least .* or use loss_type=apo_zero_unpaired"):
         precompute.run(make_cfg(loss_type=["kto"], per_device_train_batch_size=1), progress=False)
+
+
+def test_the_run_length_counts_rows_in_every_stage(make_cfg, tmp_path):
+    """A shorter KTO run than its checkpoint is refused as a DPO one is (steps from rows, whatever the items);
+    an SFT stage of a KTO recipe takes rows, not blocks."""
+    from lowmem_dpo import sft
+
+    cfg = make_cfg(loss_type=["kto"], max_steps=-1, num_train_epochs=0.05, save_steps=2, eval_fraction=0.0,
+                   per_device_train_batch_size=8)
+    precompute.run(cfg, progress=False)
+    train.run(cfg, progress=False)
+    steps = json.loads(open(tmp_path / "out" / "metrics.jsonl").readlines()[-1])["step"]
+    assert steps == 5  # ceil(0.05 epochs * 768 rows / 8 rows a step), not counted in blocks
+    with pytest.raises(UserError, match=r"num_train_epochs 0.05 -> 0.02: the run would end at step 2, before"):
+        train.setup(make_cfg(loss_type=["kto"], max_steps=-1, num_train_epochs=0.02, save_steps=2,
+                             eval_fraction=0.0, per_device_train_batch_size=8), progress=False)
+    s = sft.setup(make_cfg(loss_type=["kto"], output_dir=str(tmp_path / "sft")), progress=False)
+    assert s.pairs_per_step == 4
