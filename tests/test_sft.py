@@ -350,3 +350,20 @@ def test_sft_samples_are_scored_against_their_completions_but_not_as_drift_from_
     sft.run(cfg, progress=False)
     evals = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if "eval_gen" in x]
     assert evals and all("eval_gen/rouge_l" in e and "eval_gen/kl" not in e for e in evals)
+
+
+def test_kto_after_sft_starts_at_its_reference_on_a_mixture(sft_dir, tmp_path, rows64):
+    """SFT -> KTO: the SFT adapter is the reference (step 1's loss is 0.5: every log-ratio 0, z0 0) and is what
+    train continues; the data a mixture of pairs (unpaired) and unpaired rows."""
+    unpaired_rows = [{"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
+                     for i, r in enumerate(lines(TINY_DATA)[100:140])]
+    mixture = [{"path": str(rows64), "fraction": 0.5}, str(write_jsonl(tmp_path / "unpaired.jsonl", unpaired_rows))]
+    cfg = tiny_cfg(tmp_path, model_name_or_path=str(sft_dir), dataset=mixture, loss_type=["kto"],
+                   per_device_train_batch_size=4, eval_fraction=0.0)
+    precompute.run(cfg, progress=False)
+    (side,) = stored_sides(tmp_path / "cache")
+    assert side["adapter"] is not None
+    train.run(cfg, progress=False)
+    m = lines(tmp_path / "out" / "metrics.jsonl")
+    assert m[0]["loss"] == pytest.approx(0.5, abs=1e-6) and m[0]["kl"] == 0.0
+    assert m[1]["loss"] != pytest.approx(0.5, abs=1e-5)
