@@ -1,7 +1,7 @@
 """Merge a trained LoRA adapter into its base and write a standard transformers model folder, tensor by tensor.
 
     python -m lowmem_dpo.export ADAPTER_DIR MERGED_DIR [--dtype auto|bfloat16|float16|float32]
-                                [--max-shard-size 2GB] [--overwrite]
+                                [--max-shard-size 2GB] [--overwrite] [--gguf f16|bf16|q8_0]
 
 ADAPTER_DIR is a PEFT LoRA adapter folder: a run's output_dir (the final adapter), one of its
 checkpoints/checkpoint-STEP folders, or any PEFT adapter. The base is the one the run trained on (the run's
@@ -13,7 +13,8 @@ MERGED_DIR gets safetensors weights (one model.safetensors, or shards of at most
 model.safetensors.index.json), config.json (dtype set to the written one), generation_config.json when the base
 has one, the tokenizer files (ADAPTER_DIR's when it holds a tokenizer, else the base's) and a model card naming
 the base. --dtype auto keeps the base's dtype. The folder is written beside MERGED_DIR under a hidden name and
-renamed when complete: a crash or a full disk leaves no half folder.
+renamed when complete: a crash or a full disk leaves no half folder. --gguf also writes model-TYPE.gguf by
+llama.cpp's own converter and an Ollama Modelfile beside it (model/gguf.py; pip install 'lowmem_dpo[gguf]').
 
 Memory: the base is read, merged in float32 (W + scale * B @ A per adapter) and written a block of rows at a time,
 so the peak is the adapters plus a few 16 MiB blocks, never the whole model nor a shard (bench/README.md).
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.model import lora_merge, models, weights
+from lowmem_dpo.model import gguf, lora_merge, models, weights
 from lowmem_dpo.model.lora_merge import CONV1D, EMBEDDING, LINEAR, LoraPair
 from lowmem_dpo.runtime import files, folders
 from lowmem_dpo.runtime.errors import UserError, log
@@ -44,7 +45,7 @@ from lowmem_dpo.runtime.units import fmt, parse_size
 from lowmem_dpo.training.provenance import Chain, merge_chain
 
 USAGE = ("ADAPTER_DIR MERGED_DIR [--dtype auto|bfloat16|float16|float32] [--max-shard-size 2GB] [--overwrite] "
-         "[--no-progress]")
+         "[--no-progress] [--gguf f16|bf16|q8_0]")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # cast to --dtype; other tensors kept
 # Saves memory: a tensor is read, merged and written in blocks of rows of about this many elements (16 MiB in
@@ -265,8 +266,11 @@ def place(tmp: Path, merged_dir: Path) -> None:
 
 
 def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_size: str = "2GB",
-           overwrite: bool = False, progress: bool = True) -> Path:
-    """Merge ADAPTER_DIR (and the SFT adapter under it, for new_on_merged) into its base; write MERGED_DIR."""
+           overwrite: bool = False, progress: bool = True, gguf_type: str | None = None) -> Path:
+    """Merge ADAPTER_DIR (and the SFT adapter under it, for new_on_merged) into its base; write MERGED_DIR (and,
+    gguf_type, its GGUF and Modelfile)."""
+    if gguf_type is not None:
+        gguf.check_available()  # before anything is read or written
     if not (adapter_dir / models.ADAPTER_CONFIG).is_file():
         raise UserError(f"ADAPTER_DIR={str(adapter_dir)!r} is not a PEFT adapter folder (no "
                         f"{models.ADAPTER_CONFIG}); pass a run's output_dir or one of its checkpoint folders")
@@ -281,6 +285,8 @@ def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_s
     check_destination(merged_dir, overwrite, [chain.base, *chain.adapters])
     merged_dir.parent.mkdir(parents=True, exist_ok=True)
     need = sum(i.nbytes(out_dtype if i.dtype in FLOATS else None) for i in infos) + (1 << 20)
+    if gguf_type is not None:  # its GGUF beside it: 2 bytes a weight in 16 bits, 34 per 32 in q8_0
+        need += sum(i.nbytes(torch.float16) for i in infos) * (17 if gguf_type == "q8_0" else 32) // 32
     then = f"Nothing was written to {merged_dir}."
     files.ensure_free_space(merged_dir.parent, need, "the merged model", then)
     for stale in merged_dir.parent.glob(f".{merged_dir.name}.partial-*"):  # a killed export's: never a model
@@ -289,6 +295,10 @@ def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_s
     try:
         shards = write_weights(tmp, infos, targets, out_dtype, max_bytes, progress)
         write_metadata(tmp, chain, config, out_dtype)
+        if gguf_type is not None:  # the finished folder, converted before it is placed: all or nothing
+            gguf.convert(tmp, gguf_type)
+            tokenizer = models.load_tokenizer(tmp)
+            (tmp / "Modelfile").write_text(gguf.modelfile(gguf.file_name(gguf_type), tokenizer), encoding="utf-8")
         folders.mark(tmp, "merged model", [p.name for p in tmp.iterdir()])
         for p in tmp.iterdir():
             os.chmod(p, 0o644)
@@ -318,8 +328,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-shard-size", default="2GB")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--gguf", choices=gguf.TYPES, default=None)
     a = parser.parse_args(argv)
-    export(a.adapter_dir, a.merged_dir, a.dtype, a.max_shard_size, a.overwrite, not a.no_progress)
+    export(a.adapter_dir, a.merged_dir, a.dtype, a.max_shard_size, a.overwrite, not a.no_progress, a.gguf)
     return 0
 
 
