@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 import yaml
 
@@ -45,6 +45,29 @@ def help_text(stage: str, command_doc: str) -> str:
     return "\n".join(lines)
 
 
+def flag_overrides(argv: list[str]) -> list[str]:
+    """Overrides written as TRL's command line writes them, `--key value`, `--key=value`, or `--key` alone for a
+    true boolean, as key=value; anything else (the recipe, key=value, a stage's own flags such as --prune) as it
+    is. Only Config's keys are read this way."""
+    out, i = [], 0
+    while i < len(argv):
+        name, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
+        key = name.replace("-", "_")
+        if key not in FIELD_DEFAULTS:
+            out.append(argv[i])
+        elif eq:
+            out.append(f"{key}={value}")
+        elif HINTS[key] in (bool, Optional[bool]) and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            out.append(f"{key}=true")
+        elif i + 1 < len(argv):
+            out.append(f"{key}={argv[i + 1]}")
+            i += 1
+        else:
+            raise ConfigError(f"{argv[i]}: expected a value after it (--{key} VALUE, or {key}=VALUE)")
+        i += 1
+    return out
+
+
 def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, stage: str, doc: str,
             usage: str | None = None) -> int:
     """Shared entry point of the `python -m lowmem_dpo.STAGE` commands: --help, exit codes, no tracebacks for
@@ -72,7 +95,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
     warnings.filterwarnings("ignore", message="Could not find a config file in", category=UserWarning)
     devices.configure_allocator()  # before anything touches CUDA (unless the user set the variable)
     try:
-        return main(argv) or 0
+        return main(flag_overrides(argv) if usage is None else argv) or 0
     except UserError as e:
         rank = world().rank  # several processes (torchrun, mpirun): a recipe error is every rank's
         if rank == 0 or not isinstance(e, ConfigError):

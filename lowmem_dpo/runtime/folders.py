@@ -120,6 +120,11 @@ def check_replacing(folder: Path, names: list[str], ours: frozenset[str], what: 
                         f"not write; move it away and rerun (the checkpoints are intact)")
 
 
+def tool_version() -> str:
+    """lowmem_dpo's installed version ("unknown" from a source tree that is not installed)."""
+    return _version()
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

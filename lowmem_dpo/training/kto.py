@@ -152,8 +152,10 @@ class KTO:
         return {f"eval_{k}": v for k, v in stats.means().items()}
 
     def samples_from(self, views: list) -> list:
-        """The eval rows whose completion is desirable: what the samples are scored against."""
-        return [v for v in views if bool(self.eval_desirable[v.row])]
+        """The eval rows whose completion is desirable, as prompt + completion (no pair: its KL sequence is no
+        rejected answer): what the samples are scored against."""
+        return [data.TokenizedCompletion(v.row, v.prompt_ids, v.chosen_ids) for v in views
+                if bool(self.eval_desirable[v.row])]
 
     def warning_signs(self, s: loop.Session) -> list[str]:
         return []  # DPO's margin signs read pairs; the samples' collapse signs still judge a KTO run

@@ -20,8 +20,9 @@ from lowmem_dpo.config.schema import FIELDS
 from lowmem_dpo.model import adapters
 from lowmem_dpo.model.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TOKENIZER_FILES
 from lowmem_dpo.runtime import devices, files, folders, oom
+from lowmem_dpo.runtime.builtins import PREFIX as BUILTIN_PREFIX
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import checkpoint
+from lowmem_dpo.training import checkpoint, policy
 from lowmem_dpo.training.provenance import RUN_CONFIG
 from lowmem_dpo.training.tensorboard import EVENTS_DIR
 
@@ -138,10 +139,48 @@ def save_final(s, out_dir: Path) -> None:
     files.ensure_free_space(out_dir, need, "the adapter", then)
     try:
         save_adapter(s.model, out_dir, s.tokenizer)
+        files.atomic_write_bytes(out_dir / "README.md", model_card(s, out_dir).encode())  # not peft's template
     except OSError as e:
         if files.is_disk_full(e):
             raise files.disk_full_error(out_dir, "the adapter", need, then) from None
         raise
+
+
+def model_card(s, out_dir: Path) -> str:
+    """The run folder's README.md, the Hub's model card: base model, data, objective, the settings that shape the
+    result, the last eval and the best checkpoint, the tool's version, and how to load the adapter."""
+    cfg = s.cfg
+    config = json.loads((out_dir / ADAPTER_CONFIG).read_text())
+    named = cfg.model_name_or_path.startswith(BUILTIN_PREFIX)  # a built-in by its name, not its cache folder
+    base = cfg.model_name_or_path if named else config.get("base_model_name_or_path") or cfg.model_name_or_path
+    objective = "SFT on the completions" if s.objective.name == "sft" else (
+        f"loss_type {cfg.loss_type}" + (f" weighted {cfg.loss_weights}" if cfg.loss_weights else "")
+        + f", beta {cfg.beta}")
+    evals = [json.loads(x) for x in s.metrics_lines if '"eval_loss"' in x]
+    last = ", ".join(f"{k} {v:.4g}" for k, v in evals[-1].items() if k.startswith("eval_") and k not in (
+        "eval_runtime", "eval_pairs") and isinstance(v, (int, float))) if evals else "none (no eval data)"
+    best = "not tracked"
+    if s.best.get("best_global_step") is not None:
+        best = f"{cfg.best_metric_name} {s.best['best_metric']:.4g} at step {s.best['best_global_step']}" + (
+            " (the adapter here: load_best_model_at_end)" if cfg.load_best_model_at_end else "")
+    lines = [
+        "---", f"base_model: {base}", "library_name: peft", "tags:", "- lowmem_dpo", "- lora",
+        f"- {s.objective.name}", "---", "", f"# {out_dir.resolve().name}", "",
+        f"A LoRA adapter on {base}, trained by lowmem_dpo {folders.tool_version()}.", "",
+        f"- **Base model**: {base}",
+        f"- **Data**: {', '.join(src.path for src in cfg.dataset)} ({policy.rows_of(s.pairs)} training rows)",
+        f"- **Objective**: {objective}",
+        f"- **Settings**: {s.steps} steps of {cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} "
+        f"per device, learning_rate {cfg.learning_rate} ({cfg.lr_scheduler_type}), max_length {cfg.max_length}, "
+        f"LoRA r {config.get('r')} alpha {config.get('lora_alpha')}, dtype {cfg.dtype}, quantization "
+        f"{cfg.quantization}, seed {cfg.seed}",
+        f"- **Last eval** (step {evals[-1]['step'] if evals else '-'}): {last}",
+        f"- **Best**: {best}", "", "## Use", "", "```python", "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM", "",
+        f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "PATH/TO/THIS/FOLDER")',
+        "```", "", "The run's config.yaml and metrics.jsonl are beside it; `python -m lowmem_dpo.export THIS_FOLDER "
+        "MERGED_DIR` merges it into its base (`--gguf q8_0`: for llama.cpp and Ollama)."]
+    return "\n".join(lines) + "\n"
 
 
 # -- metrics.jsonl and the progress bar -----------------------------------------------------------------------

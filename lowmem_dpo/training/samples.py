@@ -31,6 +31,7 @@ class Sample:
     chosen: str  # the data's chosen completion (SFT: its completion)
     ids: list[int]  # the completion's token ids, without EOS (for guards.repetition)
     chosen_ids: list[int] | None = None  # the chosen completion's, without EOS (for guards.rouge_l)
+    rejected: str | None = None  # the data's rejected completion (a pair's; None for SFT's and KTO's rows)
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +94,9 @@ def generate(model, items: list, tokenizer, max_new_tokens: int, device, dtype,
                                                                                      skip_special_tokens=True),
                               completion=tokenizer.decode(ids, skip_special_tokens=True),
                               chosen=tokenizer.decode(chosen, skip_special_tokens=True), ids=ids,
-                              chosen_ids=chosen_ids))
+                              chosen_ids=chosen_ids,
+                              rejected=tokenizer.decode(item.rejected_ids, skip_special_tokens=True)
+                              if isinstance(item, data.TokenizedPair) else None))
     return samples
 
 
@@ -123,12 +126,14 @@ def kl_to_reference(model, items: list, answers: list[list[int]], device, dtype)
 
 
 def append(path: Path, step: int, samples: list[Sample]) -> None:
-    """Append one JSON line per sample, {step, prompt, completion, chosen}, to `path` (created if absent)."""
+    """Append one JSON line per sample, {step, prompt, completion, chosen, rejected (a pair's)}, to `path`
+    (created if absent)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         for s in samples:
-            line = {"step": step, "prompt": s.prompt, "completion": s.completion, "chosen": s.chosen}
+            line = {"step": step, "prompt": s.prompt, "completion": s.completion, "chosen": s.chosen,
+                    **({} if s.rejected is None else {"rejected": s.rejected})}
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
         f.flush()
 
