@@ -17,7 +17,7 @@ from lowmem_dpo import report
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.training import guards
-from lowmem_dpo.training.tensorboard import open_writer
+from lowmem_dpo.training.trackers import open_trackers
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parents[1]
@@ -264,9 +264,9 @@ def test_tensorboard_scalars_read_back_equal_the_lines(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    assert open_writer("none", tmp_path) is None
+    assert open_trackers(["none"], tmp_path, None, {}) is None and open_trackers([], tmp_path, None, {}) is None
     lines = write_run(tmp_path / "src")
-    writer = open_writer("tensorboard", tmp_path)
+    writer = open_trackers(["tensorboard"], tmp_path, None, {})
     for line in lines:
         writer.add(line)
     writer.close()
@@ -290,7 +290,7 @@ def test_tensorboard_missing_is_a_user_error(tmp_path, monkeypatch):
     # Simulates a machine without the optional tensorboard: None in sys.modules makes its import fail.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(UserError, match="report_to=tensorboard needs tensorboard: pip install tensorboard"):
-        open_writer("tensorboard", tmp_path)
+        open_trackers(["tensorboard"], tmp_path, None, {})
     assert not (tmp_path / "runs").exists()
 
 

@@ -137,10 +137,9 @@ class Config:
                       "turns skips into errors, the rows kept are the same.", resumable=True)
     # -- evaluation (docs/evaluation.md) --------------------------------------------------------------------------------
     eval_dataset: Optional[str] = _f(None, "Held-out rows in the training data's format (any source `dataset` "
-                                     "accepts); precompute caches their reference log-probs with the training "
-                                     "rows. null: none, or eval_fraction.", reference="files")
-    eval_split: str = _f("test", "Split of eval_dataset to read (hub names, DatasetDict folders).",
-                         reference="files")
+                                     "accepts), cached with the training rows. null: none, or eval_fraction.",
+                                     reference="files")
+    eval_split: str = _f("test", "Split of eval_dataset to read (hub names, DatasetDict).", reference="files")
     eval_fraction: float = _f(0.0, "Hold this share of dataset's prompts out of training and evaluate on them; "
                               "chosen by each prompt's text (a hash), so adding rows does not reshuffle it and "
                               "all pairs of one prompt fall on one side. 0: none.", min=0.0, max=0.5)
@@ -154,13 +153,14 @@ class Config:
                                     "metrics.jsonl; the eval_ prefix may be left out).")
     greater_is_better: Optional[bool] = _f(None, "Whether a larger metric_for_best_model is better; null: known "
                                            "from its name (objectives/metrics.py).")
-    load_best_model_at_end: bool = _f(False, "The best checkpoint's adapter as the final one in output_dir.",
-                                      resumable=True)
+    load_best_model_at_end: bool = _f(False, "The best checkpoint's adapter as the final one.", resumable=True)
     eval_generations: int = _f(4, "Eval prompts answered (greedy) at step 0 and every eval into samples.jsonl; "
                                "their repetition warns of collapse. 0: none.", min=0, resumable=True)
     max_new_tokens: int = _f(64, "Most tokens a sample generation writes.", min=1, resumable=True)
-    report_to: str = _f("none", "tensorboard: also write metrics.jsonl's scalars as TensorBoard events into "
-                        "output_dir/runs (needs tensorboard).", choices=("none", "tensorboard"), resumable=True)
+    report_to: list = _f([], "Trackers that get metrics.jsonl's scalars too, as transformers names them: tensorboard "
+                         "(output_dir/runs), trackio (its local store), wandb (output_dir/wandb). []/none: none.",
+                         choices=("none", "tensorboard", "trackio", "wandb"), resumable=True)
+    run_name: Optional[str] = _f(None, "The run's name in trackio and wandb; null: output_dir's name.", resumable=True)
     # -- DPO loss ------------------------------------------------------------------------------------------------
     beta: float = _f(0.1, "The loss's scale (DPO: the pull to the reference).", min=0.0, min_exclusive=True)
     loss_type: list = _f(["sigmoid"], "The objective, or a list whose terms are summed with loss_weights, as TRL "

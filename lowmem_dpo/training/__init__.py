@@ -12,7 +12,7 @@
     evaluation.py   eval inside a run: when, the eval line and samples, the collapse sign, the best checkpoint
     samples.py      greedy sample generations, samples.jsonl
     output.py       what a run writes into output_dir: the folder check, config.yaml, metrics.jsonl, the adapter
-    tensorboard.py  report_to=tensorboard: the metrics as TensorBoard scalars
+    trackers.py     report_to: the metrics to TensorBoard, trackio and wandb
     provenance.py   which base and adapters a trained adapter belongs on, checked against the files (export)
 
 Its face: inputs.prepare and inputs.load_data (a stage's model folder, tokenizer and rows), loop.run.

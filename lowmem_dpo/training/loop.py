@@ -33,7 +33,7 @@ import torch
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.runtime import devices, distributed, oom
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import checkpoint, evaluation, guards, output, policy, resuming, tensorboard, update
+from lowmem_dpo.training import checkpoint, evaluation, guards, output, policy, resuming, trackers, update
 
 
 class Stats(Protocol):
@@ -146,7 +146,7 @@ class Session:
     tokenizer: object = None  # decodes the samples
     prompts: dict = field(default_factory=dict)  # eval item's row -> its prompt as the samples show it
     best: dict = field(default_factory=lambda: dict.fromkeys(BEST_KEYS))  # evaluation.note_best
-    tensorboard: object = None  # report_to=tensorboard: tensorboard.open_writer's writer
+    trackers: object = None  # report_to's: trackers.open_trackers's
     world: distributed.World = field(default_factory=distributed.world)  # this process among the launched ones
     scaler: object = None  # float16: torch.amp.GradScaler (devices.grad_scaler); None otherwise
     scaler_skips: int = 0  # updates the scaler skipped (scaled gradients overflowed), in all
@@ -341,7 +341,8 @@ def run(s: Session, progress: bool = True) -> TrainResult:
     bar.postfix_dict = {}  # the numbers shown: the last train line's and the last eval's
     # A resumed run's events after its checkpoint, or an earlier run's, are purged: the events follow metrics.jsonl.
     if main:
-        s.tensorboard = tensorboard.open_writer(cfg.report_to, out_dir, purge_step=s.step + 1 if s.step else 0)
+        s.trackers = trackers.open_trackers(cfg.report_to, out_dir, cfg.run_name, output.tracker_config(s),
+                                            purge_step=s.step + 1 if s.step else 0)
     try:
         last = steps(s, out_dir, bar, last)
     except KeyboardInterrupt:  # Ctrl-C: where the rerun continues
@@ -350,8 +351,8 @@ def run(s: Session, progress: bool = True) -> TrainResult:
         raise KeyboardInterrupt(f"{output.last_checkpoint_note(s)}; the same command {then}") from None
     finally:
         bar.close()  # before any message that ends the run, which then stands on its own line
-    if s.tensorboard is not None:
-        s.tensorboard.close()
+    if s.trackers is not None:
+        s.trackers.close()
     if s.skipped_steps:
         log(f"note: {s.skipped_steps} updates were skipped for a non-finite loss or gradient")
     if main:

@@ -6,6 +6,7 @@ Used by the loop (loop.py) with its session (loop.Session; not imported here, lo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import torch
 
 from lowmem_dpo.config.recipe import place
 from lowmem_dpo.config.schema import FIELDS
+from lowmem_dpo.config.sources import yaml_form
 from lowmem_dpo.model import adapters
 from lowmem_dpo.model.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TOKENIZER_FILES
 from lowmem_dpo.runtime import devices, files, folders, oom
@@ -24,7 +26,7 @@ from lowmem_dpo.runtime.builtins import PREFIX as BUILTIN_PREFIX
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, policy
 from lowmem_dpo.training.provenance import RUN_CONFIG
-from lowmem_dpo.training.tensorboard import EVENTS_DIR
+from lowmem_dpo.training.trackers import EVENTS_DIR
 
 
 def last_checkpoint_note(s) -> str:
@@ -146,6 +148,16 @@ def save_final(s, out_dir: Path) -> None:
         raise
 
 
+def tracker_config(s) -> dict:
+    """What trackio and wandb record of a run at its start: its config, and the setup the device rules and the
+    planner resolved (TRL's trackers get its args the same way)."""
+    r = s.resolved
+    return {f.name: yaml_form(getattr(s.cfg, f.name)) for f in dataclasses.fields(s.cfg)} | {"resolved": {
+        "device": str(r.device), "dtype": devices.dtype_name(r.dtype), "micro_batch": s.micro_batch,
+        "gradient_accumulation": s.grad_accum, "gradient_checkpointing": r.gradient_checkpointing,
+        "share_prompt": r.share_prompt, "budget_bytes": r.budget, "steps": s.steps}}
+
+
 def model_card(s, out_dir: Path) -> str:
     """The run folder's README.md, the Hub's model card: base model, data, objective, the settings that shape the
     result, the last eval and the best checkpoint, the tool's version, and how to load the adapter."""
@@ -204,8 +216,8 @@ def write_line(s, metrics_file, line: dict) -> dict:
     s.metrics_lines.append(json.dumps(line) + "\n")
     metrics_file.write(s.metrics_lines[-1])
     metrics_file.flush()
-    if s.tensorboard is not None:
-        s.tensorboard.add(line)
+    if s.trackers is not None:
+        s.trackers.add(line)
     return line
 
 

@@ -176,7 +176,7 @@ ALTERNATIVES = {
     "cache_shard_rows": 32, "ref_source": "live", "eval_dataset": "held-out.jsonl", "eval_split": "validation",
     "eval_fraction": 0.1, "eval_steps": 5, "eval_max_pairs": 8, "metric_for_best_model": "eval_rewards/accuracies",
     "greater_is_better": True, "load_best_model_at_end": True, "eval_generations": 2, "max_new_tokens": 8,
-    "report_to": "tensorboard", "share_prompt": "false", "activation_offloading": "true", "loss_weights": [2.0], "max_train_samples": 5,
+    "report_to": "tensorboard", "run_name": "named", "share_prompt": "false", "activation_offloading": "true", "loss_weights": [2.0], "max_train_samples": 5,
     "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}", "memory_snapshot_on_oom": True,
     "lr_scheduler_kwargs": {"num_cycles": 2}, "warmup_ratio": 0.1, "overwrite_output_dir": True,
     "prompt_column": "question", "eval_on_start": True,
@@ -214,7 +214,7 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
                                           "save_total_limit", "resume", "memory_budget", "precompute_batch_size",
                                           "cache_shard_rows", "early_stop_on_divergence", "max_nonfinite_steps",
                                           "strict", "eval_steps", "load_best_model_at_end", "eval_generations",
-                                          "max_new_tokens", "report_to", "memory_snapshot_on_oom",
+                                          "max_new_tokens", "report_to", "run_name", "memory_snapshot_on_oom",
                                           "overwrite_output_dir", "activation_offloading", "eval_on_start"}
     assert keys_where(resumable="length") == {"max_steps", "num_train_epochs"}  # the run continues to the new total
     assert keys_where(reference="files") == inputs.FILE_KEYS  # each has its digest in inputs.file_components
