@@ -100,6 +100,22 @@ def test_an_unread_column_without_a_prompt_is_named(tmp_path, capsys):
     assert "implicit prompts" not in err and "40 rows" in err
 
 
+def test_chosen_and_rejected_read_from_columns_named_otherwise(tmp_path, capsys):
+    """Rows {question, good, bad} (and a stray `chosen` column, which good replaces): with the three _column keys
+    the cache holds exactly what the same rows named prompt, chosen and rejected give; a column that is not there
+    is named, in its file's line, with the columns that are."""
+    plain = [json.loads(x) for x in open(TINY_DATA)][:20]
+    renamed = [{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"], "chosen": "x"} for r in plain]
+    keys = ["prompt_column=question", "chosen_column=good", "rejected_column=bad", "dtype=float32"]
+    a = load_config(RECIPE, [f"dataset={write_jsonl(tmp_path / 'r.jsonl', renamed)}", *keys])
+    b = load_config(RECIPE, [f"dataset={write_jsonl(tmp_path / 'p.jsonl', plain)}", "dtype=float32"])
+    assert sequences_of(a) == sequences_of(b) and len(sequences_of(a)) > 20
+    code, err = stage(precompute.main, [RECIPE, f"dataset={tmp_path / 'r.jsonl'}", *keys[:2], "rejected_column=worse",
+                                        f"ref_cache_dir={tmp_path / 'c'}"], "precompute", capsys)
+    assert code == 2 and "r.jsonl' line 1: lacks worse (has question, good, bad, chosen); every row needs question, " \
+                         "good, worse" in err
+
+
 @pytest.mark.parametrize("budget", ["12", "1000"])
 def test_a_budget_without_a_unit_is_refused(budget, capsys):
     code, err = stage(plan.main, ["recipes/mistral-7b-qlora-12gb.yaml", "--budget", budget], "plan", capsys)

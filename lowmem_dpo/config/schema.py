@@ -74,9 +74,10 @@ class Config:
     dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders); "
                             "a mixture's source may name its own.", reference="files")
     prompt_column: Optional[str] = _f(None, "The column holding the prompts when it is not called prompt (e.g. "
-                                      "question), in dataset and eval_dataset. null: prompt, or implicit prompts "
-                                      "(the shared start of chosen and rejected) when there is none.",
+                                      "question), in dataset and eval_dataset. null: prompt, or implicit prompts.",
                                       reference="files")
+    chosen_column: Optional[str] = _f(None, "The column holding chosen when it is not called chosen.", reference="files")
+    rejected_column: Optional[str] = _f(None, "The column holding rejected when not called rejected.", reference="files")
     max_train_samples: Optional[int] = _f(None, "Take at most this many rows of the dataset (of the mixture), "
                                           "chosen by seed and each row's content, before eval_fraction holds "
                                           "prompts out. null: all.", min=1, reference="files")
@@ -118,8 +119,7 @@ class Config:
                                       "fits train and precompute to it. null: what torch can get of the GPU now, or "
                                       "physical RAM on a CPU.", resumable=True)
     memory_snapshot_on_oom: bool = _f(False, "CUDA: at the first out-of-memory error, write torch's memory snapshot "
-                                      "(memory_snapshot.pickle, for pytorch.org/memory_viz) into output_dir.",
-                                      resumable=True)
+                                      "(memory_snapshot.pickle) into output_dir.", resumable=True)
     share_prompt: str = _f("auto", "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
                            "mask hiding chosen and rejected from each other. auto: the device rule (docs/"
                            "devices-and-memory.md), if the first batch agrees.", choices=("auto", "true", "false"))

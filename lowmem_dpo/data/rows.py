@@ -192,18 +192,22 @@ def row_locator(spec: str, num_rows: int) -> Callable[[int], str]:
     return where
 
 
-def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUIRED, prompt_column: str | None = None):
+def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUIRED,
+              columns: dict[str, str] | None = None):
     """A `datasets.Dataset` of preference rows (or rows with the `required` columns) from a local file, a
-    save_to_disk folder or a hub name; `prompt_column` (the config key) is read as the prompt."""
-    ds = _load(spec, split, tuple(prompt_column if k == "prompt" and prompt_column else k for k in required))
-    if prompt_column and prompt_column != "prompt":
-        if prompt_column not in ds.column_names:
-            raise UserError(f"prompt_column={prompt_column}: dataset {spec!r} has no such column (it has "
+    save_to_disk folder or a hub name; `columns`: the data's column read as each of prompt, chosen and rejected
+    where it is called otherwise (the prompt_column, chosen_column and rejected_column keys)."""
+    columns = {k: v for k, v in (columns or {}).items() if v and v != k}
+    prompt_column = columns.get("prompt")
+    ds = _load(spec, split, tuple(columns.get(k, k) for k in required))
+    for key, column in columns.items():
+        if column not in ds.column_names:
+            raise UserError(f"{key}_column={column}: dataset {spec!r} has no such column (it has "
                             f"{', '.join(ds.column_names)})")
-        if "prompt" in ds.column_names:
-            ds = ds.remove_columns("prompt")
-        ds = ds.rename_column(prompt_column, "prompt")
-    elif "prompt" in required and "prompt" not in ds.column_names and all(k in ds.column_names for k in IMPLICIT):
+        if key in ds.column_names:
+            ds = ds.remove_columns(key)
+        ds = ds.rename_column(column, key)
+    if prompt_column is None and "prompt" in required and "prompt" not in ds.column_names and all(k in ds.column_names for k in IMPLICIT):
         unread = [c for c in ds.column_names if c not in IMPLICIT and _texty(ds.features[c])]
         if unread:
             raise UserError(f"dataset {spec!r} has chosen and rejected but no prompt column, and a column this tool "

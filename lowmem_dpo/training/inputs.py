@@ -24,7 +24,8 @@ from lowmem_dpo.runtime.files import files_digest
 COMPONENT_NAMES = {"ref_dtype": "dtype", "ref_quantization": "quantization"}
 # The keys declared reference="files" (config.py), each read by file_components: a new one needs a line there.
 FILE_KEYS = frozenset({"model_name_or_path", "sft_adapter", "dataset", "dataset_split", "max_train_samples",
-                       "eval_dataset", "eval_split", "chat_template", "prompt_column"})
+                       "eval_dataset", "eval_split", "chat_template", "prompt_column", "chosen_column",
+                       "rejected_column"})
 
 
 @dataclass
@@ -80,8 +81,9 @@ def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, to
         out["eval_dataset"] = data_component(cfg.eval_dataset, cfg.eval_split)
     if cfg.chat_template is not None:  # the text it names, by content (a file's path may stay as its text changes)
         out["chat_template"] = hashlib.sha256(models.chat_template_text(cfg.chat_template).encode()).hexdigest()
-    if cfg.prompt_column is not None:  # which column the prompts are
-        out["prompt_column"] = cfg.prompt_column
+    for key in ("prompt_column", "chosen_column", "rejected_column"):  # which columns are read as which
+        if getattr(cfg, key) is not None:
+            out[key] = getattr(cfg, key)
     return out
 
 
@@ -167,7 +169,7 @@ def mixture(cfg: Config) -> data.Mixture:
     """The rows of cfg.dataset (its sources loaded and taken, not tokenized): Mixture.row(pair.row) is a pair's
     row."""
     return data.load_mixture(cfg.dataset, cfg.dataset_split, cfg.seed, cfg.max_train_samples,
-                             lambda path, part: data.load_rows(path, part, prompt_column=cfg.prompt_column))
+                             lambda path, part: data.load_rows(path, part, columns=data_columns(cfg)))
 
 
 @dataclass
@@ -226,7 +228,7 @@ def _tokenize(cfg: Config, tokenizer, sources: list[Source], split: str, progres
     row's source and its place there."""
     rows = not sft and objectives.unpaired(cfg.loss_type)  # KTO: unpaired rows, or pairs unpaired
     required = ("prompt",) if sft or rows else data.REQUIRED
-    load = lambda path, part: data.load_rows(path, part, required, cfg.prompt_column)  # noqa: E731
+    load = lambda path, part: data.load_rows(path, part, required, data_columns(cfg))  # noqa: E731
     tokenize = data.tokenize_completions if sft else unpaired.tokenize_unpaired if rows else data.tokenize_rows
     mix = data.load_mixture(sources, split, cfg.seed, cap, load)
     return mix, data.tokenize_mixture(mix, lambda rows, spec, where: tokenize(
@@ -254,6 +256,11 @@ def _held_out(cfg: Config, mix: data.Mixture, tok: data.TokenizedData) -> tuple[
     log(f"eval: {len(evals)} {rows_noun(cfg, False)} held out of {label(cfg.dataset)} by eval_fraction={cfg.eval_fraction} "
         f"({len({keys[p.row] for p in evals})} of {prompts} prompts)")
     return train, evals
+
+
+def data_columns(cfg: Config) -> dict[str, str]:
+    """The data's columns read as prompt, chosen and rejected where the recipe names others (their _column keys)."""
+    return {k: getattr(cfg, f"{k}_column") for k in ("prompt", "chosen", "rejected") if getattr(cfg, f"{k}_column")}
 
 
 def rows_noun(cfg: Config, sft: bool) -> str:

@@ -179,7 +179,7 @@ ALTERNATIVES = {
     "report_to": "tensorboard", "run_name": "named", "share_prompt": "false", "activation_offloading": "true", "loss_weights": [2.0], "max_train_samples": 5,
     "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}", "memory_snapshot_on_oom": True,
     "lr_scheduler_kwargs": {"num_cycles": 2}, "warmup_ratio": 0.1, "overwrite_output_dir": True,
-    "prompt_column": "question", "eval_on_start": True,
+    "prompt_column": "question", "chosen_column": "good", "rejected_column": "bad", "eval_on_start": True,
 }
 
 
