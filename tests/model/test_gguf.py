@@ -46,11 +46,15 @@ def llama2_tokenizer(folder):
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
-    """The tiny Llama (random weights, seed 0) and a LoRA adapter on it with non-zero weights (seed 1)."""
+    return build_tiny(tmp_path_factory.mktemp("gguf"))
+
+
+def build_tiny(root):
+    """root/base: a tiny Llama (random weights, seed 0) with llama2_tokenizer; root/adapter: a LoRA adapter on it
+    with non-zero weights (seed 1). Returns root (bench/gguf_runtime.py --tiny builds it too)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    root = tmp_path_factory.mktemp("gguf")
     tok = llama2_tokenizer(root / "base")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
