@@ -296,7 +296,7 @@ def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_s
         shards = write_weights(tmp, infos, targets, out_dtype, max_bytes, progress)
         write_metadata(tmp, chain, config, out_dtype)
         if gguf_type is not None:  # the finished folder, converted before it is placed: all or nothing
-            gguf.convert(tmp, gguf_type)
+            gguf.convert(tmp, gguf_type, merged_dir.name)  # named as MERGED_DIR, not the partial folder
             tokenizer = models.load_tokenizer(tmp)
             (tmp / "Modelfile").write_text(gguf.modelfile(gguf.file_name(gguf_type), tokenizer), encoding="utf-8")
         folders.mark(tmp, "merged model", [p.name for p in tmp.iterdir()])

@@ -9,7 +9,7 @@ import re
 import pytest
 from conftest import TINY_DATA, TINY_RECIPE, sequences_of, write_jsonl
 
-from lowmem_dpo import plan, precompute, train
+from lowmem_dpo import data, plan, precompute, train
 from lowmem_dpo.config.cli import help_text, run_cli
 from lowmem_dpo.config.recipe import load_config
 
@@ -110,6 +110,8 @@ def test_chosen_and_rejected_read_from_columns_named_otherwise(tmp_path, capsys)
     a = load_config(RECIPE, [f"dataset={write_jsonl(tmp_path / 'r.jsonl', renamed)}", *keys])
     b = load_config(RECIPE, [f"dataset={write_jsonl(tmp_path / 'p.jsonl', plain)}", "dtype=float32"])
     assert sequences_of(a) == sequences_of(b) and len(sequences_of(a)) > 20
+    swapped = data.load_rows(str(tmp_path / "p.jsonl"), columns={"chosen": "rejected", "rejected": "chosen"})
+    assert swapped[0]["chosen"] == plain[0]["rejected"] and swapped[0]["rejected"] == plain[0]["chosen"]
     code, err = stage(precompute.main, [RECIPE, f"dataset={tmp_path / 'r.jsonl'}", *keys[:2], "rejected_column=worse",
                                         f"ref_cache_dir={tmp_path / 'c'}"], "precompute", capsys)
     assert code == 2 and "r.jsonl' line 1: lacks worse (has question, good, bad, chosen); every row needs question, " \

@@ -48,8 +48,13 @@ def test_trl_style_flags_become_overrides_and_stage_flags_stay():
                            "beta=0.2", "--load_best_model_at_end", "false"]) == [
         "r.yaml", "learning_rate=1e-5", "max_length=32", "eval_on_start=true", "--prune", "beta=0.2",
         "load_best_model_at_end=false"]
+    # a bare boolean leaves what follows alone (the recipe, a key=value); a value never starts with --
+    assert flag_overrides(["--eval_on_start", "r.yaml", "--strict", "seed=3", "--strict", "no"]) == [
+        "eval_on_start=true", "r.yaml", "strict=true", "seed=3", "strict=no"]
     with pytest.raises(ConfigError, match="--seed: expected a value after it"):
         flag_overrides(["r.yaml", "--seed"])
+    with pytest.raises(ConfigError, match="--run_name: expected a value after it"):
+        flag_overrides(["r.yaml", "--run_name", "--seed", "1"])
 
 
 def test_the_model_card_and_the_samples_say_what_the_run_was(make_cfg, tmp_path):

@@ -45,6 +45,9 @@ def help_text(stage: str, command_doc: str) -> str:
     return "\n".join(lines)
 
 
+BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "null", "none"}  # what may follow a boolean flag as its value
+
+
 def flag_overrides(argv: list[str]) -> list[str]:
     """Overrides written as TRL's command line writes them, `--key value`, `--key=value`, or `--key` alone for a
     true boolean, as key=value; anything else (the recipe, key=value, a stage's own flags such as --prune) as it
@@ -57,9 +60,9 @@ def flag_overrides(argv: list[str]) -> list[str]:
             out.append(argv[i])
         elif eq:
             out.append(f"{key}={value}")
-        elif HINTS[key] in (bool, Optional[bool]) and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            out.append(f"{key}=true")
-        elif i + 1 < len(argv):
+        elif HINTS[key] in (bool, Optional[bool]) and (i + 1 == len(argv) or argv[i + 1].lower() not in BOOL_WORDS):
+            out.append(f"{key}=true")  # a bare boolean: what follows is the next argument, not its value
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             out.append(f"{key}={argv[i + 1]}")
             i += 1
         else:

@@ -204,9 +204,9 @@ def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUI
         if column not in ds.column_names:
             raise UserError(f"{key}_column={column}: dataset {spec!r} has no such column (it has "
                             f"{', '.join(ds.column_names)})")
-        if key in ds.column_names:
-            ds = ds.remove_columns(key)
-        ds = ds.rename_column(column, key)
+    if columns:  # all at once, so that two columns may swap names; a column of the read name is left out
+        ds = ds.remove_columns([c for c in ds.column_names if c in columns and c not in columns.values()])
+        ds = ds.rename_columns({column: key for key, column in columns.items()})
     if prompt_column is None and "prompt" in required and "prompt" not in ds.column_names and all(k in ds.column_names for k in IMPLICIT):
         unread = [c for c in ds.column_names if c not in IMPLICIT and _texty(ds.features[c])]
         if unread:

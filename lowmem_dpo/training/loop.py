@@ -342,7 +342,7 @@ def run(s: Session, progress: bool = True) -> TrainResult:
     # A resumed run's events after its checkpoint, or an earlier run's, are purged: the events follow metrics.jsonl.
     if main:
         s.trackers = trackers.open_trackers(cfg.report_to, out_dir, cfg.run_name, output.tracker_config(s),
-                                            purge_step=s.step + 1 if s.step else 0)
+                                            s.step + 1 if s.step else 0, s.resumed_from is not None)
     try:
         last = steps(s, out_dir, bar, last)
     except KeyboardInterrupt:  # Ctrl-C: where the rerun continues
@@ -351,8 +351,8 @@ def run(s: Session, progress: bool = True) -> TrainResult:
         raise KeyboardInterrupt(f"{output.last_checkpoint_note(s)}; the same command {then}") from None
     finally:
         bar.close()  # before any message that ends the run, which then stands on its own line
-    if s.trackers is not None:
-        s.trackers.close()
+        if s.trackers is not None:  # a run that stops early closes its tracker runs too
+            s.trackers.close()
     if s.skipped_steps:
         log(f"note: {s.skipped_steps} updates were skipped for a non-finite loss or gradient")
     if main:

@@ -141,7 +141,7 @@ def save_final(s, out_dir: Path) -> None:
     files.ensure_free_space(out_dir, need, "the adapter", then)
     try:
         save_adapter(s.model, out_dir, s.tokenizer)
-        files.atomic_write_bytes(out_dir / "README.md", model_card(s, out_dir).encode())  # not peft's template
+        write_model_card(s, out_dir)
     except OSError as e:
         if files.is_disk_full(e):
             raise files.disk_full_error(out_dir, "the adapter", need, then) from None
@@ -156,6 +156,16 @@ def tracker_config(s) -> dict:
         "device": str(r.device), "dtype": devices.dtype_name(r.dtype), "micro_batch": s.micro_batch,
         "gradient_accumulation": s.grad_accum, "gradient_checkpointing": r.gradient_checkpointing,
         "share_prompt": r.share_prompt, "budget_bytes": r.budget, "steps": s.steps}}
+
+
+def write_model_card(s, out_dir: Path) -> None:
+    """README.md in place of peft's template; a card that cannot be written is a warning, the adapter is saved."""
+    try:
+        card = model_card(s, out_dir)
+    except Exception as e:  # the card describes the run; the run's result is the adapter, already saved
+        log(f"warning: the model card (README.md) was not written ({type(e).__name__}: {e}); the adapter is saved")
+        return
+    files.atomic_write_bytes(out_dir / "README.md", card.encode())
 
 
 def model_card(s, out_dir: Path) -> str:

@@ -67,10 +67,11 @@ class Writer:
 class Trackio:
     """trackio's run, fed metrics.jsonl lines."""
 
-    def __init__(self, name: str, config: dict):
+    def __init__(self, name: str, config: dict, resumed: bool):
         self._trackio = devices.import_optional("trackio", "report_to=trackio needs trackio", "'lowmem_dpo[trackio]'")
+        # a resumed run continues its trackio run; a new one is a new run, whatever its name
         self._trackio.init(project=os.environ.get("TRACKIO_PROJECT", PROJECT), name=name, config=config,
-                           resume="allow")
+                           resume="allow" if resumed else "never")
 
     def add(self, line: dict) -> None:
         self._trackio.log(scalars(line), step=line["step"])
@@ -123,7 +124,7 @@ class Trackers:
 
 
 def open_trackers(report_to: list[str], out_dir: Path, run_name: str | None, config: dict,
-                  purge_step: int | None = None) -> Trackers | None:
+                  purge_step: int | None = None, resumed: bool = False) -> Trackers | None:
     """The trackers report_to names (None: none), each started; a missing package is a UserError naming the pip
     command, a service that does not answer one warning (that tracker left out). config: what trackio and wandb
     record of the run."""
@@ -132,7 +133,7 @@ def open_trackers(report_to: list[str], out_dir: Path, run_name: str | None, con
         return None
     name = run_name or Path(out_dir).resolve().name
     start = {"tensorboard": lambda: Writer(Path(out_dir) / EVENTS_DIR, purge_step),
-             "trackio": lambda: Trackio(name, config), "wandb": lambda: Wandb(Path(out_dir), name, config)}
+             "trackio": lambda: Trackio(name, config, resumed), "wandb": lambda: Wandb(Path(out_dir), name, config)}
     writers = {}
     for n in names:
         try:

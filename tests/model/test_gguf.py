@@ -105,6 +105,7 @@ def test_the_gguf_holds_the_merged_model_and_its_tokenizer(adapter, tmp_path, ou
     assert field(reader, "tokenizer.ggml.eos_token_id") == tok.eos_token_id
     assert field(reader, "tokenizer.ggml.bos_token_id") == tok.bos_token_id
     assert field(reader, "tokenizer.chat_template") == CHATML
+    assert field(reader, "general.name") == "merged"  # MERGED_DIR's name, not the partial folder's
     modelfile = (merged / "Modelfile").read_text()
     assert modelfile.startswith(f"FROM ./model-{out_type}.gguf\n") and 'PARAMETER stop "<|im_end|>"' in modelfile
     assert 'TEMPLATE """' in modelfile and "<|im_start|>assistant" in modelfile
