@@ -54,8 +54,7 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
     # precompute's batches: forward units longest first, cut into batches within each commit's units; a pair is
     # one shared unit or two unshared ones (precompute.chunk_with_backoff)
     per_batch = bs * (1 if shared else 2)
-    order = precompute.by_length(precompute.forward_units(precompute.pairs_of(d), d.keys("train") + d.keys("eval"),
-                                                          None, shared))
+    order = precompute.by_length(precompute.forward_units(*d.all_pairs(), None, shared))
     commits = [order[i:i + cfg.cache_shard_rows] for i in range(0, len(order), cfg.cache_shard_rows)]
     batches = [units[i:i + per_batch] for units in commits for i in range(0, len(units), per_batch)]
     # the bare forward: the same sequences of each batch, one per row (the prompt in every row)

@@ -254,7 +254,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
             shared = first_batch_checks(model, cfg, resolved, d.tok.pairs, pad_id)
             used = shared if side.other is not None else None
             todo = {keys[i] for i in lacking[used]}
-            units = forward_units(pairs_of(d), d.keys("train") + d.keys("eval"), todo, shared)
+            units = forward_units(*d.all_pairs(), todo, shared)
             computed, t0 = len(todo), time.perf_counter()
             components = side.layouts()[used]
             compute_missing(model, by_length(units), store,
@@ -290,11 +290,6 @@ def stored_bytes(seqs: list[data.TokenizedCompletion], per_token: bool) -> int:
     """What storing `seqs` takes on disk, at most, for the free-space check (and 1 MiB for SQLite's own)."""
     tokens = sum(len(s.completion_ids) for s in seqs) if per_token else 0
     return len(seqs) * SEQUENCE_BYTES + tokens * TOKEN_BYTES + (1 << 20)
-
-
-def pairs_of(d: inputs.Data) -> list[data.TokenizedPair]:
-    """Every pair the cache serves: the dataset's, then eval_dataset's (d.keys("train") + d.keys("eval"))."""
-    return d.tok.pairs + (d.eval_tok.pairs if d.eval_tok is not None else [])
 
 
 def missing(store, side: cache.Side, keys: list[bytes], reuse_twin: bool = False) -> dict:

@@ -106,8 +106,3 @@ def with_kl(items: list[TokenizedUnpaired], block: int, max_length: int) -> list
         item.kl_completion_ids = items[partner].uncut[:max(0, max_length - len(item.prompt_ids))]
         item.kl_matched = items[partner].prompt_ids == item.prompt_ids
     return items
-
-
-def blocks(items: list[TokenizedUnpaired], block: int) -> list[list[TokenizedUnpaired]]:
-    """The micro-batches whose KL sequences pair within them (with_kl's blocks)."""
-    return [items[i:i + block] for i in range(0, len(items), block)]

@@ -130,9 +130,7 @@ def cached_reference(cfg: Config, ins: Inputs, side: cache.Side, d: Data, recipe
         raise UserError(f"no reference cache in {str(cache_dir)!r}; build it with: {command}")
     refs = {}
     with store:
-        for part, tok in [("train", d.tok), ("eval", d.eval_tok)]:
-            if tok is None:
-                continue
+        for part, tok in d.cached_parts():
             name = lambda row, part=part: d.name_row(row, part)  # noqa: E731
             refs[part], lacking = cache.reference(store, side, tok, name, d.keys(part), cfg.ld_alpha)
             if lacking:
@@ -196,16 +194,24 @@ class Data:
             self.pair_keys[part] = [cache.pair_keys(p) for p in tok.pairs] if tok is not None else []
         return self.pair_keys[part]
 
+    def cached_parts(self) -> list[tuple[str, data.TokenizedData]]:
+        """The parts the cache serves, each with its rows: "train" (every row of dataset) and, with eval_dataset,
+        "eval"."""
+        return [(part, tok) for part, tok in (("train", self.tok), ("eval", self.eval_tok)) if tok is not None]
+
+    def all_pairs(self) -> tuple[list, list[tuple[bytes, bytes]]]:
+        """Every pair the cache serves, the dataset's then eval_dataset's, and their keys (keys())."""
+        parts = self.cached_parts()
+        return [p for _, tok in parts for p in tok.pairs], [k for part, _ in parts for k in self.keys(part)]
+
     def sequences(self) -> dict:
         """Every sequence the rows of both parts read, once: its key -> data.TokenizedCompletion (named by the
         first row that reads it). A completion paired several ways is one sequence."""
         out = {}
-        for part, tok in [("train", self.tok), ("eval", self.eval_tok)]:
-            if tok is not None:
-                for p, keys in zip(tok.pairs, self.keys(part)):
-                    for key, seq in zip(keys, cache.pair_sequences(p)):
-                        if seq.completion_ids:  # an empty one is never computed (cache.EMPTY)
-                            out.setdefault(key, seq)
+        for p, keys in zip(*self.all_pairs()):
+            for key, seq in zip(keys, cache.pair_sequences(p)):
+                if seq.completion_ids:  # an empty one is never computed (cache.EMPTY)
+                    out.setdefault(key, seq)
         return out
 
     unpaired: dict = field(default_factory=dict)  # KTO: part -> its data.unpaired rows, by their pairs' row
