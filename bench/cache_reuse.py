@@ -83,8 +83,20 @@ def config(keys: dict, cache_dir: Path, device: str, smoke: bool):
     return load_config(RECIPE, overrides)
 
 
-def run_ours(work: Path, rows: list[dict], other: list[dict], device: str, smoke: bool) -> list[dict]:
+def timed_build(cfg, cache_dir: Path) -> dict:
+    """One precompute.run on the cache as it is, timed from the call to its return: build.json's counts (in
+    sequences: a pair is two), its wall seconds and its forwards' seconds."""
     from lowmem_dpo import precompute
+
+    t0 = time.perf_counter()
+    precompute.run(cfg, progress=False)
+    wall = time.perf_counter() - t0
+    build = json.loads((cache_dir / precompute.BUILD).read_text())
+    return {"sequences": build["computed"] + build["reused"], "computed": build["computed"],
+            "reused": build["reused"], "wall_s": round(wall, 3), "forward_s": build["compute_s"]}
+
+
+def run_ours(work: Path, rows: list[dict], other: list[dict], device: str, smoke: bool) -> list[dict]:
     from lowmem_dpo.runtime import devices
     from lowmem_dpo.training import inputs
 
@@ -93,17 +105,9 @@ def run_ours(work: Path, rows: list[dict], other: list[dict], device: str, smoke
     first = config(plan[0][1], cache_dir, device, smoke)
     inputs.prepare(first, devices.resolve(first))  # untimed: the built-in model's first build, its files' digests
     for name, keys in plan:
-        cfg = config(keys, cache_dir, device, smoke)
-        t0 = time.perf_counter()
-        precompute.run(cfg, progress=False)
-        wall = time.perf_counter() - t0
-        build = json.loads((cache_dir / precompute.BUILD).read_text())
-        # counts in sequences (build.json's): a pair is two
-        out.append({"scenario": name, "sequences": build["computed"] + build["reused"],
-                    "computed": build["computed"], "reused": build["reused"], "wall_s": round(wall, 3),
-                    "forward_s": build["compute_s"]})
-        print(f"ours  {name:18s} computed {build['computed']:5d} reused {build['reused']:5d} sequences  "
-              f"{wall:8.2f} s", flush=True)
+        out.append({"scenario": name, **timed_build(config(keys, cache_dir, device, smoke), cache_dir)})
+        print(f"ours  {name:18s} computed {out[-1]['computed']:5d} reused {out[-1]['reused']:5d} sequences  "
+              f"{out[-1]['wall_s']:8.2f} s", flush=True)
     full = out[0]["wall_s"]
     for r in out:
         r["of_full"] = round(r["wall_s"] / full, 4)
@@ -170,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["HF_DATASETS_CACHE"] = str(work / "hf-datasets")
         ours = run_ours(work, rows, other, args.device, args.smoke)
         trl = [] if args.no_trl else run_trl(work, rows, args.device, args.smoke)
-    from machine import machine_info
+    from machine import command_line, machine_info
 
-    report = {"command": " ".join(["python", "bench/cache_reuse.py", *(argv if argv is not None else sys.argv[1:])]),
+    report = {"command": command_line("cache_reuse.py", argv),
               "model": "lowmem_dpo:tiny-llama" if args.smoke else "lowmem_dpo:llama-25m", "device": args.device,
               "machine": machine_info(), "ours": ours, "trl": trl}
     if not args.smoke:

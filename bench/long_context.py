@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(BENCH / "results" / "long_context.json"))
     args = ap.parse_args(argv)
     lengths = [256, 512] if args.smoke else [int(x) for x in args.lengths.split(",")]
-    from machine import machine_info
+    from machine import command_line, machine_info
 
     from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.memory.arch import load_arch
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = with_prompts(setup_from_config(cfg, budget), 1)  # the longest at any prompt share: no shared rows
     longest = {b: longest_max_length(load_arch(cfg.model_name_or_path), dataclasses.replace(setup, micro_batch=b),
                                      budget, b)[0] for b in (1, 2, 4)}
-    report = {"command": " ".join(["python", "bench/long_context.py", *(argv if argv is not None else sys.argv[1:])]),
+    report = {"command": command_line("long_context.py", argv),
               "machine": machine_info(), "budget_gib": BUDGET_GIB, "prompt_share": args.prompt_share,
               "longest_max_length_by_micro_batch": longest, "rows": rows}
     if not args.smoke:

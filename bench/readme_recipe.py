@@ -244,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   *args.set])
         threads = args.threads or (1 if args.smoke else None)
         runs = {name: run_recipe(name, path, paths, extra, work, threads) for name, (path, extra) in recipes.items()}
-    from machine import machine_info
+    from machine import command_line, machine_info
 
-    report = {"command": " ".join(["python", "bench/readme_recipe.py", *(argv if argv is not None else sys.argv[1:])]),
+    report = {"command": command_line("readme_recipe.py", argv),
               "model": model, "rows": len(rows), "readme_recipe": yaml.safe_load(recipe_text),
               "old_recipe": OLD_RECIPE, "ln2": math.log(2), "threads": threads, "machine": machine_info(),
               "runs": runs}

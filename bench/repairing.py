@@ -39,7 +39,7 @@ for p in (str(ROOT), str(BENCH)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from cache_reuse import RECIPE, write  # noqa: E402 (bench/ on the path first)
+from cache_reuse import RECIPE, timed_build, write  # noqa: E402 (bench/ on the path first)
 
 
 def four_completions(rows: list[dict], n: int) -> list[dict]:
@@ -81,7 +81,6 @@ def config(dataset: str, cache_dir: Path, device: str, smoke: bool, kto: bool):
 
 
 def run_ours(work: Path, scenarios: dict, device: str, smoke: bool) -> list[dict]:
-    from lowmem_dpo import precompute
     from lowmem_dpo.runtime import devices
     from lowmem_dpo.training import inputs
 
@@ -90,15 +89,9 @@ def run_ours(work: Path, scenarios: dict, device: str, smoke: bool) -> list[dict
     inputs.prepare(first, devices.resolve(first))  # untimed: the built-in model's first build, its files' digests
     for k, (name, rows) in enumerate(scenarios.items()):
         cfg = config(write(work / f"s{k}.jsonl", rows), cache_dir, device, smoke, name == "kto")
-        t0 = time.perf_counter()
-        precompute.run(cfg, progress=False)
-        wall = time.perf_counter() - t0
-        build = json.loads((cache_dir / precompute.BUILD).read_text())
-        out.append({"scenario": name, "rows": len(rows), "sequences": build["computed"] + build["reused"],
-                    "computed": build["computed"], "reused": build["reused"], "wall_s": round(wall, 3),
-                    "forward_s": build["compute_s"]})
-        print(f"ours  {name:14s} {len(rows):5d} rows: computed {build['computed']:5d} reused {build['reused']:5d} "
-              f"sequences  {wall:8.2f} s", flush=True)
+        out.append({"scenario": name, "rows": len(rows), **timed_build(cfg, cache_dir)})
+        print(f"ours  {name:14s} {len(rows):5d} rows: computed {out[-1]['computed']:5d} reused "
+              f"{out[-1]['reused']:5d} sequences  {out[-1]['wall_s']:8.2f} s", flush=True)
     return out
 
 
@@ -174,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["HF_DATASETS_CACHE"] = str(work / "hf-datasets")  # TRL's cache files: this run's, never a hit
         ours = run_ours(work, scenarios, args.device, args.smoke)
         trl = [] if args.no_trl else run_trl(work, scenarios, args.device, args.smoke)
-    from machine import machine_info
+    from machine import command_line, machine_info
 
-    report = {"command": " ".join(["python", "bench/repairing.py", *(argv if argv is not None else sys.argv[1:])]),
+    report = {"command": command_line("repairing.py", argv),
               "model": "lowmem_dpo:tiny-llama" if args.smoke else "lowmem_dpo:llama-25m", "device": args.device,
               "machine": machine_info(), "ours": ours, "trl": trl}
     if not args.smoke:
