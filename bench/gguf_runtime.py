@@ -35,11 +35,11 @@ PROMPTS = ["Write a short review of a camera you liked.", "What is the capital o
 
 
 def tiny_adapter(root: Path) -> Path:
-    """A tiny Llama with a Llama-2-style tokenizer and a LoRA adapter on it (tests/model/test_gguf.py's)."""
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "model")]
-    from test_gguf import build_tiny
+    """A tiny Llama with a Llama-2-style tokenizer and a LoRA adapter on it (tests/conftest.py's, which tests/model/test_gguf.py exports)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import build_llama2_style
 
-    return build_tiny(root) / "adapter"
+    return build_llama2_style(root) / "adapter"
 
 
 def transformers_greedy(merged: Path, prompt_ids: list[list[int]], tokens: int, eos: set[int]) -> list[list[int]]:

@@ -84,6 +84,54 @@ def build_tiny_model(config_class: str, kwargs: dict, out: Path, tokenizer) -> P
     return out
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+def llama2_tokenizer(folder):
+    """A byte-fallback BPE tokenizer in Llama 2's form (metaspace normalizer, no pre-tokenizer), trained on the
+    demo's text; ChatML turns."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from lowmem_dpo.model.tiny import preference_rows
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    text = [r[k] for r in preference_rows(200) for k in ("prompt", "chosen", "rejected")]
+    tok.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS + [f"<0x{b:02X}>" for b in range(256)], show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", unk_token="<unk>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(folder)
+    return fast
+
+
+def build_llama2_style(root: Path) -> Path:
+    """root/base: a tiny Llama (random weights, seed 0) with llama2_tokenizer; root/adapter: a LoRA adapter on it
+    with non-zero weights (seed 1). Returns root. A tokenizer llama.cpp knows (the built-in tiny model's it does
+    not): test_gguf.py, bench/gguf_runtime.py --tiny, and the docs' my-model (test_doc_blocks.py)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = llama2_tokenizer(root / "base")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, tie_word_embeddings=False,
+                                         bos_token_id=1, eos_token_id=tok.eos_token_id))
+    model.save_pretrained(root / "base")
+    torch.manual_seed(1)
+    peft = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], init_lora_weights=False))
+    peft.save_pretrained(root / "adapter")
+    return root
+
+
 def import_bench(*names: str) -> tuple:
     """The bench/ scripts `names` as modules (bench/ is not a package: its folder on sys.path while importing)."""
     import importlib

