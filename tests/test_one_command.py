@@ -25,20 +25,19 @@ def test_help_lists_the_stages_in_pipeline_order_with_their_docstrings(capsys):
     assert one.main(["trian", "x"]) == 2 and "'trian' is not a stage; one of plan, sft" in capsys.readouterr().err
 
 
-def test_the_console_command_runs_a_stage_as_python_m_does(tmp_path):
-    """The installed console script (setup.cfg's entry point) and `python -m lowmem_dpo`: a stage's exit code and
-    its one-line error, its keys through TRL's --key value."""
+def test_the_console_command_runs_a_stage_as_python_m_does(tmp_path, capsys):
+    """The installed console script (setup.cfg's entry point; `python -m lowmem_dpo` without one): a stage's exit
+    code and its one-line error, its keys through TRL's --key value; the same in this process (test_doc_blocks.py
+    runs the docs' commands so)."""
     script = [str(REPO / ".venv" / "bin" / "lowmem-dpo")] if (REPO / ".venv" / "bin" / "lowmem-dpo").exists() else [
         sys.executable, "-m", "lowmem_dpo"]
     got = subprocess.run([*script, "plan", "lowmem_dpo:tiny-cpu", "--max_length", "0", "--budget", "2GiB"],
                          capture_output=True, text=True, cwd=tmp_path)  # the key read: its bound refuses 0
     assert got.returncode == 2 and "max_length=0: out of range, expected >= " in got.stderr
-    got = subprocess.run([*script, "plan", "lowmem_dpo:tiny-cpu", "--max_length", "128", "--budget", "2GiB"],
-                         capture_output=True, text=True, cwd=tmp_path)
-    assert got.returncode == 0 and "train peak" in got.stdout
-    got = subprocess.run([sys.executable, "-m", "lowmem_dpo", "plan", "lowmem_dpo:tiny-cpu", "--learning_rate"],
-                         capture_output=True, text=True, cwd=tmp_path)
-    assert got.returncode == 2 and got.stderr.strip().splitlines()[-1] == (
+    assert one.main(["plan", "lowmem_dpo:tiny-cpu", "--max_length", "128", "--budget", "2GiB"]) == 0
+    assert "train peak" in capsys.readouterr().out
+    assert one.main(["plan", "lowmem_dpo:tiny-cpu", "--learning_rate"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "lowmem_dpo.plan: error: --learning_rate: expected a value after it (--learning_rate VALUE, or "
         "learning_rate=VALUE)")
 
