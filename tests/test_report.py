@@ -7,12 +7,12 @@ import json
 import math
 import random
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from lowmem_dpo import __main__ as one
 from lowmem_dpo import report
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.runtime.errors import UserError
@@ -240,16 +240,17 @@ def test_bad_run_folders_exit_2_with_one_message(tmp_path, capsys, case):
     assert not (out / "curves.png").exists()
 
 
-def test_the_command_runs_and_fails_cleanly(tmp_path):
+def test_the_command_runs_and_fails_cleanly(tmp_path, capsys):
+    """The module's own __main__, as lowmem-dpo report runs it (runpy; test_doc_blocks.py runs the docs' report
+    commands so too)."""
     out = tmp_path / "run"
     write_run(out)
-    ok = subprocess.run([sys.executable, "-m", "lowmem_dpo.report", str(out)], capture_output=True, text=True,
-                        timeout=120, cwd=REPO)
-    assert ok.returncode == 0, ok.stderr
-    assert f"curves: {out / 'curves.png'}" in ok.stdout and (out / "curves.png").read_bytes()[:8] == PNG_SIGNATURE
-    bad = subprocess.run([sys.executable, "-m", "lowmem_dpo.report", str(tmp_path / "nope")], capture_output=True,
-                         text=True, timeout=120, cwd=REPO)
-    assert bad.returncode == 2 and "no such folder" in bad.stderr and "Traceback" not in bad.stderr
+    assert one.main(["report", str(out)]) == 0
+    assert f"curves: {out / 'curves.png'}" in capsys.readouterr().out
+    assert (out / "curves.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert one.main(["report", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "no such folder" in err and "Traceback" not in err
 
 
 def test_help_shows_the_command(capsys):

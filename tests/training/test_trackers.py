@@ -10,6 +10,7 @@ import json
 import sqlite3
 import struct
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,10 +65,9 @@ def wandb_history(path) -> dict[str, dict[int, float]]:
 def test_three_trackers_hold_what_metrics_jsonl_holds(make_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # before trackio's import, which reads it
-    if "trackio" in sys.modules:
-        pytest.skip("trackio was imported before this test set TRACKIO_DIR")
-    pytest.importorskip("trackio")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read at trackio's import: unless an earlier
+    pytest.importorskip("trackio")  # test imported it (test_doc_blocks.py), its store is here
+    from trackio.utils import TRACKIO_DIR
     pytest.importorskip("wandb")
     cfg = make_cfg(max_steps=4, logging_steps=1, eval_fraction=0.15, eval_steps=2, save_steps=2, eval_generations=0,
                    report_to=["tensorboard", "trackio", "wandb"], run_name="three")
@@ -77,7 +77,7 @@ def test_three_trackers_hold_what_metrics_jsonl_holds(make_cfg, tmp_path, monkey
     want = expected(out)
     assert {"train/loss", "eval/loss", "train/rewards/margins"} <= set(want)
 
-    db = sqlite3.connect(tmp_path / "trackio" / "lowmem_dpo.db")
+    db = sqlite3.connect(Path(TRACKIO_DIR) / "lowmem_dpo.db")
     logged: dict[str, dict[int, float]] = {}
     for step, metrics in db.execute("SELECT step, metrics FROM metrics WHERE run_name = 'three'"):
         for tag, value in json.loads(metrics).items():
