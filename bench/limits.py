@@ -3,7 +3,7 @@
     python bench/step_time.py RECIPE.yaml --devices cpu --steps N --json OUT   # runs these per device
 
 1. `precompute_vs_bare_forward`: precompute's own code path over the data's sequences (`precompute.units_logps`
-   on `forward_units` sorted `by_length`: collate, forward under the reference's autocast, completion log-probs,
+   on `forward_units` sorted `longest_first`: collate, forward under the reference's autocast, completion log-probs,
    copies to the CPU) against a bare `model(input_ids, attention_mask).logits` of the same loaded model over the
    same sequences in the same batches (pre-collated one sequence per row, same inference mode and autocast).
    Sequences/s ours / sequences/s bare; the goal is >= 0.9 (>= 1.3 on prompt-heavy data, where each prompt once
@@ -49,12 +49,11 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
     pad_id = data.pad_token_id(ins.tokenizer)
     device = resolved.device
     # As precompute decides it: each prompt once where the device rule and the model allow (share_prompt).
-    shared = headcheck.decide_sharing(model, pairs, pad_id, resolved, resolved.ref_dtype, cfg.share_prompt,
-                                      cfg.max_length)
+    shared = headcheck.bring_up(model, cfg, resolved, pad_id, pairs[:1], pairs)
     # precompute's batches: forward units longest first, cut into batches within each commit's units; a pair is
     # one shared unit or two unshared ones (precompute.chunk_with_backoff)
     per_batch = bs * (1 if shared else 2)
-    order = precompute.by_length(precompute.forward_units(*d.all_pairs(), None, shared))
+    order = precompute.longest_first(precompute.forward_units(*d.all_pairs(), None, shared))
     commits = [order[i:i + cfg.cache_shard_rows] for i in range(0, len(order), cfg.cache_shard_rows)]
     batches = [units[i:i + per_batch] for units in commits for i in range(0, len(units), per_batch)]
     # the bare forward: the same sequences of each batch, one per row (the prompt in every row)

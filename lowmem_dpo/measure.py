@@ -172,11 +172,10 @@ def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Reso
     model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
     policy.tile(model, ins.model_path)
     pad_id = data.pad_token_id(ins.tokenizer)
-    shared = headcheck.decide_sharing(model, tok.pairs, pad_id, resolved, resolved.ref_dtype, mcfg.share_prompt,
-                                      mcfg.max_length)  # on the rows precompute.run decides on
+    shared = headcheck.bring_up(model, mcfg, resolved, pad_id, tok.pairs[:1], tok.pairs)  # as precompute.run
     rows = mcfg.precompute_batch_size * (1 if shared else 2)  # a pair is one shared row, or two unshared ones
     units = precompute.forward_units(tok.pairs, [cache.pair_keys(p) for p in tok.pairs], None, shared)
-    units = precompute.by_length(units)[:rows]
+    units = precompute.longest_first(units)[:rows]
     with PeakMeter(resolved.device) as meter:
         precompute.units_logps(model, units, rows, pad_id, resolved, shared=shared)
     del model
@@ -210,7 +209,7 @@ def _measure_train(mcfg: Config, steps: int, timed: int = 0):
         times.append((time.perf_counter() - t0, stats.tokens))
     shared = session.objective.shared
     seen = [_pair_shape(pairs, shared) for step in loop.split(taken, session.pairs_per_step)  # as DPO.backward
-            for pairs in loop.split(loop.by_length(step), session.micro_batch)]
+            for pairs in loop.split(data.by_length(step, loop.item_tokens), session.micro_batch)]
     del session
     gc.collect()
     if meter.device.type == "cuda":

@@ -68,9 +68,15 @@ def forward_units(pairs: list[data.TokenizedPair], keys: list[tuple[bytes, bytes
     return units + [group[i:i + 2] for group in singles.values() for i in range(0, len(group), 2)]
 
 
-def by_length(units: list[list[data.TokenizedCompletion]]) -> list[list[data.TokenizedCompletion]]:
-    """Longest first (an out-of-memory shows at once, and batches carry little padding), ties by row."""
-    return sorted(units, key=lambda u: (-(len(u[0].prompt_ids) + max(len(s.completion_ids) for s in u)), u[0].row))
+def unit_tokens(unit: list[data.TokenizedCompletion]) -> int:
+    """A forward unit's length: its prompt and its longest completion (a shared unit's second completion rides in
+    the same row)."""
+    return len(unit[0].prompt_ids) + max(len(seq.completion_ids) for seq in unit)
+
+
+def longest_first(units: list[list[data.TokenizedCompletion]]) -> list[list[data.TokenizedCompletion]]:
+    """Precompute's order: longest first (data.by_length), ties by row."""
+    return data.by_length(sorted(units, key=lambda unit: unit[0].row), unit_tokens)
 
 
 def collate_units(units: list[list[data.TokenizedCompletion]], pad_id: int, shared: bool
@@ -251,13 +257,14 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
         else:
             model, batch = load_model(cfg, resolved, ins, len(keys))
             pad_id = data.pad_token_id(ins.tokenizer)
-            shared = first_batch_checks(model, cfg, resolved, d.tok.pairs, pad_id)
+            # decided on the dataset's pairs, as train decides: the two agree on the layout
+            shared = headcheck.bring_up(model, cfg, resolved, pad_id, d.tok.pairs[:1], d.tok.pairs)
             used = shared if side.other is not None else None
             todo = {keys[i] for i in lacking[used]}
             units = forward_units(*d.all_pairs(), todo, shared)
             computed, t0 = len(todo), time.perf_counter()
             components = side.layouts()[used]
-            compute_missing(model, by_length(units), store,
+            compute_missing(model, longest_first(units), store,
                             store.side(cache.side_digest(components), components), cfg, resolved, pad_id, progress,
                             shared, batch, need[used])
             del model  # its memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
@@ -271,19 +278,6 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
             prune_store(store, side.layouts()[used], set(keys))
         report(cache_dir, store, side.at(used), d, cfg)
     return cache_dir
-
-
-def first_batch_checks(model, cfg: Config, resolved: devices.Resolved, pairs: list, pad_id: int) -> bool:
-    """The reference's checks on the first rows (`pairs`: the dataset's, on which train decides too): its LM head
-    against its own forward (an architecture logps.HEADS does not know), whether prompts are shared, the
-    attention kernel (logged). Returns whether prompts are shared."""
-    headcheck.verify(model, data.collate(pairs[:1], pad_id).to(resolved.device), resolved.device, resolved.ref_dtype)
-    # KTO's rows go one sequence a row in train (training/kto.py): its values in that layout
-    shared = not objectives.unpaired(cfg.loss_type) and headcheck.decide_sharing(
-        model, pairs, pad_id, resolved, resolved.ref_dtype, cfg.share_prompt, cfg.max_length)
-    first = (data.collate_shared if shared else data.collate)(pairs[:1], pad_id).to(resolved.device)
-    log(headcheck.attention_kernel(model, first, resolved.ref_dtype, cfg.max_length))
-    return shared
 
 
 def stored_bytes(seqs: list[data.TokenizedCompletion], per_token: bool) -> int:

@@ -152,8 +152,7 @@ def setup(cfg: Config, progress: bool = True) -> loop.Session:
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
     pad_id = data.pad_token_id(tokenizer)
-    headcheck.verify(model, data.collate_completions(d.train[:2], pad_id).to(resolved.device), resolved.device,
-                     resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
+    headcheck.bring_up(model, cfg, resolved, pad_id, d.train[:2], train=True)  # completions: never shared
     s = loop.start(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer, d.prompts)
     # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
     s.adapter_off_is_start = False

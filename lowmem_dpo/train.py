@@ -253,14 +253,8 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
     resuming.check_before_load(cfg, resume, trains_on, len(d.train))
     model = policy.setup_model(cfg, resolved, ins.model_path, stream, source=ins.source)
     pad_id = data.pad_token_id(ins.tokenizer)
-    headcheck.verify(model, data.collate(d.train[:1], pad_id).to(resolved.device), resolved.device,
-                     resolved.dtype)  # an architecture logps.HEADS does not know: its own forward agrees
-    # the same rows as precompute's decision (every row of dataset), so that the two agree on the layout; KTO's
-    # rows go one sequence a row (kto.py)
-    shared = not objectives.unpaired(cfg.loss_type) and headcheck.decide_sharing(
-        model, d.tok.pairs, pad_id, resolved, resolved.dtype, cfg.share_prompt, cfg.max_length)
-    first = (data.collate_shared if shared else data.collate)(d.train[:1], pad_id).to(resolved.device)
-    log(headcheck.attention_kernel(model, first, resolved.dtype, cfg.max_length, train=True))
+    # sharing decided on the same rows as precompute's (every row of dataset): the two agree on the layout
+    shared = headcheck.bring_up(model, cfg, resolved, pad_id, d.train[:1], d.tok.pairs, train=True)
     if ref is not None and side.other is not None:  # 16-bit: the values of this run's layout first
         ref, eval_ref = reference_caches(cfg, ins, side.at(shared), d, recipe)
         if ref.shared != shared:

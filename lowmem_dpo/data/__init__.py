@@ -2,7 +2,7 @@
 
     rows.py    load rows through `datasets`, after checking a local file's structure (file:line errors)
     encode.py  tokenize as TRL 1.16 does; skip (and count) the rows DPO cannot use
-    batch.py   collate chosen and rejected of a micro-batch into one right-padded forward
+    batch.py   collate chosen and rejected of a micro-batch into one right-padded forward; items longest first
     split.py   the eval hold-out of a dataset (eval_fraction), by a hash of each row's prompt
     mix.py     a mixture of sources: the rows each gives (fraction, rows, max_train_samples), tokenized per source
     implicit.py  a row's prompt from the shared start of chosen and rejected
@@ -13,7 +13,7 @@ The stages use the names below; each lives in the module that says so. The cache
 data.store's, imported by name.
 """
 
-from lowmem_dpo.data.batch import Batch, collate, collate_completions, collate_shared, pad_token_id
+from lowmem_dpo.data.batch import Batch, by_length, collate, collate_completions, collate_shared, pad_token_id
 from lowmem_dpo.data.encode import (
                                     SKIPS,
                                     TRUNCATIONS,
@@ -28,7 +28,7 @@ from lowmem_dpo.data.mix import Mixture, load_mixture, tokenize_mixture
 from lowmem_dpo.data.rows import REQUIRED, data_files, load_rows
 from lowmem_dpo.data.split import held_out, holdout_rows, prompt_keys, shown_prompt
 
-__all__ = ["Batch", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
+__all__ = ["Batch", "by_length", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
            "TokenizedData", "TokenizedPair", "check_skips", "tokenize_completions", "tokenize_rows",
            "REQUIRED", "data_files", "load_rows", "held_out", "holdout_rows",
            "prompt_keys", "shown_prompt", "Mixture", "load_mixture", "tokenize_mixture"]

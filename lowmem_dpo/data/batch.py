@@ -4,6 +4,7 @@ rejected], collate_shared), or SFT rows one sequence each."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,13 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+
+def by_length(items: list, tokens: Callable[[object], int]) -> list:
+    """Longest first by `tokens`, a stable sort (ties keep their order): batches cut from the result carry items of
+    like length, so little padding, and an out-of-memory shows on the first batch. What an item is: a train step's
+    pair or row (training/loop.py), or precompute's forward unit of one or two sequences."""
+    return sorted(items, key=lambda item: -tokens(item))
 
 
 def collate(pairs: list[TokenizedPair], pad_token_id: int) -> Batch:

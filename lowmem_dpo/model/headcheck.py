@@ -6,7 +6,9 @@
 - share_prompt (decide_sharing): precompute and train compare the shared-prefix forward with the unshared one on
   the first pairs, and share only when they agree;
 - the attention kernel (attention_kernel): which of SDPA's kernels the first pair's forward runs, said in one line,
-  with a warning where a long sequence would build its (T, T) scores."""
+  with a warning where a long sequence would build its (T, T) scores.
+
+`bring_up` runs the three, as every stage (and the benches) brings its model up."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowmem_dpo import data
+from lowmem_dpo import data, objectives
+from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model import activations, logps
 from lowmem_dpo.runtime import devices, oom
 from lowmem_dpo.runtime.errors import UserError, log
@@ -236,3 +239,20 @@ def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, 
                         "or false (the unshared forward: each prompt twice)")
     log(f"share_prompt: the unshared forward (each prompt twice): {problem}")
     return False
+
+
+def bring_up(model, cfg: Config, resolved: devices.Resolved, pad_id: int, first: list, pairs: list | None = None,
+             train: bool = False) -> bool:
+    """A stage's model, checked before its first real batch (precompute, train, sft, measure, the benches): its LM
+    head against its own forward on the `first` rows (verify: an architecture logps.HEADS does not know); whether
+    each prompt is shared, decided on `pairs` (decide_sharing; None: SFT's completions, never shared; KTO trains one
+    sequence a row); the attention kernel of the first rows in that layout, logged. train: the policy's dtype, else
+    the reference's. Returns whether prompts are shared."""
+    dtype = resolved.dtype if train else resolved.ref_dtype
+    collate = data.collate_completions if pairs is None else data.collate
+    verify(model, collate(first, pad_id).to(resolved.device), resolved.device, dtype)
+    shared = pairs is not None and not objectives.unpaired(cfg.loss_type) and decide_sharing(
+        model, pairs, pad_id, resolved, dtype, cfg.share_prompt, cfg.max_length)
+    batch = (data.collate_shared if shared else collate)(first, pad_id).to(resolved.device)
+    log(attention_kernel(model, batch, dtype, cfg.max_length, train=train))
+    return shared

@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from lowmem_dpo import data
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.runtime import devices, distributed, oom
 from lowmem_dpo.runtime.errors import UserError, log
@@ -95,10 +96,11 @@ def take(stream, n: int) -> list:
     return [next(stream) for _ in range(n)]
 
 
-def by_length(items: list) -> list:
-    """One step's items, longest first (a stable sort): split into micro-batches, each batches items of like
-    length and carries less padding. The step's loss is the mean over the same items, whatever their order."""
-    return sorted(items, key=lambda item: -sum(len(v) for v in vars(item).values() if isinstance(v, list)))
+def item_tokens(item) -> int:
+    """The token ids an item holds (all its lists: a pair's prompt, chosen and rejected; an SFT row's prompt and
+    completion), by which a step's items are sorted longest first (data.by_length). The step's loss is the mean
+    over the same items, whatever their order."""
+    return sum(len(v) for v in vars(item).values() if isinstance(v, list))
 
 
 def split(items: list, micro_batch: int) -> list[list]:
@@ -109,7 +111,7 @@ def split(items: list, micro_batch: int) -> list[list]:
 def share(s: "Session", items: list) -> list:
     """This rank's items of a step (all of them in a single process), longest first: every world-size-th item of
     the step sorted by length, so each rank gets items of every length (distributed.shard)."""
-    return distributed.shard(by_length(items), s.world)
+    return distributed.shard(data.by_length(items, item_tokens), s.world)
 
 
 # -- the session -------------------------------------------------------------------------------------------------

@@ -171,10 +171,12 @@ def test_a_model_that_cannot_share_is_refused_or_falls_back(tokenizer, tmp_path,
 
 
 def test_by_length_sorts_a_step_longest_first_and_keeps_its_items(pairs):
-    ordered = loop.by_length(pairs)
+    ordered = data.by_length(pairs, loop.item_tokens)
     sizes = [len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in ordered]
     assert sizes == sorted(sizes, reverse=True)
     assert sorted(p.row for p in ordered) == sorted(p.row for p in pairs)
+    ties = [p.row for p in ordered if loop.item_tokens(p) == sizes[0]]
+    assert ties == [p.row for p in pairs if loop.item_tokens(p) == sizes[0]]  # stable: ties keep the step's order
 
 
 def test_auto_shares_only_when_the_prompts_are_a_large_share(tiny_path, pairs, capsys):
