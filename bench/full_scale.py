@@ -459,14 +459,14 @@ def step_flops(model_dir: Path, seqs: list[tuple[int, int]], lora_r: int) -> dic
 
 def replayed_steps(recipe: Path, steps: int) -> list[list[tuple[int, int]]]:
     """The (tokens, completion tokens) of the chosen and rejected sequence of each train step, the pairs drawn as
-    train draws them (loop.pair_stream from the seed)."""
+    train draws them (session.pair_stream from the seed)."""
     from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.model import models
-    from lowmem_dpo.training import inputs, loop
+    from lowmem_dpo.training import inputs, session
 
     cfg = load_config(recipe)
     tok = inputs.tokenized(cfg, models.load_tokenizer(Path(cfg.model_name_or_path)), progress=False)
-    stream = loop.pair_stream(tok.pairs, cfg.seed)
+    stream = session.pair_stream(tok.pairs, cfg.seed)
     out = []
     for _ in range(steps):
         p = next(stream)

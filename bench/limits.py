@@ -195,9 +195,10 @@ def _replay(session, warmup: int) -> None:
     """Rebuild the session's pair stream from the seed, as train.setup builds it, and skip the warm-up steps'
     pairs: the next steps see the batches of the first timed steps again."""
     from lowmem_dpo.training import loop
+    from lowmem_dpo.training.session import pair_stream
 
-    session.stream = loop.pair_stream(session.pairs, session.cfg.seed)
-    loop.take(session.stream, warmup * session.pairs_per_step)
+    session.progress.stream = pair_stream(session.run.items, session.run.cfg.seed)
+    loop.take(session.progress.stream, warmup * session.run.items_per_step)
 
 
 def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True) -> dict:
@@ -213,16 +214,16 @@ def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True
     _replay(session, warmup)
     flops, tokens, by_op = [], [], {}
     for _ in range(count):
-        (stats, _, _), n, ops = count_flops(lambda: loop.optimizer_step(session))
+        step, n, ops = count_flops(lambda: loop.optimizer_step(session))
         flops.append(n)
-        tokens.append(stats.tokens)
+        tokens.append(step.stats.tokens)
         for op, v in ops.items():
             by_op[op] = by_op.get(op, 0) + v
     paired = None
     if back_to_back:
-        device = session.resolved.device
+        device = session.run.resolved.device
         size = square_sizes(device)[-1]
-        timer = matmul_timer(size, size, size, session.resolved.dtype, device)
+        timer = matmul_timer(size, size, size, session.run.resolved.dtype, device)
         _replay(session, warmup)
         ratios = []
         for n in flops:
@@ -231,7 +232,7 @@ def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True
             loop.optimizer_step(session)
             _sync(device)
             ratios.append(n / (time.perf_counter() - t0) / timer())
-        paired = {"matmul": {"m": size, "k": size, "n": size, "dtype": devices.dtype_name(session.resolved.dtype)},
+        paired = {"matmul": {"m": size, "k": size, "n": size, "dtype": devices.dtype_name(session.run.resolved.dtype)},
                         "per_step_ratio": [round(r, 4) for r in ratios],
                         "ratio_median": round(statistics.median(ratios), 4)}
     return {

@@ -66,14 +66,14 @@ def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str, flop_step
     with PeakMemory(device) as pm:
         t_setup = time.perf_counter()
         session = train.setup(dataclasses.replace(cfg, max_steps=total), recipe, progress=False)
-        resolved, params = session.resolved, session.params
+        resolved, params = session.run.resolved, session.trainee.params
         setup_s = time.perf_counter() - t_setup
         times, cpu_times, tokens, losses = [], [], [], []
         for _ in range(total):
             devices.synchronize(resolved.device)
             c0 = time.process_time()
             t0 = time.perf_counter()
-            stats, _, _ = loop.optimizer_step(session)  # exactly the step `python -m lowmem_dpo.train` takes
+            stats = loop.optimizer_step(session).stats  # exactly the step `python -m lowmem_dpo.train` takes
             devices.synchronize(resolved.device)
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)

@@ -43,16 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     session = train.setup(dataclasses.replace(cfg, max_steps=total), args.recipe, progress=False)
 
     def step() -> float:
-        devices.synchronize(session.resolved.device)
+        devices.synchronize(session.run.resolved.device)
         t0 = time.perf_counter()
         loop.optimizer_step(session)
-        devices.synchronize(session.resolved.device)
+        devices.synchronize(session.run.resolved.device)
         return time.perf_counter() - t0
 
     for _ in range(args.warmup):
         step()
     times = [step() for _ in range(args.steps)]
-    r = session.resolved
+    r = session.run.resolved
     print(f"device={r.device.type} dtype={devices.dtype_name(r.dtype)} gradient_checkpointing="
           f"{r.gradient_checkpointing} threads={torch.get_num_threads()}")
     print(f"step s: median {statistics.median(times):.3f}  all {[round(t, 3) for t in times]}")

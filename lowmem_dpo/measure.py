@@ -197,19 +197,19 @@ def _measure_train(mcfg: Config, steps: int, timed: int = 0):
             taken.append(pair)
             yield pair
 
-    session.stream = recording(session.stream)
-    with PeakMeter(session.resolved.device) as meter:
+    session.progress.stream = recording(session.progress.stream)
+    with PeakMeter(session.run.resolved.device) as meter:
         for _ in range(steps):
             loop.optimizer_step(session)
     times = []
     for _ in range(timed):
         t0 = time.perf_counter()
-        stats, _, _ = loop.optimizer_step(session)
-        devices.synchronize(session.resolved.device)
+        stats = loop.optimizer_step(session).stats
+        devices.synchronize(session.run.resolved.device)
         times.append((time.perf_counter() - t0, stats.tokens))
-    shared = session.objective.shared
-    seen = [_pair_shape(pairs, shared) for step in loop.split(taken, session.pairs_per_step)  # as DPO.backward
-            for pairs in loop.split(data.by_length(step, loop.item_tokens), session.micro_batch)]
+    shared = session.run.objective.shared
+    seen = [_pair_shape(pairs, shared) for step in loop.split(taken, session.run.items_per_step)  # as DPO.backward
+            for pairs in loop.split(data.by_length(step, loop.item_tokens), session.progress.micro_batch)]
     del session
     gc.collect()
     if meter.device.type == "cuda":

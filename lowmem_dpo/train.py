@@ -29,7 +29,7 @@ from lowmem_dpo.objectives.metrics import PAIR_METRICS as METRIC_KEYS
 from lowmem_dpo.objectives.metrics import term_metric_names
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import log
-from lowmem_dpo.training import guards, inputs, kto, loop, output, policy, resuming
+from lowmem_dpo.training import guards, inputs, kto, loop, output, policy, resuming, session
 
 
 @dataclass
@@ -143,7 +143,7 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
     loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it), and
     the sft term the mean over all its chosen tokens. step_pairs: every pair of the step when `group` holds this
     rank's share of them (loop.share), whose gradients the ranks sum; default: the group's pairs. backward(loss):
-    the loop's (loop.Session.backward: scaled in float16)."""
+    the loop's (session.Trainee.backward: scaled in float16)."""
     stats = new_stats(cfg)
     step_pairs = step_pairs if step_pairs is not None else [p for pairs in group for p in pairs]
     n_pairs = len(step_pairs)
@@ -171,7 +171,7 @@ def eval_stats(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
 
 @dataclass
 class DPO:
-    """DPO's part of the loop (loop.Objective): pairs, the loss against the reference, the warning signs."""
+    """DPO's part of the loop (session.Objective): pairs, the loss against the reference, the warning signs."""
 
     cfg: Config
     ref: cache.RefCache | None  # None: ref_source=live, or an objective without a reference (SimPO, ORPO)
@@ -182,19 +182,19 @@ class DPO:
     def new_stats(self) -> StepStats:
         return new_stats(self.cfg)
 
-    def backward(self, s: loop.Session, pairs: list[data.TokenizedPair]) -> StepStats:
-        return train_step(s.model, s.cfg, loop.split(loop.share(s, pairs), s.micro_batch), self.ref, s.pad_id,
-                          s.resolved, self.shared, step_pairs=pairs, backward=s.backward)
+    def backward(self, s: session.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
+        return train_step(s.trainee.model, s.run.cfg, loop.split(loop.share(s, pairs), micro_batch), self.ref,
+                          s.run.pad_id, s.run.resolved, self.shared, step_pairs=pairs, backward=s.trainee.backward)
 
-    def eval_stats(self, s: loop.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
-        return eval_stats(s.model, s.cfg, loop.split(loop.share(s, pairs), micro_batch), self.eval_ref, s.pad_id,
-                          s.resolved, self.shared)
+    def eval_stats(self, s: session.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
+        return eval_stats(s.trainee.model, s.run.cfg, loop.split(loop.share(s, pairs), micro_batch), self.eval_ref,
+                          s.run.pad_id, s.run.resolved, self.shared)
 
     def eval_metrics(self, stats: StepStats) -> dict[str, float]:
         return {f"eval_{k}": v for k, v in stats.means().items()}  # TRL's names: eval_loss, eval_rewards/...
 
-    def warning_signs(self, s: loop.Session) -> list[str]:
-        w, cfg = s.window, s.cfg
+    def warning_signs(self, s: session.Session) -> list[str]:
+        w, cfg = s.progress.window, s.run.cfg
         tokens, rejected_tokens = w.chosen_tokens / w.pairs, w.rejected_tokens / w.pairs
         means = w.means()
         if w.nll_weight is not None:  # the signs judge the preference loss: the NLL term has its own scale
@@ -203,26 +203,26 @@ class DPO:
         t = guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight)
         if not objectives.needs_reference(cfg.loss_type):
             tokens = rejected_tokens = 0.0  # the per-token signs read log-ratios to the reference: none here
-        return guards.warning_signs(means, s.step, s.steps, cfg.beta, tokens, t, rejected_tokens)
+        return guards.warning_signs(means, s.progress.step, s.run.steps, cfg.beta, tokens, t, rejected_tokens)
 
     def postfix(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}", "acc": f"{line['rewards/accuracies']:.2f}",
                 "margin": f"{line['rewards/margins']:.3f}"}
 
-    def intro(self, s: loop.Session) -> list[str]:
-        reference = (f"cached in {s.cfg.ref_cache_dir}" if self.ref is not None
-                     else "live (adapter disabled), costs a forward" if objectives.needs_reference(s.cfg.loss_type)
-                     else f"none (loss_type={s.cfg.loss_type} reads no reference: no cache, no precompute)")
-        limits, _, judged = judged_limits(s.cfg)
+    def intro(self, s: session.Session) -> list[str]:
+        reference = (f"cached in {s.run.cfg.ref_cache_dir}" if self.ref is not None
+                     else "live (adapter disabled), costs a forward" if objectives.needs_reference(s.run.cfg.loss_type)
+                     else f"none (loss_type={s.run.cfg.loss_type} reads no reference: no cache, no precompute)")
+        limits, _, judged = judged_limits(s.run.cfg)
         still = ("chosen log-probs falling and the samples' collapse still warn"
-                 if objectives.needs_reference(s.cfg.loss_type) else "the samples' collapse still warns")
+                 if objectives.needs_reference(s.run.cfg.loss_type) else "the samples' collapse still warns")
         unguarded = [] if limits is not None else [
             f"warning signs: loss_type={judged} declares no margin or early-loss limits, so those two signs are off "
             f"({still})"]
         return unguarded + [
                 f"reference: {reference}; prompts: {'once per pair (share_prompt)' if self.shared else 'twice'}",
-                f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
-                f"{s.micro_batch} x {s.grad_accum} pairs ({len(s.pairs)} pairs in the data)"]
+                f"training {sum(p.numel() for p in s.trainee.params):,} LoRA parameters for {s.run.steps} steps of "
+                f"{s.progress.micro_batch} x {s.progress.grad_accum} pairs ({len(s.run.items)} pairs in the data)"]
 
     def summary(self, line: dict) -> str:
         if not line or line.get("loss") is None:
@@ -230,7 +230,7 @@ class DPO:
         return f": loss {line['loss']:.4f}, rewards/accuracies {line['rewards/accuracies']:.2f}"
 
 
-def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.Session:
+def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> session.Session:
     """Check the cache, tokenize, load the model with its one adapter (fresh, or the SFT adapter continued), build
     the optimizer; with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it."""
     require(cfg, "train")
@@ -268,9 +268,9 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop
         objective = kto.KTO(cfg, ref, kto.labels(d.unpaired["train"]), eval_ref,
                             kto.labels(d.unpaired[d.eval_part]) if d.eval_part else None)
         items = kto.blocks(d.train, cfg.per_device_train_batch_size)
-    s = loop.start(cfg, resolved, model, items, pad_id, objective, resume, trains_on, d.eval, ins.tokenizer,
+    s = session.start(cfg, resolved, model, items, pad_id, objective, resume, trains_on, d.eval, ins.tokenizer,
                    d.prompts)
-    s.adapter_off_is_start = adapters.adapter_off_is_start(cfg, ins.source)
+    s.run.adapter_off_is_start = adapters.adapter_off_is_start(cfg, ins.source)
     return s
 
 

@@ -17,7 +17,7 @@ from lowmem_dpo.model import adapters
 from lowmem_dpo.model.models import load_model, model_source
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import inputs, loop, policy
+from lowmem_dpo.training import inputs, loop, policy, session
 from lowmem_dpo.training.checkpoint import read_state
 
 
@@ -77,7 +77,7 @@ def test_sft_writes_a_peft_adapter_and_its_loss_is_completion_only(sft_dir, tiny
     # Step 1's loss is the base model's mean -log p over the completion tokens of the first micro-batch.
     cfg = tiny_cfg(sft_dir.parent)
     items = data.tokenize_completions(data.load_rows(str(rows64)), tokenizer, 64, None, progress=False).pairs
-    first = loop.take(loop.pair_stream(items, cfg.seed), cfg.per_device_train_batch_size)
+    first = session.take(session.pair_stream(items, cfg.seed), cfg.per_device_train_batch_size)
     base = load_model(tiny_path, torch.device("cpu"), torch.float32)
     pairs = [data.TokenizedPair(c.row, c.prompt_ids, c.completion_ids, c.completion_ids) for c in first]
     nll = -logps_by_hand(base, pairs)[:, 0].sum().item() / sum(len(c.completion_ids) for c in first)
@@ -157,9 +157,10 @@ def test_continue_on_a_quantized_base_with_checkpointing(sft_dir, tmp_path, rows
                    gradient_checkpointing="true", max_steps=1)
     precompute.run(cfg, progress=False)
     s = train.setup(cfg, progress=False)
-    stats = train.train_step(s.model, cfg, [loop.take(s.stream, s.micro_batch)], s.objective.ref, s.pad_id, s.resolved)
+    first = [session.take(s.progress.stream, s.progress.micro_batch)]
+    stats = train.train_step(s.trainee.model, cfg, first, s.run.objective.ref, s.run.pad_id, s.run.resolved)
     assert stats.means()["loss"] == pytest.approx(math.log(2), abs=2e-3)
-    lora = {n: p for n, p in s.model.named_parameters() if p.requires_grad}
+    lora = {n: p for n, p in s.trainee.model.named_parameters() if p.requires_grad}
     assert len(lora) == 28 and all("lora_" in n for n in lora)  # 14 adapted layers x (A, B)
     assert [n for n, p in lora.items() if p.grad is None or not p.grad.abs().sum() > 0] == []
 
@@ -299,9 +300,10 @@ def test_sft_out_of_memory_halves_the_micro_batch(tmp_path, rows64, capsys):
             def too_big(module, args, kwargs):
                 if kwargs["input_ids"].shape[0] > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-            s.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
-        stats = loop.backward_with_backoff(s, loop.take(s.stream, s.pairs_per_step))
-        grads.append((s.micro_batch, s.grad_accum, stats.targets, [p.grad.clone() for p in s.params]))
+            s.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
+        items = session.take(s.progress.stream, s.run.items_per_step)
+        stats, micro_batch, grad_accum = loop.backward_with_backoff(s, items)
+        grads.append((micro_batch, grad_accum, stats.targets, [p.grad.clone() for p in s.trainee.params]))
     (b1, a1, t1, g1), (b2, a2, t2, g2) = grads
     assert (b1, a1, b2, a2) == (8, 1, 4, 2) and t1 == t2 > 0
     assert "retrying with per_device_train_batch_size=4 gradient_accumulation_steps=2" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.model.logps import completion_logps
 from lowmem_dpo.model.models import load_model
 from lowmem_dpo.runtime import devices
-from lowmem_dpo.training import loop, policy
+from lowmem_dpo.training import loop, policy, session
 
 
 def metrics(cfg):
@@ -72,7 +72,7 @@ def test_sft_term_adds_the_reference_chosen_nll_at_step_1(make_cfg, tmp_path, to
     (m,) = metrics(cfg)
     ref = cached(cfg)[0]
     pairs = inputs.tokenized(cfg, tokenizer, progress=False).pairs
-    first = loop.take(loop.pair_stream(pairs, cfg.seed), 8)  # step 1's pairs, as the run draws them
+    first = session.take(session.pair_stream(pairs, cfg.seed), 8)  # step 1's pairs, as the run draws them
     rows = torch.tensor([p.row for p in first])
     nll = -ref.chosen[rows].sum().item() / sum(len(p.chosen_ids) for p in first)
     assert m["nll_loss"] == pytest.approx(nll, abs=1e-5)
@@ -203,13 +203,13 @@ def test_a_schedule_transformers_refuses_is_refused_at_load(keys, fragment):
 
 def test_pair_stream_covers_each_epoch_once_and_splits_in_order():
     pairs = [data.TokenizedPair(i, [1], [2], [3]) for i in range(10)]
-    stream = loop.pair_stream(pairs, seed=1)
-    epoch = [p.row for p in loop.take(stream, 10)]
+    stream = session.pair_stream(pairs, seed=1)
+    epoch = [p.row for p in session.take(stream, 10)]
     assert sorted(epoch) == list(range(10))
-    second = [p.row for p in loop.take(stream, 10)]
+    second = [p.row for p in session.take(stream, 10)]
     assert sorted(second) == list(range(10)) and second != epoch  # a fresh permutation each epoch
-    again = loop.pair_stream(pairs, seed=1)
-    assert [p.row for p in loop.take(again, 10)] == epoch  # a function of the seed
+    again = session.pair_stream(pairs, seed=1)
+    assert [p.row for p in session.take(again, 10)] == epoch  # a function of the seed
     assert loop.split(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
 
 
@@ -228,7 +228,7 @@ def test_auto_checkpointing_comes_from_the_planner(make_cfg):
     runs train."""
     roomy = make_cfg(max_steps=1, gradient_checkpointing="auto")
     precompute.run(roomy, progress=False)
-    assert train.setup(roomy, progress=False).resolved.gradient_checkpointing is False
+    assert train.setup(roomy, progress=False).run.resolved.gradient_checkpointing is False
     from lowmem_dpo.memory.arch import load_arch
     from lowmem_dpo.memory.model import predict
 
@@ -238,10 +238,10 @@ def test_auto_checkpointing_comes_from_the_planner(make_cfg):
     assert with_ckpt < no_ckpt
     tight = make_cfg(max_steps=1, gradient_checkpointing="auto", memory_budget=str((no_ckpt + with_ckpt) // 2))
     s = train.setup(tight, progress=False)
-    assert s.resolved.gradient_checkpointing is True
-    assert any("planner" in r for r in s.resolved.reasons)
-    stats, grad_norm, _ = loop.optimizer_step(s)
-    assert stats.means()["loss"] == pytest.approx(math.log(2), abs=1e-5) and grad_norm > 0
+    assert s.run.resolved.gradient_checkpointing is True
+    assert any("planner" in r for r in s.run.resolved.reasons)
+    step = loop.optimizer_step(s)
+    assert step.stats.means()["loss"] == pytest.approx(math.log(2), abs=1e-5) and step.grad_norm > 0
 
 
 def test_16bit_runs_skip_peft_s_float32_input_copy_with_the_same_numbers(make_cfg):
@@ -250,17 +250,17 @@ def test_16bit_runs_skip_peft_s_float32_input_copy_with_the_same_numbers(make_cf
     cfg = make_cfg(dtype="bfloat16", lora_dropout=0.0)
     precompute.run(cfg, progress=False)
     s = train.setup(cfg, progress=False)
-    lora_layers = [m for m in s.model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    lora_layers = [m for m in s.trainee.model.modules() if hasattr(m, "cast_input_dtype_enabled")]
     assert lora_layers and not any(m.cast_input_dtype_enabled for m in lora_layers)
     with torch.no_grad():  # a non-zero adapter, as after some steps
-        for p in s.params:
+        for p in s.trainee.params:
             p.normal_(0, 0.05)
-    pairs = loop.take(s.stream, 4)
+    pairs = session.take(s.progress.stream, 4)
 
     def grads():
-        s.opt.zero_grad(set_to_none=True)
-        stats = train.train_step(s.model, cfg, [pairs], s.objective.ref, s.pad_id, s.resolved)
-        return stats.sums["loss"], [p.grad.clone() for p in s.params]
+        s.trainee.optimizer.zero_grad(set_to_none=True)
+        stats = train.train_step(s.trainee.model, cfg, [pairs], s.run.objective.ref, s.run.pad_id, s.run.resolved)
+        return stats.sums["loss"], [p.grad.clone() for p in s.trainee.params]
 
     loss_off, grads_off = grads()
     for m in lora_layers:

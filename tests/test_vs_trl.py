@@ -42,7 +42,7 @@ def trained(tmp_path_factory, tiny_path):
 
 
 def ours(s, **changes) -> dict:
-    s.cfg = dataclasses.replace(s.cfg, **changes)
+    s.run.cfg = dataclasses.replace(s.run.cfg, **changes)
     return evaluation.evaluate(s)
 
 
@@ -84,7 +84,7 @@ def test_label_smoothing_leaves_sigmoid_alone_as_in_trl(trained, capsys):
     assert ours(s, loss_type=["sigmoid"], label_smoothing=0.2)["eval_loss"] == plain
     assert ours(s, loss_type=["cdpo"], label_smoothing=0.2)["eval_loss"] > plain  # conservative DPO: its own name
     assert any("label_smoothing=0.2 does not change loss_type=['sigmoid']" in note
-               for note in dataclasses.replace(s.cfg, loss_type=["sigmoid"], label_smoothing=0.2).no_effect())
+               for note in dataclasses.replace(s.run.cfg, loss_type=["sigmoid"], label_smoothing=0.2).no_effect())
 
 
 def reference_free_trls(root, rows, tiny_path, trainer: str, **args) -> dict:

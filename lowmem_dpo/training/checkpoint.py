@@ -53,7 +53,7 @@ class TrainerState:
     micro_batch: int  # the split in use (out-of-memory back-off may have halved it)
     grad_accum: int
     skipped_steps: int  # updates skipped for a non-finite loss or gradient
-    window: dict  # the metric window since the last logged line (loop.Session.window), so the next line is what
+    window: dict  # the metric window since the last logged line (session.Progress.window), so the next line is what
     #               it would have been
     config: dict  # the run's Config as a dict
     # What the run trains on (inputs.run_inputs: data, model and adapter weights, tokenizer, tokenization,

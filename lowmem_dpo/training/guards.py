@@ -2,8 +2,8 @@
 
 Train (its DPO objective, through loop.py) logs each sign as a warning at the logging step where it shows; with
 early_stop_on_divergence=true it stops there (exit 2, the last checkpoint kept). Non-finite losses and gradients
-are handled in the loop's update (update.apply_gradients: the update is skipped; max_nonfinite_steps in a row stop
-the run).
+are handled in the loop's step (loop.optimizer_step, update.outcome: the update is skipped; max_nonfinite_steps
+in a row stop the run).
 
 The margin and early-loss limits depend on the objective: each entry of lowmem_dpo.objectives holds its own
 (`Limits`, or None: not guarded), and `thresholds` turns them and a run's beta, label smoothing and tokens per pair

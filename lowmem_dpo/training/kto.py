@@ -1,4 +1,4 @@
-"""KTO's part of a training run (loop.Objective): unpaired rows against the cached reference, as TRL 1.16's
+"""KTO's part of a training run (session.Objective): unpaired rows against the cached reference, as TRL 1.16's
 KTOTrainer trains them.
 
 A data item of the loop is a block: per_device_train_batch_size rows whose KL sequences pair within it
@@ -8,7 +8,7 @@ order); a block is never split across micro-batches or steps. Per block:
      reference's from the cache, averaged over the block, clamped at 0 (TRL also averages the processes' blocks);
   2. the policy's log-probs of the block's own completions, the loss of each row against z0, their mean over the
      block; the step's gradient is the mean over its blocks.
-Both forwards go by sub-batches of s.micro_batch rows (the out-of-memory back-off halves it), which changes no
+Both forwards go by sub-batches of the loop's micro-batch rows (the out-of-memory back-off halves it), which changes no
 number: z0 is over the whole block. Metrics are TRL's: each block's mean of rewards/chosen (its desirable rows),
 rewards/rejected, logps/*, the margin of the two where the block has both, kl and the loss, averaged over the
 blocks of a logged line.
@@ -26,7 +26,7 @@ from lowmem_dpo.data import cache
 from lowmem_dpo.model.logps import batch_logps
 from lowmem_dpo.objectives import kto
 from lowmem_dpo.runtime import devices, distributed
-from lowmem_dpo.training import loop
+from lowmem_dpo.training import session
 
 METRICS = ("loss", "kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
 
@@ -75,18 +75,18 @@ def policy_logps(model, items: list[data.TokenizedCompletion], pad_id: int, reso
     return torch.cat(out), tokens
 
 
-def reference_point(s: loop.Session, views: list, ref: cache.RefCache, micro: int) -> tuple[torch.Tensor, int]:
+def reference_point(s: session.Session, views: list, ref: cache.RefCache, micro: int) -> tuple[torch.Tensor, int]:
     """z0 of a block (module doc) and the KL forward's tokens; 0 for apo_zero_unpaired. Over this process's block
     only: TRL averages the processes' block means at each micro-step, a collective call that would pair wrongly
     here when one process retries after running out of memory or holds one eval block more."""
-    if not objectives.needs_kl(s.cfg.loss_type):
+    if not objectives.needs_kl(s.run.cfg.loss_type):
         return torch.zeros(()), 0
     with torch.no_grad():
-        logps, tokens = policy_logps(s.model, sequences(views, kl=True), s.pad_id, s.resolved, micro)
+        logps, tokens = policy_logps(s.trainee.model, sequences(views, kl=True), s.run.pad_id, s.run.resolved, micro)
     return kto.reference_point(kto.kl_share(logps.cpu(), ref.rejected[[v.row for v in views]])), tokens
 
 
-def block_step(s: loop.Session, views: list, ref: cache.RefCache, desirable: torch.Tensor, micro: int,
+def block_step(s: session.Session, views: list, ref: cache.RefCache, desirable: torch.Tensor, micro: int,
                scale: float | None) -> KtoStats:
     """One block: z0, then the loss of its rows by sub-batches of `micro`, each backward'd at `scale` times its
     rows' loss sum (None: no gradient, eval); its metrics."""
@@ -98,17 +98,18 @@ def block_step(s: loop.Session, views: list, ref: cache.RefCache, desirable: tor
     for i in range(0, len(views), micro):
         part = rows[i:i + micro]
         with torch.set_grad_enabled(scale is not None):
-            got, tokens = policy_logps(s.model, sequences(views[i:i + micro], kl=False), s.pad_id, s.resolved, micro)
+            got, tokens = policy_logps(s.trainee.model, sequences(views[i:i + micro], kl=False), s.run.pad_id,
+                                       s.run.resolved, micro)
             x = kto.UnpairedLogps(got, ref.chosen[part].to(got.device), label[i:i + micro].to(got.device),
                                   z0.to(got.device))
-            losses = objectives.OBJECTIVES[s.cfg.loss_type[0]].formula(x, s.cfg.loss_settings)  # (n,)
+            losses = objectives.OBJECTIVES[s.run.cfg.loss_type[0]].formula(x, s.run.cfg.loss_settings)  # (n,)
             if scale is not None:
-                s.backward(losses.sum() * scale)
+                s.trainee.backward(losses.sum() * scale)
         stats.tokens += tokens
         logps.append(got.detach().float().cpu())
         lossed.append(losses.detach().float().cpu())
     logps = torch.cat(logps)  # (N,)
-    rewards = kto.rewards(kto.UnpairedLogps(logps, ref.chosen[rows], label), s.cfg.loss_settings)  # (N,)
+    rewards = kto.rewards(kto.UnpairedLogps(logps, ref.chosen[rows], label), s.run.cfg.loss_settings)  # (N,)
     stats.note("loss", torch.cat(lossed).mean().item())
     stats.note("kl", z0.item())
     for side, mask in (("chosen", label), ("rejected", ~label)):
@@ -122,7 +123,7 @@ def block_step(s: loop.Session, views: list, ref: cache.RefCache, desirable: tor
 
 @dataclass
 class KTO:
-    """KTO's part of the loop (loop.Objective); its data items are blocks (blocks())."""
+    """KTO's part of the loop (session.Objective); its data items are blocks (blocks())."""
 
     cfg: Config
     ref: cache.RefCache  # the dataset's rows: chosen = each row's completion, rejected = its KL sequence
@@ -130,21 +131,21 @@ class KTO:
     eval_ref: cache.RefCache | None = None
     eval_desirable: torch.Tensor | None = None
     name: str = "train"
-    blocks: bool = True  # its data items are blocks of rows (loop.Session.pairs_per_step counts them)
+    blocks: bool = True  # its data items are blocks of rows (session.RunSetup.items_per_step counts them)
 
     def new_stats(self) -> KtoStats:
         return KtoStats()
 
-    def backward(self, s: loop.Session, blocks: list[list]) -> KtoStats:
+    def backward(self, s: session.Session, blocks: list[list], micro_batch: int) -> KtoStats:
         stats = KtoStats()
-        for block in distributed.shard(blocks, s.world):  # whole blocks: each rank every world-size-th
-            stats.add(block_step(s, block, self.ref, self.desirable, s.micro_batch, 1.0 / (len(block) * len(blocks))))
+        for block in distributed.shard(blocks, s.run.world):  # whole blocks: each rank every world-size-th
+            stats.add(block_step(s, block, self.ref, self.desirable, micro_batch, 1.0 / (len(block) * len(blocks))))
         return stats
 
-    def eval_stats(self, s: loop.Session, views: list, micro_batch: int) -> KtoStats:
+    def eval_stats(self, s: session.Session, views: list, micro_batch: int) -> KtoStats:
         stats = KtoStats()
         with torch.no_grad():
-            for block in distributed.shard(blocks(views, self.cfg.per_device_train_batch_size), s.world):
+            for block in distributed.shard(blocks(views, self.cfg.per_device_train_batch_size), s.run.world):
                 stats.add(block_step(s, block, self.eval_ref, self.eval_desirable, micro_batch, None))
         return stats
 
@@ -157,20 +158,20 @@ class KTO:
         return [data.TokenizedCompletion(v.row, v.prompt_ids, v.chosen_ids) for v in views
                 if bool(self.eval_desirable[v.row])]
 
-    def warning_signs(self, s: loop.Session) -> list[str]:
+    def warning_signs(self, s: session.Session) -> list[str]:
         return []  # DPO's margin signs read pairs; the samples' collapse signs still judge a KTO run
 
     def postfix(self, line: dict) -> dict[str, str]:
         return {k: f"{line[name]:.4f}" for k, name in (("loss", "loss"), ("kl", "kl")) if line.get(name) is not None}
 
-    def intro(self, s: loop.Session) -> list[str]:
-        rows = [v.row for block in s.pairs for v in block]
+    def intro(self, s: session.Session) -> list[str]:
+        rows = [v.row for block in s.run.items for v in block]
         good = int(self.desirable[rows].sum())
-        return [f"reference: cached in {s.cfg.ref_cache_dir}; {s.cfg.loss_type[0]} on unpaired rows ({good} "
+        return [f"reference: cached in {s.run.cfg.ref_cache_dir}; {s.run.cfg.loss_type[0]} on unpaired rows ({good} "
                 f"desirable, {len(rows) - good} not)",
-                f"training {sum(p.numel() for p in s.params):,} LoRA parameters for {s.steps} steps of "
-                f"{s.cfg.gradient_accumulation_steps} blocks of {s.cfg.per_device_train_batch_size} rows "
-                f"({len(rows)} rows in {len(s.pairs)} blocks)"]
+                f"training {sum(p.numel() for p in s.trainee.params):,} LoRA parameters for {s.run.steps} steps of "
+                f"{s.run.cfg.gradient_accumulation_steps} blocks of {s.run.cfg.per_device_train_batch_size} rows "
+                f"({len(rows)} rows in {len(s.run.items)} blocks)"]
 
     def summary(self, line: dict) -> str:
         return f": loss {line['loss']:.4f}, kl {line['kl']:.4f}" if line.get("loss") is not None else ""

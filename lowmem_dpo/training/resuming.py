@@ -1,7 +1,7 @@
 """Which checkpoint a training stage continues, and whether it may: settings that change the numbers are refused
 (config.py declares which may change), and a raised max_steps or num_train_epochs continues the run on the new
 schedule. The stages call find_resume, then check_before_load once their data is tokenized, before the model
-loads; loop.resume_or_start calls follow_run_length once the checkpoint is restored.
+loads; session.start calls follow_run_length once the checkpoint is restored.
 
     resume = find_resume(cfg)                            # (checkpoint folder, its TrainerState) or (None, None)
     check_before_load(cfg, resume, trains_on, len(items))  # other inputs, or a total below its step: refused
@@ -90,21 +90,21 @@ def check_run_length(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerS
                         f"{checkpoint.new_run(cfg.output_dir)}")
 
 
-def follow_run_length(s, resume_from: Path, saved: checkpoint.TrainerState) -> None:
-    """Session `s` (loop.Session, restored from checkpoint `resume_from`) was written with another max_steps or
-    num_train_epochs (check_run_length: not past the new total): the run continues from its step to the new
-    total, at the learning rate the new schedule gives there."""
-    old_total = _old_total(s.cfg, saved, policy.rows_of(s.pairs))
-    if old_total == s.steps:
+def follow_run_length(cfg: Config, n_items: int, steps: int, optimizer, scheduler,
+                      saved: checkpoint.TrainerState) -> None:
+    """A run of `n_items` data items and `steps` steps in all, restored from a checkpoint (`saved`) that was written
+    with another max_steps or num_train_epochs (check_run_length: not past the new total), continues from its step
+    to the new total, at the learning rate the new schedule gives there."""
+    old_total = _old_total(cfg, saved, n_items)
+    if old_total == steps:
         return
-    what = _length_changes(s.cfg, saved)
-    # The restored learning rates are the old schedule's at this step; the scheduler's lambda is over s.steps.
-    lrs = [base * f(s.sched.last_epoch) for base, f in zip(s.sched.base_lrs, s.sched.lr_lambdas)]
-    for group, lr in zip(s.opt.param_groups, lrs):
+    # The restored learning rates are the old schedule's at this step; the scheduler's lambda is over `steps`.
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
-    s.sched._last_lr = lrs  # what get_last_lr() reads: the learning rate the next step logs
-    log(f"{what}: continuing from step {saved.step} of {s.steps} (was {old_total}), the schedule follows the "
-        "new total")
+    scheduler._last_lr = lrs  # what get_last_lr() reads: the learning rate the next step logs
+    log(f"{_length_changes(cfg, saved)}: continuing from step {saved.step} of {steps} (was {old_total}), the "
+        "schedule follows the new total")
 
 
 # StepStats fields a checkpoint of an earlier version saved under another name, or lacks: (name, what stands for it)

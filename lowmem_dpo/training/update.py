@@ -1,56 +1,75 @@
-"""The update after a step's backward (loop.optimizer_step): unscale (float16), clip, the optimizer, the schedule;
-and when a step's gradients must not become an update: a non-finite loss or gradient (skipped, and
-max_nonfinite_steps in a row stop the run as diverged), or float16 gradients that overflowed at the loss scale (a
-scaler skip: the scale halves, the run goes on).
-
-Used by the loop with its session (loop.Session; not imported here, loop imports this module).
+"""What a step's summed gradients become (loop.optimizer_step calls these in order): unscaled (float16) and
+clipped; then the update, or a skip: a non-finite loss or gradient (max_nonfinite_steps in a row stop the run as
+diverged), or float16 gradients that overflowed at the loss scale (a scaler skip: the scale halves, the run goes
+on); then the end of every step, skipped or not: the scale, the schedule, the gradients zeroed.
 """
 
 from __future__ import annotations
 
 import math
+from enum import Enum
 
 import torch
 
-from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import guards, output
+from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.training import guards
 
 
-def apply_gradients(s, loss: float) -> float:
-    """The update after a step's backward: unscale (float16), clip; AdamW unless `loss` (the step's mean) or the
-    gradient norm is non-finite; schedule; zero the gradients. Returns the gradient norm before clipping.
+class Outcome(Enum):
+    """What a step's gradients become."""
 
-    In float16 an overflowing gradient with a finite loss is the loss scaler's business: the update is skipped and
-    the scale halved (a scaler skip, counted apart), not a sign of divergence, unless the scale is already at 1 or
-    below (the gradients overflow unscaled)."""
-    if s.scaler is not None:
-        s.scaler.unscale_(s.opt)
-    max_norm = s.cfg.max_grad_norm if s.cfg.max_grad_norm is not None else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(s.params, max_norm).item()
-    s.step += 1
-    scaler_skip = s.scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm) and (
-        s.scaler.get_scale() > 1)
-    if scaler_skip:
-        s.scaler_skips += 1
-        log(f"note: step {s.step}: the float16 gradients overflowed at loss scale {s.scaler.get_scale():g}; update "
-            f"skipped and the scale halved (scaler skip {s.scaler_skips}; not divergence)")
-    elif guards.nonfinite(loss, grad_norm):
-        s.skipped_steps += 1
-        s.nonfinite_in_a_row += 1
-        log(f"warning: step {s.step}: non-finite loss ({loss:.4g}) or gradient "
-            f"norm ({grad_norm:.4g}); update skipped ({s.nonfinite_in_a_row} in a row)")
-        if s.nonfinite_in_a_row >= s.cfg.max_nonfinite_steps:
-            raise UserError(f"diverged: {s.nonfinite_in_a_row} steps in a row with a non-finite loss or gradient "
-                            f"(up to step {s.step}); the weights were not updated by them and "
-                            + output.last_checkpoint_note(s) + "; lower learning_rate or check the data and the cache")
+    APPLY = "the update"
+    SCALER_SKIP = "skipped: float16 overflow at the loss scale"
+    NONFINITE = "skipped: a non-finite loss or gradient"
+
+
+def unscale_and_clip(params: list, opt: torch.optim.Optimizer, scaler, max_grad_norm: float | None) -> float:
+    """The gradients unscaled (float16: the loss scaler's) and clipped to max_grad_norm (None: not clipped);
+    returns their norm before clipping."""
+    if scaler is not None:
+        scaler.unscale_(opt)
+    max_norm = max_grad_norm if max_grad_norm is not None else float("inf")
+    return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+
+
+def outcome(loss: float, grad_norm: float, scaler) -> Outcome:
+    """What the step's gradients become. In float16 an overflowing gradient with a finite loss is the loss
+    scaler's business (SCALER_SKIP: the scale halves), not a sign of divergence, unless the scale is already at 1
+    or below (the gradients overflow unscaled). Any other non-finite loss or norm: NONFINITE, no update."""
+    if scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm) and scaler.get_scale() > 1:
+        return Outcome.SCALER_SKIP
+    return Outcome.NONFINITE if guards.nonfinite(loss, grad_norm) else Outcome.APPLY
+
+
+def optimizer_update(opt: torch.optim.Optimizer, scaler) -> None:
+    """AdamW's step (through the scaler in float16)."""
+    if scaler is None:
+        opt.step()
     else:
-        s.nonfinite_in_a_row = 0
-        if s.scaler is None:
-            s.opt.step()
-        else:
-            s.scaler.step(s.opt)
-    if s.scaler is not None:
-        s.scaler.update()  # halves the scale after an overflow (skipped steps' included), grows it after 2000 clean
-    s.sched.step()
-    s.opt.zero_grad(set_to_none=True)
-    return grad_norm
+        scaler.step(opt)
+
+
+def scaler_skip_note(step: int, scale: float, skips: int) -> str:
+    return (f"note: step {step}: the float16 gradients overflowed at loss scale {scale:g}; update skipped and the "
+            f"scale halved (scaler skip {skips}; not divergence)")
+
+
+def nonfinite_note(step: int, loss: float, grad_norm: float, in_a_row: int) -> str:
+    return (f"warning: step {step}: non-finite loss ({loss:.4g}) or gradient norm ({grad_norm:.4g}); update "
+            f"skipped ({in_a_row} in a row)")
+
+
+def diverged(step: int, in_a_row: int, checkpoint_note: str) -> UserError:
+    """max_nonfinite_steps skipped in a row: the run stops (exit 2) as diverged."""
+    return UserError(f"diverged: {in_a_row} steps in a row with a non-finite loss or gradient (up to step {step}); "
+                     f"the weights were not updated by them and {checkpoint_note}; lower learning_rate or check the "
+                     "data and the cache")
+
+
+def finish_update(opt: torch.optim.Optimizer, sched, scaler) -> None:
+    """Every step's end, updated or skipped: the loss scale (halved after an overflow, skipped steps' included;
+    grown after 2000 clean ones), the schedule, the gradients zeroed."""
+    if scaler is not None:
+        scaler.update()
+    sched.step()
+    opt.zero_grad(set_to_none=True)

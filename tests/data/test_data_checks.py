@@ -120,7 +120,7 @@ def test_cache_and_train_agree_on_skipped_rows_and_strict_refuses_an_up_to_date_
     assert ref.counts["skipped"] == expected and ref.counts["dropped_rows"] == [1, 2, 4, 5]
     assert torch.isnan(ref.chosen).nonzero().flatten().tolist() == ref.counts["dropped_rows"]
     session = train.setup(cfg, progress=False)  # checks the cache covers every row it trains on
-    assert sorted(p.row for p in session.pairs) == [0, 3, 6]
+    assert sorted(p.row for p in session.run.items) == [0, 3, 6]
 
     before = {p: p.stat().st_mtime_ns for p in cache.Path(cfg.ref_cache_dir).rglob("*")}
     with pytest.raises(UserError, match="row 1 at line 3.*strict=true refuses"):

@@ -218,7 +218,7 @@ def test_precompute_and_train_on_a_mixture_start_at_ln2(make_cfg, two):
     assert first["step"] == 1 and first["loss"] == pytest.approx(math.log(2), abs=1e-5)
     # another selection of the same rows: served from the same values, none computed again
     fewer = dataclasses.replace(cfg, max_train_samples=30, resume="never")
-    assert len(train.setup(fewer, progress=False).pairs) == 30
+    assert len(train.setup(fewer, progress=False).run.items) == 30
 
 
 def test_a_bad_row_in_the_second_source_names_its_file_and_line(make_cfg, tokenizer, tmp_path, capsys):

@@ -102,11 +102,11 @@ def test_offloaded_activations_train_the_same_adapter(make_cfg, tmp_path):
             precompute.run(cfg, progress=False)
         s = train.setup(cfg, progress=False)
         if offload:
-            offloader = activations.offload_activations(s.model, torch.device("cpu"), force=True)
+            offloader = activations.offload_activations(s.trainee.model, torch.device("cpu"), force=True)
             offloader.min_bytes = 1  # every saved tensor of the tiny model
         for _ in range(3):
             loop.optimizer_step(s)
-        adapters.append([p.detach().clone() for p in s.params])
+        adapters.append([p.detach().clone() for p in s.trainee.params])
     assert offloader.packed >= 3 * 2 and offloader.saved == {}  # each step: at least the 2 layers' inputs
     assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(*adapters))
 

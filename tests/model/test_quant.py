@@ -57,14 +57,15 @@ def test_every_lora_parameter_gets_a_gradient(small, quantization, checkpointing
                 per_device_train_batch_size=2)
     s = train.setup(cfg, progress=False)
     kind = quantized_layer_type(quantization)
-    adapted = [m for m in s.model.modules() if isinstance(m, kind)]
+    adapted = [m for m in s.trainee.model.modules() if isinstance(m, kind)]
     assert len(adapted) == 14  # 2 layers x (q, k, v, o, gate, up, down): the base is quantized
-    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in s.model.modules())
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in s.trainee.model.modules())
     assert checkpointed == (checkpointing == "true")
 
     loop.optimizer_step(s)
-    train.train_step(s.model, cfg, [loop.take(s.stream, s.micro_batch)], None, s.pad_id, s.resolved)
-    lora = {n: p for n, p in s.model.named_parameters() if p.requires_grad}
+    train.train_step(s.trainee.model, cfg, [loop.take(s.progress.stream, s.progress.micro_batch)], None, s.run.pad_id,
+                     s.run.resolved)
+    lora = {n: p for n, p in s.trainee.model.named_parameters() if p.requires_grad}
     assert len(lora) == 2 * len(adapted) and all("lora_A" in n or "lora_B" in n for n in lora)
     assert [n for n, p in lora.items() if p.grad is None] == []
     assert [n for n, p in lora.items() if not p.grad.abs().sum() > 0] == []

@@ -82,13 +82,13 @@ def trl_train_metrics(trainer) -> dict:
                                                 ("apo_zero_unpaired", (1.0, 1.0))])
 def test_train_and_eval_metrics_equal_trls(trained, tiny_path, loss_type, weights):
     root, train_rows, eval_rows, s = trained
-    s.cfg = dataclasses.replace(s.cfg, loss_type=[loss_type], desirable_weight=weights[0],
+    s.run.cfg = dataclasses.replace(s.run.cfg, loss_type=[loss_type], desirable_weight=weights[0],
                                 undesirable_weight=weights[1])
     got_eval = evaluation.evaluate(s)
     with torch.no_grad():
         got_train = kto.KtoStats()
-        for block in sorted(s.pairs, key=lambda block: block[0].row):  # data order: TRL's sequential batches
-            got_train.add(kto.block_step(s, block, s.objective.ref, s.objective.desirable, BLOCK, None))
+        for block in sorted(s.run.items, key=lambda block: block[0].row):  # data order: TRL's sequential batches
+            got_train.add(kto.block_step(s, block, s.run.objective.ref, s.run.objective.desirable, BLOCK, None))
     trainer = trl(root, tiny_path, train_rows, eval_rows, loss_type=loss_type, desirable_weight=weights[0],
                   undesirable_weight=weights[1])
     want_eval = trainer.evaluate()

@@ -53,13 +53,13 @@ def test_orpo_s_nll_covers_the_chosen_prompt_as_trl_s(make_cfg, tmp_path, share)
     completion tokens but the first, from the model's own full logits; the loss adds it to beta's odds term."""
     cfg = make_cfg(loss_type=["orpo"], beta=0.5, max_steps=1, share_prompt=share, eval_fraction=0.0)
     s = train.setup(cfg, progress=False)
-    items = list(loop.take(s.stream, s.pairs_per_step))
-    s.stream = iter(items)
+    items = list(loop.take(s.progress.stream, s.run.items_per_step))
+    s.progress.stream = iter(items)
     nll, tokens = 0.0, 0
-    with torch.no_grad(), s.model.disable_adapter():
+    with torch.no_grad(), s.trainee.model.disable_adapter():
         for p in items:
             ids = torch.tensor([p.prompt_ids + p.chosen_ids])  # (1, T)
-            logp = torch.log_softmax(s.model(input_ids=ids).logits[0, :-1].float(), -1)  # (T-1, V)
+            logp = torch.log_softmax(s.trainee.model(input_ids=ids).logits[0, :-1].float(), -1)  # (T-1, V)
             nll -= logp.gather(1, ids[0, 1:, None]).sum().item()
             tokens += ids.shape[1] - 1
     loop.run(s, progress=False)

@@ -152,7 +152,7 @@ def test_best_checkpoint_survives_pruning_loads_at_end_and_resumes(make_cfg, tmp
     real = evaluation.evaluate
 
     def interrupted(s):
-        if s.step == 6:
+        if s.progress.step == 6:
             raise KeyboardInterrupt  # a Ctrl-C during step 6's eval: checkpoint-4 is the newest
         return real(s)
 
@@ -214,7 +214,7 @@ def test_out_of_memory_in_the_eval_halves_its_batches(make_cfg, tmp_path, capsys
         if not module.training and kwargs["input_ids"].shape[0] > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
 
-    s.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
+    s.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
     loop.run(s, progress=False)
     err = capsys.readouterr().err
     assert "out of memory in the eval at step 2: retrying 2 at a time" in err

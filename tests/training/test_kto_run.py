@@ -60,9 +60,9 @@ def test_kto_resumes_to_the_same_adapter_and_samples_desirable_rows(make_cfg, tm
     from lowmem_dpo.training import kto
 
     s = train.setup(cfg, progress=False)  # the finished run, resumed at step 4: its eval rows and labels
-    desirable = {tuple(v.chosen_ids) for v in s.eval_items if bool(s.objective.eval_desirable[v.row])}
-    assert isinstance(s.objective, kto.KTO) and len(desirable) < len(s.eval_items)
-    tokenizer = s.tokenizer
+    desirable = {tuple(v.chosen_ids) for v in s.run.eval_items if bool(s.run.objective.eval_desirable[v.row])}
+    assert isinstance(s.run.objective, kto.KTO) and len(desirable) < len(s.run.eval_items)
+    tokenizer = s.run.tokenizer
     for sample in (json.loads(x) for x in open(out / "samples.jsonl")):
         assert any(tokenizer.decode(list(c), skip_special_tokens=True) == sample["chosen"] for c in desirable)
     shutil.rmtree(out / "checkpoints" / "checkpoint-4")  # the last checkpoint gone: resumes from step 2
@@ -100,4 +100,4 @@ def test_the_run_length_counts_rows_in_every_stage(make_cfg, tmp_path):
         train.setup(make_cfg(loss_type=["kto"], max_steps=-1, num_train_epochs=0.02, save_steps=2,
                              eval_fraction=0.0, per_device_train_batch_size=8), progress=False)
     s = sft.setup(make_cfg(loss_type=["kto"], output_dir=str(tmp_path / "sft")), progress=False)
-    assert s.pairs_per_step == 4
+    assert s.run.items_per_step == 4

@@ -26,7 +26,7 @@ from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.data import cache
 from lowmem_dpo.runtime import devices, files
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import checkpoint, guards, inputs, loop, output
+from lowmem_dpo.training import checkpoint, guards, inputs, loop, output, session
 
 # lora_dropout > 0: the resumed run must restore the RNG too, not only the weights and the optimizer.
 RUN = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", dtype="float32",
@@ -133,7 +133,8 @@ def test_an_interrupted_checkpoint_write_leaves_no_checkpoint(built, tmp_path, m
                     progress=False)
     for _ in range(5):
         loop.optimizer_step(s)
-    checkpoint.save(s.cfg.output_dir, loop.checkpoint_state(s), s.model, s.opt, s.sched, [], 2)
+    checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee.model, s.trainee.optimizer,
+                    s.trainee.scheduler, [], 2)
     for _ in range(5):
         loop.optimizer_step(s)
     real_save = torch.save
@@ -145,13 +146,15 @@ def test_an_interrupted_checkpoint_write_leaves_no_checkpoint(built, tmp_path, m
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(s.cfg.output_dir, loop.checkpoint_state(s), s.model, s.opt, s.sched, [], 2)
-    root = checkpoint.root(s.cfg.output_dir)
+        checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee.model, s.trainee.optimizer,
+                        s.trainee.scheduler, [], 2)
+    root = checkpoint.root(s.run.cfg.output_dir)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-5"]  # the temp folder is gone too
     assert checkpoint.read_state(root / "checkpoint-5").step == 5
     monkeypatch.setattr(torch, "save", real_save)
     (root / ".checkpoint-10-leftover").mkdir()  # what a real kill -9 would leave
-    checkpoint.save(s.cfg.output_dir, loop.checkpoint_state(s), s.model, s.opt, s.sched, [], 2)
+    checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee.model, s.trainee.optimizer,
+                    s.trainee.scheduler, [], 2)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-10", "checkpoint-5"]
 
 
@@ -244,15 +247,15 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(built, tmp_path):
     are skipped, the weights stay, and max_nonfinite_steps in a row stop the run as diverged."""
     s = train.setup(build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o"),
                                   "max_nonfinite_steps": 3}), progress=False)
-    before = [p.detach().clone() for p in s.params]
-    s.objective.ref.chosen[:] = float("nan")
+    before = [p.detach().clone() for p in s.trainee.params]
+    s.run.objective.ref.chosen[:] = float("nan")
     for _ in range(2):
         loop.optimizer_step(s)
-    assert s.skipped_steps == 2 and s.step == 2
-    assert all(torch.equal(b, p) for b, p in zip(before, s.params))
+    assert s.progress.skipped_steps == 2 and s.progress.step == 2
+    assert all(torch.equal(b, p) for b, p in zip(before, s.trainee.params))
     with pytest.raises(UserError, match="diverged: 3 steps in a row with a non-finite loss or gradient"):
         loop.optimizer_step(s)
-    assert all(torch.equal(b, p) for b, p in zip(before, s.params))
+    assert all(torch.equal(b, p) for b, p in zip(before, s.trainee.params))
 
 
 def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_path, capsys):
@@ -268,17 +271,16 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_
             def too_big(module, args, kwargs, limit=limit):
                 if kwargs["input_ids"].shape[0] > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-            s.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
-        pairs = loop.take(s.stream, s.pairs_per_step)
+            s.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
+        pairs = loop.take(s.progress.stream, s.run.items_per_step)
         if limit == 1:
             with pytest.raises(UserError, match="out of memory at step 1 with 1 pair per micro-batch"):
                 loop.backward_with_backoff(s, pairs)
             continue
-        stats = loop.backward_with_backoff(s, pairs)
-        results.append((s, stats, [p.grad.clone() for p in s.params]))
+        stats, micro_batch, grad_accum = loop.backward_with_backoff(s, pairs)
+        results.append(((micro_batch, grad_accum), stats, [p.grad.clone() for p in s.trainee.params]))
     (plain, plain_stats, plain_grads), (halved, halved_stats, halved_grads) = results
-    assert (plain.micro_batch, plain.grad_accum) == (4, 1)
-    assert (halved.micro_batch, halved.grad_accum) == (2, 2)
+    assert plain == (4, 1) and halved == (2, 2)  # the split that fit
     assert "out of memory at step 1: retrying with per_device_train_batch_size=2 gradient_accumulation_steps=2" \
         in capsys.readouterr().err
     assert halved_stats.pairs == plain_stats.pairs == 4

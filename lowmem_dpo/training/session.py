@@ -1,0 +1,217 @@
+"""A training run's state, in three typed parts by what changes when:
+
+    RunSetup  what the run is, fixed from its setup to its end: the config, the device, the objective, the data
+    Trainee   the model and its optimizer, schedule and (float16) loss scaler: what a step updates
+    Progress  the step counters, the data stream's position, the micro-batch split and the metric window: what
+              a checkpoint saves (checkpoint.TrainerState) and a resume restores as one thing
+
+A stage builds them with `start` (train.py, sft.py); loop.py runs the steps.
+
+    s = start(cfg, resolved, model, items, pad_id, objective, resume, trains_on, eval_items, tokenizer, prompts)
+    s.run.cfg, s.trainee.optimizer, s.progress.step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from lowmem_dpo.config.schema import Config
+from lowmem_dpo.runtime import devices, distributed
+from lowmem_dpo.training import checkpoint, policy, resuming
+
+
+class Stats(Protocol):
+    """Sums over the micro-batches of one step, or over the steps of a log line's window (a dataclass: a
+    checkpoint stores it with dataclasses.asdict)."""
+
+    tokens: int  # tokens in the forward passes (for tokens_per_s)
+
+    def add(self, other) -> None: ...
+    def means(self) -> dict[str, float]: ...  # the metric line's values; "loss" is the step's mean loss
+
+    @property
+    def empty(self) -> bool: ...  # nothing added (every step since the last line was skipped)
+
+
+class Objective(Protocol):
+    """What a training stage plugs into the loop: DPO (train.py), SFT (sft.py), KTO (training/kto.py)."""
+
+    name: str  # the stage: the progress bar's label
+
+    def new_stats(self) -> Stats: ...
+
+    def backward(self, s: "Session", items: list, micro_batch: int) -> Stats:
+        """Forward + backward of this rank's share (loop.share) of one optimizer step's items, in micro-batches of
+        `micro_batch` items (loop.split); the gradients accumulate in the trainee's params, scaled so that summed
+        over the ranks the step's loss is its mean over all `items` whatever the split. No collective call: the
+        loop sums."""
+
+    def eval_stats(self, s: "Session", items: list, micro_batch: int) -> Stats:
+        """The eval sums over this rank's share of `items`, with no gradients, by micro-batches of `micro_batch`."""
+
+    def eval_metrics(self, stats: Stats) -> dict[str, float]:
+        """The eval metrics ("eval_" names) of eval sums (all ranks' summed)."""
+
+    def warning_signs(self, s: "Session") -> list[str]:
+        """Signs the run is going wrong, from the progress's window at its step (guards.py); [] for none."""
+
+    def postfix(self, line: dict) -> dict[str, str]:
+        """The progress bar's numbers from a metrics line."""
+
+    def intro(self, s: "Session") -> list[str]:
+        """The log lines that open the run: what is trained, on what."""
+
+    def summary(self, line: dict) -> str:
+        """The last metrics line as the closing log line shows it (': loss ...'), or '' when it has none."""
+
+
+# -- the data stream ---------------------------------------------------------------------------------------------
+def pair_stream(items: list, seed: int):
+    """Endless stream of data items: each epoch a fresh seeded permutation. Each optimizer step takes its items
+    from here, so a step's items do not depend on how they are split into micro-batches, and a resumed run skips
+    exactly the items it consumed."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        for i in torch.randperm(len(items), generator=g).tolist():
+            yield items[i]
+
+
+def take(stream, n: int) -> list:
+    return [next(stream) for _ in range(n)]
+
+
+# -- the three parts ---------------------------------------------------------------------------------------------
+# The best so far (evaluation.note_best), in transformers' TrainerState keys; its folder, best_model_checkpoint, is
+# derived from the step where output_dir is now (best_folder).
+BEST_KEYS = ("best_metric", "best_global_step")
+
+
+@dataclass
+class RunSetup:
+    """What the run is: fixed once the stage's setup is done (train.setup, sft.setup), to the run's end."""
+
+    cfg: Config
+    resolved: devices.Resolved
+    objective: Objective
+    items: list  # the data items: preference pairs (train), SFT rows (sft), or KTO's blocks of rows
+    pad_id: int
+    steps: int  # optimizer steps this run takes in all (a resumed run included)
+    inputs: dict = field(default_factory=dict)  # what the run trains on (inputs.run_inputs), in each checkpoint
+    eval_items: list = field(default_factory=list)  # held-out items evaluated every eval_steps ([]: no eval)
+    tokenizer: object = None  # decodes the samples
+    prompts: dict = field(default_factory=dict)  # eval item's row -> its prompt as the samples show it
+    world: distributed.World = field(default_factory=distributed.world)  # this process among the launched ones
+    # The model with its adapter disabled is the run's start, its reference (the samples' KL is measured): not
+    # when train continues an SFT adapter (its start is base + that adapter), nor in SFT (which means to move)
+    adapter_off_is_start: bool = True
+
+    @property
+    def items_per_step(self) -> int:  # data items, all ranks': pairs, SFT rows, or KTO's blocks (one a micro-batch)
+        rows = policy.items_per_step(self.cfg, self.world.size)
+        return rows // self.cfg.per_device_train_batch_size if getattr(self.objective, "blocks", False) else rows
+
+
+@dataclass
+class Trainee:
+    """The model being trained and what updates it."""
+
+    model: object  # PeftModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    params: list  # the trainable LoRA parameters
+    scaler: object = None  # float16: torch.amp.GradScaler (devices.grad_scaler); None otherwise
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), the loss scaled first in float16 (the scaler's scale; update.unscale_and_clip
+        unscales)."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+
+@dataclass
+class Progress:
+    """Where the run is: what each step changes, a checkpoint saves and a resume restores (all but
+    resumed_from and replaces, which say where this process started)."""
+
+    stream: object  # pair_stream() generator, positioned after the items already trained on
+    micro_batch: int  # items per forward; the out-of-memory back-off halves it
+    grad_accum: int  # micro-batches per optimizer step; doubled with each halving
+    window: Stats  # stats since the last logged line
+    step: int = 0  # optimizer steps finished
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient, in all
+    nonfinite_in_a_row: int = 0
+    scaler_skips: int = 0  # updates the float16 scaler skipped (scaled gradients overflowed), in all
+    metrics_lines: list[str] = field(default_factory=list)  # metrics.jsonl so far
+    best: dict = field(default_factory=lambda: dict.fromkeys(BEST_KEYS))  # evaluation.note_best
+    resumed_from: Path | None = None
+    replaces: list[Path] = field(default_factory=list)  # an earlier run's checkpoints, removed at the first save
+
+
+@dataclass
+class Session:
+    """One training run: its three parts, and the trackers it reports to (report_to; open while it runs)."""
+
+    run: RunSetup
+    trainee: Trainee
+    progress: Progress
+    trackers: object = None  # trackers.open_trackers's
+
+
+# -- start or resume ---------------------------------------------------------------------------------------------
+def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: int, objective: Objective,
+          resume: tuple[Path | None, checkpoint.TrainerState | None], inputs: dict | None = None,
+          eval_items: list = (), tokenizer=None, prompts: dict | None = None) -> Session:
+    """The session of a stage's set-up model: its optimizer and schedule over the run's steps, at checkpoint
+    `resume` (resuming.find_resume's pair, its inputs already checked against `inputs`) or at the start.
+    `eval_items` are evaluated every eval_steps, their prompts answered with `tokenizer`'s decoding and shown as
+    `prompts` has them (inputs.Data.prompts)."""
+    steps = policy.total_steps(cfg, policy.rows_of(items), distributed.world().size)
+    optimizer, scheduler, params = policy.setup_optimizer(cfg, model, steps, resolved)
+    run = RunSetup(cfg, resolved, objective, items, pad_id, steps, inputs or {}, list(eval_items), tokenizer,
+                   prompts or {})
+    trainee = Trainee(model, optimizer, scheduler, params, devices.grad_scaler(resolved.device, resolved.dtype))
+    micro_batch = resolved.micro_batch or cfg.per_device_train_batch_size  # the planner's split, or the recipe's
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    progress = Progress(pair_stream(items, cfg.seed), micro_batch, math.ceil(per_rank / micro_batch),
+                        objective.new_stats())
+    resume_from, saved = resume
+    if saved is None:  # a new run: the data from its start; an earlier run's checkpoints go at the first save
+        progress.replaces = [p for _, p in checkpoint.complete(cfg.output_dir)]
+    else:
+        checkpoint.restore(resume_from, model, optimizer, scheduler, trainee.scaler, rank=run.world.rank)
+        resuming.follow_run_length(cfg, policy.rows_of(items), steps, optimizer, scheduler, saved)
+        progress = restored_progress(progress, resume_from, saved)
+    return Session(run, trainee, progress)
+
+
+def restored_progress(fresh: Progress, resume_from: Path, saved: checkpoint.TrainerState) -> Progress:
+    """Where checkpoint `resume_from` left off: the data stream replayed to its position (a function of the seed),
+    its counters, batch split, metric window, the metrics so far and the best."""
+    take(fresh.stream, saved.pairs_seen)
+    return dataclasses.replace(
+        fresh, step=saved.step, skipped_steps=saved.skipped_steps, scaler_skips=saved.scaler_skips,
+        micro_batch=saved.micro_batch, grad_accum=saved.grad_accum,
+        window=resuming.restored_window(fresh.window, saved.window),
+        metrics_lines=checkpoint.metrics_lines(resume_from), best={k: getattr(saved, k) for k in BEST_KEYS},
+        resumed_from=resume_from)
+
+
+def checkpoint_state(s: Session) -> checkpoint.TrainerState:
+    run, progress = s.run, s.progress
+    return checkpoint.TrainerState(step=progress.step, pairs_seen=progress.step * run.items_per_step,
+                                   micro_batch=progress.micro_batch, grad_accum=progress.grad_accum,
+                                   skipped_steps=progress.skipped_steps, scaler_skips=progress.scaler_skips,
+                                   window=dataclasses.asdict(progress.window), config=dataclasses.asdict(run.cfg),
+                                   inputs=run.inputs, **progress.best, best_model_checkpoint=best_folder(s),
+                                   world_size=run.world.size)
+
+
+def best_folder(s: Session) -> str | None:
+    """The best checkpoint's folder, by its step under output_dir (so a moved or renamed run still names it)."""
+    step = s.progress.best["best_global_step"]
+    return None if step is None else str(checkpoint.folder(s.run.cfg.output_dir, step))
