@@ -296,7 +296,7 @@ def run_grads(args) -> dict:
     # ref_source=live: the reference from the same model (one load, no precompute; the gradients' question alike)
     cfg = child_config(args, activation_offloading="false", lora_dropout=0.0, memory_budget=None, ref_source="live")
     s = train.setup(cfg, None, False)
-    items = loop.take(s.progress.stream, s.run.items_per_step)
+    items = loop.next_items(s.progress.stream, s.run.items_per_step)
     cuda = s.run.resolved.device.type == "cuda"
 
     def grads() -> tuple[list, dict]:

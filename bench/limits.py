@@ -198,7 +198,7 @@ def _replay(session, warmup: int) -> None:
     from lowmem_dpo.training.session import pair_stream
 
     session.progress.stream = pair_stream(session.run.items, session.run.cfg.seed)
-    loop.take(session.progress.stream, warmup * session.run.items_per_step)
+    loop.next_items(session.progress.stream, warmup * session.run.items_per_step)
 
 
 def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True) -> dict:

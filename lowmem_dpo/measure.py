@@ -208,8 +208,9 @@ def _measure_train(mcfg: Config, steps: int, timed: int = 0):
         devices.synchronize(session.run.resolved.device)
         times.append((time.perf_counter() - t0, stats.tokens))
     shared = session.run.objective.shared
-    seen = [_pair_shape(pairs, shared) for step in loop.split(taken, session.run.items_per_step)  # as DPO.backward
-            for pairs in loop.split(data.by_length(step, loop.item_tokens), session.progress.micro_batch)]
+    taken_steps = loop.micro_batches(taken, session.run.items_per_step)
+    seen = [_pair_shape(pairs, shared) for step in taken_steps  # as DPO.backward splits each step
+            for pairs in loop.micro_batches(data.by_length(step, loop.item_tokens), session.progress.micro_batch)]
     del session
     gc.collect()
     if meter.device.type == "cuda":

@@ -79,7 +79,7 @@ class SFT:
         """Forward+backward of this rank's share of one optimizer step's rows (all of them in one process), by
         micro-batches of `micro_batch` rows; gradients accumulate."""
         batches = [data.collate_completions(chunk, s.run.pad_id)
-                   for chunk in loop.split(loop.share(s, items), micro_batch)]
+                   for chunk in loop.micro_batches(loop.rank_share(s, items), micro_batch)]
         # The step's loss is the mean over all its completion tokens (as TRL), every rank's, so each micro-batch's
         # sum is divided by the step's total, known before the first backward. Position t-1 predicts token t, so
         # a completion at position 0 (no prompt) has one target fewer than tokens (completion_mask[:, 1:]).
@@ -95,7 +95,7 @@ class SFT:
     def eval_stats(self, s: session.Session, items: list[data.TokenizedCompletion], micro_batch: int) -> SFTStats:
         """The NLL sums over this rank's share of the held-out rows (training's loss, no gradients)."""
         stats = SFTStats()
-        for chunk in loop.split(loop.share(s, items), micro_batch):
+        for chunk in loop.micro_batches(loop.rank_share(s, items), micro_batch):
             stats.add(forward_rows(s, data.collate_completions(chunk, s.run.pad_id))[1])
         return stats
 
@@ -105,15 +105,15 @@ class SFT:
     def warning_signs(self, s: session.Session) -> list[str]:
         return []  # DPO's signs (guards.py) read rewards an SFT step has not
 
-    def postfix(self, line: dict) -> dict[str, str]:
+    def bar_numbers(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}"}
 
-    def intro(self, s: session.Session) -> list[str]:
+    def opening_lines(self, s: session.Session) -> list[str]:
         params = sum(p.numel() for p in s.trainee.params)
         return [f"sft: training {params:,} LoRA parameters for {s.run.steps} steps of {s.progress.micro_batch} x "
                 f"{s.progress.grad_accum} rows ({len(s.run.items)} rows in the data), loss on completion tokens only"]
 
-    def summary(self, line: dict) -> str:
+    def closing_note(self, line: dict) -> str:
         return f": loss {line['loss']:.4f}" if line.get("loss") is not None else ""
 
 

@@ -142,7 +142,7 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
     """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params. The
     loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it), and
     the sft term the mean over all its chosen tokens. step_pairs: every pair of the step when `group` holds this
-    rank's share of them (loop.share), whose gradients the ranks sum; default: the group's pairs. backward(loss):
+    rank's share of them (loop.rank_share), whose gradients the ranks sum; default: the group's pairs. backward(loss):
     the loop's (session.Trainee.backward: scaled in float16)."""
     stats = new_stats(cfg)
     step_pairs = step_pairs if step_pairs is not None else [p for pairs in group for p in pairs]
@@ -183,12 +183,14 @@ class DPO:
         return new_stats(self.cfg)
 
     def backward(self, s: session.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
-        return train_step(s.trainee.model, s.run.cfg, loop.split(loop.share(s, pairs), micro_batch), self.ref,
-                          s.run.pad_id, s.run.resolved, self.shared, step_pairs=pairs, backward=s.trainee.backward)
+        batches = loop.micro_batches(loop.rank_share(s, pairs), micro_batch)
+        return train_step(s.trainee.model, s.run.cfg, batches, self.ref, s.run.pad_id, s.run.resolved, self.shared,
+                          step_pairs=pairs, backward=s.trainee.backward)
 
     def eval_stats(self, s: session.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
-        return eval_stats(s.trainee.model, s.run.cfg, loop.split(loop.share(s, pairs), micro_batch), self.eval_ref,
-                          s.run.pad_id, s.run.resolved, self.shared)
+        batches = loop.micro_batches(loop.rank_share(s, pairs), micro_batch)
+        return eval_stats(s.trainee.model, s.run.cfg, batches, self.eval_ref, s.run.pad_id, s.run.resolved,
+                          self.shared)
 
     def eval_metrics(self, stats: StepStats) -> dict[str, float]:
         return {f"eval_{k}": v for k, v in stats.means().items()}  # TRL's names: eval_loss, eval_rewards/...
@@ -205,11 +207,11 @@ class DPO:
             tokens = rejected_tokens = 0.0  # the per-token signs read log-ratios to the reference: none here
         return guards.warning_signs(means, s.progress.step, s.run.steps, cfg.beta, tokens, t, rejected_tokens)
 
-    def postfix(self, line: dict) -> dict[str, str]:
+    def bar_numbers(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}", "acc": f"{line['rewards/accuracies']:.2f}",
                 "margin": f"{line['rewards/margins']:.3f}"}
 
-    def intro(self, s: session.Session) -> list[str]:
+    def opening_lines(self, s: session.Session) -> list[str]:
         reference = (f"cached in {s.run.cfg.ref_cache_dir}" if self.ref is not None
                      else "live (adapter disabled), costs a forward" if objectives.needs_reference(s.run.cfg.loss_type)
                      else f"none (loss_type={s.run.cfg.loss_type} reads no reference: no cache, no precompute)")
@@ -224,7 +226,7 @@ class DPO:
                 f"training {sum(p.numel() for p in s.trainee.params):,} LoRA parameters for {s.run.steps} steps of "
                 f"{s.progress.micro_batch} x {s.progress.grad_accum} pairs ({len(s.run.items)} pairs in the data)"]
 
-    def summary(self, line: dict) -> str:
+    def closing_note(self, line: dict) -> str:
         if not line or line.get("loss") is None:
             return ""
         return f": loss {line['loss']:.4f}, rewards/accuracies {line['rewards/accuracies']:.2f}"

@@ -77,7 +77,7 @@ def test_sft_writes_a_peft_adapter_and_its_loss_is_completion_only(sft_dir, tiny
     # Step 1's loss is the base model's mean -log p over the completion tokens of the first micro-batch.
     cfg = tiny_cfg(sft_dir.parent)
     items = data.tokenize_completions(data.load_rows(str(rows64)), tokenizer, 64, None, progress=False).pairs
-    first = session.take(session.pair_stream(items, cfg.seed), cfg.per_device_train_batch_size)
+    first = session.next_items(session.pair_stream(items, cfg.seed), cfg.per_device_train_batch_size)
     base = load_model(tiny_path, torch.device("cpu"), torch.float32)
     pairs = [data.TokenizedPair(c.row, c.prompt_ids, c.completion_ids, c.completion_ids) for c in first]
     nll = -logps_by_hand(base, pairs)[:, 0].sum().item() / sum(len(c.completion_ids) for c in first)
@@ -157,7 +157,7 @@ def test_continue_on_a_quantized_base_with_checkpointing(sft_dir, tmp_path, rows
                    gradient_checkpointing="true", max_steps=1)
     precompute.run(cfg, progress=False)
     s = train.setup(cfg, progress=False)
-    first = [session.take(s.progress.stream, s.progress.micro_batch)]
+    first = [session.next_items(s.progress.stream, s.progress.micro_batch)]
     stats = train.train_step(s.trainee.model, cfg, first, s.run.objective.ref, s.run.pad_id, s.run.resolved)
     assert stats.means()["loss"] == pytest.approx(math.log(2), abs=2e-3)
     lora = {n: p for n, p in s.trainee.model.named_parameters() if p.requires_grad}
@@ -301,7 +301,7 @@ def test_sft_out_of_memory_halves_the_micro_batch(tmp_path, rows64, capsys):
                 if kwargs["input_ids"].shape[0] > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
             s.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
-        items = session.take(s.progress.stream, s.run.items_per_step)
+        items = session.next_items(s.progress.stream, s.run.items_per_step)
         stats, micro_batch, grad_accum = loop.backward_with_backoff(s, items)
         grads.append((micro_batch, grad_accum, stats.targets, [p.grad.clone() for p in s.trainee.params]))
     (b1, a1, t1, g1), (b2, a2, t2, g2) = grads

@@ -72,7 +72,7 @@ def test_sft_term_adds_the_reference_chosen_nll_at_step_1(make_cfg, tmp_path, to
     (m,) = metrics(cfg)
     ref = cached(cfg)[0]
     pairs = inputs.tokenized(cfg, tokenizer, progress=False).pairs
-    first = session.take(session.pair_stream(pairs, cfg.seed), 8)  # step 1's pairs, as the run draws them
+    first = session.next_items(session.pair_stream(pairs, cfg.seed), 8)  # step 1's pairs, as the run draws them
     rows = torch.tensor([p.row for p in first])
     nll = -ref.chosen[rows].sum().item() / sum(len(p.chosen_ids) for p in first)
     assert m["nll_loss"] == pytest.approx(nll, abs=1e-5)
@@ -204,13 +204,13 @@ def test_a_schedule_transformers_refuses_is_refused_at_load(keys, fragment):
 def test_pair_stream_covers_each_epoch_once_and_splits_in_order():
     pairs = [data.TokenizedPair(i, [1], [2], [3]) for i in range(10)]
     stream = session.pair_stream(pairs, seed=1)
-    epoch = [p.row for p in session.take(stream, 10)]
+    epoch = [p.row for p in session.next_items(stream, 10)]
     assert sorted(epoch) == list(range(10))
-    second = [p.row for p in session.take(stream, 10)]
+    second = [p.row for p in session.next_items(stream, 10)]
     assert sorted(second) == list(range(10)) and second != epoch  # a fresh permutation each epoch
     again = session.pair_stream(pairs, seed=1)
-    assert [p.row for p in session.take(again, 10)] == epoch  # a function of the seed
-    assert loop.split(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [p.row for p in session.next_items(again, 10)] == epoch  # a function of the seed
+    assert loop.micro_batches(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 def test_bfloat16_cache_and_policy_agree_at_step_1(make_cfg):
@@ -255,7 +255,7 @@ def test_16bit_runs_skip_peft_s_float32_input_copy_with_the_same_numbers(make_cf
     with torch.no_grad():  # a non-zero adapter, as after some steps
         for p in s.trainee.params:
             p.normal_(0, 0.05)
-    pairs = session.take(s.progress.stream, 4)
+    pairs = session.next_items(s.progress.stream, 4)
 
     def grads():
         s.trainee.optimizer.zero_grad(set_to_none=True)

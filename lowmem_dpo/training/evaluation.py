@@ -36,12 +36,12 @@ def due(cfg: Config, step: int, steps: int) -> bool:
     return step == steps or bool(every) and step % every == 0
 
 
-def halving(s: Session, run, size: int, what: str, every_rank: bool = False):
-    """run(size), retried at half the size (down to 1) on out-of-memory (oom.halving_on_oom): the eval's
+def with_backoff(s: Session, attempt, size: int, what: str, every_rank: bool = False):
+    """attempt(size), retried at half the size (down to 1) on out-of-memory (oom.halving_on_oom): the eval's
     micro-batches and the samples' batch can meet a fuller GPU than the training step did. every_rank: every
     process runs it, and all retry when one runs out (the eval); else rank 0 alone (the samples)."""
     return oom.halving_on_oom(
-        run, size, s.run.resolved.device,
+        attempt, size, s.run.resolved.device,
         lambda n: f"out of memory in {what} at step {s.progress.step}: retrying {n} at a time",
         f"out of memory in {what} at step {s.progress.step}, one at a time; lower eval_max_pairs, eval_generations or "
         "max_new_tokens (the last checkpoint is intact)",
@@ -72,7 +72,7 @@ def sample_metrics(s: Session, step: int) -> dict:
             s.trainee.model, items[i:i + n], s.run.tokenizer, s.run.cfg.max_new_tokens, s.run.resolved.device,
             s.run.resolved.dtype, shown=[s.run.prompts.get(item.row) for item in items[i:i + n]])]
 
-    written = halving(s, write, len(items), "the samples")
+    written = with_backoff(s, write, len(items), "the samples")
     samples.append(Path(s.run.cfg.output_dir) / checkpoint.SAMPLES, step, written)
     log(samples.log_line(step, written[0]))
     stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written])
@@ -109,7 +109,7 @@ def evaluate(s: Session) -> dict:
     out-of-memory); the samples' repetition and length (rank 0's: {} on the others); the time it took."""
     t0 = time.perf_counter()
     with eval_mode(s.trainee.model):
-        local = halving(s, lambda n: s.run.objective.eval_stats(s, s.run.eval_items, n), s.progress.micro_batch,
+        local = with_backoff(s, lambda n: s.run.objective.eval_stats(s, s.run.eval_items, n), s.progress.micro_batch,
                         "the eval", True)
         metrics = s.run.objective.eval_metrics(distributed.sum_stats(local))
         gen = sample_metrics(s, s.progress.step) if s.run.world.main else {}
@@ -135,7 +135,7 @@ def collapse_sign(s: Session, line: dict) -> str | None:
     return guards.collapse_sign(baseline(s.progress.metrics_lines), line)
 
 
-def postfix(line: dict) -> dict[str, str]:
+def bar_numbers(line: dict) -> dict[str, str]:
     """The progress bar's eval numbers."""
     shown = {"eval_loss": line.get("eval_loss"), "eval_acc": line.get("eval_rewards/accuracies")}
     return {k: f"{v:.4f}" if k == "eval_loss" else f"{v:.2f}" for k, v in shown.items() if v is not None}

@@ -161,10 +161,10 @@ class KTO:
     def warning_signs(self, s: session.Session) -> list[str]:
         return []  # DPO's margin signs read pairs; the samples' collapse signs still judge a KTO run
 
-    def postfix(self, line: dict) -> dict[str, str]:
+    def bar_numbers(self, line: dict) -> dict[str, str]:
         return {k: f"{line[name]:.4f}" for k, name in (("loss", "loss"), ("kl", "kl")) if line.get(name) is not None}
 
-    def intro(self, s: session.Session) -> list[str]:
+    def opening_lines(self, s: session.Session) -> list[str]:
         rows = [v.row for block in s.run.items for v in block]
         good = int(self.desirable[rows].sum())
         return [f"reference: cached in {s.run.cfg.ref_cache_dir}; {s.run.cfg.loss_type[0]} on unpaired rows ({good} "
@@ -173,7 +173,7 @@ class KTO:
                 f"{s.run.cfg.gradient_accumulation_steps} blocks of {s.run.cfg.per_device_train_batch_size} rows "
                 f"({len(rows)} rows in {len(s.run.items)} blocks)"]
 
-    def summary(self, line: dict) -> str:
+    def closing_note(self, line: dict) -> str:
         return f": loss {line['loss']:.4f}, kl {line['kl']:.4f}" if line.get("loss") is not None else ""
 
 

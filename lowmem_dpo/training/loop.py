@@ -11,7 +11,7 @@ metrics. This module runs it: `optimizer_step` is one step, top to bottom; `run`
 
 Under torchrun or `accelerate launch` (distributed.py) every rank runs this loop on the same data stream: a step
 takes per_device_train_batch_size x gradient_accumulation_steps items per rank, each rank computes its share
-(`share`), and the LoRA gradients and the metric sums are summed across ranks before the update, so every rank
+(`rank_share`), and the LoRA gradients and the metric sums are summed across ranks before the update, so every rank
 takes the same update and the same decisions (non-finite skip, warning signs, out-of-memory halving). Rank 0
 alone writes: metrics, checkpoints, samples, the final adapter.
 """
@@ -30,7 +30,7 @@ from lowmem_dpo.config.schema import Config
 from lowmem_dpo.runtime import devices, distributed, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, evaluation, guards, output, policy, trackers, update
-from lowmem_dpo.training.session import Session, Stats, checkpoint_state, take
+from lowmem_dpo.training.session import Session, Stats, checkpoint_state, next_items
 
 
 # -- a step's items ----------------------------------------------------------------------------------------------
@@ -41,12 +41,12 @@ def item_tokens(item) -> int:
     return sum(len(v) for v in vars(item).values() if isinstance(v, list))
 
 
-def split(items: list, micro_batch: int) -> list[list]:
+def micro_batches(items: list, micro_batch: int) -> list[list]:
     """The micro-batches of one optimizer step, in order."""
     return [items[i:i + micro_batch] for i in range(0, len(items), micro_batch)]
 
 
-def share(s: Session, items: list) -> list:
+def rank_share(s: Session, items: list) -> list:
     """This rank's items of a step (all of them in a single process), longest first: every world-size-th item of
     the step sorted by length, so each rank gets items of every length (distributed.shard)."""
     return distributed.shard(data.by_length(items, item_tokens), s.run.world)
@@ -80,7 +80,7 @@ def optimizer_step(s: Session, out: StepOutputs | None = None) -> StepResult:
     run, trainee, progress = s.run, s.trainee, s.progress
     devices.synchronize(run.resolved.device)
     started = time.perf_counter()
-    items = take(progress.stream, run.items_per_step)  # every rank's: the stream is the same on each
+    items = next_items(progress.stream, run.items_per_step)  # every rank's: the stream is the same on each
     lr = trainee.scheduler.get_last_lr()[0]
     stats, progress.micro_batch, progress.grad_accum = backward_with_backoff(s, items)
     distributed.sum_gradients(trainee.params)  # the step's gradient, the same on every rank
@@ -192,7 +192,7 @@ def log_step(s: Session, metrics_file, result: StepResult, bar) -> dict:
                                                               result.seconds))
     signs = []
     if not s.progress.window.empty:  # else every step since the last line was skipped (already warned)
-        output.show(bar, s.run.objective.postfix(line))
+        output.show(bar, s.run.objective.bar_numbers(line))
         signs = s.run.objective.warning_signs(s)
     warn(s, signs, metrics_file)
     return line
@@ -204,7 +204,7 @@ def eval_step(s: Session, metrics_file, bar) -> dict:
     line = evaluation.evaluate(s)
     line, sign = distributed.broadcast((line, evaluation.collapse_sign(s, line) if s.run.world.main else None))
     output.write_line(s, metrics_file, line)
-    output.show(bar, evaluation.postfix(line))
+    output.show(bar, evaluation.bar_numbers(line))
     warn(s, [sign] if sign else [], metrics_file)
     return line
 
@@ -216,7 +216,7 @@ def run(s: Session, progress: bool = True) -> TrainResult:
 
     cfg, main = s.run.cfg, s.run.world.main  # rank 0 writes the files; the others only compute (distributed.py)
     out_dir = output.start_output(s) if main else Path(cfg.output_dir)
-    for line in s.run.objective.intro(s):
+    for line in s.run.objective.opening_lines(s):
         log(line)
     if cfg.memory_snapshot_on_oom:
         log(oom.record_snapshots(s.run.resolved.device, out_dir))
@@ -273,4 +273,4 @@ def finish(s: Session, out_dir: Path, last: dict) -> None:
     output.save_final(s, out_dir)
     checkpoint.write_run_state(out_dir, checkpoint_state(s), s.run.steps, cfg.best_metric_name, cfg.best_is_greater,
                                s.progress.metrics_lines)
-    log(f"saved adapter to {out_dir} (step {s.run.steps}{s.run.objective.summary(last)})")
+    log(f"saved adapter to {out_dir} (step {s.run.steps}{s.run.objective.closing_note(last)})")

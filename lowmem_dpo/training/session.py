@@ -47,10 +47,10 @@ class Objective(Protocol):
     def new_stats(self) -> Stats: ...
 
     def backward(self, s: "Session", items: list, micro_batch: int) -> Stats:
-        """Forward + backward of this rank's share (loop.share) of one optimizer step's items, in micro-batches of
-        `micro_batch` items (loop.split); the gradients accumulate in the trainee's params, scaled so that summed
-        over the ranks the step's loss is its mean over all `items` whatever the split. No collective call: the
-        loop sums."""
+        """Forward + backward of this rank's share (loop.rank_share) of one optimizer step's items, in
+        micro-batches of `micro_batch` items (loop.micro_batches); the gradients accumulate in the trainee's
+        params, scaled so that summed over the ranks the step's loss is its mean over all `items` whatever the
+        split. No collective call: the loop sums."""
 
     def eval_stats(self, s: "Session", items: list, micro_batch: int) -> Stats:
         """The eval sums over this rank's share of `items`, with no gradients, by micro-batches of `micro_batch`."""
@@ -61,13 +61,13 @@ class Objective(Protocol):
     def warning_signs(self, s: "Session") -> list[str]:
         """Signs the run is going wrong, from the progress's window at its step (guards.py); [] for none."""
 
-    def postfix(self, line: dict) -> dict[str, str]:
+    def bar_numbers(self, line: dict) -> dict[str, str]:
         """The progress bar's numbers from a metrics line."""
 
-    def intro(self, s: "Session") -> list[str]:
+    def opening_lines(self, s: "Session") -> list[str]:
         """The log lines that open the run: what is trained, on what."""
 
-    def summary(self, line: dict) -> str:
+    def closing_note(self, line: dict) -> str:
         """The last metrics line as the closing log line shows it (': loss ...'), or '' when it has none."""
 
 
@@ -82,7 +82,7 @@ def pair_stream(items: list, seed: int):
             yield items[i]
 
 
-def take(stream, n: int) -> list:
+def next_items(stream, n: int) -> list:
     return [next(stream) for _ in range(n)]
 
 
@@ -192,7 +192,7 @@ def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: i
 def restored_progress(fresh: Progress, resume_from: Path, saved: checkpoint.TrainerState) -> Progress:
     """Where checkpoint `resume_from` left off: the data stream replayed to its position (a function of the seed),
     its counters, batch split, metric window, the metrics so far and the best."""
-    take(fresh.stream, saved.pairs_seen)
+    next_items(fresh.stream, saved.pairs_seen)
     return dataclasses.replace(
         fresh, step=saved.step, skipped_steps=saved.skipped_steps, scaler_skips=saved.scaler_skips,
         micro_batch=saved.micro_batch, grad_accum=saved.grad_accum,

@@ -53,7 +53,7 @@ def test_orpo_s_nll_covers_the_chosen_prompt_as_trl_s(make_cfg, tmp_path, share)
     completion tokens but the first, from the model's own full logits; the loss adds it to beta's odds term."""
     cfg = make_cfg(loss_type=["orpo"], beta=0.5, max_steps=1, share_prompt=share, eval_fraction=0.0)
     s = train.setup(cfg, progress=False)
-    items = list(loop.take(s.progress.stream, s.run.items_per_step))
+    items = list(loop.next_items(s.progress.stream, s.run.items_per_step))
     s.progress.stream = iter(items)
     nll, tokens = 0.0, 0
     with torch.no_grad(), s.trainee.model.disable_adapter():

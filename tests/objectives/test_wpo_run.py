@@ -19,7 +19,7 @@ def test_step_one_loss_is_ln2_times_the_mean_wpo_weight(make_cfg, tmp_path):
     cfg = make_cfg(use_weighting=True, max_steps=1, eval_fraction=0.0)
     precompute.run(cfg, progress=False)
     s = train.setup(cfg, progress=False)
-    items = list(loop.take(s.progress.stream, s.run.items_per_step))
+    items = list(loop.next_items(s.progress.stream, s.run.items_per_step))
     s.progress.stream = iter(items)
     weights = []
     with torch.no_grad(), s.trainee.model.disable_adapter():

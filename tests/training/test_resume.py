@@ -272,7 +272,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_
                 if kwargs["input_ids"].shape[0] > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
             s.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
-        pairs = loop.take(s.progress.stream, s.run.items_per_step)
+        pairs = loop.next_items(s.progress.stream, s.run.items_per_step)
         if limit == 1:
             with pytest.raises(UserError, match="out of memory at step 1 with 1 pair per micro-batch"):
                 loop.backward_with_backoff(s, pairs)
