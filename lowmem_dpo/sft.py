@@ -32,7 +32,9 @@ from lowmem_dpo.model.logps import batch_logps
 from lowmem_dpo.model.tiny import BUILTIN_PREFIX
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import inputs, loop, output, policy, resuming, session
+from lowmem_dpo.training import inputs, loop, output, policy, resuming
+from lowmem_dpo.training.session import Session
+from lowmem_dpo.training.session import start as start_session
 
 SFT_METRICS = ("eval_loss", "eval_gen/repetition")  # the eval metrics an SFT run logs (metric_for_best_model)
 
@@ -58,11 +60,11 @@ class SFTStats:
         return self.targets == 0
 
 
-def forward_rows(s: session.Session, batch: data.Batch) -> tuple[torch.Tensor, SFTStats]:
+def forward_rows(session: Session, batch: data.Batch) -> tuple[torch.Tensor, SFTStats]:
     """A micro-batch's completion log-prob sums (B,) on the device, and their stats (detached)."""
-    batch = batch.to(s.run.resolved.device)
-    with devices.autocast(s.run.resolved.device, s.run.resolved.dtype):
-        out = batch_logps(s.trainee.model, batch)  # (B,) sums
+    batch = batch.to(session.run.resolved.device)
+    with devices.autocast(session.run.resolved.device, session.run.resolved.dtype):
+        out = batch_logps(session.trainee.model, batch)  # (B,) sums
     stats = SFTStats(nll=-out.logps.detach().sum().item(), targets=int(out.n_tokens.sum()), tokens=batch.num_tokens)
     return out.logps, stats
 
@@ -75,43 +77,44 @@ class SFT:
     def new_stats(self) -> SFTStats:
         return SFTStats()
 
-    def backward(self, s: session.Session, items: list[data.TokenizedCompletion], micro_batch: int) -> SFTStats:
+    def backward(self, session: Session, items: list[data.TokenizedCompletion], micro_batch: int) -> SFTStats:
         """Forward+backward of this rank's share of one optimizer step's rows (all of them in one process), by
         micro-batches of `micro_batch` rows; gradients accumulate."""
-        batches = [data.collate_completions(chunk, s.run.pad_id)
-                   for chunk in loop.micro_batches(loop.rank_share(s, items), micro_batch)]
+        batches = [data.collate_completions(chunk, session.run.pad_id)
+                   for chunk in loop.micro_batches(loop.rank_share(session, items), micro_batch)]
         # The step's loss is the mean over all its completion tokens (as TRL), every rank's, so each micro-batch's
         # sum is divided by the step's total, known before the first backward. Position t-1 predicts token t, so
         # a completion at position 0 (no prompt) has one target fewer than tokens (completion_mask[:, 1:]).
         n_targets = sum(len(c.completion_ids) - (not c.prompt_ids) for c in items)
         stats = SFTStats()
         for batch in batches:
-            logps, batch_stats = forward_rows(s, batch)
-            s.trainee.backward(-logps.sum() / max(1, n_targets))
+            logps, batch_stats = forward_rows(session, batch)
+            session.trainee.backward(-logps.sum() / max(1, n_targets))
             stats.add(batch_stats)
         return stats
 
     @torch.no_grad()
-    def eval_stats(self, s: session.Session, items: list[data.TokenizedCompletion], micro_batch: int) -> SFTStats:
+    def eval_stats(self, session: Session, items: list[data.TokenizedCompletion], micro_batch: int) -> SFTStats:
         """The NLL sums over this rank's share of the held-out rows (training's loss, no gradients)."""
         stats = SFTStats()
-        for chunk in loop.micro_batches(loop.rank_share(s, items), micro_batch):
-            stats.add(forward_rows(s, data.collate_completions(chunk, s.run.pad_id))[1])
+        for chunk in loop.micro_batches(loop.rank_share(session, items), micro_batch):
+            stats.add(forward_rows(session, data.collate_completions(chunk, session.run.pad_id))[1])
         return stats
 
     def eval_metrics(self, stats: SFTStats) -> dict[str, float]:
         return {"eval_loss": stats.means()["loss"]}  # the mean NLL per completion token
 
-    def warning_signs(self, s: session.Session) -> list[str]:
+    def warning_signs(self, session: Session) -> list[str]:
         return []  # DPO's signs (guards.py) read rewards an SFT step has not
 
     def bar_numbers(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}"}
 
-    def opening_lines(self, s: session.Session) -> list[str]:
-        params = sum(p.numel() for p in s.trainee.params)
-        return [f"sft: training {params:,} LoRA parameters for {s.run.steps} steps of {s.progress.micro_batch} x "
-                f"{s.progress.grad_accum} rows ({len(s.run.items)} rows in the data), loss on completion tokens only"]
+    def opening_lines(self, session: Session) -> list[str]:
+        params = sum(p.numel() for p in session.trainee.params)
+        progress = session.progress
+        return [f"sft: training {params:,} LoRA parameters for {session.run.steps} steps of {progress.micro_batch} x "
+                f"{progress.grad_accum} rows ({len(session.run.items)} rows in the data), loss on completion tokens only"]
 
     def closing_note(self, line: dict) -> str:
         return f": loss {line['loss']:.4f}" if line.get("loss") is not None else ""
@@ -125,7 +128,7 @@ def base_name(spec: str) -> str:
     return str(Path(spec).resolve())
 
 
-def setup(cfg: Config, progress: bool = True) -> session.Session:
+def setup(cfg: Config, progress: bool = True) -> Session:
     """Tokenize the SFT rows, load the model with one adapter (fresh, or an SFT adapter continued), optimizer;
     with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it, as train does."""
     if cfg.has_eval and cfg.best_metric_name not in SFT_METRICS:
@@ -153,10 +156,11 @@ def setup(cfg: Config, progress: bool = True) -> session.Session:
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
     pad_id = data.pad_token_id(tokenizer)
     headcheck.bring_up(model, cfg, resolved, pad_id, d.train[:2], train=True)  # completions: never shared
-    s = session.start(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer, d.prompts)
+    session = start_session(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer,
+                            d.prompts)
     # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
-    s.run.adapter_off_is_start = False
-    return s
+    session.run.adapter_off_is_start = False
+    return session
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

@@ -29,7 +29,9 @@ from lowmem_dpo.objectives.metrics import PAIR_METRICS as METRIC_KEYS
 from lowmem_dpo.objectives.metrics import term_metric_names
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import log
-from lowmem_dpo.training import guards, inputs, kto, loop, output, policy, resuming, session
+from lowmem_dpo.training import guards, inputs, kto, loop, output, policy, resuming
+from lowmem_dpo.training.session import Session
+from lowmem_dpo.training.session import start as start_session
 
 
 @dataclass
@@ -123,16 +125,16 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     stats.rejected_tokens = int(rejected.n_tokens.sum())
     nll, nll_tokens = x.nll_logps()  # (B,) each
     stats.nll, stats.nll_tokens = -nll.detach().sum().item(), int(nll_tokens.sum())
-    s = stats.sums
-    s["loss"] += losses.detach().sum().item()
-    s["rewards/chosen"] += r_chosen.sum().item()
-    s["rewards/rejected"] += r_rejected.sum().item()
-    s["rewards/accuracies"] += (r_chosen > r_rejected).float().sum().item()
-    s["rewards/margins"] += (r_chosen - r_rejected).sum().item()
-    s["logps/chosen"] += logps_chosen.sum().item()
-    s["logps/rejected"] += logps_rejected.sum().item()
+    sums = stats.sums
+    sums["loss"] += losses.detach().sum().item()
+    sums["rewards/chosen"] += r_chosen.sum().item()
+    sums["rewards/rejected"] += r_rejected.sum().item()
+    sums["rewards/accuracies"] += (r_chosen > r_rejected).float().sum().item()
+    sums["rewards/margins"] += (r_chosen - r_rejected).sum().item()
+    sums["logps/chosen"] += logps_chosen.sum().item()
+    sums["logps/rejected"] += logps_rejected.sum().item()
     for name, values in objectives.term_metrics(x, cfg.loss_settings, types).items():
-        s[name] += values.sum().item()
+        sums[name] += values.sum().item()
     return losses, x, stats
 
 
@@ -182,21 +184,22 @@ class DPO:
     def new_stats(self) -> StepStats:
         return new_stats(self.cfg)
 
-    def backward(self, s: session.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
-        batches = loop.micro_batches(loop.rank_share(s, pairs), micro_batch)
-        return train_step(s.trainee.model, s.run.cfg, batches, self.ref, s.run.pad_id, s.run.resolved, self.shared,
-                          step_pairs=pairs, backward=s.trainee.backward)
+    def backward(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
+        batches = loop.micro_batches(loop.rank_share(session, pairs), micro_batch)
+        run = session.run
+        return train_step(session.trainee.model, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
+                          step_pairs=pairs, backward=session.trainee.backward)
 
-    def eval_stats(self, s: session.Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
-        batches = loop.micro_batches(loop.rank_share(s, pairs), micro_batch)
-        return eval_stats(s.trainee.model, s.run.cfg, batches, self.eval_ref, s.run.pad_id, s.run.resolved,
-                          self.shared)
+    def eval_stats(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
+        batches = loop.micro_batches(loop.rank_share(session, pairs), micro_batch)
+        run = session.run
+        return eval_stats(session.trainee.model, run.cfg, batches, self.eval_ref, run.pad_id, run.resolved, self.shared)
 
     def eval_metrics(self, stats: StepStats) -> dict[str, float]:
         return {f"eval_{k}": v for k, v in stats.means().items()}  # TRL's names: eval_loss, eval_rewards/...
 
-    def warning_signs(self, s: session.Session) -> list[str]:
-        w, cfg = s.progress.window, s.run.cfg
+    def warning_signs(self, session: Session) -> list[str]:
+        w, cfg = session.progress.window, session.run.cfg
         tokens, rejected_tokens = w.chosen_tokens / w.pairs, w.rejected_tokens / w.pairs
         means = w.means()
         if w.nll_weight is not None:  # the signs judge the preference loss: the NLL term has its own scale
@@ -205,26 +208,29 @@ class DPO:
         t = guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight)
         if not objectives.needs_reference(cfg.loss_type):
             tokens = rejected_tokens = 0.0  # the per-token signs read log-ratios to the reference: none here
-        return guards.warning_signs(means, s.progress.step, s.run.steps, cfg.beta, tokens, t, rejected_tokens)
+        return guards.warning_signs(means, session.progress.step, session.run.steps, cfg.beta, tokens, t,
+                                    rejected_tokens)
 
     def bar_numbers(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}", "acc": f"{line['rewards/accuracies']:.2f}",
                 "margin": f"{line['rewards/margins']:.3f}"}
 
-    def opening_lines(self, s: session.Session) -> list[str]:
-        reference = (f"cached in {s.run.cfg.ref_cache_dir}" if self.ref is not None
-                     else "live (adapter disabled), costs a forward" if objectives.needs_reference(s.run.cfg.loss_type)
-                     else f"none (loss_type={s.run.cfg.loss_type} reads no reference: no cache, no precompute)")
-        limits, _, judged = judged_limits(s.run.cfg)
+    def opening_lines(self, session: Session) -> list[str]:
+        cfg = session.run.cfg
+        reference = (f"cached in {cfg.ref_cache_dir}" if self.ref is not None
+                     else "live (adapter disabled), costs a forward" if objectives.needs_reference(cfg.loss_type)
+                     else f"none (loss_type={cfg.loss_type} reads no reference: no cache, no precompute)")
+        limits, _, judged = judged_limits(cfg)
         still = ("chosen log-probs falling and the samples' collapse still warn"
-                 if objectives.needs_reference(s.run.cfg.loss_type) else "the samples' collapse still warns")
+                 if objectives.needs_reference(cfg.loss_type) else "the samples' collapse still warns")
         unguarded = [] if limits is not None else [
             f"warning signs: loss_type={judged} declares no margin or early-loss limits, so those two signs are off "
             f"({still})"]
         return unguarded + [
                 f"reference: {reference}; prompts: {'once per pair (share_prompt)' if self.shared else 'twice'}",
-                f"training {sum(p.numel() for p in s.trainee.params):,} LoRA parameters for {s.run.steps} steps of "
-                f"{s.progress.micro_batch} x {s.progress.grad_accum} pairs ({len(s.run.items)} pairs in the data)"]
+                f"training {sum(p.numel() for p in session.trainee.params):,} LoRA parameters for {session.run.steps} "
+                f"steps of {session.progress.micro_batch} x {session.progress.grad_accum} pairs "
+                f"({len(session.run.items)} pairs in the data)"]
 
     def closing_note(self, line: dict) -> str:
         if not line or line.get("loss") is None:
@@ -232,7 +238,7 @@ class DPO:
         return f": loss {line['loss']:.4f}, rewards/accuracies {line['rewards/accuracies']:.2f}"
 
 
-def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> session.Session:
+def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Session:
     """Check the cache, tokenize, load the model with its one adapter (fresh, or the SFT adapter continued), build
     the optimizer; with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it."""
     require(cfg, "train")
@@ -270,10 +276,10 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> sess
         objective = kto.KTO(cfg, ref, kto.labels(d.unpaired["train"]), eval_ref,
                             kto.labels(d.unpaired[d.eval_part]) if d.eval_part else None)
         items = kto.blocks(d.train, cfg.per_device_train_batch_size)
-    s = session.start(cfg, resolved, model, items, pad_id, objective, resume, trains_on, d.eval, ins.tokenizer,
+    session = start_session(cfg, resolved, model, items, pad_id, objective, resume, trains_on, d.eval, ins.tokenizer,
                    d.prompts)
-    s.run.adapter_off_is_start = adapters.adapter_off_is_start(cfg, ins.source)
-    return s
+    session.run.adapter_off_is_start = adapters.adapter_off_is_start(cfg, ins.source)
+    return session
 
 
 def reference_caches(cfg: Config, ins: inputs.Inputs, side: cache.Side, d: inputs.Data, recipe: str | None) -> tuple:

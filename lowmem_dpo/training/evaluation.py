@@ -36,15 +36,15 @@ def due(cfg: Config, step: int, steps: int) -> bool:
     return step == steps or bool(every) and step % every == 0
 
 
-def with_backoff(s: Session, attempt, size: int, what: str, every_rank: bool = False):
+def with_backoff(session: Session, attempt, size: int, what: str, every_rank: bool = False):
     """attempt(size), retried at half the size (down to 1) on out-of-memory (oom.halving_on_oom): the eval's
     micro-batches and the samples' batch can meet a fuller GPU than the training step did. every_rank: every
     process runs it, and all retry when one runs out (the eval); else rank 0 alone (the samples)."""
     return oom.halving_on_oom(
-        attempt, size, s.run.resolved.device,
-        lambda n: f"out of memory in {what} at step {s.progress.step}: retrying {n} at a time",
-        f"out of memory in {what} at step {s.progress.step}, one at a time; lower eval_max_pairs, eval_generations or "
-        "max_new_tokens (the last checkpoint is intact)",
+        attempt, size, session.run.resolved.device,
+        lambda n: f"out of memory in {what} at step {session.progress.step}: retrying {n} at a time",
+        f"out of memory in {what} at step {session.progress.step}, one at a time; lower eval_max_pairs, "
+        "eval_generations or max_new_tokens (the last checkpoint is intact)",
         any_rank=distributed.any_rank if every_rank else lambda failed: failed)
 
 
@@ -58,64 +58,66 @@ def sample_items(items: list, n: int) -> list:
     return out
 
 
-def sample_metrics(s: Session, step: int) -> dict:
+def sample_metrics(session: Session, step: int) -> dict:
     """Greedy samples for the first eval_generations distinct eval prompts, appended to output_dir/samples.jsonl
     with `step`; one shown in the log. Returns their repetition, mean length, share of empty answers, ROUGE-L
     against the chosen completions (guards.generation_stats) and KL from the reference ({} without samples)."""
-    pool = getattr(s.run.objective, "samples_from", lambda items: items)(s.run.eval_items)  # KTO: its desirable rows
-    items = sample_items(pool, s.run.cfg.eval_generations)
+    run = session.run
+    pool = getattr(run.objective, "samples_from", lambda items: items)(run.eval_items)  # KTO: its desirable rows
+    items = sample_items(pool, run.cfg.eval_generations)
     if not items:
         return {}
 
     def write(n: int) -> list:
         return [w for i in range(0, len(items), n) for w in samples.generate(
-            s.trainee.model, items[i:i + n], s.run.tokenizer, s.run.cfg.max_new_tokens, s.run.resolved.device,
-            s.run.resolved.dtype, shown=[s.run.prompts.get(item.row) for item in items[i:i + n]])]
+            session.trainee.model, items[i:i + n], run.tokenizer, run.cfg.max_new_tokens, run.resolved.device,
+            run.resolved.dtype, shown=[run.prompts.get(item.row) for item in items[i:i + n]])]
 
-    written = with_backoff(s, write, len(items), "the samples")
-    samples.append(Path(s.run.cfg.output_dir) / checkpoint.SAMPLES, step, written)
+    written = with_backoff(session, write, len(items), "the samples")
+    samples.append(Path(run.cfg.output_dir) / checkpoint.SAMPLES, step, written)
     log(samples.log_line(step, written[0]))
     stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written])
-    if s.run.adapter_off_is_start:  # the reference is the model with its adapter disabled
-        kl = samples.kl_to_reference(s.trainee.model, items, [w.ids for w in written], s.run.resolved.device,
-                                     s.run.resolved.dtype)
+    if run.adapter_off_is_start:  # the reference is the model with its adapter disabled
+        kl = samples.kl_to_reference(session.trainee.model, items, [w.ids for w in written], run.resolved.device,
+                                     run.resolved.dtype)
         stats[guards.GEN_KL] = None if kl is None else round(kl, 6)
     return stats
 
 
-def at_start(s: Session) -> dict | None:
+def at_start(session: Session) -> dict | None:
     """A new run's step-0 line: the reference's samples and their repetition (None when there are no samples).
     A resumed run's samples.jsonl is its checkpoint's (a killed run's later samples, or those of a start-over
     killed before its first checkpoint, are dropped)."""
-    path = Path(s.run.cfg.output_dir) / checkpoint.SAMPLES
-    saved = None if s.progress.resumed_from is None else Path(s.progress.resumed_from) / checkpoint.SAMPLES
+    path = Path(session.run.cfg.output_dir) / checkpoint.SAMPLES
+    saved = None if session.progress.resumed_from is None else Path(session.progress.resumed_from) / checkpoint.SAMPLES
     if saved is not None and saved.is_file():
         files.atomic_write_bytes(path, saved.read_bytes())
     else:  # a new run; or a checkpoint from before samples were kept in it
-        samples.keep_until(path, s.progress.step if s.progress.resumed_from is not None else -1)
-    if s.progress.step > 0 or not s.run.eval_items or not s.run.cfg.eval_generations or s.run.cfg.eval_on_start:
+        samples.keep_until(path, session.progress.step if session.progress.resumed_from is not None else -1)
+    cfg = session.run.cfg
+    if session.progress.step > 0 or not session.run.eval_items or not cfg.eval_generations or cfg.eval_on_start:
         return None  # eval_on_start: the samples come with the step-0 eval (loop.steps)
-    return {"step": 0, **sample_metrics(s, 0)}
+    return {"step": 0, **sample_metrics(session, 0)}
 
 
-def on_start(s: Session) -> bool:
+def on_start(session: Session) -> bool:
     """Whether a new run evaluates before its first step (eval_on_start, with eval data)."""
-    return s.run.cfg.eval_on_start and s.progress.step == 0 and bool(s.run.eval_items)
+    return session.run.cfg.eval_on_start and session.progress.step == 0 and bool(session.run.eval_items)
 
 
-def evaluate(s: Session) -> dict:
+def evaluate(session: Session) -> dict:
     """The eval line of step s.progress.step: the objective's metrics over the eval items (at most eval_max_pairs; each
     rank its share, the sums added up), no gradients, in eval mode, by the training micro-batch (halved on
     out-of-memory); the samples' repetition and length (rank 0's: {} on the others); the time it took."""
     t0 = time.perf_counter()
-    with eval_mode(s.trainee.model):
-        local = with_backoff(s, lambda n: s.run.objective.eval_stats(s, s.run.eval_items, n), s.progress.micro_batch,
-                        "the eval", True)
-        metrics = s.run.objective.eval_metrics(distributed.sum_stats(local))
-        gen = sample_metrics(s, s.progress.step) if s.run.world.main else {}
-    line = {"step": s.progress.step, **{k: None if v is None or not math.isfinite(v) else round(v, 6)
+    with eval_mode(session.trainee.model):
+        local = with_backoff(session, lambda n: session.run.objective.eval_stats(session, session.run.eval_items, n),
+                             session.progress.micro_batch, "the eval", True)
+        metrics = session.run.objective.eval_metrics(distributed.sum_stats(local))
+        gen = sample_metrics(session, session.progress.step) if session.run.world.main else {}
+    line = {"step": session.progress.step, **{k: None if v is None or not math.isfinite(v) else round(v, 6)
                                for k, v in metrics.items()}, **gen,
-            "eval_runtime": round(time.perf_counter() - t0, 3), "eval_pairs": len(s.run.eval_items)}
+            "eval_runtime": round(time.perf_counter() - t0, 3), "eval_pairs": len(session.run.eval_items)}
     return line
 
 
@@ -128,11 +130,11 @@ def baseline(metrics_lines: list[str]) -> dict | None:
     return None
 
 
-def collapse_sign(s: Session, line: dict) -> str | None:
+def collapse_sign(session: Session, line: dict) -> str | None:
     """guards.collapse_sign of this eval's samples against step 0's (none at step 0 itself: eval_on_start)."""
     if line.get(guards.GEN_REPETITION) is None or line["step"] == 0:
         return None
-    return guards.collapse_sign(baseline(s.progress.metrics_lines), line)
+    return guards.collapse_sign(baseline(session.progress.metrics_lines), line)
 
 
 def bar_numbers(line: dict) -> dict[str, str]:
@@ -148,32 +150,33 @@ def better(value: float, best: float | None, greater: bool) -> bool:
     return best is None or (value > best if greater else value < best)
 
 
-def note_best(s: Session, line: dict | None) -> None:
+def note_best(session: Session, line: dict | None) -> None:
     """Before the checkpoint of an evaluated step is saved: make it the best when its metric_for_best_model (in
     `line`, this step's eval line) beats the best so far."""
-    if line is None or line.get("step") != s.progress.step:
+    if line is None or line.get("step") != session.progress.step:
         return
-    value = line.get(s.run.cfg.best_metric_name)
-    if value is not None and better(value, s.progress.best["best_metric"], s.run.cfg.best_is_greater):
-        s.progress.best = {"best_metric": value, "best_global_step": s.progress.step}
+    value = line.get(session.run.cfg.best_metric_name)
+    if value is not None and better(value, session.progress.best["best_metric"], session.run.cfg.best_is_greater):
+        session.progress.best = {"best_metric": value, "best_global_step": session.progress.step}
 
 
-def load_best(s: Session) -> None:
+def load_best(session: Session) -> None:
     """load_best_model_at_end: the best checkpoint's adapter weights into the model, so the final adapter is
     the best one; logged with both values. Nothing to do when the last step is the best."""
-    step, name = s.progress.best["best_global_step"], s.run.cfg.best_metric_name
+    step, name = session.progress.best["best_global_step"], session.run.cfg.best_metric_name
     if step is None:
         log(f"warning: load_best_model_at_end: no checkpoint has a finite {name}; the final adapter is the last "
             "step's")
         return
-    if step == s.progress.step:
-        log(f"the last step is the best ({name} {s.progress.best['best_metric']:.4f}): the final adapter is its own")
+    if step == session.progress.step:
+        log(f"the last step is the best ({name} {session.progress.best['best_metric']:.4f}): the final adapter is "
+            "its own")
         return
-    folder = checkpoint.folder(s.run.cfg.output_dir, step)  # by its step: where output_dir is now
+    folder = checkpoint.folder(session.run.cfg.output_dir, step)  # by its step: where output_dir is now
     if not (folder / "adapter_model.safetensors").is_file():
         raise UserError(f"load_best_model_at_end: the best checkpoint {folder} (step {step}) is gone; the last "
-                        f"step's adapter is in {checkpoint.complete(s.run.cfg.output_dir)[-1][1]}. Set "
+                        f"step's adapter is in {checkpoint.complete(session.run.cfg.output_dir)[-1][1]}. Set "
                         "load_best_model_at_end=false to save it as the final adapter")
-    checkpoint.load_adapter_weights(folder, s.trainee.model)
-    log(f"load_best_model_at_end: the final adapter is step {step}'s ({name} {s.progress.best['best_metric']:.4f}, "
-        f"from {folder})")
+    checkpoint.load_adapter_weights(folder, session.trainee.model)
+    best = session.progress.best["best_metric"]
+    log(f"load_best_model_at_end: the final adapter is step {step}'s ({name} {best:.4f}, from {folder})")

@@ -26,7 +26,7 @@ from lowmem_dpo.data import cache
 from lowmem_dpo.model.logps import batch_logps
 from lowmem_dpo.objectives import kto
 from lowmem_dpo.runtime import devices, distributed
-from lowmem_dpo.training import session
+from lowmem_dpo.training.session import Session
 
 METRICS = ("loss", "kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
 
@@ -75,41 +75,43 @@ def policy_logps(model, items: list[data.TokenizedCompletion], pad_id: int, reso
     return torch.cat(out), tokens
 
 
-def reference_point(s: session.Session, views: list, ref: cache.RefCache, micro: int) -> tuple[torch.Tensor, int]:
+def reference_point(session: Session, views: list, ref: cache.RefCache, micro: int) -> tuple[torch.Tensor, int]:
     """z0 of a block (module doc) and the KL forward's tokens; 0 for apo_zero_unpaired. Over this process's block
     only: TRL averages the processes' block means at each micro-step, a collective call that would pair wrongly
     here when one process retries after running out of memory or holds one eval block more."""
-    if not objectives.needs_kl(s.run.cfg.loss_type):
+    if not objectives.needs_kl(session.run.cfg.loss_type):
         return torch.zeros(()), 0
     with torch.no_grad():
-        logps, tokens = policy_logps(s.trainee.model, sequences(views, kl=True), s.run.pad_id, s.run.resolved, micro)
+        logps, tokens = policy_logps(session.trainee.model, sequences(views, kl=True), session.run.pad_id,
+                                     session.run.resolved, micro)
     return kto.reference_point(kto.kl_share(logps.cpu(), ref.rejected[[v.row for v in views]])), tokens
 
 
-def block_step(s: session.Session, views: list, ref: cache.RefCache, desirable: torch.Tensor, micro: int,
+def block_step(session: Session, views: list, ref: cache.RefCache, desirable: torch.Tensor, micro: int,
                scale: float | None) -> KtoStats:
     """One block: z0, then the loss of its rows by sub-batches of `micro`, each backward'd at `scale` times its
     rows' loss sum (None: no gradient, eval); its metrics."""
     stats = KtoStats(rows=len(views))
-    z0, stats.tokens = reference_point(s, views, ref, micro)
+    z0, stats.tokens = reference_point(session, views, ref, micro)
     rows = torch.tensor([v.row for v in views])
     label = desirable[rows]  # (N,) bool
     logps, lossed = [], []
     for i in range(0, len(views), micro):
         part = rows[i:i + micro]
         with torch.set_grad_enabled(scale is not None):
-            got, tokens = policy_logps(s.trainee.model, sequences(views[i:i + micro], kl=False), s.run.pad_id,
-                                       s.run.resolved, micro)
+            got, tokens = policy_logps(session.trainee.model, sequences(views[i:i + micro], kl=False),
+                                       session.run.pad_id, session.run.resolved, micro)
             x = kto.UnpairedLogps(got, ref.chosen[part].to(got.device), label[i:i + micro].to(got.device),
                                   z0.to(got.device))
-            losses = objectives.OBJECTIVES[s.run.cfg.loss_type[0]].formula(x, s.run.cfg.loss_settings)  # (n,)
+            cfg = session.run.cfg
+            losses = objectives.OBJECTIVES[cfg.loss_type[0]].formula(x, cfg.loss_settings)  # (n,)
             if scale is not None:
-                s.trainee.backward(losses.sum() * scale)
+                session.trainee.backward(losses.sum() * scale)
         stats.tokens += tokens
         logps.append(got.detach().float().cpu())
         lossed.append(losses.detach().float().cpu())
     logps = torch.cat(logps)  # (N,)
-    rewards = kto.rewards(kto.UnpairedLogps(logps, ref.chosen[rows], label), s.run.cfg.loss_settings)  # (N,)
+    rewards = kto.rewards(kto.UnpairedLogps(logps, ref.chosen[rows], label), session.run.cfg.loss_settings)  # (N,)
     stats.note("loss", torch.cat(lossed).mean().item())
     stats.note("kl", z0.item())
     for side, mask in (("chosen", label), ("rejected", ~label)):
@@ -136,17 +138,18 @@ class KTO:
     def new_stats(self) -> KtoStats:
         return KtoStats()
 
-    def backward(self, s: session.Session, blocks: list[list], micro_batch: int) -> KtoStats:
+    def backward(self, session: Session, blocks: list[list], micro_batch: int) -> KtoStats:
         stats = KtoStats()
-        for block in distributed.shard(blocks, s.run.world):  # whole blocks: each rank every world-size-th
-            stats.add(block_step(s, block, self.ref, self.desirable, micro_batch, 1.0 / (len(block) * len(blocks))))
+        for block in distributed.shard(blocks, session.run.world):  # whole blocks: each rank every world-size-th
+            scale = 1.0 / (len(block) * len(blocks))  # the step's loss: the mean over its blocks of each block's mean
+            stats.add(block_step(session, block, self.ref, self.desirable, micro_batch, scale))
         return stats
 
-    def eval_stats(self, s: session.Session, views: list, micro_batch: int) -> KtoStats:
+    def eval_stats(self, session: Session, views: list, micro_batch: int) -> KtoStats:
         stats = KtoStats()
         with torch.no_grad():
-            for block in distributed.shard(blocks(views, self.cfg.per_device_train_batch_size), s.run.world):
-                stats.add(block_step(s, block, self.eval_ref, self.eval_desirable, micro_batch, None))
+            for block in distributed.shard(blocks(views, self.cfg.per_device_train_batch_size), session.run.world):
+                stats.add(block_step(session, block, self.eval_ref, self.eval_desirable, micro_batch, None))
         return stats
 
     def eval_metrics(self, stats: KtoStats) -> dict[str, float]:
@@ -158,20 +161,21 @@ class KTO:
         return [data.TokenizedCompletion(v.row, v.prompt_ids, v.chosen_ids) for v in views
                 if bool(self.eval_desirable[v.row])]
 
-    def warning_signs(self, s: session.Session) -> list[str]:
+    def warning_signs(self, session: Session) -> list[str]:
         return []  # DPO's margin signs read pairs; the samples' collapse signs still judge a KTO run
 
     def bar_numbers(self, line: dict) -> dict[str, str]:
         return {k: f"{line[name]:.4f}" for k, name in (("loss", "loss"), ("kl", "kl")) if line.get(name) is not None}
 
-    def opening_lines(self, s: session.Session) -> list[str]:
-        rows = [v.row for block in s.run.items for v in block]
+    def opening_lines(self, session: Session) -> list[str]:
+        rows = [v.row for block in session.run.items for v in block]
         good = int(self.desirable[rows].sum())
-        return [f"reference: cached in {s.run.cfg.ref_cache_dir}; {s.run.cfg.loss_type[0]} on unpaired rows ({good} "
-                f"desirable, {len(rows) - good} not)",
-                f"training {sum(p.numel() for p in s.trainee.params):,} LoRA parameters for {s.run.steps} steps of "
-                f"{s.run.cfg.gradient_accumulation_steps} blocks of {s.run.cfg.per_device_train_batch_size} rows "
-                f"({len(rows)} rows in {len(s.run.items)} blocks)"]
+        cfg, params = session.run.cfg, sum(p.numel() for p in session.trainee.params)
+        return [f"reference: cached in {cfg.ref_cache_dir}; {cfg.loss_type[0]} on unpaired rows ({good} desirable, "
+                f"{len(rows) - good} not)",
+                f"training {params:,} LoRA parameters for {session.run.steps} steps of "
+                f"{cfg.gradient_accumulation_steps} blocks of {cfg.per_device_train_batch_size} rows "
+                f"({len(rows)} rows in {len(session.run.items)} blocks)"]
 
     def closing_note(self, line: dict) -> str:
         return f": loss {line['loss']:.4f}, kl {line['kl']:.4f}" if line.get("loss") is not None else ""

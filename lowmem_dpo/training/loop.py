@@ -46,10 +46,10 @@ def micro_batches(items: list, micro_batch: int) -> list[list]:
     return [items[i:i + micro_batch] for i in range(0, len(items), micro_batch)]
 
 
-def rank_share(s: Session, items: list) -> list:
+def rank_share(session: Session, items: list) -> list:
     """This rank's items of a step (all of them in a single process), longest first: every world-size-th item of
     the step sorted by length, so each rank gets items of every length (distributed.shard)."""
-    return distributed.shard(data.by_length(items, item_tokens), s.run.world)
+    return distributed.shard(data.by_length(items, item_tokens), session.run.world)
 
 
 # -- one optimizer step ------------------------------------------------------------------------------------------
@@ -73,16 +73,16 @@ class StepOutputs:
     last: dict  # the last train line written
 
 
-def optimizer_step(s: Session, out: StepOutputs | None = None) -> StepResult:
+def optimizer_step(session: Session, out: StepOutputs | None = None) -> StepResult:
     """One optimizer step, top to bottom: its items; forward and backward by micro-batches (halved on out of
     memory); every rank's gradients and sums; clip; the update or a skip; the schedule; then into `out` its
     metrics line, an eval and a checkpoint when due (None: a measurement, the update alone)."""
-    run, trainee, progress = s.run, s.trainee, s.progress
+    run, trainee, progress = session.run, session.trainee, session.progress
     devices.synchronize(run.resolved.device)
     started = time.perf_counter()
     items = next_items(progress.stream, run.items_per_step)  # every rank's: the stream is the same on each
     lr = trainee.scheduler.get_last_lr()[0]
-    stats, progress.micro_batch, progress.grad_accum = backward_with_backoff(s, items)
+    stats, progress.micro_batch, progress.grad_accum = backward_with_backoff(session, items)
     distributed.sum_gradients(trainee.params)  # the step's gradient, the same on every rank
     stats = distributed.sum_stats(stats)  # the step's sums: the loss, the guards and the log see all ranks
     loss = stats.means()["loss"]
@@ -100,7 +100,7 @@ def optimizer_step(s: Session, out: StepOutputs | None = None) -> StepResult:
         progress.nonfinite_in_a_row += 1
         log(update.nonfinite_note(progress.step, loss, grad_norm, progress.nonfinite_in_a_row))
         if progress.nonfinite_in_a_row >= run.cfg.max_nonfinite_steps:
-            raise update.diverged(progress.step, progress.nonfinite_in_a_row, output.last_checkpoint_note(s))
+            raise update.diverged(progress.step, progress.nonfinite_in_a_row, output.last_checkpoint_note(session))
     update.finish_update(trainee.optimizer, trainee.scheduler, trainee.scaler)
     devices.synchronize(run.resolved.device)
     result = StepResult(stats, grad_norm, lr, time.perf_counter() - started)
@@ -110,11 +110,11 @@ def optimizer_step(s: Session, out: StepOutputs | None = None) -> StepResult:
         return result
     out.bar.update(1)
     if logging_due(run.cfg, progress.step, run.steps):
-        out.last = log_step(s, out.metrics, result, out.bar)
+        out.last = log_step(session, out.metrics, result, out.bar)
         progress.window = run.objective.new_stats()  # the next line's window
-    evaluated = eval_step(s, out.metrics, out.bar) if evaluation.due(run.cfg, progress.step, run.steps) else None
+    evaluated = eval_step(session, out.metrics, out.bar) if evaluation.due(run.cfg, progress.step, run.steps) else None
     if saving_due(run.cfg, progress.step, run.steps):
-        save_checkpoint(s, out.folder, evaluated)
+        save_checkpoint(session, out.folder, evaluated)
     return result
 
 
@@ -128,41 +128,41 @@ def saving_due(cfg: Config, step: int, steps: int) -> bool:
     return bool(cfg.save_steps) and (step % cfg.save_steps == 0 or step == steps)
 
 
-def backward_with_backoff(s: Session, items: list) -> tuple[Stats, int, int]:
+def backward_with_backoff(session: Session, items: list) -> tuple[Stats, int, int]:
     """The objective's forward+backward of this rank's share of one optimizer step's items, in micro-batches of
     the progress's micro_batch. On out-of-memory (on any rank), halve the micro-batch (the accumulation doubles:
     the same items, the same update) and retry, down to 1 item. Returns the stats, and the micro-batch and
     accumulation that fit."""
-    mine = math.ceil(policy.rows_of(items) / s.run.world.size)  # this rank's rows, at most
-    step = s.progress.step + 1
+    mine = math.ceil(policy.rows_of(items) / session.run.world.size)  # this rank's rows, at most
+    step = session.progress.step + 1
 
     def attempt(micro_batch: int):
-        return s.run.objective.backward(s, items, micro_batch), micro_batch, math.ceil(mine / micro_batch)
+        return session.run.objective.backward(session, items, micro_batch), micro_batch, math.ceil(mine / micro_batch)
 
     return oom.halving_on_oom(
-        attempt, s.progress.micro_batch, s.run.resolved.device,
+        attempt, session.progress.micro_batch, session.run.resolved.device,
         lambda n: f"out of memory at step {step}: retrying with per_device_train_batch_size={n} "
                   f"gradient_accumulation_steps={math.ceil(mine / n)} (the same {len(items)} pairs per step)",
         f"out of memory at step {step} with 1 pair per micro-batch; lower max_length, or set "
         "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml shows what fits)",
-        cleanup=lambda: s.trainee.optimizer.zero_grad(set_to_none=True),  # drop the partial step's gradients
+        cleanup=lambda: session.trainee.optimizer.zero_grad(set_to_none=True),  # drop the partial step's gradients
         any_rank=distributed.any_rank)
 
 
 # -- output (output.py writes the files) -------------------------------------------------------------------------
-def save_checkpoint(s: Session, out_dir: Path, evaluated: dict | None) -> None:
+def save_checkpoint(session: Session, out_dir: Path, evaluated: dict | None) -> None:
     """checkpoint-STEP, the best so far updated first when this step was evaluated (the best is never pruned),
     and output_dir/trainer_state.json; with every rank's random state (each rank calls this: rank 0 writes)."""
     rng_states = distributed.gather(checkpoint.rng_state())
-    if not s.run.world.main:
+    if not session.run.world.main:
         return
-    evaluation.note_best(s, evaluated)
-    state = checkpoint_state(s)
-    cfg, trainee, progress = s.run.cfg, s.trainee, s.progress
+    evaluation.note_best(session, evaluated)
+    state = checkpoint_state(session)
+    cfg, trainee, progress = session.run.cfg, session.trainee, session.progress
     checkpoint.save(out_dir, state, trainee.model, trainee.optimizer, trainee.scheduler, progress.metrics_lines,
                     cfg.save_total_limit, progress.replaces, trainee.scaler, rng_states)
     progress.replaces = []
-    checkpoint.write_run_state(out_dir, state, s.run.steps, cfg.best_metric_name, cfg.best_is_greater,
+    checkpoint.write_run_state(out_dir, state, session.run.steps, cfg.best_metric_name, cfg.best_is_greater,
                                progress.metrics_lines)
 
 
@@ -173,104 +173,106 @@ class TrainResult:
     model: object  # the PEFT model as trained (in memory)
 
 
-def warn(s: Session, signs: list[str], metrics_file) -> None:
+def warn(session: Session, signs: list[str], metrics_file) -> None:
     """Log the warning signs of this step, and write them to metrics.jsonl ({"step", "warnings"}: the report lists
     them); with early_stop_on_divergence, stop on the first (exit 2)."""
     for sign in signs:
-        log(f"warning: step {s.progress.step}: {sign}")
+        log(f"warning: step {session.progress.step}: {sign}")
     if signs:
-        output.write_line(s, metrics_file, {"step": s.progress.step, "warnings": signs})
-    if signs and s.run.cfg.early_stop_on_divergence:
-        raise UserError(f"stopped at step {s.progress.step} (early_stop_on_divergence=true): {signs[0]}; "
-                        + output.last_checkpoint_note(s))
+        output.write_line(session, metrics_file, {"step": session.progress.step, "warnings": signs})
+    if signs and session.run.cfg.early_stop_on_divergence:
+        raise UserError(f"stopped at step {session.progress.step} (early_stop_on_divergence=true): {signs[0]}; "
+                        + output.last_checkpoint_note(session))
 
 
-def log_step(s: Session, metrics_file, result: StepResult, bar) -> dict:
+def log_step(session: Session, metrics_file, result: StepResult, bar) -> dict:
     """Write the metrics line of the step just taken (its window's means), and warn (or stop, with
     early_stop_on_divergence) on the objective's warning signs in that window."""
-    line = output.write_line(s, metrics_file, output.log_line(s, result.stats, result.grad_norm, result.lr,
+    line = output.write_line(session, metrics_file, output.log_line(session, result.stats, result.grad_norm, result.lr,
                                                               result.seconds))
     signs = []
-    if not s.progress.window.empty:  # else every step since the last line was skipped (already warned)
-        output.show(bar, s.run.objective.bar_numbers(line))
-        signs = s.run.objective.warning_signs(s)
-    warn(s, signs, metrics_file)
+    if not session.progress.window.empty:  # else every step since the last line was skipped (already warned)
+        output.show(bar, session.run.objective.bar_numbers(line))
+        signs = session.run.objective.warning_signs(session)
+    warn(session, signs, metrics_file)
     return line
 
 
-def eval_step(s: Session, metrics_file, bar) -> dict:
+def eval_step(session: Session, metrics_file, bar) -> dict:
     """Evaluate at this step (evaluation.evaluate): the eval line, the bar's eval numbers, the collapse sign (rank
     0's samples: its line and sign go to every rank, which then decide alike)."""
-    line = evaluation.evaluate(s)
-    line, sign = distributed.broadcast((line, evaluation.collapse_sign(s, line) if s.run.world.main else None))
-    output.write_line(s, metrics_file, line)
+    line = evaluation.evaluate(session)
+    sign = evaluation.collapse_sign(session, line) if session.run.world.main else None
+    line, sign = distributed.broadcast((line, sign))
+    output.write_line(session, metrics_file, line)
     output.show(bar, evaluation.bar_numbers(line))
-    warn(s, [sign] if sign else [], metrics_file)
+    warn(session, [sign] if sign else [], metrics_file)
     return line
 
 
-def run(s: Session, progress: bool = True) -> TrainResult:
+def run(session: Session, progress: bool = True) -> TrainResult:
     """Optimizer steps until s.run.steps: a metrics line at step 1, every logging_steps and the last step; a
     checkpoint every save_steps and at the last step; then the adapter into output_dir."""
     from tqdm.auto import tqdm
 
-    cfg, main = s.run.cfg, s.run.world.main  # rank 0 writes the files; the others only compute (distributed.py)
-    out_dir = output.start_output(s) if main else Path(cfg.output_dir)
-    for line in s.run.objective.opening_lines(s):
+    cfg, main = session.run.cfg, session.run.world.main  # rank 0 writes the files; the others only compute
+    out_dir = output.start_output(session) if main else Path(cfg.output_dir)
+    for line in session.run.objective.opening_lines(session):
         log(line)
     if cfg.memory_snapshot_on_oom:
-        log(oom.record_snapshots(s.run.resolved.device, out_dir))
-    devices.memory_window(s.run.resolved.device)  # the first line's window starts here
-    train_lines = [line for line in map(json.loads, s.progress.metrics_lines) if "loss" in line]  # not eval lines
+        log(oom.record_snapshots(session.run.resolved.device, out_dir))
+    devices.memory_window(session.run.resolved.device)  # the first line's window starts here
+    train_lines = [line for line in map(json.loads, session.progress.metrics_lines) if "loss" in line]  # not eval lines
     last = train_lines[-1] if train_lines else {}
-    bar = tqdm(total=s.run.steps, initial=s.progress.step, desc=s.run.objective.name, unit="step",
+    bar = tqdm(total=session.run.steps, initial=session.progress.step, desc=session.run.objective.name, unit="step",
                disable=not progress or not main, dynamic_ncols=True)
     bar.postfix_dict = {}  # the numbers shown: the last train line's and the last eval's
     # A resumed run's events after its checkpoint, or an earlier run's, are purged: the events follow metrics.jsonl.
     if main:
-        s.trackers = trackers.open_trackers(cfg.report_to, out_dir, cfg.run_name, output.tracker_config(s),
-                                            s.progress.step + 1 if s.progress.step else 0,
-                                            s.progress.resumed_from is not None)
+        session.trackers = trackers.open_trackers(cfg.report_to, out_dir, cfg.run_name, output.tracker_config(session),
+                                            session.progress.step + 1 if session.progress.step else 0,
+                                            session.progress.resumed_from is not None)
     try:
-        last = steps(s, out_dir, bar, last)
+        last = steps(session, out_dir, bar, last)
     except KeyboardInterrupt:  # Ctrl-C: where the rerun continues
         then = ("starts the run again" if not checkpoint.complete(cfg.output_dir) else "continues from it"
                 if cfg.resume == "auto" else "with resume=auto continues from it")
-        raise KeyboardInterrupt(f"{output.last_checkpoint_note(s)}; the same command {then}") from None
+        raise KeyboardInterrupt(f"{output.last_checkpoint_note(session)}; the same command {then}") from None
     finally:
         bar.close()  # before any message that ends the run, which then stands on its own line
-        if s.trackers is not None:  # a run that stops early closes its tracker runs too
-            s.trackers.close()
-    if s.progress.skipped_steps:
-        log(f"note: {s.progress.skipped_steps} updates were skipped for a non-finite loss or gradient")
+        if session.trackers is not None:  # a run that stops early closes its tracker runs too
+            session.trackers.close()
+    if session.progress.skipped_steps:
+        log(f"note: {session.progress.skipped_steps} updates were skipped for a non-finite loss or gradient")
     if main:
-        finish(s, out_dir, last)
+        finish(session, out_dir, last)
     distributed.barrier()  # the other ranks end when the adapter is saved
-    return TrainResult(last, s.trainee.model)
+    return TrainResult(last, session.trainee.model)
 
 
-def steps(s: Session, out_dir: Path, bar, last: dict) -> dict:
+def steps(session: Session, out_dir: Path, bar, last: dict) -> dict:
     """The loop itself: optimizer steps until s.run.steps, with their lines, evals and checkpoints; returns the last
     train line."""
-    with output.open_metrics(s, out_dir) if s.run.world.main else open(os.devnull, "w") as metrics_file:
-        first = distributed.broadcast(evaluation.at_start(s) if s.run.world.main else None)  # step 0: the samples
+    main = session.run.world.main
+    with output.open_metrics(session, out_dir) if main else open(os.devnull, "w") as metrics_file:
+        first = distributed.broadcast(evaluation.at_start(session) if main else None)  # step 0: the samples
         if first is not None:
-            output.write_line(s, metrics_file, first)
-        if evaluation.on_start(s):  # every rank: the eval is split across them
-            eval_step(s, metrics_file, bar)
+            output.write_line(session, metrics_file, first)
+        if evaluation.on_start(session):  # every rank: the eval is split across them
+            eval_step(session, metrics_file, bar)
         out = StepOutputs(metrics_file, out_dir, bar, last)
-        while s.progress.step < s.run.steps:
-            optimizer_step(s, out)
+        while session.progress.step < session.run.steps:
+            optimizer_step(session, out)
     return out.last
 
 
-def finish(s: Session, out_dir: Path, last: dict) -> None:
+def finish(session: Session, out_dir: Path, last: dict) -> None:
     """Rank 0 at the end: the best adapter loaded (load_best_model_at_end), saved into output_dir with the run's
     state."""
-    cfg = s.run.cfg
+    cfg = session.run.cfg
     if cfg.load_best_model_at_end:
-        evaluation.load_best(s)
-    output.save_final(s, out_dir)
-    checkpoint.write_run_state(out_dir, checkpoint_state(s), s.run.steps, cfg.best_metric_name, cfg.best_is_greater,
-                               s.progress.metrics_lines)
-    log(f"saved adapter to {out_dir} (step {s.run.steps}{s.run.objective.closing_note(last)})")
+        evaluation.load_best(session)
+    output.save_final(session, out_dir)
+    checkpoint.write_run_state(out_dir, checkpoint_state(session), session.run.steps, cfg.best_metric_name,
+                               cfg.best_is_greater, session.progress.metrics_lines)
+    log(f"saved adapter to {out_dir} (step {session.run.steps}{session.run.objective.closing_note(last)})")

@@ -30,9 +30,9 @@ from lowmem_dpo.training.session import Session
 from lowmem_dpo.training.trackers import EVENTS_DIR
 
 
-def last_checkpoint_note(s: Session) -> str:
+def last_checkpoint_note(session: Session) -> str:
     """What a stopped run leaves to resume from, for messages."""
-    found = checkpoint.complete(s.run.cfg.output_dir)
+    found = checkpoint.complete(session.run.cfg.output_dir)
     return (f"the last checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact" if found
             else "no checkpoint was written yet (save_steps)")
 
@@ -86,27 +86,27 @@ def check_output_dir(cfg, stage: str) -> None:
                   "does not use")
 
 
-def start_output(s: Session) -> Path:
+def start_output(session: Session) -> Path:
     """output_dir with the resolved config.yaml; the resolved choices in the log."""
-    out_dir = Path(s.run.cfg.output_dir)
-    folders.mark(out_dir, KIND[s.run.objective.name])  # before the first file: the folder is this run's
-    log(f"writing to {place(s.run.cfg, 'output_dir')}")
-    resolved_note = "".join(f"# resolved {r}\n" for r in s.run.resolved.reasons)
-    files.atomic_write_bytes(out_dir / RUN_CONFIG, (s.run.cfg.to_yaml() + resolved_note).encode())
-    for reason in s.run.resolved.reasons:
+    out_dir = Path(session.run.cfg.output_dir)
+    folders.mark(out_dir, KIND[session.run.objective.name])  # before the first file: the folder is this run's
+    log(f"writing to {place(session.run.cfg, 'output_dir')}")
+    resolved_note = "".join(f"# resolved {r}\n" for r in session.run.resolved.reasons)
+    files.atomic_write_bytes(out_dir / RUN_CONFIG, (session.run.cfg.to_yaml() + resolved_note).encode())
+    for reason in session.run.resolved.reasons:
         log(f"resolved {reason}")
     return out_dir
 
 
-def open_metrics(s: Session, out_dir: Path):
+def open_metrics(session: Session, out_dir: Path):
     """metrics.jsonl as of the checkpoint the run resumes from (empty for a new run), open for appending: a
     resumed run continues it without repeating a step. Logs where the run starts."""
-    if s.progress.resumed_from is not None:
-        log(f"resuming from {s.progress.resumed_from} (step {s.progress.step} of {s.run.steps})")
-    elif s.progress.replaces:
-        log(f"starting over (resume={s.run.cfg.resume}): the {len(s.progress.replaces)} checkpoints in "
+    if session.progress.resumed_from is not None:
+        log(f"resuming from {session.progress.resumed_from} (step {session.progress.step} of {session.run.steps})")
+    elif session.progress.replaces:
+        log(f"starting over (resume={session.run.cfg.resume}): the {len(session.progress.replaces)} checkpoints in "
             f"{checkpoint.root(out_dir)} are replaced by this run's first one")
-    files.atomic_write_bytes(out_dir / checkpoint.METRICS, "".join(s.progress.metrics_lines).encode())
+    files.atomic_write_bytes(out_dir / checkpoint.METRICS, "".join(session.progress.metrics_lines).encode())
     return open(out_dir / checkpoint.METRICS, "a", encoding="utf-8")
 
 
@@ -131,70 +131,71 @@ def save_adapter(model, out_dir: Path, tokenizer=None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save_final(s: Session, out_dir: Path) -> None:
+def save_final(session: Session, out_dir: Path) -> None:
     """The adapter into output_dir, refusing non-finite weights and a disk without room for it."""
-    bad = [n for n, p in s.trainee.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    bad = [n for n, p in session.trainee.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
     if bad:
         raise UserError(f"not saving: {len(bad)} LoRA weights are not finite (first: {bad[0]}); "
-                        + last_checkpoint_note(s))
-    need = sum(p.numel() * p.element_size() for p in s.trainee.params) + (1 << 20)
-    then = checkpoint.resume_note(s.run.cfg.output_dir)
+                        + last_checkpoint_note(session))
+    need = sum(p.numel() * p.element_size() for p in session.trainee.params) + (1 << 20)
+    then = checkpoint.resume_note(session.run.cfg.output_dir)
     files.ensure_free_space(out_dir, need, "the adapter", then)
     try:
-        save_adapter(s.trainee.model, out_dir, s.run.tokenizer)
-        write_model_card(s, out_dir)
+        save_adapter(session.trainee.model, out_dir, session.run.tokenizer)
+        write_model_card(session, out_dir)
     except OSError as e:
         if files.is_disk_full(e):
             raise files.disk_full_error(out_dir, "the adapter", need, then) from None
         raise
 
 
-def tracker_config(s: Session) -> dict:
+def tracker_config(session: Session) -> dict:
     """What trackio and wandb record of a run at its start: its config, and the setup the device rules and the
     planner resolved (TRL's trackers get its args the same way)."""
-    r = s.run.resolved
-    return {f.name: yaml_form(getattr(s.run.cfg, f.name)) for f in dataclasses.fields(s.run.cfg)} | {"resolved": {
-        "device": str(r.device), "dtype": devices.dtype_name(r.dtype), "micro_batch": s.progress.micro_batch,
-        "gradient_accumulation": s.progress.grad_accum, "gradient_checkpointing": r.gradient_checkpointing,
-        "share_prompt": r.share_prompt, "budget_bytes": r.budget, "steps": s.run.steps}}
+    r, cfg = session.run.resolved, session.run.cfg
+    return {f.name: yaml_form(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)} | {"resolved": {
+        "device": str(r.device), "dtype": devices.dtype_name(r.dtype), "micro_batch": session.progress.micro_batch,
+        "gradient_accumulation": session.progress.grad_accum, "gradient_checkpointing": r.gradient_checkpointing,
+        "share_prompt": r.share_prompt, "budget_bytes": r.budget, "steps": session.run.steps}}
 
 
-def write_model_card(s: Session, out_dir: Path) -> None:
+def write_model_card(session: Session, out_dir: Path) -> None:
     """README.md in place of peft's template; a card that cannot be written is a warning, the adapter is saved."""
     try:
-        card = model_card(s, out_dir)
+        card = model_card(session, out_dir)
     except Exception as e:  # the card describes the run; the run's result is the adapter, already saved
         log(f"warning: the model card (README.md) was not written ({type(e).__name__}: {e}); the adapter is saved")
         return
     files.atomic_write_bytes(out_dir / "README.md", card.encode())
 
 
-def model_card(s: Session, out_dir: Path) -> str:
+def model_card(session: Session, out_dir: Path) -> str:
     """The run folder's README.md, the Hub's model card: base model, data, objective, the settings that shape the
     result, the last eval and the best checkpoint, the tool's version, and how to load the adapter."""
-    cfg = s.run.cfg
+    cfg = session.run.cfg
     config = json.loads((out_dir / ADAPTER_CONFIG).read_text())
     named = cfg.model_name_or_path.startswith(BUILTIN_PREFIX)  # a built-in by its name, not its cache folder
     base = cfg.model_name_or_path if named else config.get("base_model_name_or_path") or cfg.model_name_or_path
-    objective = "SFT on the completions" if s.run.objective.name == "sft" else (
+    objective = "SFT on the completions" if session.run.objective.name == "sft" else (
         f"loss_type {cfg.loss_type}" + (f" weighted {cfg.loss_weights}" if cfg.loss_weights else "")
         + f", beta {cfg.beta}")
-    evals = [json.loads(x) for x in s.progress.metrics_lines if '"eval_loss"' in x]
+    evals = [json.loads(x) for x in session.progress.metrics_lines if '"eval_loss"' in x]
     last = ", ".join(f"{k} {v:.4g}" for k, v in evals[-1].items() if k.startswith("eval_") and k not in (
         "eval_runtime", "eval_pairs") and isinstance(v, (int, float))) if evals else "none (no eval data)"
     best = "not tracked"
-    if s.progress.best.get("best_global_step") is not None:
-        best = (f"{cfg.best_metric_name} {s.progress.best['best_metric']:.4g} at step "
-                f"{s.progress.best['best_global_step']}") + (" (the adapter here: load_best_model_at_end)" if cfg.load_best_model_at_end else "")
+    noted = session.progress.best
+    if noted.get("best_global_step") is not None:
+        best = f"{cfg.best_metric_name} {noted['best_metric']:.4g} at step {noted['best_global_step']}" + (
+            " (the adapter here: load_best_model_at_end)" if cfg.load_best_model_at_end else "")
     lines = [
         "---", f"base_model: {base}", "library_name: peft", "tags:", "- lowmem_dpo", "- lora",
-        f"- {s.run.objective.name}", "---", "", f"# {out_dir.resolve().name}", "",
+        f"- {session.run.objective.name}", "---", "", f"# {out_dir.resolve().name}", "",
         f"A LoRA adapter on {base}, trained by lowmem_dpo {folders.tool_version()}.", "",
         f"- **Base model**: {base}",
-        f"- **Data**: {', '.join(src.path for src in cfg.dataset)} ({policy.rows_of(s.run.items)} training rows)",
+        f"- **Data**: {', '.join(src.path for src in cfg.dataset)} ({policy.rows_of(session.run.items)} training rows)",
         f"- **Objective**: {objective}",
-        f"- **Settings**: {s.run.steps} steps of {cfg.per_device_train_batch_size} x {cfg.gradient_accumulation_steps} "
-        f"per device, learning_rate {cfg.learning_rate} ({cfg.lr_scheduler_type}), max_length {cfg.max_length}, "
+        f"- **Settings**: {session.run.steps} steps of {cfg.per_device_train_batch_size} x "
+        f"{cfg.gradient_accumulation_steps} per device, learning_rate {cfg.learning_rate} ({cfg.lr_scheduler_type}), max_length {cfg.max_length}, "
         f"LoRA r {config.get('r')} alpha {config.get('lora_alpha')}, dtype {cfg.dtype}, quantization "
         f"{cfg.quantization}, seed {cfg.seed}",
         f"- **Last eval** (step {evals[-1]['step'] if evals else '-'}): {last}",
@@ -207,28 +208,29 @@ def model_card(s: Session, out_dir: Path) -> str:
 
 
 # -- metrics.jsonl and the progress bar -----------------------------------------------------------------------
-def log_line(s: Session, stats, grad_norm: float, lr: float, dt: float) -> dict:
+def log_line(session: Session, stats, grad_norm: float, lr: float, dt: float) -> dict:
     """The metrics.jsonl line for this step: the window's means (null when every step since the last line was
     skipped as non-finite), the step's gradient norm, learning rate and timing; on CUDA the window's memory
     (devices.memory_window: peak allocated and reserved since the last line, the card's used bytes); in float16
     the loss scale and the scaler's skips so far."""
-    means = dict.fromkeys(s.progress.window.means()) if s.progress.window.empty else s.progress.window.means()
-    line = {"step": s.progress.step, **{k: None if v is None else round(v, 6) for k, v in means.items()},
+    window = session.progress.window
+    means = dict.fromkeys(window.means()) if window.empty else window.means()
+    line = {"step": session.progress.step, **{k: None if v is None else round(v, 6) for k, v in means.items()},
             "grad_norm": round(grad_norm, 6) if math.isfinite(grad_norm) else None,
             "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3),
-            **devices.memory_window(s.run.resolved.device)}
-    if s.trainee.scaler is not None:
-        line.update(loss_scale=s.trainee.scaler.get_scale(), scaler_skips=s.progress.scaler_skips)
+            **devices.memory_window(session.run.resolved.device)}
+    if session.trainee.scaler is not None:
+        line.update(loss_scale=session.trainee.scaler.get_scale(), scaler_skips=session.progress.scaler_skips)
     return line
 
 
-def write_line(s: Session, metrics_file, line: dict) -> dict:
+def write_line(session: Session, metrics_file, line: dict) -> dict:
     """Append a line to metrics.jsonl (and the session's copy, which checkpoints keep), and to TensorBoard."""
-    s.progress.metrics_lines.append(json.dumps(line) + "\n")
-    metrics_file.write(s.progress.metrics_lines[-1])
+    session.progress.metrics_lines.append(json.dumps(line) + "\n")
+    metrics_file.write(session.progress.metrics_lines[-1])
     metrics_file.flush()
-    if s.trackers is not None:
-        s.trackers.add(line)
+    if session.trackers is not None:
+        session.trackers.add(line)
     return line
 
 

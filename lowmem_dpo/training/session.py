@@ -46,25 +46,25 @@ class Objective(Protocol):
 
     def new_stats(self) -> Stats: ...
 
-    def backward(self, s: "Session", items: list, micro_batch: int) -> Stats:
+    def backward(self, session: "Session", items: list, micro_batch: int) -> Stats:
         """Forward + backward of this rank's share (loop.rank_share) of one optimizer step's items, in
         micro-batches of `micro_batch` items (loop.micro_batches); the gradients accumulate in the trainee's
         params, scaled so that summed over the ranks the step's loss is its mean over all `items` whatever the
         split. No collective call: the loop sums."""
 
-    def eval_stats(self, s: "Session", items: list, micro_batch: int) -> Stats:
+    def eval_stats(self, session: "Session", items: list, micro_batch: int) -> Stats:
         """The eval sums over this rank's share of `items`, with no gradients, by micro-batches of `micro_batch`."""
 
     def eval_metrics(self, stats: Stats) -> dict[str, float]:
         """The eval metrics ("eval_" names) of eval sums (all ranks' summed)."""
 
-    def warning_signs(self, s: "Session") -> list[str]:
+    def warning_signs(self, session: "Session") -> list[str]:
         """Signs the run is going wrong, from the progress's window at its step (guards.py); [] for none."""
 
     def bar_numbers(self, line: dict) -> dict[str, str]:
         """The progress bar's numbers from a metrics line."""
 
-    def opening_lines(self, s: "Session") -> list[str]:
+    def opening_lines(self, session: "Session") -> list[str]:
         """The log lines that open the run: what is trained, on what."""
 
     def closing_note(self, line: dict) -> str:
@@ -201,17 +201,17 @@ def restored_progress(fresh: Progress, resume_from: Path, saved: checkpoint.Trai
         resumed_from=resume_from)
 
 
-def checkpoint_state(s: Session) -> checkpoint.TrainerState:
-    run, progress = s.run, s.progress
+def checkpoint_state(session: Session) -> checkpoint.TrainerState:
+    run, progress = session.run, session.progress
     return checkpoint.TrainerState(step=progress.step, pairs_seen=progress.step * run.items_per_step,
                                    micro_batch=progress.micro_batch, grad_accum=progress.grad_accum,
                                    skipped_steps=progress.skipped_steps, scaler_skips=progress.scaler_skips,
                                    window=dataclasses.asdict(progress.window), config=dataclasses.asdict(run.cfg),
-                                   inputs=run.inputs, **progress.best, best_model_checkpoint=best_folder(s),
+                                   inputs=run.inputs, **progress.best, best_model_checkpoint=best_folder(session),
                                    world_size=run.world.size)
 
 
-def best_folder(s: Session) -> str | None:
+def best_folder(session: Session) -> str | None:
     """The best checkpoint's folder, by its step under output_dir (so a moved or renamed run still names it)."""
-    step = s.progress.best["best_global_step"]
-    return None if step is None else str(checkpoint.folder(s.run.cfg.output_dir, step))
+    step = session.progress.best["best_global_step"]
+    return None if step is None else str(checkpoint.folder(session.run.cfg.output_dir, step))
