@@ -250,33 +250,34 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
                 for layout, miss in lacking.items()}
         files.ensure_free_space(cache_dir, min(need.values()), "the reference cache",
                                 "Nothing was computed; the cache there is untouched.")
-        want = None if side.other is None or cfg.share_prompt == "auto" else cfg.share_prompt == "true"
-        complete = [layout for layout, miss in lacking.items() if not miss and want in (None, layout)]
-        if complete:  # every sequence is there: no model
-            computed, used, seconds = 0, complete[0], 0.0
+        asked = None if side.twin is None or cfg.share_prompt == "auto" else cfg.share_prompt == "true"
+        complete_layouts = [layout for layout, miss in lacking.items() if not miss and asked in (None, layout)]
+        if complete_layouts:  # every sequence is there: no model
+            computed, layout, seconds = 0, complete_layouts[0], 0.0
         else:
             model, batch = load_model(cfg, resolved, ins, len(keys))
             pad_id = data.pad_token_id(ins.tokenizer)
             # decided on the dataset's pairs, as train decides: the two agree on the layout
             shared = headcheck.bring_up(model, cfg, resolved, pad_id, d.tok.pairs[:1], d.tok.pairs)
-            used = shared if side.other is not None else None
-            todo = {keys[i] for i in lacking[used]}
+            layout = shared if side.twin is not None else None
+            todo = {keys[i] for i in lacking[layout]}
             units = forward_units(*d.all_pairs(), todo, shared)
             computed, t0 = len(todo), time.perf_counter()
-            components = side.layouts()[used]
+            components = side.layouts()[layout]
             compute_missing(model, longest_first(units), store,
                             store.side(cache.side_digest(components), components), cfg, resolved, pad_id, progress,
-                            shared, batch, need[used])
+                            shared, batch, need[layout])
             del model  # its memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
             oom.release_memory(resolved.device)
             distributed.barrier()  # every process's sequences are in the store
             seconds = time.perf_counter() - t0
         if not distributed.is_main():
             return cache_dir
-        record_build(cache_dir, computed, len(keys) - computed, seconds if computed else 0.0, side.at(used).digest)
+        record_build(cache_dir, computed, len(keys) - computed, seconds if computed else 0.0,
+                     side.preferring(layout).digest)
         if prune:
-            prune_store(store, side.layouts()[used], set(keys))
-        report(cache_dir, store, side.at(used), d, cfg)
+            prune_store(store, side.layouts()[layout], set(keys))
+        report(cache_dir, store, side.preferring(layout), d, cfg)
     return cache_dir
 
 

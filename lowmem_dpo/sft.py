@@ -156,11 +156,9 @@ def setup(cfg: Config, progress: bool = True) -> Session:
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
     pad_id = data.pad_token_id(tokenizer)
     headcheck.bring_up(model, cfg, resolved, pad_id, d.train[:2], train=True)  # completions: never shared
-    session = start_session(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer,
-                            d.prompts)
     # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
-    session.run.adapter_off_is_start = False
-    return session
+    return start_session(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer,
+                         d.prompts, adapter_off_is_start=False)
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

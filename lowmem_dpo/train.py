@@ -263,8 +263,8 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     pad_id = data.pad_token_id(ins.tokenizer)
     # sharing decided on the same rows as precompute's (every row of dataset): the two agree on the layout
     shared = headcheck.bring_up(model, cfg, resolved, pad_id, d.train[:1], d.tok.pairs, train=True)
-    if ref is not None and side.other is not None:  # 16-bit: the values of this run's layout first
-        ref, eval_ref = reference_caches(cfg, ins, side.at(shared), d, recipe)
+    if ref is not None and side.twin is not None:  # 16-bit: the values of this run's layout first
+        ref, eval_ref = reference_caches(cfg, ins, side.preferring(shared), d, recipe)
         if ref.shared != shared:
             log(f"note: reference values were computed {'with' if ref.shared else 'without'} share_prompt and "
                 f"this run {'shares' if shared else 'does not share'} prompts: in "
@@ -276,10 +276,8 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
         objective = kto.KTO(cfg, ref, kto.labels(d.unpaired["train"]), eval_ref,
                             kto.labels(d.unpaired[d.eval_part]) if d.eval_part else None)
         items = kto.blocks(d.train, cfg.per_device_train_batch_size)
-    session = start_session(cfg, resolved, model, items, pad_id, objective, resume, trains_on, d.eval, ins.tokenizer,
-                   d.prompts)
-    session.run.adapter_off_is_start = adapters.adapter_off_is_start(cfg, ins.source)
-    return session
+    return start_session(cfg, resolved, model, items, pad_id, objective, resume, trains_on, d.eval, ins.tokenizer,
+                         d.prompts, adapter_off_is_start=adapters.adapter_off_is_start(cfg, ins.source))
 
 
 def reference_caches(cfg: Config, ins: inputs.Inputs, side: cache.Side, d: inputs.Data, recipe: str | None) -> tuple:

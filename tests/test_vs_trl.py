@@ -42,7 +42,7 @@ def trained(tmp_path_factory, tiny_path):
 
 
 def ours(s, **changes) -> dict:
-    s.run.cfg = dataclasses.replace(s.run.cfg, **changes)
+    s.run = dataclasses.replace(s.run, cfg=dataclasses.replace(s.run.cfg, **changes))  # RunSetup is frozen
     return evaluation.evaluate(s)
 
 

@@ -144,7 +144,7 @@ class Side:
     """A model side of this run, in the layout it prefers, with its twin in the other layout (16-bit only)."""
 
     components: dict
-    other: dict | None = None  # the other layout's components; None in float32
+    twin: dict | None = None  # the same side's components in the other layout; None in float32
 
     @property
     def digest(self) -> str:
@@ -166,22 +166,22 @@ class Side:
 
     def layouts(self) -> dict:
         """layout (None in float32, else whether shared) -> its components."""
-        if self.other is None:
+        if self.twin is None:
             return {None: self.components}
-        return {self.shared: self.components, not self.shared: self.other}
+        return {self.shared: self.components, not self.shared: self.twin}
 
-    def at(self, shared: bool | None) -> "Side":
+    def preferring(self, shared: bool | None) -> "Side":
         """This side preferring layout `shared` (None: as it is)."""
-        if shared is None or self.other is None or shared == self.shared:
+        if shared is None or self.twin is None or shared == self.shared:
             return self
-        return Side(self.other, self.components)
+        return Side(self.twin, self.components)
 
 
 def run_side(weights: dict, dtype: str, quantization: str, shared: bool = False, per_token: bool = False) -> Side:
     """A run's Side: in a 16-bit dtype both layouts, `shared` preferred; in float32 one."""
     components = side_components(weights, dtype, quantization, shared, per_token)
-    other = side_components(weights, dtype, quantization, not shared, per_token) if "layout" in components else None
-    return Side(components, other)
+    twin = side_components(weights, dtype, quantization, not shared, per_token) if "layout" in components else None
+    return Side(components, twin)
 
 
 def open_store(cache_dir: Path, create: bool = False, command: str = "") -> stores.Store | None:
@@ -212,8 +212,8 @@ def lookup(store: stores.Store, side: Side, keys: list[bytes]) -> tuple[dict, bo
     preferred layout lacks; and whether any came from the twin."""
     found = store.get(store.side(side.digest), keys)
     from_other = False
-    if side.other is not None and len(found) < len(set(keys)):
-        twin = store.get(store.side(side_digest(side.other)), [k for k in keys if k not in found])
+    if side.twin is not None and len(found) < len(set(keys)):
+        twin = store.get(store.side(side_digest(side.twin)), [k for k in keys if k not in found])
         from_other = bool(twin)
         found.update(twin)
     return found, from_other
@@ -263,7 +263,7 @@ def missing_message(cache_dir: Path, rows: list, total: int, name_row, command: 
     shown = "; ".join(name_row(p.row) for p in rows[:3]) + (f"; and {len(rows) - 3} more" if len(rows) > 3 else "")
     why = "new, or changed since precompute ran"
     if store is not None and side is not None and store.side(side.digest) is None and not (
-            side.other and store.side(side_digest(side.other))):
+            side.twin and store.side(side_digest(side.twin))):
         why = nearest_difference(store, side.components) or why
     return (f"the reference cache in {str(cache_dir)!r} has no reference values for {len(rows)} of the {total} rows "
             f"this run uses ({shown}): {why}. Compute them (only them) with: {command}")

@@ -92,9 +92,9 @@ def next_items(stream, n: int) -> list:
 BEST_KEYS = ("best_metric", "best_global_step")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunSetup:
-    """What the run is: fixed once the stage's setup is done (train.setup, sft.setup), to the run's end."""
+    """What the run is: fixed from the stage's setup (train.setup, sft.setup) to the run's end."""
 
     cfg: Config
     resolved: devices.Resolved
@@ -165,15 +165,16 @@ class Session:
 # -- start or resume ---------------------------------------------------------------------------------------------
 def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: int, objective: Objective,
           resume: tuple[Path | None, checkpoint.TrainerState | None], inputs: dict | None = None,
-          eval_items: list = (), tokenizer=None, prompts: dict | None = None) -> Session:
+          eval_items: list = (), tokenizer=None, prompts: dict | None = None,
+          adapter_off_is_start: bool = True) -> Session:
     """The session of a stage's set-up model: its optimizer and schedule over the run's steps, at checkpoint
     `resume` (resuming.find_resume's pair, its inputs already checked against `inputs`) or at the start.
     `eval_items` are evaluated every eval_steps, their prompts answered with `tokenizer`'s decoding and shown as
-    `prompts` has them (inputs.Data.prompts)."""
+    `prompts` has them (inputs.Data.prompts). adapter_off_is_start: RunSetup's."""
     steps = policy.total_steps(cfg, policy.rows_of(items), distributed.world().size)
     optimizer, scheduler, params = policy.setup_optimizer(cfg, model, steps, resolved)
     run = RunSetup(cfg, resolved, objective, items, pad_id, steps, inputs or {}, list(eval_items), tokenizer,
-                   prompts or {})
+                   prompts or {}, adapter_off_is_start=adapter_off_is_start)
     trainee = Trainee(model, optimizer, scheduler, params, devices.grad_scaler(resolved.device, resolved.dtype))
     micro_batch = resolved.micro_batch or cfg.per_device_train_batch_size  # the planner's split, or the recipe's
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps

@@ -82,8 +82,9 @@ def trl_train_metrics(trainer) -> dict:
                                                 ("apo_zero_unpaired", (1.0, 1.0))])
 def test_train_and_eval_metrics_equal_trls(trained, tiny_path, loss_type, weights):
     root, train_rows, eval_rows, s = trained
-    s.run.cfg = dataclasses.replace(s.run.cfg, loss_type=[loss_type], desirable_weight=weights[0],
-                                undesirable_weight=weights[1])
+    cfg = dataclasses.replace(s.run.cfg, loss_type=[loss_type], desirable_weight=weights[0],
+                              undesirable_weight=weights[1])
+    s.run = dataclasses.replace(s.run, cfg=cfg)  # RunSetup is frozen
     got_eval = evaluation.evaluate(s)
     with torch.no_grad():
         got_train = kto.KtoStats()
