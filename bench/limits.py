@@ -40,20 +40,20 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
     from lowmem_dpo.training import inputs
 
     resolved = devices.resolve(cfg)
-    ins = inputs.prepare(cfg, resolved)
-    d = inputs.load_data(cfg, ins.tokenizer, progress=False)
-    seqs = list(d.sequences().values())  # what precompute computes from an empty cache: each sequence once
-    pairs = d.tok.pairs
+    prepared = inputs.prepare(cfg, resolved)
+    dataset = inputs.load_data(cfg, prepared.tokenizer, progress=False)
+    seqs = list(dataset.sequences().values())  # what precompute computes from an empty cache: each sequence once
+    pairs = dataset.tok.pairs
     bs = cfg.precompute_batch_size  # in pairs
-    model, _ = precompute.load_model(cfg, resolved, ins, len(seqs))  # as precompute loads it
-    pad_id = data.pad_token_id(ins.tokenizer)
+    model, _ = precompute.load_model(cfg, resolved, prepared, len(seqs))  # as precompute loads it
+    pad_id = data.pad_token_id(prepared.tokenizer)
     device = resolved.device
     # As precompute decides it: each prompt once where the device rule and the model allow (share_prompt).
     shared = headcheck.bring_up(model, cfg, resolved, pad_id, pairs[:1], pairs)
     # precompute's batches: forward units longest first, cut into batches within each commit's units; a pair is
     # one shared unit or two unshared ones (precompute.chunk_with_backoff)
     per_batch = bs * (1 if shared else 2)
-    order = precompute.longest_first(precompute.forward_units(*d.all_pairs(), None, shared))
+    order = precompute.longest_first(precompute.forward_units(*dataset.all_pairs(), None, shared))
     commits = [order[i:i + cfg.cache_shard_rows] for i in range(0, len(order), cfg.cache_shard_rows)]
     batches = [units[i:i + per_batch] for units in commits for i in range(0, len(units), per_batch)]
     # the bare forward: the same sequences of each batch, one per row (the prompt in every row)

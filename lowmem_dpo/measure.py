@@ -165,13 +165,13 @@ def _longest_rows(cfg: Config, tokenizer, n: int, out: Path) -> list[Source]:
     return written
 
 
-def _measure_precompute(mcfg: Config, ins: inputs.Inputs, resolved: devices.Resolved):
+def _measure_precompute(mcfg: Config, prepared: inputs.Inputs, resolved: devices.Resolved):
     """(PeakMeter, (padded T, completion tokens, forward rows), shared) of precompute.units_logps over one batch of
     the longest sequences, the reference loaded as precompute loads it."""
-    tok = inputs.tokenized(mcfg, ins.tokenizer, progress=False)
-    model = models.load_model(ins.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
-    policy.tile(model, ins.model_path)
-    pad_id = data.pad_token_id(ins.tokenizer)
+    tok = inputs.tokenized(mcfg, prepared.tokenizer, progress=False)
+    model = models.load_model(prepared.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
+    policy.tile(model, prepared.model_path)
+    pad_id = data.pad_token_id(prepared.tokenizer)
     shared = headcheck.bring_up(model, mcfg, resolved, pad_id, tok.pairs[:1], tok.pairs)  # as precompute.run
     rows = mcfg.precompute_batch_size * (1 if shared else 2)  # a pair is one shared row, or two unshared ones
     units = precompute.forward_units(tok.pairs, [cache.pair_keys(p) for p in tok.pairs], None, shared)
@@ -230,12 +230,12 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
                cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * (steps + timed))
     with tempfile.TemporaryDirectory(prefix="lowmem_dpo-measure-") as tmp:
         tmp = Path(tmp)
-        ins = inputs.prepare(cfg, resolved)
-        subset = _longest_rows(cfg, ins.tokenizer, rows, tmp)
+        prepared = inputs.prepare(cfg, resolved)
+        subset = _longest_rows(cfg, prepared.tokenizer, rows, tmp)
         mcfg = dataclasses.replace(cfg, dataset=subset, dataset_split="train", max_train_samples=None,
                                    ref_cache_dir=str(tmp / "cache"),
                                    output_dir=str(tmp / "out"), max_steps=steps + timed, save_steps=0)
-        pre, (pre_t, pre_m, n_pre), _ = _measure_precompute(mcfg, ins, resolved)
+        pre, (pre_t, pre_m, n_pre), _ = _measure_precompute(mcfg, prepared, resolved)
         tr, seen, shared, times = _measure_train(mcfg, steps, timed)
     t = max(s[0] for s in seen)
     m = max(s[1] for s in seen)

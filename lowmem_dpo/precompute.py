@@ -205,18 +205,18 @@ def chunk_with_backoff(model, chunk: list[list[data.TokenizedCompletion]], batch
         "rerun computes only the rest")
 
 
-def load_model(cfg: Config, resolved: devices.Resolved, ins: inputs.Inputs, sequences: int):
+def load_model(cfg: Config, resolved: devices.Resolved, prepared: inputs.Inputs, sequences: int):
     """The reference (base, or base + SFT adapter) as the planner fits it; and the batch it plans."""
-    batch, stream = memory_plan(cfg, resolved, ins.model_path)
+    batch, stream = memory_plan(cfg, resolved, prepared.model_path)
     quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
     log(f"precompute: {sequences} sequences on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
         f"{quantized}, batch {batch}, into {cfg.ref_cache_dir}")
-    model = models.load_model(ins.model_path, models.load_device(resolved.device, resolved.ref_quantization,
+    model = models.load_model(prepared.model_path, models.load_device(resolved.device, resolved.ref_quantization,
                                                                  stream.layers if stream else 0),
                               resolved.ref_dtype, resolved.ref_quantization)
-    model = adapters.reference_model(model, ins.source)  # base + the SFT adapter, when there is one
+    model = adapters.reference_model(model, prepared.source)  # base + the SFT adapter, when there is one
     streaming.stream_layers(model, stream, resolved.device)
-    policy.tile(model, ins.model_path)
+    policy.tile(model, prepared.model_path)
     policy.attention_path(model, resolved.device, resolved.ref_dtype, grad=False)
     return model, batch
 
@@ -230,16 +230,16 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
         return None
     require(cfg, "precompute")
     resolved = devices.resolve(cfg)
-    ins = inputs.prepare(cfg, resolved)
+    prepared = inputs.prepare(cfg, resolved)
     cache_dir = Path(cfg.ref_cache_dir)
     folders.check(cache_dir, "reference cache", "ref_cache_dir", cache.earlier_cache)  # nothing of a user's replaced
     if resolved.ref_quantization != "none":  # fail before tokenizing, not after
         devices.import_bitsandbytes(f"ref_quantization={resolved.ref_quantization}")
-    log(ins.source.description)
-    d = inputs.load_data(cfg, ins.tokenizer, progress)  # bad data stops here, before anything is written
-    sequences = d.sequences()  # key -> the sequence: one per key, however many rows pair it
+    log(prepared.source.description)
+    dataset = inputs.load_data(cfg, prepared.tokenizer, progress)  # bad data stops here, before anything is written
+    sequences = dataset.sequences()  # key -> the sequence: one per key, however many rows pair it
     keys = list(sequences)
-    side = inputs.run_side(cfg, resolved, ins)
+    side = inputs.run_side(cfg, resolved, prepared)
     command = cache.rebuild_command(cfg, recipe)
     cache.refuse_earlier_format(cache_dir, command)  # before anything is written there
     folders.mark(cache_dir, "reference cache")  # every rank before it creates the store: a rank checking late sees it
@@ -255,13 +255,13 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
         if complete_layouts:  # every sequence is there: no model
             computed, layout, seconds = 0, complete_layouts[0], 0.0
         else:
-            model, batch = load_model(cfg, resolved, ins, len(keys))
-            pad_id = data.pad_token_id(ins.tokenizer)
+            model, batch = load_model(cfg, resolved, prepared, len(keys))
+            pad_id = data.pad_token_id(prepared.tokenizer)
             # decided on the dataset's pairs, as train decides: the two agree on the layout
-            shared = headcheck.bring_up(model, cfg, resolved, pad_id, d.tok.pairs[:1], d.tok.pairs)
+            shared = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.tok.pairs[:1], dataset.tok.pairs)
             layout = shared if side.twin is not None else None
             todo = {keys[i] for i in lacking[layout]}
-            units = forward_units(*d.all_pairs(), todo, shared)
+            units = forward_units(*dataset.all_pairs(), todo, shared)
             computed, t0 = len(todo), time.perf_counter()
             components = side.layouts()[layout]
             compute_missing(model, longest_first(units), store,
@@ -277,7 +277,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
                      side.preferring(layout).digest)
         if prune:
             prune_store(store, side.layouts()[layout], set(keys))
-        report(cache_dir, store, side.preferring(layout), d, cfg)
+        report(cache_dir, store, side.preferring(layout), dataset, cfg)
     return cache_dir
 
 
@@ -331,17 +331,17 @@ def prune_store(store, components: dict, keep: set[bytes]) -> None:
     log(f"pruned {dropped} sequences this recipe does not use (other data, other model sides)")
 
 
-def report(cache_dir: Path, store, side, d: inputs.Data, cfg: Config) -> None:
+def report(cache_dir: Path, store, side, dataset: inputs.Data, cfg: Config) -> None:
     """The preflight report of the recipe's rows, printed and saved (KTO's rows: their classes, printed); then
     what the cache holds, per model side."""
     if objectives.unpaired(cfg.loss_type):
-        for line in preflight.unpaired_lines([d.unpaired["train"][v.row] for v in d.train], cfg.loss_settings,
-                                             objectives.needs_kl(cfg.loss_type)):
+        rows = [dataset.unpaired["train"][v.row] for v in dataset.train]
+        for line in preflight.unpaired_lines(rows, cfg.loss_settings, objectives.needs_kl(cfg.loss_type)):
             log(line)
     else:
-        ref, _ = cache.reference(store, side, d.tok, keys=d.keys("train"), ld_alpha=cfg.ld_alpha)
-        eval_ref = (cache.reference(store, side, d.eval_tok, keys=d.keys("eval"), ld_alpha=cfg.ld_alpha)[0]
-                    if d.eval_tok is not None else None)
+        ref, _ = cache.reference(store, side, dataset.tok, keys=dataset.keys("train"), ld_alpha=cfg.ld_alpha)
+        eval_ref = (cache.reference(store, side, dataset.eval_tok, keys=dataset.keys("eval"), ld_alpha=cfg.ld_alpha)[0]
+                    if dataset.eval_tok is not None else None)
         for line in preflight.summary_lines(preflight.save(cache_dir, preflight.report(ref, eval_ref))):
             log(line)
         log(f"preflight report: {cache_dir / preflight.REPORT}")

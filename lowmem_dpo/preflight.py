@@ -175,9 +175,9 @@ def run(cfg, recipe: str | None = None) -> dict:
     values)."""
     require(cfg, "preflight")
     resolved = devices.resolve(cfg)
-    ins = inputs.prepare(cfg, resolved)
-    ref, eval_ref = inputs.cached_reference(cfg, ins, inputs.run_side(cfg, resolved, ins),
-                                            inputs.load_data(cfg, ins.tokenizer, progress=False), recipe)
+    prepared = inputs.prepare(cfg, resolved)
+    ref, eval_ref = inputs.cached_reference(cfg, prepared, inputs.run_side(cfg, resolved, prepared),
+                                            inputs.load_data(cfg, prepared.tokenizer, progress=False), recipe)
     return save(Path(cfg.ref_cache_dir), report(ref, eval_ref))
 
 
@@ -188,9 +188,9 @@ def main(argv: list[str]) -> int:
             "log-probs)")
         return 0
     if objectives.unpaired(cfg.loss_type):
-        ins = inputs.prepare(cfg, devices.resolve(cfg))
-        d = inputs.load_data(cfg, ins.tokenizer, progress=False)
-        print("\n".join(unpaired_lines([d.unpaired["train"][v.row] for v in d.train], cfg.loss_settings,
+        prepared = inputs.prepare(cfg, devices.resolve(cfg))
+        dataset = inputs.load_data(cfg, prepared.tokenizer, progress=False)
+        print("\n".join(unpaired_lines([dataset.unpaired["train"][v.row] for v in dataset.train], cfg.loss_settings,
                                         objectives.needs_kl(cfg.loss_type))))
         return 0
     rep = run(cfg, recipe=argv[0])

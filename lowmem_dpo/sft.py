@@ -147,18 +147,18 @@ def setup(cfg: Config, progress: bool = True) -> Session:
     policy.check_bitsandbytes(resolved)
     log(source.description)
     tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template)
-    d = inputs.load_data(cfg, tokenizer, progress, sft=True)  # logs the rows it skips and the eval split
-    files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, d.mixture)
-    trains_on = inputs.run_inputs(files, d.train)  # no reference cache in SFT
-    resuming.check_before_load(cfg, resume, trains_on, len(d.train))
+    dataset = inputs.load_data(cfg, tokenizer, progress, sft=True)  # logs the rows it skips and the eval split
+    files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, dataset.mixture)
+    trains_on = inputs.run_inputs(files, dataset.train)  # no reference cache in SFT
+    resuming.check_before_load(cfg, resume, trains_on, len(dataset.train))
     model = policy.setup_model(cfg, resolved, source.base_path, stream, source=source)
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
     pad_id = data.pad_token_id(tokenizer)
-    headcheck.bring_up(model, cfg, resolved, pad_id, d.train[:2], train=True)  # completions: never shared
+    headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:2], train=True)  # completions: never shared
     # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
-    return start_session(cfg, resolved, model, d.train, pad_id, SFT(), resume, trains_on, d.eval, tokenizer,
-                         d.prompts, adapter_off_is_start=False)
+    return start_session(cfg, resolved, model, dataset.train, pad_id, SFT(), resume, trains_on, dataset.eval, tokenizer,
+                         dataset.prompts, adapter_off_is_start=False)
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

@@ -246,47 +246,49 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     resolved = devices.resolve(cfg)
     for note in cfg.no_effect():
         log(f"warning: {note}")
-    ins = inputs.prepare(cfg, resolved)
-    adapters.check_mode(cfg, ins.source, resolved.quantization)
+    prepared = inputs.prepare(cfg, resolved)
+    adapters.check_mode(cfg, prepared.source, resolved.quantization)
     resume = resuming.find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast
-    stream = policy.apply_plan(adapters.planned_lora(cfg, ins.source), resolved, ins.model_path)
+    stream = policy.apply_plan(adapters.planned_lora(cfg, prepared.source), resolved, prepared.model_path)
     policy.check_bitsandbytes(resolved)
-    log(ins.source.description)
-    d = inputs.load_data(cfg, ins.tokenizer, progress)  # logs the rows it skips and the eval split
-    side = inputs.run_side(cfg, resolved, ins)
+    log(prepared.source.description)
+    dataset = inputs.load_data(cfg, prepared.tokenizer, progress)  # logs the rows it skips and the eval split
+    side = inputs.run_side(cfg, resolved, prepared)
     # Before anything heavy loads: rows without a reference value are refused in seconds.
-    ref, eval_ref = reference_caches(cfg, ins, side, d, recipe)
-    trains_on = {**inputs.run_inputs(ins.fingerprint, d.train),
+    ref, eval_ref = reference_caches(cfg, prepared, side, dataset, recipe)
+    trains_on = {**inputs.run_inputs(prepared.fingerprint, dataset.train),
                  "reference cache": None if ref is None else side.identity}
-    resuming.check_before_load(cfg, resume, trains_on, len(d.train))
-    model = policy.setup_model(cfg, resolved, ins.model_path, stream, source=ins.source)
-    pad_id = data.pad_token_id(ins.tokenizer)
+    resuming.check_before_load(cfg, resume, trains_on, len(dataset.train))
+    model = policy.setup_model(cfg, resolved, prepared.model_path, stream, source=prepared.source)
+    pad_id = data.pad_token_id(prepared.tokenizer)
     # sharing decided on the same rows as precompute's (every row of dataset): the two agree on the layout
-    shared = headcheck.bring_up(model, cfg, resolved, pad_id, d.train[:1], d.tok.pairs, train=True)
+    shared = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:1], dataset.tok.pairs, train=True)
     if ref is not None and side.twin is not None:  # 16-bit: the values of this run's layout first
-        ref, eval_ref = reference_caches(cfg, ins, side.preferring(shared), d, recipe)
+        ref, eval_ref = reference_caches(cfg, prepared, side.preferring(shared), dataset, recipe)
         if ref.shared != shared:
             log(f"note: reference values were computed {'with' if ref.shared else 'without'} share_prompt and "
                 f"this run {'shares' if shared else 'does not share'} prompts: in "
                 f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
                 f"off ln 2; {cache.rebuild_command(cfg, recipe)} share_prompt={str(shared).lower()} computes this "
                 "run's own")
-    objective, items = DPO(cfg, ref, eval_ref, shared), d.train
+    objective, items = DPO(cfg, ref, eval_ref, shared), dataset.train
     if objectives.unpaired(cfg.loss_type):
-        objective = kto.KTO(cfg, ref, kto.labels(d.unpaired["train"]), eval_ref,
-                            kto.labels(d.unpaired[d.eval_part]) if d.eval_part else None)
-        items = kto.blocks(d.train, cfg.per_device_train_batch_size)
-    return start_session(cfg, resolved, model, items, pad_id, objective, resume, trains_on, d.eval, ins.tokenizer,
-                         d.prompts, adapter_off_is_start=adapters.adapter_off_is_start(cfg, ins.source))
+        objective = kto.KTO(cfg, ref, kto.labels(dataset.unpaired["train"]), eval_ref,
+                            kto.labels(dataset.unpaired[dataset.eval_part]) if dataset.eval_part else None)
+        items = kto.blocks(dataset.train, cfg.per_device_train_batch_size)
+    return start_session(cfg, resolved, model, items, pad_id, objective, resume, trains_on, dataset.eval,
+                         prepared.tokenizer, dataset.prompts,
+                         adapter_off_is_start=adapters.adapter_off_is_start(cfg, prepared.source))
 
 
-def reference_caches(cfg: Config, ins: inputs.Inputs, side: cache.Side, d: inputs.Data, recipe: str | None) -> tuple:
+def reference_caches(cfg: Config, prepared: inputs.Inputs, side: cache.Side, dataset: inputs.Data,
+                     recipe: str | None) -> tuple:
     """The reference values of the dataset's rows and of the eval rows (inputs.cached_reference; None, None with
     ref_source=live)."""
     if cfg.ref_source != "cache" or not objectives.needs_reference(cfg.loss_type):
         return None, None
-    ref, eval_ref = inputs.cached_reference(cfg, ins, side, d, recipe)
-    return ref, (eval_ref or ref if d.eval else None)
+    ref, eval_ref = inputs.cached_reference(cfg, prepared, side, dataset, recipe)
+    return ref, (eval_ref or ref if dataset.eval else None)
 
 
 def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.TrainResult:

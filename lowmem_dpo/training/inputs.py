@@ -110,16 +110,17 @@ def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, ad
     return {"format": cache.FINGERPRINT_FORMAT, **files, **{COMPONENT_NAMES.get(k, k): v for k, v in values.items()}}
 
 
-def run_side(cfg: Config, resolved: Resolved, ins: Inputs, shared: bool = False) -> cache.Side:
+def run_side(cfg: Config, resolved: Resolved, prepared: Inputs, shared: bool = False) -> cache.Side:
     """The model side (cache.py) of a run's reference: the base's weights and config, the SFT adapter's files, the
     reference's resolved dtype and quantization; `shared` the preferred layout in 16 bits."""
-    weights = {k: ins.fingerprint[k] for k in ("model", "adapter")}
+    weights = {k: prepared.fingerprint[k] for k in ("model", "adapter")}
     # LD-DPO weighs each token by where the pair's shorter completion ends: its side keeps the token log-probs
     return cache.run_side(weights, dtype_name(resolved.ref_dtype), resolved.ref_quantization, shared,
                           per_token=cfg.ld_alpha is not None)
 
 
-def cached_reference(cfg: Config, ins: Inputs, side: cache.Side, d: Data, recipe: str | None = None) -> tuple:
+def cached_reference(cfg: Config, prepared: Inputs, side: cache.Side, dataset: Data,
+                     recipe: str | None = None) -> tuple:
     """(the dataset's rows' reference values, eval_dataset's or None) from the cache in ref_cache_dir, each row's
     sequences looked up by key under `side`; a UserError naming the rows without them and the command that
     computes them."""
@@ -130,9 +131,9 @@ def cached_reference(cfg: Config, ins: Inputs, side: cache.Side, d: Data, recipe
         raise UserError(f"no reference cache in {str(cache_dir)!r}; build it with: {command}")
     refs = {}
     with store:
-        for part, tok in d.cached_parts():
-            name = lambda row, part=part: d.name_row(row, part)  # noqa: E731
-            refs[part], lacking = cache.reference(store, side, tok, name, d.keys(part), cfg.ld_alpha)
+        for part, tok in dataset.cached_parts():
+            name = lambda row, part=part: dataset.name_row(row, part)  # noqa: E731
+            refs[part], lacking = cache.reference(store, side, tok, name, dataset.keys(part), cfg.ld_alpha)
             if lacking:
                 raise UserError(cache.missing_message(cache_dir, lacking, len(tok.pairs), name, command, store,
                                                       side))
@@ -142,8 +143,9 @@ def cached_reference(cfg: Config, ins: Inputs, side: cache.Side, d: Data, recipe
 def reference_of(cfg: Config) -> tuple:
     """cached_reference of a config, with no model loaded: what train would serve (tests and benchmarks)."""
     resolved = devices.resolve(cfg)
-    ins = prepare(cfg, resolved)
-    return cached_reference(cfg, ins, run_side(cfg, resolved, ins), load_data(cfg, ins.tokenizer, progress=False))
+    prepared = prepare(cfg, resolved)
+    dataset = load_data(cfg, prepared.tokenizer, progress=False)
+    return cached_reference(cfg, prepared, run_side(cfg, resolved, prepared), dataset)
 
 
 def prepare(cfg: Config, resolved: Resolved) -> Inputs:
@@ -282,20 +284,20 @@ def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) 
     if cfg.eval_dataset is not None:
         eval_mix, eval_tok = _tokenize(cfg, tokenizer, [Source(cfg.eval_dataset)], cfg.eval_split, progress, sft)
         log(f"eval: {len(eval_tok.pairs)} {rows_noun(cfg, sft)} from {cfg.eval_dataset}")
-        d = Data(tok, tok.pairs, eval_tok.pairs, "eval", eval_tok, mix, eval_mixture=eval_mix)
+        dataset = Data(tok, tok.pairs, eval_tok.pairs, "eval", eval_tok, mix, eval_mixture=eval_mix)
     elif cfg.eval_fraction > 0:
-        d = Data(tok, *_held_out(cfg, mix, tok), "train", mixture=mix)
+        dataset = Data(tok, *_held_out(cfg, mix, tok), "train", mixture=mix)
     else:
-        d = Data(tok, tok.pairs, [], None, mixture=mix)
-    d.eval = d.eval[:cfg.eval_max_pairs]  # before KTO's KL sequences: they pair within what is evaluated
+        dataset = Data(tok, tok.pairs, [], None, mixture=mix)
+    dataset.eval = dataset.eval[:cfg.eval_max_pairs]  # before KTO's KL sequences: they pair within what is evaluated
     if not sft and objectives.unpaired(cfg.loss_type):
-        unpaired_views(cfg, d)
-    d.prompts = shown_prompts(d, d.eval)
-    return d
+        unpaired_views(cfg, dataset)
+    dataset.prompts = shown_prompts(dataset, dataset.eval)
+    return dataset
 
 
-def unpaired_views(cfg: Config, d: Data) -> None:
-    """KTO's rows in `d` as the pair code reads them (data.unpaired.TokenizedUnpaired.as_pair): each part's rows
+def unpaired_views(cfg: Config, dataset: Data) -> None:
+    """KTO's rows in `dataset` as the pair code reads them (data.unpaired.TokenizedUnpaired.as_pair): each part's rows
     (the training rows, then the held-out ones) numbered in order, each with its KL sequence when the loss has
     one, paired within blocks of per_device_train_batch_size of its own part (TRL's)."""
     def views(tok: data.TokenizedData, groups: list[list]) -> list:
@@ -311,21 +313,21 @@ def unpaired_views(cfg: Config, d: Data) -> None:
                         f"{cfg.per_device_train_batch_size}: its KL estimate pairs each row with another row's "
                         "completion in the same micro-batch, so it needs 2 rows at least (as TRL's KTOTrainer); raise "
                         "it, or use loss_type=apo_zero_unpaired")
-    train, evals = list(d.train), list(d.eval)
-    if d.eval_part == "eval":
-        d.unpaired = {"train": views(d.tok, [train]), "eval": views(d.eval_tok, [evals])}
-        d.train, d.eval = d.tok.pairs, d.eval_tok.pairs
+    train, evals = list(dataset.train), list(dataset.eval)
+    if dataset.eval_part == "eval":
+        dataset.unpaired = {"train": views(dataset.tok, [train]), "eval": views(dataset.eval_tok, [evals])}
+        dataset.train, dataset.eval = dataset.tok.pairs, dataset.eval_tok.pairs
     else:
-        d.unpaired = {"train": views(d.tok, [train, evals])}
-        d.train, d.eval = d.tok.pairs[:len(train)], d.tok.pairs[len(train):]
+        dataset.unpaired = {"train": views(dataset.tok, [train, evals])}
+        dataset.train, dataset.eval = dataset.tok.pairs[:len(train)], dataset.tok.pairs[len(train):]
 
 
-def shown_prompts(d: Data, items: list) -> dict[int, str]:
+def shown_prompts(dataset: Data, items: list) -> dict[int, str]:
     """Each eval item's row -> its prompt as the samples show it (data.shown_prompt of the row's prompt)."""
-    mix = d.eval_mixture if d.eval_part == "eval" else d.mixture
+    mix = dataset.eval_mixture if dataset.eval_part == "eval" else dataset.mixture
     if mix is None:
         return {}
-    return {item.row: data.shown_prompt(mix.row(d.dataset_row(item.row, d.eval_part)).get("prompt"))
+    return {item.row: data.shown_prompt(mix.row(dataset.dataset_row(item.row, dataset.eval_part)).get("prompt"))
             for item in items}
 
 
