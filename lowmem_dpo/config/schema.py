@@ -30,7 +30,7 @@ from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import parse_size
 
 
-def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, reference=None,
+def key(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, reference=None,
        resumable=False):
     """A config field with its one-line doc, validation bounds, and what a change of its value changes.
 
@@ -51,193 +51,193 @@ def _f(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fal
     return field(default=default, metadata=meta)
 
 
-def _key(name: str):
+def objective_key(name: str):
     """The field of an objective's own key, as objectives.KEYS declares it."""
     k = KEYS[name]
-    return _f(k.default, k.doc, **k.bounds())
+    return key(k.default, k.doc, **k.bounds())
 
 
 @dataclass
 class Config:
     # -- model and data ----------------------------------------------------------------------------------------
-    model_name_or_path: Optional[str] = _f(None, "Base model (required): a local folder, a hub name (online), a "
+    model_name_or_path: Optional[str] = key(None, "Base model (required): a local folder, a hub name (online), a "
                                            "built-in (lowmem_dpo:tiny-llama, the demo's); or a PEFT LoRA adapter folder "
                                            "(e.g. an SFT output_dir), whose adapter_config.json names the base.", reference="files")
-    sft_adapter: Optional[str] = _f(None, "A PEFT LoRA adapter folder from an SFT stage, on model_name_or_path (a "
+    sft_adapter: Optional[str] = key(None, "A PEFT LoRA adapter folder from an SFT stage, on model_name_or_path (a "
                                     "base): the reference is base + adapter (its files are in the cache's "
                                     "model side) and train continues it (adapter_mode).", reference="files")
-    dataset: Optional[list[Source]] = _f(None, "Preference rows {prompt, chosen, rejected} (required; KTO: or "
+    dataset: Optional[list[Source]] = key(None, "Preference rows {prompt, chosen, rejected} (required; KTO: or "
                                          "{prompt, completion, label}): a .jsonl/.json/.parquet/.csv file, a datasets "
                                          "save_to_disk folder, a hub dataset name (online) or the demo's "
                                          "lowmem_dpo:tiny-prefs; or a mixture, a list of these or of {path, split, "
                                          "fraction | rows} (docs/data.md, Mixtures).", reference="files")
-    dataset_split: str = _f("train", "Split to read when the dataset has several (hub names, DatasetDict folders); "
+    dataset_split: str = key("train", "Split to read when the dataset has several (hub names, DatasetDict folders); "
                             "a mixture's source may name its own.", reference="files")
-    prompt_column: Optional[str] = _f(None, "The column holding the prompts when it is not called prompt (e.g. "
+    prompt_column: Optional[str] = key(None, "The column holding the prompts when it is not called prompt (e.g. "
                                       "question), in dataset and eval_dataset. null: prompt, or implicit prompts.",
                                       reference="files")
-    chosen_column: Optional[str] = _f(None, "The column holding chosen when it is not called chosen.", reference="files")
-    rejected_column: Optional[str] = _f(None, "The column holding rejected when not called rejected.", reference="files")
-    max_train_samples: Optional[int] = _f(None, "Take at most this many rows of the dataset (of the mixture), "
+    chosen_column: Optional[str] = key(None, "The column holding chosen when not called chosen.", reference="files")
+    rejected_column: Optional[str] = key(None, "The column of rejected when not called rejected.", reference="files")
+    max_train_samples: Optional[int] = key(None, "Take at most this many rows of the dataset (of the mixture), "
                                           "chosen by seed and each row's content, before eval_fraction holds "
                                           "prompts out. null: all.", min=1, reference="files")
-    output_dir: Optional[str] = _f(None, "Where train and sft write config.yaml, metrics.jsonl, checkpoints and the "
+    output_dir: Optional[str] = key(None, "Where train and sft write config.yaml, metrics.jsonl, checkpoints and the "
                                    "adapter; null: runs/NAME for a recipe NAME.yaml. A folder holding anything but this "
                                    "tool's own run is refused (overwrite_output_dir).", resumable=True)
-    overwrite_output_dir: bool = _f(False, "Write into an output_dir that holds other files, beside them: refused "
+    overwrite_output_dir: bool = key(False, "Write into an output_dir that holds other files, beside them: refused "
                                     "still when one has a name the run writes (nothing is replaced).", resumable=True)
-    ref_cache_dir: Optional[str] = _f(None, "Where precompute writes the reference log-prob cache and train reads "
+    ref_cache_dir: Optional[str] = key(None, "Where precompute writes the reference log-prob cache and train reads "
                                       "it; null: runs/NAME-ref-cache for a recipe NAME.yaml.", resumable=True)
     # -- precision and device ------------------------------------------------------------------------------------
-    device: str = _f("auto", "auto picks cuda when torch sees a GPU, else mps (Apple) when present, else cpu.",
+    device: str = key("auto", "auto picks cuda when torch sees a GPU, else mps (Apple) when present, else cpu.",
                      choices=("auto", "cpu", "cuda", "mps"))
-    dtype: str = _f("auto", "Dtype of the policy's unquantized weights and of its compute (also the compute dtype "
+    dtype: str = key("auto", "Dtype of the policy's unquantized weights and of its compute (also the compute dtype "
                     "of a 4bit/8bit base). auto: bfloat16 on a GPU or CPU with native bf16, float16 (with dynamic "
                     "loss scaling) on a GPU without (T4, V100), else float32 (docs/devices-and-memory.md). bfloat16 on a GPU "
                     "without native bf16 is refused. Memory: float32 costs 2x the bytes of the 16-bit types.",
                     choices=("auto", "float32", "bfloat16", "float16"))
-    quantization: str = _f("none", "Quantize the policy's frozen base weights with bitsandbytes (4bit: NF4 with "
+    quantization: str = key("none", "Quantize the policy's frozen base weights with bitsandbytes (4bit: NF4 with "
                            "double quantization, ~0.56 bytes/param; 8bit: LLM.int8, ~1.06; none: 2 bytes/param in "
                            "16-bit). LoRA weights stay float32.", choices=("none", "8bit", "4bit"))
-    ref_quantization: Optional[str] = _f(None, "Quantization of the reference in precompute (none|8bit|4bit); null: "
+    ref_quantization: Optional[str] = key(None, "Quantization of the reference in precompute (none|8bit|4bit); null: "
                                          "the same as quantization. E.g. none with a 4bit policy computes the "
                                          "reference at full precision.", choices=("none", "8bit", "4bit"),
                                          reference="value")
-    ref_dtype: Optional[str] = _f(None, "Dtype of the reference in precompute (auto|float32|bfloat16|float16); "
+    ref_dtype: Optional[str] = key(None, "Dtype of the reference in precompute (auto|float32|bfloat16|float16); "
                                   "null: the same as dtype.", choices=("auto", "float32", "bfloat16", "float16"),
                                   reference="value")
-    gradient_checkpointing: str = _f("auto", "Recompute activations in backward: saves activation memory, costs "
+    gradient_checkpointing: str = key("auto", "Recompute activations in backward: saves activation memory, costs "
                                      "~30% more compute. auto: on for a CUDA budget <= 24 GiB and mps, off for "
                                      "larger budgets and CPUs, and on wherever the planner says the run needs it "
                                      "(docs/devices-and-memory.md).", choices=("auto", "true", "false"))
-    activation_offloading: str = _f("auto", "Move what train's forward saves for backward (with checkpointing: each "
+    activation_offloading: str = key("auto", "Move what train's forward saves for backward (with checkpointing: each "
                                     "layer's input) to pinned CPU RAM, back a layer ahead in backward (CUDA). auto: "
                                     "where the planner needs it to fit (docs/devices-and-memory.md, Long sequences).",
                                     choices=("auto", "true", "false"), resumable=True)
-    memory_budget: Optional[str] = _f(None, "Memory the run may use on its device, e.g. 11.25GiB (what torch gets of "
+    memory_budget: Optional[str] = key(None, "Memory the run may use on its device, e.g. 11.25GiB (what torch gets of "
                                       "a 12 GB card): enforced on CUDA, it picks the device rule, and the planner "
                                       "fits train and precompute to it. null: what torch can get of the GPU now, or "
                                       "physical RAM on a CPU.", resumable=True)
-    memory_snapshot_on_oom: bool = _f(False, "CUDA: at the first out-of-memory error, write torch's memory snapshot "
+    memory_snapshot_on_oom: bool = key(False, "CUDA: at the first out-of-memory error, write torch's memory snapshot "
                                       "(memory_snapshot.pickle) into output_dir.", resumable=True)
-    share_prompt: str = _f("auto", "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
+    share_prompt: str = key("auto", "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
                            "mask hiding chosen and rejected from each other. auto: the device rule (docs/"
                            "devices-and-memory.md), if the first batch agrees.", choices=("auto", "true", "false"))
     # -- tokenization (these change the reference numbers) -----------------------------------------------------
-    max_length: int = _f(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
+    max_length: int = key(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
                          "prompt alone reaches it are dropped. Activation memory grows linearly with it.",
                          min=2, reference="value")
-    max_prompt_length: Optional[int] = _f(None, "If set, the prompt is first cut from the left to this many tokens.",
+    max_prompt_length: Optional[int] = key(None, "If set, the prompt is first cut from the left to this many tokens.",
                                           min=1, reference="value")
-    chat_template: Optional[str] = _f(None, "Jinja chat template for conversational rows, in place of the "
+    chat_template: Optional[str] = key(None, "Jinja chat template for conversational rows, in place of the "
                                       "tokenizer's: a file (e.g. template.jinja) or the template text itself. A new "
                                       "template gives the rows new token ids: precompute computes them again.", reference="files")
-    strict: bool = _f(False, "Refuse the data instead of skipping unusable rows (an empty value, chosen identical to "
+    strict: bool = key(False, "Refuse the data instead of skipping unusable rows (an empty value, chosen identical to "
                       "rejected, a prompt alone reaching max_length); docs/data.md, Data checks. Not a cache key: it only "
                       "turns skips into errors, the rows kept are the same.", resumable=True)
     # -- evaluation (docs/evaluation.md) --------------------------------------------------------------------------------
-    eval_dataset: Optional[str] = _f(None, "Held-out rows in the training data's format (any source `dataset` "
+    eval_dataset: Optional[str] = key(None, "Held-out rows in the training data's format (any source `dataset` "
                                      "accepts), cached with the training rows. null: none, or eval_fraction.",
                                      reference="files")
-    eval_split: str = _f("test", "Split of eval_dataset to read (hub names, DatasetDict).", reference="files")
-    eval_fraction: float = _f(0.0, "Hold this share of dataset's prompts out of training and evaluate on them; "
+    eval_split: str = key("test", "Split of eval_dataset to read (hub names, DatasetDict).", reference="files")
+    eval_fraction: float = key(0.0, "Hold this share of dataset's prompts out of training and evaluate on them; "
                               "chosen by each prompt's text (a hash), so adding rows does not reshuffle it and "
                               "all pairs of one prompt fall on one side. 0: none.", min=0.0, max=0.5)
-    eval_steps: Optional[int] = _f(None, "Evaluate every this many optimizer steps and at the last step. null: at "
+    eval_steps: Optional[int] = key(None, "Evaluate every this many optimizer steps and at the last step. null: at "
                                    "every checkpoint (save_steps), or only at the last step when save_steps is 0.",
                                    min=1, resumable=True)
-    eval_on_start: bool = _f(False, "Evaluate once before the first step too (step 0, transformers' name): the baseline "
+    eval_on_start: bool = key(False, "Evaluate once before the first step too (step 0, transformers' name): the baseline "
                              "later evals are read against (eval_loss ln 2 for sigmoid).", resumable=True)
-    eval_max_pairs: Optional[int] = _f(None, "Evaluate the first this many eval rows; null: all.", min=1)
-    metric_for_best_model: str = _f("eval_loss", "The eval metric that picks the best checkpoint (its name in "
+    eval_max_pairs: Optional[int] = key(None, "Evaluate the first this many eval rows; null: all.", min=1)
+    metric_for_best_model: str = key("eval_loss", "The eval metric that picks the best checkpoint (its name in "
                                     "metrics.jsonl; the eval_ prefix may be left out).")
-    greater_is_better: Optional[bool] = _f(None, "Whether a larger metric_for_best_model is better; null: known "
+    greater_is_better: Optional[bool] = key(None, "Whether a larger metric_for_best_model is better; null: known "
                                            "from its name (objectives/metrics.py).")
-    load_best_model_at_end: bool = _f(False, "The best checkpoint's adapter as the final one.", resumable=True)
-    eval_generations: int = _f(4, "Eval prompts answered (greedy) at step 0 and every eval into samples.jsonl; "
+    load_best_model_at_end: bool = key(False, "The best checkpoint's adapter as the final one.", resumable=True)
+    eval_generations: int = key(4, "Eval prompts answered (greedy) at step 0 and every eval into samples.jsonl; "
                                "their repetition warns of collapse. 0: none.", min=0, resumable=True)
-    max_new_tokens: int = _f(64, "Most tokens a sample generation writes.", min=1, resumable=True)
-    report_to: list = _f([], "Trackers that get metrics.jsonl's scalars too, as transformers names them: tensorboard "
+    max_new_tokens: int = key(64, "Most tokens a sample generation writes.", min=1, resumable=True)
+    report_to: list = key([], "Trackers that get metrics.jsonl's scalars too, as transformers names them: tensorboard "
                          "(output_dir/runs), trackio (its local store), wandb (output_dir/wandb). []/none: none.",
                          choices=("none", "tensorboard", "trackio", "wandb"), resumable=True)
-    run_name: Optional[str] = _f(None, "The run's name in trackio and wandb; null: output_dir's name.", resumable=True)
+    run_name: Optional[str] = key(None, "The run's name in trackio and wandb; null: output_dir's name.", resumable=True)
     # -- DPO loss ------------------------------------------------------------------------------------------------
-    beta: float = _f(0.1, "The loss's scale (DPO: the pull to the reference).", min=0.0, min_exclusive=True)
-    loss_type: list = _f(["sigmoid"], "The objective, or a list whose terms are summed with loss_weights, as TRL "
+    beta: float = key(0.1, "The loss's scale (DPO: the pull to the reference).", min=0.0, min_exclusive=True)
+    loss_type: list = key(["sigmoid"], "The objective, or a list whose terms are summed with loss_weights, as TRL "
                          "1.16's DPOConfig: sigmoid (DPO), sigmoid_norm, ipo, hinge, robust, sft, ..., kto on unpaired "
                          "rows (the table in docs/objectives.md); [sigmoid, sft] is RPO.", choices=tuple(OBJECTIVES))
-    loss_weights: Optional[list[float]] = _f(None, "One weight per loss_type entry; null: 1 each.", min=0.0)
-    label_smoothing: float = _f(0.0, "Assumed share of flipped labels, for the objectives it changes (cdpo, robust, "
+    loss_weights: Optional[list[float]] = key(None, "One weight per loss_type entry; null: 1 each.", min=0.0)
+    label_smoothing: float = key(0.0, "Assumed share of flipped labels, for the objectives it changes (cdpo, robust, "
                                 "exo_pair, aot); as in TRL 1.16 it does not change sigmoid.", min=0.0, max=0.5)
-    f_divergence_type: str = _key("f_divergence_type")
-    f_alpha_divergence_coef: float = _key("f_alpha_divergence_coef")
-    discopop_tau: float = _key("discopop_tau")
-    simpo_gamma: float = _key("simpo_gamma")
-    alpha: float = _key("alpha")
-    use_weighting: bool = _key("use_weighting")
-    ld_alpha: Optional[float] = _key("ld_alpha")
-    desirable_weight: float = _key("desirable_weight")
-    undesirable_weight: float = _key("undesirable_weight")
+    f_divergence_type: str = objective_key("f_divergence_type")
+    f_alpha_divergence_coef: float = objective_key("f_alpha_divergence_coef")
+    discopop_tau: float = objective_key("discopop_tau")
+    simpo_gamma: float = objective_key("simpo_gamma")
+    alpha: float = objective_key("alpha")
+    use_weighting: bool = objective_key("use_weighting")
+    ld_alpha: Optional[float] = objective_key("ld_alpha")
+    desirable_weight: float = objective_key("desirable_weight")
+    undesirable_weight: float = objective_key("undesirable_weight")
     # -- optimizer and schedule ----------------------------------------------------------------------------------
-    learning_rate: float = _f(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
-    lr_scheduler_type: str = _f("linear", "transformers' schedule by its name (get_scheduler): the rate each step "
+    learning_rate: float = key(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
+    lr_scheduler_type: str = key("linear", "transformers' schedule by its name (get_scheduler): the rate each step "
                                 "applies is HF Trainer's. constant ignores warmup (constant_with_warmup has it); "
                                 "cosine_with_min_lr and warmup_stable_decay take lr_scheduler_kwargs.",
                                 choices=SCHEDULERS)
-    lr_scheduler_kwargs: Optional[dict] = _f(None, "The schedule's own arguments, as transformers' "
+    lr_scheduler_kwargs: Optional[dict] = key(None, "The schedule's own arguments, as transformers' "
                                              "lr_scheduler_kwargs, e.g. {min_lr_rate: 0.1} for cosine_with_min_lr or "
                                              "{num_cycles: 2} for cosine_with_restarts.")
-    warmup_steps: float = _f(0, "Optimizer steps of linear warmup from 0; below 1, a ratio of the run's steps "
+    warmup_steps: float = key(0, "Optimizer steps of linear warmup from 0; below 1, a ratio of the run's steps "
                              "(ceil(ratio x steps)), as transformers 5 reads it. 0: warmup_ratio's.", min=0.0)
-    warmup_ratio: float = _f(0.0, "The warmup as a share of the run's steps, ceil(ratio x steps), when "
+    warmup_ratio: float = key(0.0, "The warmup as a share of the run's steps, ceil(ratio x steps), when "
                              "warmup_steps is 0 (transformers 4's key).", min=0.0, max=1.0)
-    weight_decay: float = _f(0.0, "AdamW weight decay on the LoRA parameters.", min=0.0)
-    max_grad_norm: Optional[float] = _f(1.0, "Clip the gradient norm to this; null disables clipping.", min=0.0,
+    weight_decay: float = key(0.0, "AdamW weight decay on the LoRA parameters.", min=0.0)
+    max_grad_norm: Optional[float] = key(1.0, "Clip the gradient norm to this; null disables clipping.", min=0.0,
                                         min_exclusive=True)
-    per_device_train_batch_size: int = _f(4, "Preference pairs per micro-batch (2x sequences in the forward). "
+    per_device_train_batch_size: int = key(4, "Preference pairs per micro-batch (2x sequences in the forward). "
                                           "Activation memory grows linearly with it.", min=1)
-    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step (memory-free batch growth).", min=1)
-    max_steps: int = _f(-1, "Optimizer steps to run; -1 runs num_train_epochs. Raising it continues a finished or "
+    gradient_accumulation_steps: int = key(1, "Micro-batches per optimizer step (memory-free batch growth).", min=1)
+    max_steps: int = key(-1, "Optimizer steps to run; -1 runs num_train_epochs. Raising it continues a finished or "
                         "interrupted run from its last checkpoint.", min=-1, resumable="length")
-    num_train_epochs: float = _f(1.0, "Passes over the data when max_steps is -1 (raising it continues the run, as "
+    num_train_epochs: float = key(1.0, "Passes over the data when max_steps is -1 (raising it continues the run, as "
                                  "max_steps).", min=0.0, min_exclusive=True, resumable="length")
-    seed: int = _f(42, "Seed for LoRA init and data order.", min=0)
+    seed: int = key(42, "Seed for LoRA init and data order.", min=0)
     # -- LoRA ----------------------------------------------------------------------------------------------------
-    lora_r: int = _f(8, "LoRA rank. Trainable params (and their grads + 2 AdamW states) grow with it.", min=1)
-    lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0.0, min_exclusive=True)
-    lora_dropout: float = _f(0.0, "Dropout on the LoRA input. The base model's own dropout is always off, as "
+    lora_r: int = key(8, "LoRA rank. Trainable params (and their grads + 2 AdamW states) grow with it.", min=1)
+    lora_alpha: float = key(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0.0, min_exclusive=True)
+    lora_dropout: float = key(0.0, "Dropout on the LoRA input. The base model's own dropout is always off, as "
                              "in TRL.", min=0.0, max=1.0)
-    lora_target_modules: list = _f(["all-linear"], "Module names to adapt, a list or comma-separated (matched "
+    lora_target_modules: list = key(["all-linear"], "Module names to adapt, a list or comma-separated (matched "
                                    "as name suffixes, e.g. q_proj, c_attn, lm_head); all-linear = every linear "
                                    "layer but the LM head; a regex (e.g. '.*\\.(q|v)_proj'), as the only entry, is "
                                    "matched against full module names, as peft does.")
-    adapter_mode: str = _f("continue", "With an SFT adapter: continue trains that adapter (its own rank, alpha and "
+    adapter_mode: str = key("continue", "With an SFT adapter: continue trains that adapter (its own rank, alpha and "
                            "target modules; the lora_* keys but lora_dropout are ignored); new_on_merged merges it "
                            "into an unquantized base and trains a fresh adapter from the lora_* keys.",
                            choices=("continue", "new_on_merged"))
     # -- logging and saving --------------------------------------------------------------------------------------
-    logging_steps: int = _f(10, "Log every this many optimizer steps (and at step 1 and the last step).", min=1,
+    logging_steps: int = key(10, "Log every this many optimizer steps (and at step 1 and the last step).", min=1,
                            resumable=True)
-    save_steps: int = _f(50, "Checkpoint every this many optimizer steps into output_dir/checkpoints/checkpoint-"
+    save_steps: int = key(50, "Checkpoint every this many optimizer steps into output_dir/checkpoints/checkpoint-"
                          "STEP (adapter, optimizer, scheduler, RNG, data position, metrics; ~3x the adapter's size);"
                          " 0 never.", min=0, resumable=True)
-    save_total_limit: int = _f(2, "Checkpoints to keep (the newest, and the best); older ones go once a new one is "
+    save_total_limit: int = key(2, "Checkpoints to keep (the newest, and the best); older ones go once a new one is "
                                "complete. 0 keeps all.", min=0, resumable=True)
-    resume: str = _f("auto", "auto: continue from the newest complete checkpoint in output_dir/checkpoints if there "
+    resume: str = key("auto", "auto: continue from the newest complete checkpoint in output_dir/checkpoints if there "
                      "is one (rerun the same command after a crash); never: start over; or the path of a "
                      "checkpoint-STEP folder.", resumable=True)
     # -- guards ----------------------------------------------------------------------------------------------------
-    max_nonfinite_steps: int = _f(3, "A non-finite loss or gradient skips that update; this many in a row stop the "
+    max_nonfinite_steps: int = key(3, "A non-finite loss or gradient skips that update; this many in a row stop the "
                                   "run as diverged (the last checkpoint stays).", min=1, resumable=True)
-    early_stop_on_divergence: bool = _f(False, "Stop (exit 2, last checkpoint kept) on a warning sign (docs/"
+    early_stop_on_divergence: bool = key(False, "Stop (exit 2, last checkpoint kept) on a warning sign (docs/"
                                         "training.md, Guards and warning signs). Off: they are only logged as warnings.", resumable=True)
     # -- precompute ----------------------------------------------------------------------------------------------
-    precompute_batch_size: int = _f(8, "Pairs per reference forward in precompute (no grads: can exceed the "
+    precompute_batch_size: int = key(8, "Pairs per reference forward in precompute (no grads: can exceed the "
                                     "training batch).", min=1, resumable=True)
-    cache_shard_rows: int = _f(64, "Sequences per commit to the reference cache: a killed precompute loses at "
+    cache_shard_rows: int = key(64, "Sequences per commit to the reference cache: a killed precompute loses at "
                                "most this many, and a torchrun build hands out this many at a time.",
                                min=1, resumable=True)
-    ref_source: str = _f("cache", "cache: reference log-probs from ref_cache_dir. live: recomputed each step with "
+    ref_source: str = key("cache", "cache: reference log-probs from ref_cache_dir. live: recomputed each step with "
                          "the adapter disabled (for verification; costs a forward).", choices=("cache", "live"))
 
     # Keys the recipe or an override set (build_config fills it), as opposed to defaults: warnings name only these.
@@ -254,11 +254,11 @@ class Config:
             problems.append(f"max_prompt_length={self.max_prompt_length} must be below max_length="
                             f"{self.max_length}: a prompt that long leaves no room for the completion")
         if self.ref_source == "live":
-            for key, policy_key in (("ref_quantization", "quantization"), ("ref_dtype", "dtype")):
-                value = getattr(self, key)
+            for name, policy_key in (("ref_quantization", "quantization"), ("ref_dtype", "dtype")):
+                value = getattr(self, name)
                 if value is not None and value != getattr(self, policy_key):
-                    problems.append(f"{key}={value}: ref_source=live computes the reference with the policy's own "
-                                    f"base ({policy_key}={getattr(self, policy_key)}); set {key}=null or use "
+                    problems.append(f"{name}={value}: ref_source=live computes the reference with the policy's own "
+                                    f"base ({policy_key}={getattr(self, policy_key)}); set {name}=null or use "
                                     "ref_source=cache")
         problems += objective_problems(self.loss_type, self.loss_weights, self.loss_settings)
         problems += self._eval_problems()
