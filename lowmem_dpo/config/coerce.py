@@ -129,7 +129,7 @@ def coerce(name: str, raw, tp, choices: tuple = ()):
 
 
 def check_bounds(name: str, value, meta: dict) -> None:
-    """ConfigError when `value` is outside the field's choices or [min, max] (metadata of config._f)."""
+    """ConfigError when `value` is outside the field's choices or [min, max] (metadata of schema.key)."""
     if value is None:
         return
     if isinstance(value, list):  # a list key: each entry

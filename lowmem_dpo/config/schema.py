@@ -76,8 +76,8 @@ class Config:
     prompt_column: Optional[str] = key(None, "The column holding the prompts when it is not called prompt (e.g. "
                                       "question), in dataset and eval_dataset. null: prompt, or implicit prompts.",
                                       reference="files")
-    chosen_column: Optional[str] = key(None, "The column holding chosen when not called chosen.", reference="files")
-    rejected_column: Optional[str] = key(None, "The column of rejected when not called rejected.", reference="files")
+    chosen_column: Optional[str] = key(None, "The column holding chosen when it is not called chosen.", reference="files")
+    rejected_column: Optional[str] = key(None, "The column holding rejected when not called rejected.", reference="files")
     max_train_samples: Optional[int] = key(None, "Take at most this many rows of the dataset (of the mixture), "
                                           "chosen by seed and each row's content, before eval_fraction holds "
                                           "prompts out. null: all.", min=1, reference="files")

@@ -211,12 +211,12 @@ def lookup(store: stores.Store, side: Side, keys: list[bytes]) -> tuple[dict, bo
     """The values `store` holds for sequence `keys` under `side`, and under its twin for the sequences the
     preferred layout lacks; and whether any came from the twin."""
     found = store.get(store.side(side.digest), keys)
-    from_other = False
+    from_twin = False
     if side.twin is not None and len(found) < len(set(keys)):
-        twin = store.get(store.side(side_digest(side.twin)), [k for k in keys if k not in found])
-        from_other = bool(twin)
-        found.update(twin)
-    return found, from_other
+        twin_values = store.get(store.side(side_digest(side.twin)), [k for k in keys if k not in found])
+        from_twin = bool(twin_values)
+        found.update(twin_values)
+    return found, from_twin
 
 
 def part_counts(tok) -> dict:

@@ -106,9 +106,9 @@ def on_start(session: Session) -> bool:
 
 
 def evaluate(session: Session) -> dict:
-    """The eval line of step s.progress.step: the objective's metrics over the eval items (at most eval_max_pairs; each
-    rank its share, the sums added up), no gradients, in eval mode, by the training micro-batch (halved on
-    out-of-memory); the samples' repetition and length (rank 0's: {} on the others); the time it took."""
+    """The eval line of step session.progress.step: the objective's metrics over the eval items (at most
+    eval_max_pairs; each rank its share, the sums added up), no gradients, in eval mode, by the training micro-batch
+    (halved on out-of-memory); the samples' repetition and length (rank 0's: {} on the others); the time it took."""
     t0 = time.perf_counter()
     with eval_mode(session.trainee.model):
         local = with_backoff(session, lambda n: session.run.objective.eval_stats(session, session.run.eval_items, n),

@@ -6,8 +6,8 @@ metrics. This module runs it: `optimizer_step` is one step, top to bottom; `run`
 
     resume = resuming.find_resume(cfg)    # before anything heavy: a changed setting fails fast
     resuming.check_before_load(cfg, resume, trains_on, len(items))  # changed inputs or a shorter run fail fast too
-    s = session.start(cfg, resolved, model, items, pad_id, objective, resume, trains_on)
-    run(s)                                # optimizer_step until the run's steps; log, checkpoint, save
+    session = start_session(cfg, resolved, model, items, pad_id, objective, resume, trains_on)  # session.start
+    run(session)                          # optimizer_step until the run's steps; log, checkpoint, save
 
 Under torchrun or `accelerate launch` (distributed.py) every rank runs this loop on the same data stream: a step
 takes per_device_train_batch_size x gradient_accumulation_steps items per rank, each rank computes its share
@@ -211,7 +211,7 @@ def eval_step(session: Session, metrics_file, bar) -> dict:
 
 
 def run(session: Session, progress: bool = True) -> TrainResult:
-    """Optimizer steps until s.run.steps: a metrics line at step 1, every logging_steps and the last step; a
+    """Optimizer steps until session.run.steps: a metrics line at step 1, every logging_steps and the last step; a
     checkpoint every save_steps and at the last step; then the adapter into output_dir."""
     from tqdm.auto import tqdm
 
@@ -251,8 +251,8 @@ def run(session: Session, progress: bool = True) -> TrainResult:
 
 
 def steps(session: Session, out_dir: Path, bar, last: dict) -> dict:
-    """The loop itself: optimizer steps until s.run.steps, with their lines, evals and checkpoints; returns the last
-    train line."""
+    """The loop itself: optimizer steps until session.run.steps, with their lines, evals and checkpoints; returns
+    the last train line."""
     main = session.run.world.main
     with output.open_metrics(session, out_dir) if main else open(os.devnull, "w") as metrics_file:
         first = distributed.broadcast(evaluation.at_start(session) if main else None)  # step 0: the samples

@@ -7,8 +7,9 @@
 
 A stage builds them with `start` (train.py, sft.py); loop.py runs the steps.
 
-    s = start(cfg, resolved, model, items, pad_id, objective, resume, trains_on, eval_items, tokenizer, prompts)
-    s.run.cfg, s.trainee.optimizer, s.progress.step
+    session = start(cfg, resolved, model, items, pad_id, objective, resume, trains_on, eval_items, tokenizer,
+                    prompts)
+    session.run.cfg, session.trainee.optimizer, session.progress.step
 """
 
 from __future__ import annotations
