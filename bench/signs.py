@@ -184,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     results = [run(kind, name, model, args) for kind in args.kinds.split(",") for name in args.runs.split(",")]
     print(table(results))
     if args.json:
-        from step_time import machine_info
+        from machine import command_line, machine_info
 
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": machine_info(), "command": " ".join(sys.argv),
+        Path(args.json).write_text(json.dumps({"machine": machine_info(), "command": command_line("signs.py", argv),
                                                "results": results}, indent=1) + "\n", encoding="utf-8")
     return 0
 

@@ -45,6 +45,7 @@ PAGES = [REPO / "docs" / "demo.md", REPO / "README.md",
 KINDS = ("bash", "python", "yaml", "jsonl", "text")
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 NOT_RUN = re.compile(r"<!-- not run here: (.+?) -->")
+ENV_SETTING = re.compile(r"[A-Z_]+=\S*")  # a shell line's leading NAME=VALUE (WANDB_MODE=offline lowmem-dpo ...)
 COMMAND_WORDS = {"python", "python3", "lowmem-dpo", "torchrun", "accelerate", "pip", "make", "hf", "huggingface-cli",
                  "vllm", "curl", "llama-cli", "llama-server", "ollama", "cd", "tensorboard", "trackio", "wandb"}
 
@@ -141,7 +142,7 @@ def run_shell(text: str) -> list[tuple[str, str]]:
     for line in commands(text):
         words = shlex.split(line, comments=True)
         env = {}
-        while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        while words and ENV_SETTING.fullmatch(words[0]):
             key, _, value = words.pop(0).partition("=")
             env[key] = value
         if words[:2] == ["pip", "install"]:
@@ -267,7 +268,7 @@ def test_every_block_is_run_or_says_why_not():
         if b.kind == "text":
             assert b.not_run is None, f"{b.id}: text is never run; the marker says nothing"
             for line in b.text.splitlines():
-                words = [w for w in line.split() if not re.fullmatch(r"[A-Z_]+=\S*", w)]
+                words = [w for w in line.split() if not ENV_SETTING.fullmatch(w)]
                 assert not words or words[0] not in COMMAND_WORDS or "[key=value" in line, (
                     f"{b.id}: a command in a text block: {line!r}; make it bash (run here), a transcript "
                     "($ COMMAND) or mark it")
@@ -288,9 +289,9 @@ RUN = [b for b in BLOCKS if b.not_run is None and (b.kind != "text" or re.search
 
 @pytest.mark.parametrize("b", RUN, ids=lambda b: b.id)
 def test_block(b, world):
-    outputs = world.ran.get(b.id, [])
-    if b.id in world.ran:
-        pass
+    outputs = []
+    if b.id in world.ran:  # the fixture ran it
+        outputs = world.ran[b.id]
     elif b.kind == "bash":
         outputs = run_shell(b.text)
     elif b.kind == "python":

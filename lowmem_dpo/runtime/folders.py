@@ -104,7 +104,7 @@ def mark(folder: Path, kind: str, files: list[str] = ()) -> None:
     if marker.get("kind") == kind and set(files) <= set(marker.get("files", [])):
         return
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(folder / MARKER, {"written_by": "lowmem_dpo", "kind": kind, "version": _version(),
+    atomic_write_json(folder / MARKER, {"written_by": "lowmem_dpo", "kind": kind, "version": tool_version(),
                                         "created": marker.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                         "files": sorted(set(marker.get("files", [])) | set(files))})
 
@@ -122,10 +122,6 @@ def check_replacing(folder: Path, names: list[str], ours: frozenset[str], what: 
 
 def tool_version() -> str:
     """lowmem_dpo's installed version ("unknown" from a source tree that is not installed)."""
-    return _version()
-
-
-def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
