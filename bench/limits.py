@@ -58,9 +58,10 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
     batches = [units[i:i + per_batch] for units in commits for i in range(0, len(units), per_batch)]
     # the bare forward: the same sequences of each batch, one per row (the prompt in every row)
     collated = [data.collate_completions([s for u in b for s in u], pad_id).to(device) for b in batches]
+    reference = precompute.ReferenceForward(model, pad_id, resolved, shared)
 
     def ours(k: int) -> None:
-        precompute.units_logps(model, batches[k], per_batch, pad_id, resolved, shared=shared)
+        precompute.units_logps(reference, batches[k], per_batch)
 
     @torch.inference_mode()
     def bare(k: int) -> None:

@@ -177,7 +177,7 @@ def _measure_precompute(mcfg: Config, prepared: inputs.Inputs, resolved: devices
     units = precompute.forward_units(tok.pairs, [cache.pair_keys(p) for p in tok.pairs], None, shared)
     units = precompute.longest_first(units)[:rows]
     with PeakMeter(resolved.device) as meter:
-        precompute.units_logps(model, units, rows, pad_id, resolved, shared=shared)
+        precompute.units_logps(precompute.ReferenceForward(model, pad_id, resolved, shared), units, rows)
     del model
     gc.collect()
     lengths = [len(u[0].prompt_ids) + sum(len(seq.completion_ids) for seq in u) for u in units]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import sqlite3
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,17 +90,28 @@ def collate_units(units: list[list[data.TokenizedCompletion]], pad_id: int, shar
     return data.collate_shared(rows, pad_id), [u[0] for u in units] + [u[1] if len(u) > 1 else None for u in units]
 
 
+@dataclass(frozen=True)
+class ReferenceForward:
+    """The reference's forward as precompute runs it, the same for every batch of a build."""
+
+    model: object  # the reference: base, or base + the SFT adapter (load_model)
+    pad_id: int
+    resolved: devices.Resolved  # its device and ref_dtype
+    shared: bool = False  # a pair's prompt once per row (headcheck.bring_up decides)
+    per_token: bool = False  # each token's log-prob kept too (a per_token side: ld_alpha)
+
+
 @torch.inference_mode()
-def units_logps(model, units: list[list[data.TokenizedCompletion]], batch_size: int, pad_id: int,
-                resolved: devices.Resolved, bar=None, shared: bool = False, per_token: bool = False) -> list:
+def units_logps(reference: ReferenceForward, units: list[list[data.TokenizedCompletion]], batch_size: int,
+                bar=None) -> list:
     """(sequence, store Value) of every sequence of `units`, batch_size units per forward. `bar` (a progress bar)
-    advances by the sequences of each batch. per_token: each token's log-prob kept too (a per_token side)."""
-    out = []
+    advances by the sequences of each batch."""
+    out, resolved, per_token = [], reference.resolved, reference.per_token
     for i in range(0, len(units), batch_size):
-        batch, seqs = collate_units(units[i:i + batch_size], pad_id, shared)
+        batch, seqs = collate_units(units[i:i + batch_size], reference.pad_id, reference.shared)
         # The same precision as train's forward at the same settings: step 1 shows ln 2.
         with devices.autocast(resolved.device, resolved.ref_dtype):
-            got = batch_logps(model, batch.to(resolved.device), per_token=per_token)
+            got = batch_logps(reference.model, batch.to(resolved.device), per_token=per_token)
         logps, counts = got.logps.cpu().tolist(), got.n_tokens.cpu().tolist()
         for j, seq in enumerate(seqs):
             if seq is not None:
@@ -133,23 +145,22 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     return batch, streaming.Plan(stream.layers, arch.layers_prefix) if stream and plan.fits else None
 
 
-def compute_missing(model, todo: list[list[data.TokenizedCompletion]], store, side: int, cfg: Config,
-                    resolved: devices.Resolved, pad_id: int, progress: bool, shared: bool, batch: int,
-                    need: int) -> None:
+def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedCompletion]], store, side: int,
+                    batch: int, shard_rows: int, need: int, progress: bool) -> None:
     """Compute the sequences of `todo` (forward units, longest first) by batches and commit each chunk to the
-    store (a killed run keeps what it committed). Several processes: each its every world-size-th chunk. Out of
+    store, at most `shard_rows` sequences a commit (a killed run keeps what it committed; `need`: the bytes the
+    free-space check asked for, which a full disk's message names). Several processes: each its every world-size-th chunk. Out of
     memory halves the batch (down to 1 pair) for that chunk and the ones after it."""
     from tqdm.auto import tqdm
 
-    mine = distributed.shard(commits(todo, cfg.cache_shard_rows))
+    mine = distributed.shard(commits(todo, shard_rows))
     total = sum(len(u) for chunk in mine for u in chunk)
     bar = tqdm(total=total, desc="precompute", unit="seq", dynamic_ncols=True,
                disable=not progress or not distributed.is_main())
     kept = 0
-    per_token = cfg.ld_alpha is not None
     try:
         for chunk in mine:
-            got, batch = chunk_with_backoff(model, chunk, batch, pad_id, resolved, bar, shared, per_token)
+            got, batch = chunk_with_backoff(reference, chunk, batch, bar)
             bad = sorted({seq.row for seq, v in got if not math.isfinite(v.logps)})
             if bad:
                 raise UserError(f"the reference gives non-finite reference log-probs for {len(bad)} rows (rows "
@@ -185,20 +196,20 @@ def commits(units: list[list[data.TokenizedCompletion]], size: int) -> list[list
     return out if out[0] else []
 
 
-def chunk_with_backoff(model, chunk: list[list[data.TokenizedCompletion]], batch: int, pad_id: int,
-                       resolved: devices.Resolved, bar, shared: bool, per_token: bool = False) -> tuple[list, int]:
+def chunk_with_backoff(reference: ReferenceForward, chunk: list[list[data.TokenizedCompletion]], batch: int,
+                       bar) -> tuple[list, int]:
     """units_logps of one chunk, its batch halved on out-of-memory down to 1 pair (oom.halving_on_oom); the
     values, and the batch that worked, where the next chunks start. `batch` is in pairs: a pair is one shared
     row, or two unshared ones."""
     start = bar.n
-    rows_per_pair = 1 if shared else 2
+    rows_per_pair = 1 if reference.shared else 2
 
     def attempt(size: int):
         bar.n = start  # a retry computes the chunk from its start
-        return units_logps(model, chunk, size * rows_per_pair, pad_id, resolved, bar, shared, per_token), size
+        return units_logps(reference, chunk, size * rows_per_pair, bar), size
 
     return oom.halving_on_oom(
-        attempt, batch, resolved.device,
+        attempt, batch, reference.resolved.device,
         lambda n: f"out of memory in precompute: retrying with precompute_batch_size={n}",
         "out of memory in precompute with 1 pair per forward: lower max_length, or set ref_quantization=4bit "
         "(python -m lowmem_dpo.plan RECIPE.yaml shows what fits); the sequences computed so far are kept, and the "
@@ -264,10 +275,10 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
             units = forward_units(*dataset.all_pairs(), todo, shared)
             computed, t0 = len(todo), time.perf_counter()
             components = side.layouts()[layout]
-            compute_missing(model, longest_first(units), store,
-                            store.side(cache.side_digest(components), components), cfg, resolved, pad_id, progress,
-                            shared, batch, need[layout])
-            del model  # its memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
+            reference = ReferenceForward(model, pad_id, resolved, shared, per_token=cfg.ld_alpha is not None)
+            compute_missing(reference, longest_first(units), store, store.side(cache.side_digest(components),
+                            components), batch, cfg.cache_shard_rows, need[layout], progress)
+            del model, reference  # its memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
             oom.release_memory(resolved.device)
             distributed.barrier()  # every process's sequences are in the store
             seconds = time.perf_counter() - t0

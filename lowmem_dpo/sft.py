@@ -33,7 +33,7 @@ from lowmem_dpo.model.tiny import BUILTIN_PREFIX
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import inputs, loop, output, policy, resuming
-from lowmem_dpo.training.session import Session
+from lowmem_dpo.training.session import RunSetup, Session
 from lowmem_dpo.training.session import start as start_session
 
 SFT_METRICS = ("eval_loss", "eval_gen/repetition")  # the eval metrics an SFT run logs (metric_for_best_model)
@@ -157,8 +157,9 @@ def setup(cfg: Config, progress: bool = True) -> Session:
     pad_id = data.pad_token_id(tokenizer)
     headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:2], train=True)  # completions: never shared
     # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
-    return start_session(cfg, resolved, model, dataset.train, pad_id, SFT(), resume, trains_on, dataset.eval, tokenizer,
+    run_setup = RunSetup(cfg, resolved, SFT(), dataset.train, pad_id, trains_on, dataset.eval, tokenizer,
                          dataset.prompts, adapter_off_is_start=False)
+    return start_session(run_setup, model, resume)
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

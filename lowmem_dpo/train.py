@@ -30,7 +30,7 @@ from lowmem_dpo.objectives.metrics import term_metric_names
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import log
 from lowmem_dpo.training import guards, inputs, kto, loop, output, policy, resuming
-from lowmem_dpo.training.session import Session
+from lowmem_dpo.training.session import RunSetup, Session
 from lowmem_dpo.training.session import start as start_session
 
 
@@ -138,14 +138,13 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     return losses, x, stats
 
 
-def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
-               resolved: devices.Resolved, shared: bool = False, step_pairs: list | None = None,
-               backward=torch.Tensor.backward) -> StepStats:
-    """Forward+backward over the micro-batches of one optimizer step; gradients accumulate in the params. The
-    loss is the mean over all the step's pairs whatever the split (the out-of-memory back-off changes it), and
-    the sft term the mean over all its chosen tokens. step_pairs: every pair of the step when `group` holds this
-    rank's share of them (loop.rank_share), whose gradients the ranks sum; default: the group's pairs. backward(loss):
-    the loop's (session.Trainee.backward: scaled in float16)."""
+def train_step(trainee: policy.Trainee, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
+               resolved: devices.Resolved, shared: bool = False, step_pairs: list | None = None) -> StepStats:
+    """Forward+backward of the trainee's model over the micro-batches of one optimizer step (trainee.backward:
+    scaled in float16); gradients accumulate in its params. The loss is the mean over all the step's pairs whatever
+    the split (the out-of-memory back-off changes it), and the sft term the mean over all its chosen tokens.
+    step_pairs: every pair of the step when `group` holds this rank's share of them (loop.rank_share), whose
+    gradients the ranks sum; default: the group's pairs."""
     stats = new_stats(cfg)
     step_pairs = step_pairs if step_pairs is not None else [p for pairs in group for p in pairs]
     n_pairs = len(step_pairs)
@@ -154,9 +153,8 @@ def train_step(model, cfg: Config, group: list[list[data.TokenizedPair]], ref, p
     nll_tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) - 1 if objectives.nll_prompt(cfg.loss_type)
                      else len(p.chosen_ids) for p in step_pairs)
     for pairs in group:
-        losses, x, batch_stats = forward_pairs(model, cfg, pairs, ref, pad_id, resolved, shared)
-        loss = losses.sum() / n_pairs + objectives.per_token_loss(x, cfg.loss_terms, nll_tokens)
-        backward(loss)
+        losses, x, batch_stats = forward_pairs(trainee.model, cfg, pairs, ref, pad_id, resolved, shared)
+        trainee.backward(losses.sum() / n_pairs + objectives.per_token_loss(x, cfg.loss_terms, nll_tokens))
         stats.add(batch_stats)
     return stats
 
@@ -187,8 +185,8 @@ class DPO:
     def backward(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
         batches = loop.micro_batches(loop.rank_share(session, pairs), micro_batch)
         run = session.run
-        return train_step(session.trainee.model, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
-                          step_pairs=pairs, backward=session.trainee.backward)
+        return train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
+                          step_pairs=pairs)
 
     def eval_stats(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
         batches = loop.micro_batches(loop.rank_share(session, pairs), micro_batch)
@@ -276,9 +274,9 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
         objective = kto.KTO(cfg, ref, kto.labels(dataset.unpaired["train"]), eval_ref,
                             kto.labels(dataset.unpaired[dataset.eval_part]) if dataset.eval_part else None)
         items = kto.blocks(dataset.train, cfg.per_device_train_batch_size)
-    return start_session(cfg, resolved, model, items, pad_id, objective, resume, trains_on, dataset.eval,
-                         prepared.tokenizer, dataset.prompts,
-                         adapter_off_is_start=adapters.adapter_off_is_start(cfg, prepared.source))
+    run_setup = RunSetup(cfg, resolved, objective, items, pad_id, trains_on, dataset.eval, prepared.tokenizer,
+                         dataset.prompts, adapter_off_is_start=adapters.adapter_off_is_start(cfg, prepared.source))
+    return start_session(run_setup, model, resume)
 
 
 def reference_caches(cfg: Config, prepared: inputs.Inputs, side: cache.Side, dataset: inputs.Data,

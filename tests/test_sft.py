@@ -158,7 +158,7 @@ def test_continue_on_a_quantized_base_with_checkpointing(sft_dir, tmp_path, rows
     precompute.run(cfg, progress=False)
     s = train.setup(cfg, progress=False)
     first = [session.next_items(s.progress.stream, s.progress.micro_batch)]
-    stats = train.train_step(s.trainee.model, cfg, first, s.run.objective.ref, s.run.pad_id, s.run.resolved)
+    stats = train.train_step(s.trainee, cfg, first, s.run.objective.ref, s.run.pad_id, s.run.resolved)
     assert stats.means()["loss"] == pytest.approx(math.log(2), abs=2e-3)
     lora = {n: p for n, p in s.trainee.model.named_parameters() if p.requires_grad}
     assert len(lora) == 28 and all("lora_" in n for n in lora)  # 14 adapted layers x (A, B)

@@ -259,7 +259,7 @@ def test_16bit_runs_skip_peft_s_float32_input_copy_with_the_same_numbers(make_cf
 
     def grads():
         s.trainee.optimizer.zero_grad(set_to_none=True)
-        stats = train.train_step(s.trainee.model, cfg, [pairs], s.run.objective.ref, s.run.pad_id, s.run.resolved)
+        stats = train.train_step(s.trainee, cfg, [pairs], s.run.objective.ref, s.run.pad_id, s.run.resolved)
         return stats.sums["loss"], [p.grad.clone() for p in s.trainee.params]
 
     loss_off, grads_off = grads()

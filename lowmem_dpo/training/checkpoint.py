@@ -29,6 +29,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGT
 from lowmem_dpo.model import adapters
 from lowmem_dpo.runtime import files, folders
 from lowmem_dpo.runtime.errors import ConfigError, UserError, log
+
+if TYPE_CHECKING:  # the annotation only: reading a checkpoint loads no model code
+    from lowmem_dpo.training import policy
 
 FOLDER = "checkpoints"
 STATE = "trainer_state.json"
@@ -114,16 +118,17 @@ def rng_state() -> dict:
     return rng
 
 
-def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics_lines: list[str],
-         keep: int, replaces: list[Path] = (), scaler=None, rng_states: list[dict] | None = None) -> Path:
-    """Write checkpoint-{state.step} atomically, then remove `replaces` (an earlier run's checkpoints, when
+def save(output_dir: str | Path, state: TrainerState, trainee: policy.Trainee, metrics_lines: list[str], keep: int,
+         replaces: list[Path] = (), rng_states: list[dict] | None = None) -> Path:
+    """Write checkpoint-{state.step} atomically (the trainee's adapter, optimizer, schedule and loss scaler, and
+    the random states), then remove `replaces` (an earlier run's checkpoints, when
     this one started over) and keep only the newest `keep` and the best (state.best_global_step's), which is
     never pruned. output_dir's samples.jsonl goes in too, as metrics_lines do. A full disk stops the run with
     exit 2 and leaves the previous checkpoints as they were. `rng_states`: every rank's rng_state(), in rank order
     (distributed.gather); default this process's."""
     folder = root(output_dir)
     final = folder / f"checkpoint-{state.step}"
-    need = size_bytes(model, opt)
+    need = size_bytes(trainee.model, trainee.optimizer)
     then = resume_note(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.glob(".checkpoint-*"):  # a write a kill interrupted: never a checkpoint, only litter
@@ -131,11 +136,11 @@ def save(output_dir: str | Path, state: TrainerState, model, opt, sched, metrics
     files.ensure_free_space(folder, need, f"checkpoint-{state.step}", then)
     tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{state.step}-", dir=folder))
     try:
-        adapters.save(model, tmp)
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")
-        torch.save(sched.state_dict(), tmp / "scheduler.pt")
-        if scaler is not None:
-            torch.save(scaler.state_dict(), tmp / SCALER)
+        adapters.save(trainee.model, tmp)
+        torch.save(trainee.optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(trainee.scheduler.state_dict(), tmp / "scheduler.pt")
+        if trainee.scaler is not None:
+            torch.save(trainee.scaler.state_dict(), tmp / SCALER)
         ranks = rng_states or [rng_state()]
         torch.save({**ranks[0], "ranks": ranks} if len(ranks) > 1 else ranks[0], tmp / "rng.pt")
         (tmp / METRICS).write_text("".join(metrics_lines), encoding="utf-8")
@@ -260,15 +265,15 @@ def load_adapter_weights(path: Path, model) -> None:
                         f"({len(result.unexpected_keys)} unexpected keys); {new_run(Path(path).parent.parent)}")
 
 
-def restore(path: Path, model, opt, sched, scaler=None, rank: int = 0) -> None:
-    """Load the adapter weights, optimizer, scheduler, loss scaler (float16) and RNG states of checkpoint `path`
-    into the run; the RNG state is process `rank`'s (a checkpoint of one process, or written before each rank's
+def restore(path: Path, trainee: policy.Trainee, rank: int = 0) -> None:
+    """Load the adapter weights, optimizer, scheduler, loss scaler (float16) of checkpoint `path` into the
+    trainee, and its RNG states into this process; the RNG state is process `rank`'s (a checkpoint of one process, or written before each rank's
     was kept: its one state)."""
-    load_adapter_weights(path, model)
-    opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
-    sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    if scaler is not None and (path / SCALER).is_file():
-        scaler.load_state_dict(torch.load(path / SCALER, weights_only=True))
+    load_adapter_weights(path, trainee.model)
+    trainee.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+    trainee.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    if trainee.scaler is not None and (path / SCALER).is_file():
+        trainee.scaler.load_state_dict(torch.load(path / SCALER, weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=True)
     if "ranks" in rng:
         rng = rng["ranks"][rank]

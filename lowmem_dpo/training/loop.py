@@ -6,7 +6,8 @@ metrics. This module runs it: `optimizer_step` is one step, top to bottom; `run`
 
     resume = resuming.find_resume(cfg)    # before anything heavy: a changed setting fails fast
     resuming.check_before_load(cfg, resume, trains_on, len(items))  # changed inputs or a shorter run fail fast too
-    session = start_session(cfg, resolved, model, items, pad_id, objective, resume, trains_on)  # session.start
+    setup = RunSetup(cfg, resolved, objective, items, pad_id, inputs=trains_on)  # session.py: what the run is
+    session = start(setup, model, resume)  # session.start: the trainee and the progress
     run(session)                          # optimizer_step until the run's steps; log, checkpoint, save
 
 Under torchrun or `accelerate launch` (distributed.py) every rank runs this loop on the same data stream: a step
@@ -158,9 +159,9 @@ def save_checkpoint(session: Session, out_dir: Path, evaluated: dict | None) -> 
         return
     evaluation.note_best(session, evaluated)
     state = checkpoint_state(session)
-    cfg, trainee, progress = session.run.cfg, session.trainee, session.progress
-    checkpoint.save(out_dir, state, trainee.model, trainee.optimizer, trainee.scheduler, progress.metrics_lines,
-                    cfg.save_total_limit, progress.replaces, trainee.scaler, rng_states)
+    cfg, progress = session.run.cfg, session.progress
+    checkpoint.save(out_dir, state, session.trainee, progress.metrics_lines, cfg.save_total_limit, progress.replaces,
+                    rng_states)
     progress.replaces = []
     checkpoint.write_run_state(out_dir, state, session.run.steps, cfg.best_metric_name, cfg.best_is_greater,
                                progress.metrics_lines)

@@ -3,6 +3,7 @@ optimizer and schedule, and the memory plan's choices for them.
 
     setup_model      base (quantized, streamed as asked) + the SFT adapter continued, or a fresh adapter
     setup_optimizer  the device rule's AdamW over the LoRA weights, warmup + decay
+    trainee          the model with its optimizer, schedule and float16 loss scaler: what a step updates
     apply_plan       the memory planner's knobs train can apply (memory/search.py): a smaller micro-batch,
                      gradient_checkpointing=auto, and on CUDA, last, decoder layers streamed from CPU RAM
 """
@@ -10,6 +11,7 @@ optimizer and schedule, and the memory plan's choices for them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -119,6 +121,30 @@ def setup_optimizer(cfg: Config, model, total_steps: int, resolved: devices.Reso
     params = [p for p in model.parameters() if p.requires_grad]
     opt = devices.make_optimizer(resolved.optimizer, params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     return opt, make_schedule(cfg, opt, total_steps), params
+
+
+@dataclass
+class Trainee:
+    """The model being trained and what updates it; a checkpoint saves it and a resume restores it as one thing
+    (checkpoint.save, checkpoint.restore)."""
+
+    model: object  # PeftModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    params: list  # the trainable LoRA parameters
+    scaler: object = None  # float16: torch.amp.GradScaler (devices.grad_scaler); None otherwise
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), the loss scaled first in float16 (the scaler's scale; update.unscale_and_clip
+        unscales)."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+
+def trainee(cfg: Config, model, total_steps: int, resolved: devices.Resolved) -> Trainee:
+    """`model` with its optimizer and schedule over `total_steps` (setup_optimizer), and the loss scaler float16
+    needs."""
+    optimizer, scheduler, params = setup_optimizer(cfg, model, total_steps, resolved)
+    return Trainee(model, optimizer, scheduler, params, devices.grad_scaler(resolved.device, resolved.dtype))
 
 
 def items_per_step(cfg: Config, world_size: int = 1) -> int:

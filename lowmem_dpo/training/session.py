@@ -5,16 +5,17 @@
     Progress  the step counters, the data stream's position, the micro-batch split and the metric window: what
               a checkpoint saves (checkpoint.TrainerState) and a resume restores as one thing
 
-A stage builds them with `start` (train.py, sft.py); loop.py runs the steps.
+A stage describes its run and `start`s it (train.py, sft.py); loop.py runs the steps.
 
-    session = start(cfg, resolved, model, items, pad_id, objective, resume, trains_on, eval_items, tokenizer,
-                    prompts)
+    run = RunSetup(cfg, resolved, objective, items, pad_id, inputs=trains_on, eval_items=dataset.eval)
+    session = start(run, model, resume)  # the trainee over run.steps; the progress at the start or the checkpoint
     session.run.cfg, session.trainee.optimizer, session.progress.step
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.runtime import devices, distributed
 from lowmem_dpo.training import checkpoint, policy, resuming
+from lowmem_dpo.training.policy import Trainee
 
 
 class Stats(Protocol):
@@ -102,7 +104,6 @@ class RunSetup:
     objective: Objective
     items: list  # the data items: preference pairs (train), SFT rows (sft), or KTO's blocks of rows
     pad_id: int
-    steps: int  # optimizer steps this run takes in all (a resumed run included)
     inputs: dict = field(default_factory=dict)  # what the run trains on (inputs.run_inputs), in each checkpoint
     eval_items: list = field(default_factory=list)  # held-out items evaluated every eval_steps ([]: no eval)
     tokenizer: object = None  # decodes the samples
@@ -112,26 +113,15 @@ class RunSetup:
     # when train continues an SFT adapter (its start is base + that adapter), nor in SFT (which means to move)
     adapter_off_is_start: bool = True
 
+    @functools.cached_property
+    def steps(self) -> int:
+        """Optimizer steps this run takes in all, a resumed run included (max_steps, or its epochs)."""
+        return policy.total_steps(self.cfg, policy.rows_of(self.items), self.world.size)
+
     @property
     def items_per_step(self) -> int:  # data items, all ranks': pairs, SFT rows, or KTO's blocks (one a micro-batch)
         rows = policy.items_per_step(self.cfg, self.world.size)
         return rows // self.cfg.per_device_train_batch_size if getattr(self.objective, "blocks", False) else rows
-
-
-@dataclass
-class Trainee:
-    """The model being trained and what updates it."""
-
-    model: object  # PeftModel
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    params: list  # the trainable LoRA parameters
-    scaler: object = None  # float16: torch.amp.GradScaler (devices.grad_scaler); None otherwise
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), the loss scaled first in float16 (the scaler's scale; update.unscale_and_clip
-        unscales)."""
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
 
 @dataclass
@@ -164,29 +154,23 @@ class Session:
 
 
 # -- start or resume ---------------------------------------------------------------------------------------------
-def start(cfg: Config, resolved: devices.Resolved, model, items: list, pad_id: int, objective: Objective,
-          resume: tuple[Path | None, checkpoint.TrainerState | None], inputs: dict | None = None,
-          eval_items: list = (), tokenizer=None, prompts: dict | None = None,
-          adapter_off_is_start: bool = True) -> Session:
-    """The session of a stage's set-up model: its optimizer and schedule over the run's steps, at checkpoint
-    `resume` (resuming.find_resume's pair, its inputs already checked against `inputs`) or at the start.
-    `eval_items` are evaluated every eval_steps, their prompts answered with `tokenizer`'s decoding and shown as
-    `prompts` has them (inputs.Data.prompts). adapter_off_is_start: RunSetup's."""
-    steps = policy.total_steps(cfg, policy.rows_of(items), distributed.world().size)
-    optimizer, scheduler, params = policy.setup_optimizer(cfg, model, steps, resolved)
-    run = RunSetup(cfg, resolved, objective, items, pad_id, steps, inputs or {}, list(eval_items), tokenizer,
-                   prompts or {}, adapter_off_is_start=adapter_off_is_start)
-    trainee = Trainee(model, optimizer, scheduler, params, devices.grad_scaler(resolved.device, resolved.dtype))
-    micro_batch = resolved.micro_batch or cfg.per_device_train_batch_size  # the planner's split, or the recipe's
+def start(run: RunSetup, model, resume: tuple[Path | None, checkpoint.TrainerState | None]) -> Session:
+    """The session of `run` on a stage's set-up model: its optimizer and schedule over the run's steps, at
+    checkpoint `resume` (resuming.find_resume's pair, its inputs already checked against run.inputs) or at the
+    start."""
+    cfg = run.cfg
+    trainee = policy.trainee(cfg, model, run.steps, run.resolved)
+    micro_batch = run.resolved.micro_batch or cfg.per_device_train_batch_size  # the planner's split, or the recipe's
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    progress = Progress(pair_stream(items, cfg.seed), micro_batch, math.ceil(per_rank / micro_batch),
-                        objective.new_stats())
+    progress = Progress(pair_stream(run.items, cfg.seed), micro_batch, math.ceil(per_rank / micro_batch),
+                        run.objective.new_stats())
     resume_from, saved = resume
     if saved is None:  # a new run: the data from its start; an earlier run's checkpoints go at the first save
         progress.replaces = [p for _, p in checkpoint.complete(cfg.output_dir)]
     else:
-        checkpoint.restore(resume_from, model, optimizer, scheduler, trainee.scaler, rank=run.world.rank)
-        resuming.follow_run_length(cfg, policy.rows_of(items), steps, optimizer, scheduler, saved)
+        checkpoint.restore(resume_from, trainee, rank=run.world.rank)
+        resuming.follow_run_length(cfg, policy.rows_of(run.items), run.steps, trainee.optimizer, trainee.scheduler,
+                                   saved)
         progress = restored_progress(progress, resume_from, saved)
     return Session(run, trainee, progress)
 

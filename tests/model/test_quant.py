@@ -63,7 +63,7 @@ def test_every_lora_parameter_gets_a_gradient(small, quantization, checkpointing
     assert checkpointed == (checkpointing == "true")
 
     loop.optimizer_step(s)
-    train.train_step(s.trainee.model, cfg, [loop.next_items(s.progress.stream, s.progress.micro_batch)], None, s.run.pad_id,
+    train.train_step(s.trainee, cfg, [loop.next_items(s.progress.stream, s.progress.micro_batch)], None, s.run.pad_id,
                      s.run.resolved)
     lora = {n: p for n, p in s.trainee.model.named_parameters() if p.requires_grad}
     assert len(lora) == 2 * len(adapted) and all("lora_A" in n or "lora_B" in n for n in lora)

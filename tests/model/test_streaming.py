@@ -149,12 +149,13 @@ def test_train_steps_with_a_streamed_layer(make_cfg, tiny_path, tokenizer, capsy
     resolved = devices.resolve(cfg)
     model = policy.setup_model(cfg, resolved, tiny_path, streaming.Plan(1, "model.layers"))
     assert "stream: decoder layers 1-1 (1 of 2, " in capsys.readouterr().err
-    opt, _, params = policy.setup_optimizer(cfg, model, 1, resolved)
+    trainee = policy.trainee(cfg, model, 1, resolved)
+    params = trainee.params
     before = [p.detach().clone() for p in params]
     for _ in range(2):  # B starts at zero, so A gets a gradient from the second step on
-        stats = train.train_step(model, cfg, [some_pairs(tokenizer, 4)], None, 0, resolved)
-        opt.step()
-        opt.zero_grad()
+        stats = train.train_step(trainee, cfg, [some_pairs(tokenizer, 4)], None, 0, resolved)
+        trainee.optimizer.step()
+        trainee.optimizer.zero_grad()
         assert stats.pairs == 4 and math.isfinite(stats.sums["loss"])
     assert len(params) == 2 * 7 * 2
     assert all(not torch.equal(b, p) for b, p in zip(before, params))

@@ -133,8 +133,7 @@ def test_an_interrupted_checkpoint_write_leaves_no_checkpoint(built, tmp_path, m
                     progress=False)
     for _ in range(5):
         loop.optimizer_step(s)
-    checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee.model, s.trainee.optimizer,
-                    s.trainee.scheduler, [], 2)
+    checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee, [], 2)
     for _ in range(5):
         loop.optimizer_step(s)
     real_save = torch.save
@@ -146,15 +145,13 @@ def test_an_interrupted_checkpoint_write_leaves_no_checkpoint(built, tmp_path, m
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee.model, s.trainee.optimizer,
-                        s.trainee.scheduler, [], 2)
+        checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee, [], 2)
     root = checkpoint.root(s.run.cfg.output_dir)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-5"]  # the temp folder is gone too
     assert checkpoint.read_state(root / "checkpoint-5").step == 5
     monkeypatch.setattr(torch, "save", real_save)
     (root / ".checkpoint-10-leftover").mkdir()  # what a real kill -9 would leave
-    checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee.model, s.trainee.optimizer,
-                    s.trainee.scheduler, [], 2)
+    checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee, [], 2)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-10", "checkpoint-5"]
 
 
