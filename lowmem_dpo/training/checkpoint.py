@@ -110,6 +110,13 @@ def resume_note(output_dir: str | Path) -> str:
             if newest else "No checkpoint was written yet.")
 
 
+def intact_note(output_dir: str | Path) -> str:
+    """What a stopped run leaves to resume from, for the message that stops it."""
+    found = complete(output_dir)
+    return (f"the last checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact" if found
+            else "no checkpoint was written yet (save_steps)")
+
+
 def rng_state() -> dict:
     """This process's random state: torch's CPU generator, and CUDA's where there is a GPU."""
     rng = {"cpu": torch.get_rng_state()}

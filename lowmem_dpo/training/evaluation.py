@@ -24,7 +24,7 @@ from lowmem_dpo.model.logps import eval_mode
 from lowmem_dpo.runtime import distributed, files, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, guards, samples
-from lowmem_dpo.training.session import Session
+from lowmem_dpo.training.session import Progress, Session
 
 
 def due(cfg: Config, step: int, steps: int) -> bool:
@@ -130,11 +130,12 @@ def baseline(metrics_lines: list[str]) -> dict | None:
     return None
 
 
-def collapse_sign(session: Session, line: dict) -> str | None:
-    """guards.collapse_sign of this eval's samples against step 0's (none at step 0 itself: eval_on_start)."""
+def collapse_sign(metrics_lines: list[str], line: dict) -> str | None:
+    """guards.collapse_sign of this eval's samples against step 0's in the run's metrics lines (none at step 0
+    itself: eval_on_start)."""
     if line.get(guards.GEN_REPETITION) is None or line["step"] == 0:
         return None
-    return guards.collapse_sign(baseline(session.progress.metrics_lines), line)
+    return guards.collapse_sign(baseline(metrics_lines), line)
 
 
 def bar_numbers(line: dict) -> dict[str, str]:
@@ -150,14 +151,14 @@ def better(value: float, best: float | None, greater: bool) -> bool:
     return best is None or (value > best if greater else value < best)
 
 
-def note_best(session: Session, line: dict | None) -> None:
-    """Before the checkpoint of an evaluated step is saved: make it the best when its metric_for_best_model (in
-    `line`, this step's eval line) beats the best so far."""
-    if line is None or line.get("step") != session.progress.step:
+def note_best(progress: Progress, cfg: Config, line: dict | None) -> None:
+    """Before the checkpoint of an evaluated step is saved: make it the progress's best when its
+    metric_for_best_model (in `line`, this step's eval line) beats the best so far."""
+    if line is None or line.get("step") != progress.step:
         return
-    value = line.get(session.run.cfg.best_metric_name)
-    if value is not None and better(value, session.progress.best["best_metric"], session.run.cfg.best_is_greater):
-        session.progress.best = {"best_metric": value, "best_global_step": session.progress.step}
+    value = line.get(cfg.best_metric_name)
+    if value is not None and better(value, progress.best["best_metric"], cfg.best_is_greater):
+        progress.best = {"best_metric": value, "best_global_step": progress.step}
 
 
 def load_best(session: Session) -> None:

@@ -101,7 +101,7 @@ def optimizer_step(session: Session, out: StepOutputs | None = None) -> StepResu
         progress.nonfinite_in_a_row += 1
         log(update.nonfinite_note(progress.step, loss, grad_norm, progress.nonfinite_in_a_row))
         if progress.nonfinite_in_a_row >= run.cfg.max_nonfinite_steps:
-            raise update.diverged(progress.step, progress.nonfinite_in_a_row, output.last_checkpoint_note(session))
+            raise update.diverged(progress.step, progress.nonfinite_in_a_row, run.cfg.output_dir)
     update.finish_update(trainee.optimizer, trainee.scheduler, trainee.scaler)
     devices.synchronize(run.resolved.device)
     result = StepResult(stats, grad_norm, lr, time.perf_counter() - started)
@@ -157,7 +157,7 @@ def save_checkpoint(session: Session, out_dir: Path, evaluated: dict | None) -> 
     rng_states = distributed.gather(checkpoint.rng_state())
     if not session.run.world.main:
         return
-    evaluation.note_best(session, evaluated)
+    evaluation.note_best(session.progress, session.run.cfg, evaluated)
     state = checkpoint_state(session)
     cfg, progress = session.run.cfg, session.progress
     checkpoint.save(out_dir, state, session.trainee, progress.metrics_lines, cfg.save_total_limit, progress.replaces,
@@ -183,7 +183,7 @@ def warn(session: Session, signs: list[str], metrics_file) -> None:
         output.write_line(session, metrics_file, {"step": session.progress.step, "warnings": signs})
     if signs and session.run.cfg.early_stop_on_divergence:
         raise UserError(f"stopped at step {session.progress.step} (early_stop_on_divergence=true): {signs[0]}; "
-                        + output.last_checkpoint_note(session))
+                        + checkpoint.intact_note(session.run.cfg.output_dir))
 
 
 def log_step(session: Session, metrics_file, result: StepResult, bar) -> dict:
@@ -203,7 +203,7 @@ def eval_step(session: Session, metrics_file, bar) -> dict:
     """Evaluate at this step (evaluation.evaluate): the eval line, the bar's eval numbers, the collapse sign (rank
     0's samples: its line and sign go to every rank, which then decide alike)."""
     line = evaluation.evaluate(session)
-    sign = evaluation.collapse_sign(session, line) if session.run.world.main else None
+    sign = evaluation.collapse_sign(session.progress.metrics_lines, line) if session.run.world.main else None
     line, sign = distributed.broadcast((line, sign))
     output.write_line(session, metrics_file, line)
     output.show(bar, evaluation.bar_numbers(line))
@@ -217,7 +217,7 @@ def run(session: Session, progress: bool = True) -> TrainResult:
     from tqdm.auto import tqdm
 
     cfg, main = session.run.cfg, session.run.world.main  # rank 0 writes the files; the others only compute
-    out_dir = output.start_output(session) if main else Path(cfg.output_dir)
+    out_dir = output.start_output(session.run) if main else Path(cfg.output_dir)
     for line in session.run.objective.opening_lines(session):
         log(line)
     if cfg.memory_snapshot_on_oom:
@@ -238,7 +238,7 @@ def run(session: Session, progress: bool = True) -> TrainResult:
     except KeyboardInterrupt:  # Ctrl-C: where the rerun continues
         then = ("starts the run again" if not checkpoint.complete(cfg.output_dir) else "continues from it"
                 if cfg.resume == "auto" else "with resume=auto continues from it")
-        raise KeyboardInterrupt(f"{output.last_checkpoint_note(session)}; the same command {then}") from None
+        raise KeyboardInterrupt(f"{checkpoint.intact_note(cfg.output_dir)}; the same command {then}") from None
     finally:
         bar.close()  # before any message that ends the run, which then stands on its own line
         if session.trackers is not None:  # a run that stops early closes its tracker runs too

@@ -26,16 +26,8 @@ from lowmem_dpo.runtime.builtins import PREFIX as BUILTIN_PREFIX
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, policy
 from lowmem_dpo.training.provenance import RUN_CONFIG
-from lowmem_dpo.training.session import Session
+from lowmem_dpo.training.session import RunSetup, Session
 from lowmem_dpo.training.trackers import EVENTS_DIR
-
-
-def last_checkpoint_note(session: Session) -> str:
-    """What a stopped run leaves to resume from, for messages."""
-    found = checkpoint.complete(session.run.cfg.output_dir)
-    return (f"the last checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact" if found
-            else "no checkpoint was written yet (save_steps)")
-
 
 PICTURE = "curves.png"  # the report's picture of a run (report.py), into its output_dir
 # What a run (and its report) writes into output_dir: overwrite_output_dir accepts a folder of other files when none
@@ -86,14 +78,14 @@ def check_output_dir(cfg, stage: str) -> None:
                   "does not use")
 
 
-def start_output(session: Session) -> Path:
+def start_output(run: RunSetup) -> Path:
     """output_dir with the resolved config.yaml; the resolved choices in the log."""
-    out_dir = Path(session.run.cfg.output_dir)
-    folders.mark(out_dir, KIND[session.run.objective.name])  # before the first file: the folder is this run's
-    log(f"writing to {place(session.run.cfg, 'output_dir')}")
-    resolved_note = "".join(f"# resolved {r}\n" for r in session.run.resolved.reasons)
-    files.atomic_write_bytes(out_dir / RUN_CONFIG, (session.run.cfg.to_yaml() + resolved_note).encode())
-    for reason in session.run.resolved.reasons:
+    out_dir = Path(run.cfg.output_dir)
+    folders.mark(out_dir, KIND[run.objective.name])  # before the first file: the folder is this run's
+    log(f"writing to {place(run.cfg, 'output_dir')}")
+    resolved_note = "".join(f"# resolved {r}\n" for r in run.resolved.reasons)
+    files.atomic_write_bytes(out_dir / RUN_CONFIG, (run.cfg.to_yaml() + resolved_note).encode())
+    for reason in run.resolved.reasons:
         log(f"resolved {reason}")
     return out_dir
 
@@ -136,7 +128,7 @@ def save_final(session: Session, out_dir: Path) -> None:
     bad = [n for n, p in session.trainee.model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
     if bad:
         raise UserError(f"not saving: {len(bad)} LoRA weights are not finite (first: {bad[0]}); "
-                        + last_checkpoint_note(session))
+                        + checkpoint.intact_note(session.run.cfg.output_dir))
     need = sum(p.numel() * p.element_size() for p in session.trainee.params) + (1 << 20)
     then = checkpoint.resume_note(session.run.cfg.output_dir)
     files.ensure_free_space(out_dir, need, "the adapter", then)

@@ -12,7 +12,7 @@ from enum import Enum
 import torch
 
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import guards
+from lowmem_dpo.training import checkpoint, guards
 
 
 class Outcome(Enum):
@@ -59,10 +59,10 @@ def nonfinite_note(step: int, loss: float, grad_norm: float, in_a_row: int) -> s
             f"skipped ({in_a_row} in a row)")
 
 
-def diverged(step: int, in_a_row: int, checkpoint_note: str) -> UserError:
+def diverged(step: int, in_a_row: int, output_dir: str) -> UserError:
     """max_nonfinite_steps skipped in a row: the run stops (exit 2) as diverged."""
     return UserError(f"diverged: {in_a_row} steps in a row with a non-finite loss or gradient (up to step {step}); "
-                     f"the weights were not updated by them and {checkpoint_note}; lower learning_rate or check the "
+                     f"the weights were not updated by them and {checkpoint.intact_note(output_dir)}; lower learning_rate or check the "
                      "data and the cache")
 
 
