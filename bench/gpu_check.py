@@ -295,26 +295,26 @@ def run_grads(args) -> dict:
 
     # ref_source=live: the reference from the same model (one load, no precompute; the gradients' question alike)
     cfg = child_config(args, activation_offloading="false", lora_dropout=0.0, memory_budget=None, ref_source="live")
-    s = train.setup(cfg, None, False)
-    items = loop.next_items(s.progress.stream, s.run.items_per_step)
-    cuda = s.run.resolved.device.type == "cuda"
+    session = train.setup(cfg, None, False)
+    items = loop.next_items(session.progress.stream, session.run.items_per_step)
+    cuda = session.run.resolved.device.type == "cuda"
 
     def grads() -> tuple[list, dict]:
-        s.trainee.optimizer.zero_grad(set_to_none=True)
+        session.trainee.optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        s.run.objective.backward(s, items, s.progress.micro_batch)
+        session.run.objective.backward(session, items, session.progress.micro_batch)
         if cuda:
             torch.cuda.synchronize()
         seen = {"s": round(time.perf_counter() - t0, 3),
                 "peak_allocated_gib": _gib(torch.cuda.max_memory_allocated()) if cuda else None}
-        return [p.grad.detach().float().cpu().clone() for p in s.trainee.params if p.grad is not None], seen
+        return [p.grad.detach().float().cpu().clone() for p in session.trainee.params if p.grad is not None], seen
 
     plain, plain_seen = grads()
     again, again_seen = grads()
-    offloader = activations.offload_activations(s.trainee.model, s.run.resolved.device, force=not cuda)
+    offloader = activations.offload_activations(session.trainee.model, session.run.resolved.device, force=not cuda)
     if not cuda:  # --smoke: the tiny model's saved tensors are all under OFFLOAD_MIN_BYTES; move them all
         offloader.min_bytes = 0
     off, off_seen = grads()

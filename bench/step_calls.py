@@ -1,6 +1,7 @@
 """How much code one optimizer step runs: the distinct lowmem_dpo functions a DPO step of the built-in tiny
-recipe calls (its update alone: loop.optimizer_step without outputs), and the files they live in, traced with
-sys.setprofile on the second step (the first builds the optimizer state).
+recipe calls (its update alone: loop.optimizer_step without outputs), the files they live in, and its deepest
+chain of lowmem_dpo calls (how far a reader follows one call into the next), traced with sys.setprofile on the
+second step (the first builds the optimizer state).
 
     python bench/step_calls.py [--list]          # ~10 s; --list: each file and function with its call count
 """
@@ -14,8 +15,10 @@ import tempfile
 from pathlib import Path
 
 
-def trace_step(work: Path) -> dict[tuple[str, str], int]:
-    """(file under lowmem_dpo/, function) -> calls, in one optimizer step after a first one."""
+def trace_step(work: Path) -> tuple[dict[tuple[str, str], int], list[tuple[str, str]]]:
+    """(file under lowmem_dpo/, function) -> calls, in one optimizer step after a first one; and its deepest chain
+    of lowmem_dpo calls, outermost first (comprehensions and generator expressions left out: no reader follows
+    them into another function)."""
     from lowmem_dpo import precompute, train
     from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.training import loop
@@ -24,22 +27,34 @@ def trace_step(work: Path) -> dict[tuple[str, str], int]:
                                               "max_steps=3", "save_steps=0", "eval_fraction=0",
                                               "load_best_model_at_end=false"])
     precompute.run(cfg, progress=False)
-    s = train.setup(cfg, progress=False)
-    loop.optimizer_step(s)
+    session = train.setup(cfg, progress=False)
+    loop.optimizer_step(session)
     root = str(Path(loop.__file__).parents[1])
     calls: dict[tuple[str, str], int] = {}
+    stack: list[tuple[str, str]] = []
+    deepest: list[tuple[str, str]] = []
 
     def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(root):
-            key = (os.path.relpath(frame.f_code.co_filename, root), frame.f_code.co_name)
+        if not frame.f_code.co_filename.startswith(root) or event not in ("call", "return"):
+            return
+        key = (os.path.relpath(frame.f_code.co_filename, root), frame.f_code.co_name)
+        if key[1].startswith("<"):  # <genexpr>, <listcomp>: counted, not a step of the chain
+            calls[key] = calls.get(key, 0) + (event == "call")
+            return
+        if event == "call":
             calls[key] = calls.get(key, 0) + 1
+            stack.append(key)
+            if len(stack) > len(deepest):
+                deepest[:] = stack
+        elif stack:
+            stack.pop()
 
     sys.setprofile(profile)
     try:
-        loop.optimizer_step(s)
+        loop.optimizer_step(session)
     finally:
         sys.setprofile(None)
-    return calls
+    return calls, deepest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,9 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="each file and function with its call count")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="step-calls-") as tmp:
-        calls = trace_step(Path(tmp))
+        calls, deepest = trace_step(Path(tmp))
     files = sorted({f for f, _ in calls})
     print(f"one optimizer step: {len(calls)} distinct functions in {len(files)} files")
+    print(f"its deepest chain: {len(deepest)} calls in {len({f for f, _ in deepest})} files: "
+          + " -> ".join(f"{Path(f).stem}.{name}" for f, name in deepest))
     if args.list:
         for (f, name), n in sorted(calls.items()):
             print(f"  {f:32} {name:32} {n}")

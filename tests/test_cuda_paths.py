@@ -76,16 +76,16 @@ def test_an_overflowing_scale_is_a_scaler_skip_not_divergence(fp16_cache, tmp_pa
     """A loss scale of 2^40 overflows the float16 gradients: the scaler skips those updates and halves the scale
     until it fits, more times in a row than max_nonfinite_steps allows, without a divergence stop; the weights
     move from the first clean step on."""
-    s = train.setup(config(tmp_path, dtype="float16", ref_cache_dir=str(fp16_cache / "cache"), max_steps=40,
-                           max_nonfinite_steps=2), progress=False)
-    assert isinstance(s.trainee.scaler, torch.amp.GradScaler)
-    s.trainee.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
-    before = [p.detach().clone() for p in s.trainee.params]
-    while s.progress.step < 40 and all(torch.equal(b, p) for b, p in zip(before, s.trainee.params)):
-        loop.optimizer_step(s)
-    progress = s.progress
+    session = train.setup(config(tmp_path, dtype="float16", ref_cache_dir=str(fp16_cache / "cache"), max_steps=40,
+                                 max_nonfinite_steps=2), progress=False)
+    assert isinstance(session.trainee.scaler, torch.amp.GradScaler)
+    session.trainee.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    before = [p.detach().clone() for p in session.trainee.params]
+    while session.progress.step < 40 and all(torch.equal(b, p) for b, p in zip(before, session.trainee.params)):
+        loop.optimizer_step(session)
+    progress = session.progress
     assert progress.scaler_skips > 2 and progress.skipped_steps == 0 and progress.step == progress.scaler_skips + 1
-    assert s.trainee.scaler.get_scale() <= 2.0 ** (40 - s.progress.scaler_skips)
+    assert session.trainee.scaler.get_scale() <= 2.0 ** (40 - session.progress.scaler_skips)
     err = capsys.readouterr().err
     assert "the float16 gradients overflowed at loss scale 1.09951e+12; update skipped and the scale halved " \
            "(scaler skip 1; not divergence)" in err
@@ -94,14 +94,14 @@ def test_an_overflowing_scale_is_a_scaler_skip_not_divergence(fp16_cache, tmp_pa
 
 def test_gradients_that_overflow_unscaled_are_divergence(fp16_cache, tmp_path):
     """At a loss scale of 1 an infinite gradient is not the scaler's: the non-finite guard counts it and stops."""
-    s = train.setup(config(tmp_path, dtype="float16", ref_cache_dir=str(fp16_cache / "cache"), max_steps=10,
-                           max_nonfinite_steps=2), progress=False)
-    s.trainee.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
-    s.trainee.params[0].register_hook(lambda g: g * float("inf"))
-    loop.optimizer_step(s)
-    assert s.progress.skipped_steps == 1 and s.progress.scaler_skips == 0
+    session = train.setup(config(tmp_path, dtype="float16", ref_cache_dir=str(fp16_cache / "cache"), max_steps=10,
+                                 max_nonfinite_steps=2), progress=False)
+    session.trainee.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    session.trainee.params[0].register_hook(lambda g: g * float("inf"))
+    loop.optimizer_step(session)
+    assert session.progress.skipped_steps == 1 and session.progress.scaler_skips == 0
     with pytest.raises(UserError, match="diverged: 2 steps in a row"):
-        loop.optimizer_step(s)
+        loop.optimizer_step(session)
 
 
 # -- the planner's micro-batch, applied ---------------------------------------------------------------------------
@@ -117,11 +117,11 @@ def test_train_takes_the_planners_micro_batch_with_the_same_numbers(tmp_path, ca
     budget = (at[2] + at[4]) // 2
     planned = config(tmp_path, dtype="float32", max_steps=2, save_steps=0, memory_budget=str(budget),
                      output_dir=str(tmp_path / "planned"))
-    s = train.setup(planned, progress=False)
-    assert (s.progress.micro_batch, s.progress.grad_accum) == (2, 2)
+    session = train.setup(planned, progress=False)
+    assert (session.progress.micro_batch, session.progress.grad_accum) == (2, 2)
     assert any(r.startswith("per_device_train_batch_size=2 gradient_accumulation_steps=2 (the planner: 4 pairs per "
-                            "micro-batch do not fit") for r in s.run.resolved.reasons)
-    loop.run(s, progress=False)
+                            "micro-batch do not fit") for r in session.run.resolved.reasons)
+    loop.run(session, progress=False)
     train.run(config(tmp_path, dtype="float32", max_steps=2, save_steps=0, per_device_train_batch_size=2,
                      gradient_accumulation_steps=2, output_dir=str(tmp_path / "asked")), progress=False)
     for got, want in zip(metrics(tmp_path / "planned"), metrics(tmp_path / "asked")):

@@ -17,8 +17,9 @@ from lowmem_dpo.model import adapters
 from lowmem_dpo.model.models import load_model, model_source
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import inputs, loop, policy, session
+from lowmem_dpo.training import inputs, loop, policy
 from lowmem_dpo.training.checkpoint import read_state
+from lowmem_dpo.training.session import next_items, pair_stream
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_sft_writes_a_peft_adapter_and_its_loss_is_completion_only(sft_dir, tiny
     # Step 1's loss is the base model's mean -log p over the completion tokens of the first micro-batch.
     cfg = tiny_cfg(sft_dir.parent)
     items = data.tokenize_completions(data.load_rows(str(rows64)), tokenizer, 64, None, progress=False).pairs
-    first = session.next_items(session.pair_stream(items, cfg.seed), cfg.per_device_train_batch_size)
+    first = next_items(pair_stream(items, cfg.seed), cfg.per_device_train_batch_size)
     base = load_model(tiny_path, torch.device("cpu"), torch.float32)
     pairs = [data.TokenizedPair(c.row, c.prompt_ids, c.completion_ids, c.completion_ids) for c in first]
     nll = -logps_by_hand(base, pairs)[:, 0].sum().item() / sum(len(c.completion_ids) for c in first)
@@ -156,11 +157,12 @@ def test_continue_on_a_quantized_base_with_checkpointing(sft_dir, tmp_path, rows
     cfg = tiny_cfg(tmp_path, model_name_or_path=str(sft_dir), dataset=str(rows64), quantization="4bit",
                    gradient_checkpointing="true", max_steps=1)
     precompute.run(cfg, progress=False)
-    s = train.setup(cfg, progress=False)
-    first = [session.next_items(s.progress.stream, s.progress.micro_batch)]
-    stats = train.train_step(s.trainee, cfg, first, s.run.objective.ref, s.run.pad_id, s.run.resolved)
+    session = train.setup(cfg, progress=False)
+    first = [next_items(session.progress.stream, session.progress.micro_batch)]
+    run = session.run
+    stats = train.train_step(session.trainee, cfg, first, run.objective.ref, run.pad_id, run.resolved)
     assert stats.means()["loss"] == pytest.approx(math.log(2), abs=2e-3)
-    lora = {n: p for n, p in s.trainee.model.named_parameters() if p.requires_grad}
+    lora = {n: p for n, p in session.trainee.model.named_parameters() if p.requires_grad}
     assert len(lora) == 28 and all("lora_" in n for n in lora)  # 14 adapted layers x (A, B)
     assert [n for n, p in lora.items() if p.grad is None or not p.grad.abs().sum() > 0] == []
 
@@ -224,15 +226,16 @@ def test_an_adapter_on_a_model_that_carries_one_is_refused(sft_dir, tiny_path, t
 
 def test_model_source_kinds(sft_dir, tiny_path, tmp_path):
     assert model_source("lowmem_dpo:tiny-llama").kind == "base"
-    s = model_source(str(sft_dir))
-    assert (s.kind, s.base_path, s.adapter_path) == ("adapter", tiny_path, sft_dir)
-    s = model_source("lowmem_dpo:tiny-llama", str(sft_dir))
-    assert (s.kind, s.adapter_path) == ("sft_adapter", sft_dir)
+    source = model_source(str(sft_dir))
+    assert (source.kind, source.base_path, source.adapter_path) == ("adapter", tiny_path, sft_dir)
+    source = model_source("lowmem_dpo:tiny-llama", str(sft_dir))
+    assert (source.kind, source.adapter_path) == ("sft_adapter", sft_dir)
     merged = tmp_path / "merged"
     shutil.copytree(tiny_path, merged)
     (merged / "README.md").write_text("---\nbase_model: lowmem_dpo:tiny-llama\n---\n# merged\n")
-    s = model_source(str(merged))
-    assert (s.kind, s.adapter_path) == ("merged", None) and "base_model lowmem_dpo:tiny-llama" in s.description
+    source = model_source(str(merged))
+    assert (source.kind, source.adapter_path) == ("merged", None)
+    assert "base_model lowmem_dpo:tiny-llama" in source.description
     with pytest.raises(UserError, match="not a PEFT adapter folder"):
         model_source("lowmem_dpo:tiny-llama", str(tmp_path))
 
@@ -295,15 +298,15 @@ def test_sft_out_of_memory_halves_the_micro_batch(tmp_path, rows64, capsys):
     cfg = tiny_cfg(tmp_path, dataset=str(rows64))
     grads = []
     for limit in (None, 4):
-        s = sft.setup(cfg, progress=False)
+        session = sft.setup(cfg, progress=False)
         if limit is not None:
             def too_big(module, args, kwargs):
                 if kwargs["input_ids"].shape[0] > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-            s.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
-        items = session.next_items(s.progress.stream, s.run.items_per_step)
-        stats, micro_batch, grad_accum = loop.backward_with_backoff(s, items)
-        grads.append((micro_batch, grad_accum, stats.targets, [p.grad.clone() for p in s.trainee.params]))
+            session.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
+        items = next_items(session.progress.stream, session.run.items_per_step)
+        stats, micro_batch, grad_accum = loop.backward_with_backoff(session, items)
+        grads.append((micro_batch, grad_accum, stats.targets, [p.grad.clone() for p in session.trainee.params]))
     (b1, a1, t1, g1), (b2, a2, t2, g2) = grads
     assert (b1, a1, b2, a2) == (8, 1, 4, 2) and t1 == t2 > 0
     assert "retrying with per_device_train_batch_size=4 gradient_accumulation_steps=2" in capsys.readouterr().err

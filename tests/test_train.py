@@ -15,7 +15,8 @@ from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.model.logps import completion_logps
 from lowmem_dpo.model.models import load_model
 from lowmem_dpo.runtime import devices
-from lowmem_dpo.training import loop, policy, session
+from lowmem_dpo.training import loop, policy
+from lowmem_dpo.training.session import next_items, pair_stream
 
 
 def metrics(cfg):
@@ -72,7 +73,7 @@ def test_sft_term_adds_the_reference_chosen_nll_at_step_1(make_cfg, tmp_path, to
     (m,) = metrics(cfg)
     ref = cached(cfg)[0]
     pairs = inputs.tokenized(cfg, tokenizer, progress=False).pairs
-    first = session.next_items(session.pair_stream(pairs, cfg.seed), 8)  # step 1's pairs, as the run draws them
+    first = next_items(pair_stream(pairs, cfg.seed), 8)  # step 1's pairs, as the run draws them
     rows = torch.tensor([p.row for p in first])
     nll = -ref.chosen[rows].sum().item() / sum(len(p.chosen_ids) for p in first)
     assert m["nll_loss"] == pytest.approx(nll, abs=1e-5)
@@ -203,13 +204,13 @@ def test_a_schedule_transformers_refuses_is_refused_at_load(keys, fragment):
 
 def test_pair_stream_covers_each_epoch_once_and_splits_in_order():
     pairs = [data.TokenizedPair(i, [1], [2], [3]) for i in range(10)]
-    stream = session.pair_stream(pairs, seed=1)
-    epoch = [p.row for p in session.next_items(stream, 10)]
+    stream = pair_stream(pairs, seed=1)
+    epoch = [p.row for p in next_items(stream, 10)]
     assert sorted(epoch) == list(range(10))
-    second = [p.row for p in session.next_items(stream, 10)]
+    second = [p.row for p in next_items(stream, 10)]
     assert sorted(second) == list(range(10)) and second != epoch  # a fresh permutation each epoch
-    again = session.pair_stream(pairs, seed=1)
-    assert [p.row for p in session.next_items(again, 10)] == epoch  # a function of the seed
+    again = pair_stream(pairs, seed=1)
+    assert [p.row for p in next_items(again, 10)] == epoch  # a function of the seed
     assert loop.micro_batches(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
 
 
@@ -237,10 +238,10 @@ def test_auto_checkpointing_comes_from_the_planner(make_cfg):
     with_ckpt = predict(arch, make_cfg(gradient_checkpointing="true", per_device_train_batch_size=1)).train.peak_bytes
     assert with_ckpt < no_ckpt
     tight = make_cfg(max_steps=1, gradient_checkpointing="auto", memory_budget=str((no_ckpt + with_ckpt) // 2))
-    s = train.setup(tight, progress=False)
-    assert s.run.resolved.gradient_checkpointing is True
-    assert any("planner" in r for r in s.run.resolved.reasons)
-    step = loop.optimizer_step(s)
+    session = train.setup(tight, progress=False)
+    assert session.run.resolved.gradient_checkpointing is True
+    assert any("planner" in r for r in session.run.resolved.reasons)
+    step = loop.optimizer_step(session)
     assert step.stats.means()["loss"] == pytest.approx(math.log(2), abs=1e-5) and step.grad_norm > 0
 
 
@@ -249,18 +250,19 @@ def test_16bit_runs_skip_peft_s_float32_input_copy_with_the_same_numbers(make_cf
     casts it straight back): the log-probs and LoRA gradients are the same bit for bit without lora_dropout."""
     cfg = make_cfg(dtype="bfloat16", lora_dropout=0.0)
     precompute.run(cfg, progress=False)
-    s = train.setup(cfg, progress=False)
-    lora_layers = [m for m in s.trainee.model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    session = train.setup(cfg, progress=False)
+    lora_layers = [m for m in session.trainee.model.modules() if hasattr(m, "cast_input_dtype_enabled")]
     assert lora_layers and not any(m.cast_input_dtype_enabled for m in lora_layers)
     with torch.no_grad():  # a non-zero adapter, as after some steps
-        for p in s.trainee.params:
+        for p in session.trainee.params:
             p.normal_(0, 0.05)
-    pairs = session.next_items(s.progress.stream, 4)
+    pairs = next_items(session.progress.stream, 4)
 
     def grads():
-        s.trainee.optimizer.zero_grad(set_to_none=True)
-        stats = train.train_step(s.trainee, cfg, [pairs], s.run.objective.ref, s.run.pad_id, s.run.resolved)
-        return stats.sums["loss"], [p.grad.clone() for p in s.trainee.params]
+        session.trainee.optimizer.zero_grad(set_to_none=True)
+        run = session.run
+        stats = train.train_step(session.trainee, cfg, [pairs], run.objective.ref, run.pad_id, run.resolved)
+        return stats.sums["loss"], [p.grad.clone() for p in session.trainee.params]
 
     loss_off, grads_off = grads()
     for m in lora_layers:

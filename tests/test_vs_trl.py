@@ -37,13 +37,14 @@ def trained(tmp_path_factory, tiny_path):
                             output_dir=str(root / "out"), ref_cache_dir=str(root / "cache"), beta=0.1))
     precompute.run(cfg, progress=False)
     train.run(cfg, progress=False)
-    s = train.setup(cfg, progress=False)  # resumes at step 2: the trained adapter, nothing more to train
-    return root, rows, s
+    session = train.setup(cfg, progress=False)  # resumes at step 2: the trained adapter, nothing more to train
+    return root, rows, session
 
 
-def ours(s, **changes) -> dict:
-    s.run = dataclasses.replace(s.run, cfg=dataclasses.replace(s.run.cfg, **changes))  # RunSetup is frozen
-    return evaluation.evaluate(s)
+def ours(session, **changes) -> dict:
+    cfg = dataclasses.replace(session.run.cfg, **changes)
+    session.run = dataclasses.replace(session.run, cfg=cfg)  # RunSetup is frozen
+    return evaluation.evaluate(session)
 
 
 def trls(root, rows, tiny_path, **args) -> dict:
@@ -69,8 +70,8 @@ def trls(root, rows, tiny_path, **args) -> dict:
 @pytest.mark.parametrize("loss_type, label_smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("robust", 0.2),
                                                         ("sigmoid_norm", 0.0), ("apo_zero", 0.0), ("bco_pair", 0.0)])
 def test_eval_equals_trl_evaluate(trained, tiny_path, loss_type, label_smoothing):
-    root, rows, s = trained
-    got = ours(s, loss_type=[loss_type], label_smoothing=label_smoothing)
+    root, rows, session = trained
+    got = ours(session, loss_type=[loss_type], label_smoothing=label_smoothing)
     want = trls(root, rows, tiny_path, loss_type=[loss_type], label_smoothing=label_smoothing)
     assert got["eval_pairs"] == ROWS
     assert 0.2 < got["eval_rewards/accuracies"] < 1.0  # a trained adapter: the pairs are not all alike
@@ -79,12 +80,12 @@ def test_eval_equals_trl_evaluate(trained, tiny_path, loss_type, label_smoothing
 
 
 def test_label_smoothing_leaves_sigmoid_alone_as_in_trl(trained, capsys):
-    _, _, s = trained
-    plain = ours(s, loss_type=["sigmoid"], label_smoothing=0.0)["eval_loss"]
-    assert ours(s, loss_type=["sigmoid"], label_smoothing=0.2)["eval_loss"] == plain
-    assert ours(s, loss_type=["cdpo"], label_smoothing=0.2)["eval_loss"] > plain  # conservative DPO: its own name
+    _, _, session = trained
+    plain = ours(session, loss_type=["sigmoid"], label_smoothing=0.0)["eval_loss"]
+    assert ours(session, loss_type=["sigmoid"], label_smoothing=0.2)["eval_loss"] == plain
+    assert ours(session, loss_type=["cdpo"], label_smoothing=0.2)["eval_loss"] > plain  # conservative DPO: its own name
     assert any("label_smoothing=0.2 does not change loss_type=['sigmoid']" in note
-               for note in dataclasses.replace(s.run.cfg, loss_type=["sigmoid"], label_smoothing=0.2).no_effect())
+               for note in dataclasses.replace(session.run.cfg, loss_type=["sigmoid"], label_smoothing=0.2).no_effect())
 
 
 def reference_free_trls(root, rows, tiny_path, trainer: str, **args) -> dict:
@@ -113,8 +114,8 @@ def reference_free_trls(root, rows, tiny_path, trainer: str, **args) -> dict:
     ("simpo", "cpo", dict(loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.5)),
     ("orpo", "orpo", dict(beta=0.5))])
 def test_reference_free_eval_equals_trl_evaluate(trained, tiny_path, loss_type, trainer, args):
-    root, rows, s = trained
-    got = ours(s, loss_type=[loss_type], beta=args["beta"], simpo_gamma=args.get("simpo_gamma", 0.5),
+    root, rows, session = trained
+    got = ours(session, loss_type=[loss_type], beta=args["beta"], simpo_gamma=args.get("simpo_gamma", 0.5),
                label_smoothing=0.0)  # (the session's config carries the last test's changes)
     want = reference_free_trls(root, rows, tiny_path, trainer, **args)
     assert got["eval_pairs"] == ROWS and 0.2 < got["eval_rewards/accuracies"] < 1.0

@@ -100,13 +100,13 @@ def test_offloaded_activations_train_the_same_adapter(make_cfg, tmp_path):
         cfg = make_cfg(max_steps=3, gradient_checkpointing="true", output_dir=str(tmp_path / str(offload)))
         if not offload:
             precompute.run(cfg, progress=False)
-        s = train.setup(cfg, progress=False)
+        session = train.setup(cfg, progress=False)
         if offload:
-            offloader = activations.offload_activations(s.trainee.model, torch.device("cpu"), force=True)
+            offloader = activations.offload_activations(session.trainee.model, torch.device("cpu"), force=True)
             offloader.min_bytes = 1  # every saved tensor of the tiny model
         for _ in range(3):
-            loop.optimizer_step(s)
-        adapters.append([p.detach().clone() for p in s.trainee.params])
+            loop.optimizer_step(session)
+        adapters.append([p.detach().clone() for p in session.trainee.params])
     assert offloader.packed >= 3 * 2 and offloader.saved == {}  # each step: at least the 2 layers' inputs
     assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(*adapters))
 

@@ -55,17 +55,17 @@ def test_every_lora_parameter_gets_a_gradient(small, quantization, checkpointing
     second backward gives A a nonzero gradient too."""
     cfg = small(quantization=quantization, gradient_checkpointing=checkpointing, ref_source="live", max_steps=2,
                 per_device_train_batch_size=2)
-    s = train.setup(cfg, progress=False)
+    session = train.setup(cfg, progress=False)
     kind = quantized_layer_type(quantization)
-    adapted = [m for m in s.trainee.model.modules() if isinstance(m, kind)]
+    adapted = [m for m in session.trainee.model.modules() if isinstance(m, kind)]
     assert len(adapted) == 14  # 2 layers x (q, k, v, o, gate, up, down): the base is quantized
-    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in s.trainee.model.modules())
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in session.trainee.model.modules())
     assert checkpointed == (checkpointing == "true")
 
-    loop.optimizer_step(s)
-    train.train_step(s.trainee, cfg, [loop.next_items(s.progress.stream, s.progress.micro_batch)], None, s.run.pad_id,
-                     s.run.resolved)
-    lora = {n: p for n, p in s.trainee.model.named_parameters() if p.requires_grad}
+    loop.optimizer_step(session)
+    items = loop.next_items(session.progress.stream, session.progress.micro_batch)
+    train.train_step(session.trainee, cfg, [items], None, session.run.pad_id, session.run.resolved)
+    lora = {n: p for n, p in session.trainee.model.named_parameters() if p.requires_grad}
     assert len(lora) == 2 * len(adapted) and all("lora_A" in n or "lora_B" in n for n in lora)
     assert [n for n, p in lora.items() if p.grad is None] == []
     assert [n for n, p in lora.items() if not p.grad.abs().sum() > 0] == []

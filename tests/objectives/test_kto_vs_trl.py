@@ -44,8 +44,8 @@ def trained(tmp_path_factory):
         output_dir=str(root / "out"), ref_cache_dir=str(root / "cache"), beta=0.1))
     precompute.run(cfg, progress=False)
     train.run(cfg, progress=False)
-    s = train.setup(cfg, progress=False)  # resumes at step 2: the trained adapter, nothing more to train
-    return root, train_rows, eval_rows, s
+    session = train.setup(cfg, progress=False)  # resumes at step 2: the trained adapter, nothing more to train
+    return root, train_rows, eval_rows, session
 
 
 def trl(root, tiny_path, train_rows, eval_rows, **args):
@@ -81,15 +81,16 @@ def trl_train_metrics(trainer) -> dict:
 @pytest.mark.parametrize("loss_type, weights", [("kto", (1.0, 1.0)), ("kto", (1.0, 1.5)),
                                                 ("apo_zero_unpaired", (1.0, 1.0))])
 def test_train_and_eval_metrics_equal_trls(trained, tiny_path, loss_type, weights):
-    root, train_rows, eval_rows, s = trained
-    cfg = dataclasses.replace(s.run.cfg, loss_type=[loss_type], desirable_weight=weights[0],
+    root, train_rows, eval_rows, session = trained
+    cfg = dataclasses.replace(session.run.cfg, loss_type=[loss_type], desirable_weight=weights[0],
                               undesirable_weight=weights[1])
-    s.run = dataclasses.replace(s.run, cfg=cfg)  # RunSetup is frozen
-    got_eval = evaluation.evaluate(s)
+    session.run = dataclasses.replace(session.run, cfg=cfg)  # RunSetup is frozen
+    got_eval = evaluation.evaluate(session)
     with torch.no_grad():
         got_train = kto.KtoStats()
-        for block in sorted(s.run.items, key=lambda block: block[0].row):  # data order: TRL's sequential batches
-            got_train.add(kto.block_step(s, block, s.run.objective.ref, s.run.objective.desirable, BLOCK, None))
+        for block in sorted(session.run.items, key=lambda block: block[0].row):  # data order: TRL's sequential batches
+            objective = session.run.objective
+            got_train.add(kto.block_step(session, block, objective.ref, objective.desirable, BLOCK, None))
     trainer = trl(root, tiny_path, train_rows, eval_rows, loss_type=loss_type, desirable_weight=weights[0],
                   undesirable_weight=weights[1])
     want_eval = trainer.evaluate()

@@ -52,17 +52,17 @@ def test_orpo_s_nll_covers_the_chosen_prompt_as_trl_s(make_cfg, tmp_path, share)
     """Step 1's nll_loss (LoRA B = 0: the base model's) is the mean -log p over the chosen rows' prompt and
     completion tokens but the first, from the model's own full logits; the loss adds it to beta's odds term."""
     cfg = make_cfg(loss_type=["orpo"], beta=0.5, max_steps=1, share_prompt=share, eval_fraction=0.0)
-    s = train.setup(cfg, progress=False)
-    items = list(loop.next_items(s.progress.stream, s.run.items_per_step))
-    s.progress.stream = iter(items)
+    session = train.setup(cfg, progress=False)
+    items = list(loop.next_items(session.progress.stream, session.run.items_per_step))
+    session.progress.stream = iter(items)
     nll, tokens = 0.0, 0
-    with torch.no_grad(), s.trainee.model.disable_adapter():
+    with torch.no_grad(), session.trainee.model.disable_adapter():
         for p in items:
             ids = torch.tensor([p.prompt_ids + p.chosen_ids])  # (1, T)
-            logp = torch.log_softmax(s.trainee.model(input_ids=ids).logits[0, :-1].float(), -1)  # (T-1, V)
+            logp = torch.log_softmax(session.trainee.model(input_ids=ids).logits[0, :-1].float(), -1)  # (T-1, V)
             nll -= logp.gather(1, ids[0, 1:, None]).sum().item()
             tokens += ids.shape[1] - 1
-    loop.run(s, progress=False)
+    loop.run(session, progress=False)
     step = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert step["nll_loss"] == pytest.approx(nll / tokens, rel=1e-5)
     assert step["loss"] == pytest.approx(step["nll_loss"] - 0.5 * step["log_odds_ratio"], rel=1e-5)

@@ -18,21 +18,21 @@ from lowmem_dpo.training import loop
 def test_step_one_loss_is_ln2_times_the_mean_wpo_weight(make_cfg, tmp_path):
     cfg = make_cfg(use_weighting=True, max_steps=1, eval_fraction=0.0)
     precompute.run(cfg, progress=False)
-    s = train.setup(cfg, progress=False)
-    items = list(loop.next_items(s.progress.stream, s.run.items_per_step))
-    s.progress.stream = iter(items)
+    session = train.setup(cfg, progress=False)
+    items = list(loop.next_items(session.progress.stream, session.run.items_per_step))
+    session.progress.stream = iter(items)
     weights = []
-    with torch.no_grad(), s.trainee.model.disable_adapter():
+    with torch.no_grad(), session.trainee.model.disable_adapter():
         for p in items:
             w = 1.0
             for completion in (p.chosen_ids, p.rejected_ids):
                 ids = torch.tensor([p.prompt_ids + completion])  # (1, T)
-                logp = torch.log_softmax(s.trainee.model(input_ids=ids).logits[0, :-1].float(), -1)  # (T-1, V)
+                logp = torch.log_softmax(session.trainee.model(input_ids=ids).logits[0, :-1].float(), -1)  # (T-1, V)
                 tok = logp.gather(1, ids[0, 1:, None])[:, 0]  # (T-1,)
                 aligned = (tok - torch.logsumexp(2 * logp, -1))[len(p.prompt_ids) - 1:]  # the completion's tokens
                 w *= math.exp(aligned.mean().item())
             weights.append(w)
-    loop.run(s, progress=False)
+    loop.run(session, progress=False)
     step = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert max(abs(w - 1) for w in weights) > 0.01  # the weights change the loss
     assert step["loss"] == pytest.approx(math.log(2) * sum(weights) / len(weights), rel=1e-4)

@@ -151,10 +151,10 @@ def test_best_checkpoint_survives_pruning_loads_at_end_and_resumes(make_cfg, tmp
 
     real = evaluation.evaluate
 
-    def interrupted(s):
-        if s.progress.step == 6:
+    def interrupted(session):
+        if session.progress.step == 6:
             raise KeyboardInterrupt  # a Ctrl-C during step 6's eval: checkpoint-4 is the newest
-        return real(s)
+        return real(session)
 
     monkeypatch.setattr(evaluation, "evaluate", interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -183,7 +183,7 @@ def test_a_start_over_killed_before_its_first_checkpoint_leaves_the_old_run_whol
     want_samples, want_metrics = lines(out / "samples.jsonl"), lines(out / "metrics.jsonl")
     real = evaluation.evaluate
 
-    def interrupted(s):
+    def interrupted(session):
         raise KeyboardInterrupt  # Ctrl-C at the new run's first eval (step 2), before its first checkpoint
 
     monkeypatch.setattr(evaluation, "evaluate", interrupted)
@@ -208,14 +208,14 @@ def test_out_of_memory_in_the_eval_halves_its_batches(make_cfg, tmp_path, capsys
     limited = make_cfg(**{**{k: getattr(plain, k) for k in ("eval_fraction", "max_steps", "save_steps",
                                                             "eval_generations", "max_new_tokens", "share_prompt")},
                           "output_dir": str(tmp_path / "limited")})
-    s = train.setup(limited, progress=False)
+    session = train.setup(limited, progress=False)
 
     def too_big(module, args, kwargs):
         if not module.training and kwargs["input_ids"].shape[0] > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
 
-    s.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
-    loop.run(s, progress=False)
+    session.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
+    loop.run(session, progress=False)
     err = capsys.readouterr().err
     assert "out of memory in the eval at step 2: retrying 2 at a time" in err
     assert "out of memory in the eval at step 2: retrying 1 at a time" in err

@@ -59,10 +59,11 @@ def test_kto_resumes_to_the_same_adapter_and_samples_desirable_rows(make_cfg, tm
     assert lines[-1]["rewards/margins"] != 0 and "rewards/accuracies" not in lines[-1]
     from lowmem_dpo.training import kto
 
-    s = train.setup(cfg, progress=False)  # the finished run, resumed at step 4: its eval rows and labels
-    desirable = {tuple(v.chosen_ids) for v in s.run.eval_items if bool(s.run.objective.eval_desirable[v.row])}
-    assert isinstance(s.run.objective, kto.KTO) and len(desirable) < len(s.run.eval_items)
-    tokenizer = s.run.tokenizer
+    session = train.setup(cfg, progress=False)  # the finished run, resumed at step 4: its eval rows and labels
+    run = session.run
+    desirable = {tuple(v.chosen_ids) for v in run.eval_items if bool(run.objective.eval_desirable[v.row])}
+    assert isinstance(session.run.objective, kto.KTO) and len(desirable) < len(session.run.eval_items)
+    tokenizer = session.run.tokenizer
     for sample in (json.loads(x) for x in open(out / "samples.jsonl")):
         assert any(tokenizer.decode(list(c), skip_special_tokens=True) == sample["chosen"] for c in desirable)
     shutil.rmtree(out / "checkpoints" / "checkpoint-4")  # the last checkpoint gone: resumes from step 2
@@ -99,5 +100,5 @@ def test_the_run_length_counts_rows_in_every_stage(make_cfg, tmp_path):
     with pytest.raises(UserError, match=r"num_train_epochs 0.05 -> 0.02: the run would end at step 2, before"):
         train.setup(make_cfg(loss_type=["kto"], max_steps=-1, num_train_epochs=0.02, save_steps=2,
                              eval_fraction=0.0, per_device_train_batch_size=8), progress=False)
-    s = sft.setup(make_cfg(loss_type=["kto"], output_dir=str(tmp_path / "sft")), progress=False)
-    assert s.run.items_per_step == 4
+    session = sft.setup(make_cfg(loss_type=["kto"], output_dir=str(tmp_path / "sft")), progress=False)
+    assert session.run.items_per_step == 4

@@ -26,7 +26,8 @@ from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.data import cache
 from lowmem_dpo.runtime import devices, files
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import checkpoint, guards, inputs, loop, output, session
+from lowmem_dpo.training import checkpoint, guards, inputs, loop, output
+from lowmem_dpo.training.session import checkpoint_state
 
 # lora_dropout > 0: the resumed run must restore the RNG too, not only the weights and the optimizer.
 RUN = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", dtype="float32",
@@ -129,13 +130,13 @@ def test_error_message_for_changed_settings(built, tmp_path, capsys):
 def test_an_interrupted_checkpoint_write_leaves_no_checkpoint(built, tmp_path, monkeypatch):
     """A crash while the optimizer state is being written (simulated: the process cannot be killed inside a
     test at that exact point): no checkpoint-10, the older one intact, and the next save clears the litter."""
-    s = train.setup(build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o")}),
-                    progress=False)
+    session = train.setup(build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o")}),
+                          progress=False)
     for _ in range(5):
-        loop.optimizer_step(s)
-    checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee, [], 2)
+        loop.optimizer_step(session)
+    checkpoint.save(session.run.cfg.output_dir, checkpoint_state(session), session.trainee, [], 2)
     for _ in range(5):
-        loop.optimizer_step(s)
+        loop.optimizer_step(session)
     real_save = torch.save
 
     def crash(obj, path, *a, **k):
@@ -145,13 +146,13 @@ def test_an_interrupted_checkpoint_write_leaves_no_checkpoint(built, tmp_path, m
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee, [], 2)
-    root = checkpoint.root(s.run.cfg.output_dir)
+        checkpoint.save(session.run.cfg.output_dir, checkpoint_state(session), session.trainee, [], 2)
+    root = checkpoint.root(session.run.cfg.output_dir)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-5"]  # the temp folder is gone too
     assert checkpoint.read_state(root / "checkpoint-5").step == 5
     monkeypatch.setattr(torch, "save", real_save)
     (root / ".checkpoint-10-leftover").mkdir()  # what a real kill -9 would leave
-    checkpoint.save(s.run.cfg.output_dir, session.checkpoint_state(s), s.trainee, [], 2)
+    checkpoint.save(session.run.cfg.output_dir, checkpoint_state(session), session.trainee, [], 2)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-10", "checkpoint-5"]
 
 
@@ -242,17 +243,17 @@ def test_a_real_small_filesystem_fills_up(built, tmp_path):
 def test_nonfinite_steps_are_skipped_then_stop_the_run(built, tmp_path):
     """A reference cache whose values are NaN (as a corrupt cache would be): every loss is NaN, the updates
     are skipped, the weights stay, and max_nonfinite_steps in a row stop the run as diverged."""
-    s = train.setup(build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o"),
-                                  "max_nonfinite_steps": 3}), progress=False)
-    before = [p.detach().clone() for p in s.trainee.params]
-    s.run.objective.ref.chosen[:] = float("nan")
+    session = train.setup(build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o"),
+                                        "max_nonfinite_steps": 3}), progress=False)
+    before = [p.detach().clone() for p in session.trainee.params]
+    session.run.objective.ref.chosen[:] = float("nan")
     for _ in range(2):
-        loop.optimizer_step(s)
-    assert s.progress.skipped_steps == 2 and s.progress.step == 2
-    assert all(torch.equal(b, p) for b, p in zip(before, s.trainee.params))
+        loop.optimizer_step(session)
+    assert session.progress.skipped_steps == 2 and session.progress.step == 2
+    assert all(torch.equal(b, p) for b, p in zip(before, session.trainee.params))
     with pytest.raises(UserError, match="diverged: 3 steps in a row with a non-finite loss or gradient"):
-        loop.optimizer_step(s)
-    assert all(torch.equal(b, p) for b, p in zip(before, s.trainee.params))
+        loop.optimizer_step(session)
+    assert all(torch.equal(b, p) for b, p in zip(before, session.trainee.params))
 
 
 def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_path, capsys):
@@ -263,19 +264,19 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_
                         "lora_dropout": 0.0, "share_prompt": "false"})  # the limits count 2 sequences per pair
     results = []
     for limit in (None, 4, 1):
-        s = train.setup(cfg, progress=False)
+        session = train.setup(cfg, progress=False)
         if limit is not None:
             def too_big(module, args, kwargs, limit=limit):
                 if kwargs["input_ids"].shape[0] > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-            s.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
-        pairs = loop.next_items(s.progress.stream, s.run.items_per_step)
+            session.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
+        pairs = loop.next_items(session.progress.stream, session.run.items_per_step)
         if limit == 1:
             with pytest.raises(UserError, match="out of memory at step 1 with 1 pair per micro-batch"):
-                loop.backward_with_backoff(s, pairs)
+                loop.backward_with_backoff(session, pairs)
             continue
-        stats, micro_batch, grad_accum = loop.backward_with_backoff(s, pairs)
-        results.append(((micro_batch, grad_accum), stats, [p.grad.clone() for p in s.trainee.params]))
+        stats, micro_batch, grad_accum = loop.backward_with_backoff(session, pairs)
+        results.append(((micro_batch, grad_accum), stats, [p.grad.clone() for p in session.trainee.params]))
     (plain, plain_stats, plain_grads), (halved, halved_stats, halved_grads) = results
     assert plain == (4, 1) and halved == (2, 2)  # the split that fit
     assert "out of memory at step 1: retrying with per_device_train_batch_size=2 gradient_accumulation_steps=2" \
