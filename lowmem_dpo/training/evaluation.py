@@ -7,7 +7,7 @@ The loop (loop.py) calls these with its session (session.Session):
   the collapse warning; with eval_on_start (`on_start`), `evaluate` at step 0 instead;
 - `evaluate` at every `due` step: the objective's eval metrics over the eval items with no gradients (its own
   micro-batches and chunked path), the samples and their repetition, one metrics.jsonl line ("eval_" keys);
-- `note_best` when a checkpoint is saved at an evaluated step: the best so far by metric_for_best_model, in
+- `best_after` when a checkpoint is saved at an evaluated step: the best so far by metric_for_best_model, in
   transformers' TrainerState keys (best_metric, best_global_step, best_model_checkpoint);
 - `load_best` at the end with load_best_model_at_end.
 """
@@ -24,7 +24,7 @@ from lowmem_dpo.model.logps import eval_mode
 from lowmem_dpo.runtime import distributed, files, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, guards, samples
-from lowmem_dpo.training.session import Progress, Session
+from lowmem_dpo.training.session import Session
 
 
 def due(cfg: Config, step: int, steps: int) -> bool:
@@ -151,14 +151,15 @@ def better(value: float, best: float | None, greater: bool) -> bool:
     return best is None or (value > best if greater else value < best)
 
 
-def note_best(progress: Progress, cfg: Config, line: dict | None) -> None:
-    """Before the checkpoint of an evaluated step is saved: make it the progress's best when its
-    metric_for_best_model (in `line`, this step's eval line) beats the best so far."""
-    if line is None or line.get("step") != progress.step:
-        return
+def best_after(best: dict, step: int, cfg: Config, line: dict | None) -> dict:
+    """The best so far once step `step`'s checkpoint is saved (session.BEST_KEYS): this step when its
+    metric_for_best_model (in `line`, its eval line; None: not evaluated) beats `best`, else `best`."""
+    if line is None or line.get("step") != step:
+        return best
     value = line.get(cfg.best_metric_name)
-    if value is not None and better(value, progress.best["best_metric"], cfg.best_is_greater):
-        progress.best = {"best_metric": value, "best_global_step": progress.step}
+    if value is not None and better(value, best["best_metric"], cfg.best_is_greater):
+        return {"best_metric": value, "best_global_step": step}
+    return best
 
 
 def load_best(session: Session) -> None:

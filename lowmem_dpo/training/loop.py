@@ -114,8 +114,9 @@ def optimizer_step(session: Session, out: StepOutputs | None = None) -> StepResu
         out.last = log_step(session, out.metrics, result, out.bar)
         progress.window = run.objective.new_stats()  # the next line's window
     evaluated = eval_step(session, out.metrics, out.bar) if evaluation.due(run.cfg, progress.step, run.steps) else None
-    if saving_due(run.cfg, progress.step, run.steps):
-        save_checkpoint(session, out.folder, evaluated)
+    if saving_due(run.cfg, progress.step, run.steps):  # the best first: a checkpoint records it, never prunes it
+        progress.best = evaluation.best_after(progress.best, progress.step, run.cfg, evaluated)
+        save_checkpoint(session, out.folder)
     return result
 
 
@@ -151,13 +152,12 @@ def backward_with_backoff(session: Session, items: list) -> tuple[Stats, int, in
 
 
 # -- output (output.py writes the files) -------------------------------------------------------------------------
-def save_checkpoint(session: Session, out_dir: Path, evaluated: dict | None) -> None:
-    """checkpoint-STEP, the best so far updated first when this step was evaluated (the best is never pruned),
-    and output_dir/trainer_state.json; with every rank's random state (each rank calls this: rank 0 writes)."""
+def save_checkpoint(session: Session, out_dir: Path) -> None:
+    """checkpoint-STEP and output_dir/trainer_state.json; with every rank's random state (each rank calls this:
+    rank 0 writes)."""
     rng_states = distributed.gather(checkpoint.rng_state())
     if not session.run.world.main:
         return
-    evaluation.note_best(session.progress, session.run.cfg, evaluated)
     state = checkpoint_state(session)
     cfg, progress = session.run.cfg, session.progress
     checkpoint.save(out_dir, state, session.trainee, progress.metrics_lines, cfg.save_total_limit, progress.replaces,

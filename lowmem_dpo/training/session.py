@@ -90,7 +90,7 @@ def next_items(stream, n: int) -> list:
 
 
 # -- the three parts ---------------------------------------------------------------------------------------------
-# The best so far (evaluation.note_best), in transformers' TrainerState keys; its folder, best_model_checkpoint, is
+# The best so far (evaluation.best_after), in transformers' TrainerState keys; its folder, best_model_checkpoint, is
 # derived from the step where output_dir is now (best_folder).
 BEST_KEYS = ("best_metric", "best_global_step")
 
@@ -138,7 +138,7 @@ class Progress:
     nonfinite_in_a_row: int = 0
     scaler_skips: int = 0  # updates the float16 scaler skipped (scaled gradients overflowed), in all
     metrics_lines: list[str] = field(default_factory=list)  # metrics.jsonl so far
-    best: dict = field(default_factory=lambda: dict.fromkeys(BEST_KEYS))  # evaluation.note_best
+    best: dict = field(default_factory=lambda: dict.fromkeys(BEST_KEYS))  # evaluation.best_after
     resumed_from: Path | None = None
     replaces: list[Path] = field(default_factory=list)  # an earlier run's checkpoints, removed at the first save
 
