@@ -85,7 +85,7 @@ class SFT:
         # The step's loss is the mean over all its completion tokens (as TRL), every rank's, so each micro-batch's
         # sum is divided by the step's total, known before the first backward. Position t-1 predicts token t, so
         # a completion at position 0 (no prompt) has one target fewer than tokens (completion_mask[:, 1:]).
-        n_targets = sum(len(c.completion_ids) - (not c.prompt_ids) for c in items)
+        n_targets = sum(len(row.completion_ids) - (not row.prompt_ids) for row in items)
         stats = SFTStats()
         for batch in batches:
             logps, batch_stats = forward_rows(session, batch)

@@ -93,7 +93,7 @@ def reference_logps(model, batch: data.Batch, ref: cache.RefCache | None, ld_alp
 def judged_limits(cfg: Config):
     """(the warning-sign limits the run's loss is judged by, the judged term's weight, its name): its one per-pair
     term's (None where that objective has none), or guards.SEVERAL for several summed or none (loss_type [sft])."""
-    per_pair = [(t, w) for t, w in cfg.loss_terms if not objectives.OBJECTIVES[t].per_token]
+    per_pair = [(term, weight) for term, weight in cfg.loss_terms if not objectives.OBJECTIVES[term].per_token]
     if len(per_pair) != 1:
         return guards.SEVERAL, 1.0, None
     name, weight = per_pair[0]
@@ -114,16 +114,16 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     chosen, rejected = policy_logps.split()  # (B,) each
     weights = None if not cfg.use_weighting else objectives.wpo_weights(chosen.aligned, chosen.n_tokens,
                                                                          rejected.aligned, rejected.n_tokens)
-    x = objectives.PairLogps(chosen.logps, rejected.logps, chosen.n_tokens, rejected.n_tokens,
-                             *((ref_chosen.to(device), ref_rejected.to(device)) if reference else (None, None)),
-                             chosen.prompt_logps, chosen.prompt_tokens, weights)
-    losses = objectives.combine(x, cfg.loss_settings, cfg.loss_terms)  # (B,)
-    r_chosen, r_rejected = objectives.rewards(x, cfg.loss_settings, types)
-    logps_chosen, logps_rejected = objectives.logged_logps(x, types)
+    logps = objectives.PairLogps(chosen.logps, rejected.logps, chosen.n_tokens, rejected.n_tokens,
+                                 *((ref_chosen.to(device), ref_rejected.to(device)) if reference else (None, None)),
+                                 chosen.prompt_logps, chosen.prompt_tokens, weights)
+    losses = objectives.combine(logps, cfg.loss_settings, cfg.loss_terms)  # (B,)
+    r_chosen, r_rejected = objectives.rewards(logps, cfg.loss_settings, types)
+    logps_chosen, logps_rejected = objectives.logged_logps(logps, types)
     stats = new_stats(cfg)
     stats.pairs, stats.tokens, stats.chosen_tokens = len(pairs), batch.num_tokens, int(chosen.n_tokens.sum())
     stats.rejected_tokens = int(rejected.n_tokens.sum())
-    nll, nll_tokens = x.nll_logps()  # (B,) each
+    nll, nll_tokens = logps.nll_logps()  # (B,) each
     stats.nll, stats.nll_tokens = -nll.detach().sum().item(), int(nll_tokens.sum())
     sums = stats.sums
     sums["loss"] += losses.detach().sum().item()
@@ -133,9 +133,9 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     sums["rewards/margins"] += (r_chosen - r_rejected).sum().item()
     sums["logps/chosen"] += logps_chosen.sum().item()
     sums["logps/rejected"] += logps_rejected.sum().item()
-    for name, values in objectives.term_metrics(x, cfg.loss_settings, types).items():
+    for name, values in objectives.term_metrics(logps, cfg.loss_settings, types).items():
         sums[name] += values.sum().item()
-    return losses, x, stats
+    return losses, logps, stats
 
 
 def train_step(trainee: policy.Trainee, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
@@ -153,8 +153,8 @@ def train_step(trainee: policy.Trainee, cfg: Config, group: list[list[data.Token
     nll_tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) - 1 if objectives.nll_prompt(cfg.loss_type)
                      else len(p.chosen_ids) for p in step_pairs)
     for pairs in group:
-        losses, x, batch_stats = forward_pairs(trainee.model, cfg, pairs, ref, pad_id, resolved, shared)
-        trainee.backward(losses.sum() / n_pairs + objectives.per_token_loss(x, cfg.loss_terms, nll_tokens))
+        losses, logps, batch_stats = forward_pairs(trainee.model, cfg, pairs, ref, pad_id, resolved, shared)
+        trainee.backward(losses.sum() / n_pairs + objectives.per_token_loss(logps, cfg.loss_terms, nll_tokens))
         stats.add(batch_stats)
     return stats
 
@@ -197,16 +197,16 @@ class DPO:
         return {f"eval_{k}": v for k, v in stats.means().items()}  # TRL's names: eval_loss, eval_rewards/...
 
     def warning_signs(self, session: Session) -> list[str]:
-        w, cfg = session.progress.window, session.run.cfg
-        tokens, rejected_tokens = w.chosen_tokens / w.pairs, w.rejected_tokens / w.pairs
-        means = w.means()
-        if w.nll_weight is not None:  # the signs judge the preference loss: the NLL term has its own scale
-            means["loss"] -= w.nll_weight * means["nll_loss"]
+        window, cfg = session.progress.window, session.run.cfg
+        tokens, rejected_tokens = window.chosen_tokens / window.pairs, window.rejected_tokens / window.pairs
+        means = window.means()
+        if window.nll_weight is not None:  # the signs judge the preference loss: the NLL term has its own scale
+            means["loss"] -= window.nll_weight * means["nll_loss"]
         limits, weight, _ = judged_limits(cfg)
-        t = guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight)
+        thresholds = guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight)
         if not objectives.needs_reference(cfg.loss_type):
             tokens = rejected_tokens = 0.0  # the per-token signs read log-ratios to the reference: none here
-        return guards.warning_signs(means, session.progress.step, session.run.steps, cfg.beta, tokens, t,
+        return guards.warning_signs(means, session.progress.step, session.run.steps, cfg.beta, tokens, thresholds,
                                     rejected_tokens)
 
     def bar_numbers(self, line: dict) -> dict[str, str]:

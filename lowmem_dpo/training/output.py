@@ -144,11 +144,12 @@ def save_final(session: Session, out_dir: Path) -> None:
 def tracker_config(session: Session) -> dict:
     """What trackio and wandb record of a run at its start: its config, and the setup the device rules and the
     planner resolved (TRL's trackers get its args the same way)."""
-    r, cfg = session.run.resolved, session.run.cfg
+    resolved, cfg = session.run.resolved, session.run.cfg
     return {f.name: yaml_form(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)} | {"resolved": {
-        "device": str(r.device), "dtype": devices.dtype_name(r.dtype), "micro_batch": session.progress.micro_batch,
-        "gradient_accumulation": session.progress.grad_accum, "gradient_checkpointing": r.gradient_checkpointing,
-        "share_prompt": r.share_prompt, "budget_bytes": r.budget, "steps": session.run.steps}}
+        "device": str(resolved.device), "dtype": devices.dtype_name(resolved.dtype),
+        "micro_batch": session.progress.micro_batch, "gradient_accumulation": session.progress.grad_accum,
+        "gradient_checkpointing": resolved.gradient_checkpointing, "share_prompt": resolved.share_prompt,
+        "budget_bytes": resolved.budget, "steps": session.run.steps}}
 
 
 def write_model_card(session: Session, out_dir: Path) -> None:

@@ -79,9 +79,9 @@ def pair_stream(items: list, seed: int):
     """Endless stream of data items: each epoch a fresh seeded permutation. Each optimizer step takes its items
     from here, so a step's items do not depend on how they are split into micro-batches, and a resumed run skips
     exactly the items it consumed."""
-    g = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
     while True:
-        for i in torch.randperm(len(items), generator=g).tolist():
+        for i in torch.randperm(len(items), generator=generator).tolist():
             yield items[i]
 
 
