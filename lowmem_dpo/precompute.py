@@ -149,8 +149,8 @@ def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedC
                     batch: int, shard_rows: int, need: int, progress: bool) -> None:
     """Compute the sequences of `todo` (forward units, longest first) by batches and commit each chunk to the
     store, at most `shard_rows` sequences a commit (a killed run keeps what it committed; `need`: the bytes the
-    free-space check asked for, which a full disk's message names). Several processes: each its every world-size-th chunk. Out of
-    memory halves the batch (down to 1 pair) for that chunk and the ones after it."""
+    free-space check asked for, which a full disk's message names). Several processes: each its every
+    world-size-th chunk. Out of memory halves the batch (down to 1 pair) for that chunk and the ones after it."""
     from tqdm.auto import tqdm
 
     mine = distributed.shard(commits(todo, shard_rows))
@@ -275,10 +275,12 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
             units = forward_units(*dataset.all_pairs(), todo, shared)
             computed, t0 = len(todo), time.perf_counter()
             components = side.layouts()[layout]
-            reference = ReferenceForward(model, pad_id, resolved, shared, per_token=cfg.ld_alpha is not None)
-            compute_missing(reference, longest_first(units), store, store.side(cache.side_digest(components),
-                            components), batch, cfg.cache_shard_rows, need[layout], progress)
-            del model, reference  # its memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
+            side_id = store.side(cache.side_digest(components), components)
+            reference = ReferenceForward(model, pad_id, resolved, shared, per_token=side.per_token)
+            compute_missing(reference, longest_first(units), store, side_id, batch, cfg.cache_shard_rows,
+                            need[layout], progress)
+            # the model's memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
+            del model, reference
             oom.release_memory(resolved.device)
             distributed.barrier()  # every process's sequences are in the store
             seconds = time.perf_counter() - t0

@@ -157,9 +157,9 @@ def setup(cfg: Config, progress: bool = True) -> Session:
     pad_id = data.pad_token_id(tokenizer)
     headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:2], train=True)  # completions: never shared
     # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
-    run_setup = RunSetup(cfg, resolved, SFT(), dataset.train, pad_id, trains_on, dataset.eval, tokenizer,
-                         dataset.prompts, adapter_off_is_start=False)
-    return start_session(run_setup, model, resume)
+    run = RunSetup(cfg, resolved, SFT(), dataset.train, pad_id, trains_on, dataset.eval, tokenizer,
+                   dataset.prompts, adapter_off_is_start=False)
+    return start_session(run, model, resume)
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

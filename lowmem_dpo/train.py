@@ -274,9 +274,9 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
         objective = kto.KTO(cfg, ref, kto.labels(dataset.unpaired["train"]), eval_ref,
                             kto.labels(dataset.unpaired[dataset.eval_part]) if dataset.eval_part else None)
         items = kto.blocks(dataset.train, cfg.per_device_train_batch_size)
-    run_setup = RunSetup(cfg, resolved, objective, items, pad_id, trains_on, dataset.eval, prepared.tokenizer,
-                         dataset.prompts, adapter_off_is_start=adapters.adapter_off_is_start(cfg, prepared.source))
-    return start_session(run_setup, model, resume)
+    run = RunSetup(cfg, resolved, objective, items, pad_id, trains_on, dataset.eval, prepared.tokenizer,
+                   dataset.prompts, adapter_off_is_start=adapters.adapter_off_is_start(cfg, prepared.source))
+    return start_session(run, model, resume)
 
 
 def reference_caches(cfg: Config, prepared: inputs.Inputs, side: cache.Side, dataset: inputs.Data,

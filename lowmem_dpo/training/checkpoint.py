@@ -29,7 +29,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,9 +37,7 @@ from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGT
 from lowmem_dpo.model import adapters
 from lowmem_dpo.runtime import files, folders
 from lowmem_dpo.runtime.errors import ConfigError, UserError, log
-
-if TYPE_CHECKING:  # the annotation only: reading a checkpoint loads no model code
-    from lowmem_dpo.training import policy
+from lowmem_dpo.training import policy
 
 FOLDER = "checkpoints"
 STATE = "trainer_state.json"
@@ -128,9 +125,8 @@ def rng_state() -> dict:
 def save(output_dir: str | Path, state: TrainerState, trainee: policy.Trainee, metrics_lines: list[str], keep: int,
          replaces: list[Path] = (), rng_states: list[dict] | None = None) -> Path:
     """Write checkpoint-{state.step} atomically (the trainee's adapter, optimizer, schedule and loss scaler, and
-    the random states), then remove `replaces` (an earlier run's checkpoints, when
-    this one started over) and keep only the newest `keep` and the best (state.best_global_step's), which is
-    never pruned. output_dir's samples.jsonl goes in too, as metrics_lines do. A full disk stops the run with
+    the random states), then remove `replaces` (an earlier run's checkpoints, when this one started over) and
+    keep only the newest `keep` and the best (state.best_global_step's), which is never pruned. output_dir's samples.jsonl goes in too, as metrics_lines do. A full disk stops the run with
     exit 2 and leaves the previous checkpoints as they were. `rng_states`: every rank's rng_state(), in rank order
     (distributed.gather); default this process's."""
     folder = root(output_dir)
@@ -273,9 +269,9 @@ def load_adapter_weights(path: Path, model) -> None:
 
 
 def restore(path: Path, trainee: policy.Trainee, rank: int = 0) -> None:
-    """Load the adapter weights, optimizer, scheduler, loss scaler (float16) of checkpoint `path` into the
-    trainee, and its RNG states into this process; the RNG state is process `rank`'s (a checkpoint of one process, or written before each rank's
-    was kept: its one state)."""
+    """Load the adapter weights, optimizer, scheduler and loss scaler (float16) of checkpoint `path` into the
+    trainee, and its RNG state into this process: process `rank`'s (a checkpoint of one process, or one written
+    before each rank's was kept: its one state)."""
     load_adapter_weights(path, trainee.model)
     trainee.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
     trainee.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))

@@ -8,7 +8,8 @@ The loop (loop.py) calls these with its session (session.Session):
 - `evaluate` at every `due` step: the objective's eval metrics over the eval items with no gradients (its own
   micro-batches and chunked path), the samples and their repetition, one metrics.jsonl line ("eval_" keys);
 - `best_after` when a checkpoint is saved at an evaluated step: the best so far by metric_for_best_model, in
-  transformers' TrainerState keys (best_metric, best_global_step, best_model_checkpoint);
+  transformers' TrainerState keys (best_metric, best_global_step; best_model_checkpoint, its folder, follows from
+  the step: session.best_folder);
 - `load_best` at the end with load_best_model_at_end.
 """
 

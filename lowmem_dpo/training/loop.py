@@ -6,8 +6,7 @@ metrics. This module runs it: `optimizer_step` is one step, top to bottom; `run`
 
     resume = resuming.find_resume(cfg)    # before anything heavy: a changed setting fails fast
     resuming.check_before_load(cfg, resume, trains_on, len(items))  # changed inputs or a shorter run fail fast too
-    setup = RunSetup(cfg, resolved, objective, items, pad_id, inputs=trains_on)  # session.py: what the run is
-    session = start(setup, model, resume)  # session.start: the trainee and the progress
+    session = start(RunSetup(cfg, resolved, objective, items, pad_id, inputs=trains_on), model, resume)  # session.py
     run(session)                          # optimizer_step until the run's steps; log, checkpoint, save
 
 Under torchrun or `accelerate launch` (distributed.py) every rank runs this loop on the same data stream: a step
@@ -87,12 +86,12 @@ def optimizer_step(session: Session, out: StepOutputs | None = None) -> StepResu
     distributed.sum_gradients(trainee.params)  # the step's gradient, the same on every rank
     stats = distributed.sum_stats(stats)  # the step's sums: the loss, the guards and the log see all ranks
     loss = stats.means()["loss"]
-    grad_norm = update.unscale_and_clip(trainee.params, trainee.optimizer, trainee.scaler, run.cfg.max_grad_norm)
+    grad_norm = update.unscale_and_clip(trainee, run.cfg.max_grad_norm)
     progress.step += 1
     outcome = update.outcome(loss, grad_norm, trainee.scaler)
     if outcome is update.Outcome.APPLY:
         progress.nonfinite_in_a_row = 0
-        update.optimizer_update(trainee.optimizer, trainee.scaler)
+        update.optimizer_update(trainee)
     elif outcome is update.Outcome.SCALER_SKIP:
         progress.scaler_skips += 1
         log(update.scaler_skip_note(progress.step, trainee.scaler.get_scale(), progress.scaler_skips))
@@ -101,8 +100,9 @@ def optimizer_step(session: Session, out: StepOutputs | None = None) -> StepResu
         progress.nonfinite_in_a_row += 1
         log(update.nonfinite_note(progress.step, loss, grad_norm, progress.nonfinite_in_a_row))
         if progress.nonfinite_in_a_row >= run.cfg.max_nonfinite_steps:
-            raise update.diverged(progress.step, progress.nonfinite_in_a_row, run.cfg.output_dir)
-    update.finish_update(trainee.optimizer, trainee.scheduler, trainee.scaler)
+            raise update.diverged(progress.step, progress.nonfinite_in_a_row,
+                                  checkpoint.intact_note(run.cfg.output_dir))
+    update.finish_update(trainee)
     devices.synchronize(run.resolved.device)
     result = StepResult(stats, grad_norm, lr, time.perf_counter() - started)
     if not guards.nonfinite(loss):

@@ -90,17 +90,18 @@ def check_run_length(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerS
                         f"{checkpoint.new_run(cfg.output_dir)}")
 
 
-def follow_run_length(cfg: Config, n_items: int, steps: int, optimizer, scheduler,
+def follow_run_length(cfg: Config, n_items: int, steps: int, trainee: policy.Trainee,
                       saved: checkpoint.TrainerState) -> None:
-    """A run of `n_items` data items and `steps` steps in all, restored from a checkpoint (`saved`) that was written
-    with another max_steps or num_train_epochs (check_run_length: not past the new total), continues from its step
-    to the new total, at the learning rate the new schedule gives there."""
+    """A run of `n_items` data items and `steps` steps in all, its trainee restored from a checkpoint (`saved`)
+    that was written with another max_steps or num_train_epochs (check_run_length: not past the new total),
+    continues from its step to the new total, at the learning rate the new schedule gives there."""
     old_total = _old_total(cfg, saved, n_items)
     if old_total == steps:
         return
     # The restored learning rates are the old schedule's at this step; the scheduler's lambda is over `steps`.
+    scheduler = trainee.scheduler
     lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(optimizer.param_groups, lrs):
+    for group, lr in zip(trainee.optimizer.param_groups, lrs):
         group["lr"] = lr
     scheduler._last_lr = lrs  # what get_last_lr() reads: the learning rate the next step logs
     log(f"{_length_changes(cfg, saved)}: continuing from step {saved.step} of {steps} (was {old_total}), the "

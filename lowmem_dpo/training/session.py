@@ -1,7 +1,7 @@
 """A training run's state, in three typed parts by what changes when:
 
     RunSetup  what the run is, fixed from its setup to its end: the config, the device, the objective, the data
-    Trainee   the model and its optimizer, schedule and (float16) loss scaler: what a step updates
+    Trainee   the model and its optimizer, schedule and (float16) loss scaler: what a step updates (policy.py)
     Progress  the step counters, the data stream's position, the micro-batch split and the metric window: what
               a checkpoint saves (checkpoint.TrainerState) and a resume restores as one thing
 
@@ -167,10 +167,9 @@ def start(run: RunSetup, model, resume: tuple[Path | None, checkpoint.TrainerSta
     resume_from, saved = resume
     if saved is None:  # a new run: the data from its start; an earlier run's checkpoints go at the first save
         progress.replaces = [p for _, p in checkpoint.complete(cfg.output_dir)]
-    else:
+    else:  # the trainee, then the progress, as the checkpoint left them
         checkpoint.restore(resume_from, trainee, rank=run.world.rank)
-        resuming.follow_run_length(cfg, policy.rows_of(run.items), run.steps, trainee.optimizer, trainee.scheduler,
-                                   saved)
+        resuming.follow_run_length(cfg, policy.rows_of(run.items), run.steps, trainee, saved)
         progress = restored_progress(progress, resume_from, saved)
     return Session(run, trainee, progress)
 

@@ -12,7 +12,7 @@ from enum import Enum
 import torch
 
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import checkpoint, guards
+from lowmem_dpo.training import guards, policy
 
 
 class Outcome(Enum):
@@ -23,13 +23,13 @@ class Outcome(Enum):
     NONFINITE = "skipped: a non-finite loss or gradient"
 
 
-def unscale_and_clip(params: list, opt: torch.optim.Optimizer, scaler, max_grad_norm: float | None) -> float:
-    """The gradients unscaled (float16: the loss scaler's) and clipped to max_grad_norm (None: not clipped);
-    returns their norm before clipping."""
-    if scaler is not None:
-        scaler.unscale_(opt)
+def unscale_and_clip(trainee: policy.Trainee, max_grad_norm: float | None) -> float:
+    """The trainee's gradients unscaled (float16: by its loss scaler) and clipped to max_grad_norm (None: not
+    clipped); returns their norm before clipping."""
+    if trainee.scaler is not None:
+        trainee.scaler.unscale_(trainee.optimizer)
     max_norm = max_grad_norm if max_grad_norm is not None else float("inf")
-    return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    return torch.nn.utils.clip_grad_norm_(trainee.params, max_norm).item()
 
 
 def outcome(loss: float, grad_norm: float, scaler) -> Outcome:
@@ -41,12 +41,12 @@ def outcome(loss: float, grad_norm: float, scaler) -> Outcome:
     return Outcome.NONFINITE if guards.nonfinite(loss, grad_norm) else Outcome.APPLY
 
 
-def optimizer_update(opt: torch.optim.Optimizer, scaler) -> None:
-    """AdamW's step (through the scaler in float16)."""
-    if scaler is None:
-        opt.step()
+def optimizer_update(trainee: policy.Trainee) -> None:
+    """AdamW's step (through the loss scaler in float16)."""
+    if trainee.scaler is None:
+        trainee.optimizer.step()
     else:
-        scaler.step(opt)
+        trainee.scaler.step(trainee.optimizer)
 
 
 def scaler_skip_note(step: int, scale: float, skips: int) -> str:
@@ -59,17 +59,18 @@ def nonfinite_note(step: int, loss: float, grad_norm: float, in_a_row: int) -> s
             f"skipped ({in_a_row} in a row)")
 
 
-def diverged(step: int, in_a_row: int, output_dir: str) -> UserError:
-    """max_nonfinite_steps skipped in a row: the run stops (exit 2) as diverged."""
+def diverged(step: int, in_a_row: int, checkpoint_note: str) -> UserError:
+    """max_nonfinite_steps skipped in a row: the run stops (exit 2) as diverged; `checkpoint_note` says what it
+    leaves to resume from (checkpoint.intact_note)."""
     return UserError(f"diverged: {in_a_row} steps in a row with a non-finite loss or gradient (up to step {step}); "
-                     f"the weights were not updated by them and {checkpoint.intact_note(output_dir)}; lower learning_rate or check the "
+                     f"the weights were not updated by them and {checkpoint_note}; lower learning_rate or check the "
                      "data and the cache")
 
 
-def finish_update(opt: torch.optim.Optimizer, sched, scaler) -> None:
+def finish_update(trainee: policy.Trainee) -> None:
     """Every step's end, updated or skipped: the loss scale (halved after an overflow, skipped steps' included;
     grown after 2000 clean ones), the schedule, the gradients zeroed."""
-    if scaler is not None:
-        scaler.update()
-    sched.step()
-    opt.zero_grad(set_to_none=True)
+    if trainee.scaler is not None:
+        trainee.scaler.update()
+    trainee.scheduler.step()
+    trainee.optimizer.zero_grad(set_to_none=True)

@@ -49,6 +49,27 @@ def split_files(tmp_path_factory):
     return write_jsonl(d / "train.jsonl", rows[:344]), write_jsonl(d / "eval.jsonl", rows[344:])
 
 
+
+def test_the_best_so_far_moves_only_to_a_better_evaluated_step():
+    """evaluation.best_after, at a checkpoint: the step becomes the best only when it was evaluated at that step
+    and its metric beats the best in the metric's direction (eval_loss: lower; eval_rewards/accuracies: higher);
+    a tie or a non-finite value keeps the earlier best."""
+    loss = load_config(TINY_RECIPE, [])
+    assert (loss.best_metric_name, loss.best_is_greater) == ("eval_loss", False)
+    accuracy = load_config(TINY_RECIPE, ["metric_for_best_model=rewards/accuracies"])
+    assert (accuracy.best_metric_name, accuracy.best_is_greater) == ("eval_rewards/accuracies", True)
+    none = {"best_metric": None, "best_global_step": None}
+    at_20 = {"best_metric": 0.5, "best_global_step": 20}
+    line = {"step": 40, "eval_loss": 0.4, "eval_rewards/accuracies": 0.4}
+    assert evaluation.best_after(none, 40, loss, line) == {"best_metric": 0.4, "best_global_step": 40}
+    assert evaluation.best_after(at_20, 40, loss, line) == {"best_metric": 0.4, "best_global_step": 40}
+    assert evaluation.best_after(at_20, 40, accuracy, line) is at_20  # 0.4 < 0.5 where higher is better
+    assert evaluation.best_after(at_20, 40, loss, {**line, "eval_loss": 0.5}) is at_20  # a tie: the earlier
+    assert evaluation.best_after(at_20, 40, loss, {**line, "eval_loss": math.nan}) is at_20
+    assert evaluation.best_after(none, 40, loss, {**line, "eval_loss": math.inf}) is none
+    assert evaluation.best_after(at_20, 40, loss, None) is at_20  # step 40 was not evaluated
+    assert evaluation.best_after(at_20, 60, loss, line) is at_20  # the line is another step's
+
 def test_dpo_eval_metrics_equal_a_recomputation(make_cfg, split_files, tiny_path, tokenizer):
     """eval_loss and TRL's eval_rewards/eval_logps at steps 2 and 4 equal those recomputed here from the saved
     adapters, the model's own forward per sequence and the reference with the adapter off."""
