@@ -305,7 +305,7 @@ def run_grads(args) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        session.run.objective.backward(session, items, session.progress.micro_batch)
+        session.run.objective.accumulate_gradients(session, items, session.progress.micro_batch)
         if cuda:
             torch.cuda.synchronize()
         seen = {"s": round(time.perf_counter() - t0, 3),

@@ -209,7 +209,7 @@ def _measure_train(mcfg: Config, steps: int, timed: int = 0):
         times.append((time.perf_counter() - t0, stats.tokens))
     shared = session.run.objective.shared
     taken_steps = loop.micro_batches(taken, session.run.items_per_step)
-    seen = [_pair_shape(pairs, shared) for step in taken_steps  # as DPO.backward splits each step
+    seen = [_pair_shape(pairs, shared) for step in taken_steps  # as DPO.accumulate_gradients splits each step
             for pairs in loop.micro_batches(data.by_length(step, loop.item_tokens), session.progress.micro_batch)]
     del session
     gc.collect()

@@ -73,11 +73,13 @@ class SFT:
     """SFT's part of the loop (session.Objective): prompt/completion rows, the completion tokens' mean NLL."""
 
     name = "sft"
+    unit = "row"
 
     def new_stats(self) -> SFTStats:
         return SFTStats()
 
-    def backward(self, session: Session, items: list[data.TokenizedCompletion], micro_batch: int) -> SFTStats:
+    def accumulate_gradients(self, session: Session, items: list[data.TokenizedCompletion], micro_batch: int
+                             ) -> SFTStats:
         """Forward+backward of this rank's share of one optimizer step's rows (all of them in one process), by
         micro-batches of `micro_batch` rows; gradients accumulate."""
         batches = [data.collate_completions(chunk, session.run.pad_id)

@@ -178,11 +178,12 @@ class DPO:
     eval_ref: cache.RefCache | None = None  # the eval pairs' reference (the same cache part, or its eval part)
     shared: bool = False  # each prompt once per pair (headcheck.decide_sharing)
     name: str = "train"
+    unit: str = "pair"
 
     def new_stats(self) -> StepStats:
         return new_stats(self.cfg)
 
-    def backward(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
+    def accumulate_gradients(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
         batches = loop.micro_batches(loop.rank_share(session, pairs), micro_batch)
         run = session.run
         return train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,

@@ -67,6 +67,7 @@ class TrainerState:
     best_model_checkpoint: str | None = None
     world_size: int = 1  # processes of the run (torchrun / accelerate launch): a step's pairs depend on it
     scaler_skips: int = 0  # float16: updates the loss scaler skipped (its state: scaler.pt)
+    nonfinite_in_a_row: int = 0  # the skips for a non-finite loss or gradient just before it (max_nonfinite_steps)
 
 
 def root(output_dir: str | Path) -> Path:

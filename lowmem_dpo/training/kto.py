@@ -133,12 +133,13 @@ class KTO:
     eval_ref: cache.RefCache | None = None
     eval_desirable: torch.Tensor | None = None
     name: str = "train"
+    unit: str = "row"
     blocks: bool = True  # its data items are blocks of rows (session.RunSetup.items_per_step counts them)
 
     def new_stats(self) -> KtoStats:
         return KtoStats()
 
-    def backward(self, session: Session, blocks: list[list], micro_batch: int) -> KtoStats:
+    def accumulate_gradients(self, session: Session, blocks: list[list], micro_batch: int) -> KtoStats:
         stats = KtoStats()
         for block in distributed.shard(blocks, session.run.world):  # whole blocks: each rank every world-size-th
             scale = 1.0 / (len(block) * len(blocks))  # the step's loss: the mean over its blocks of each block's mean

@@ -81,18 +81,18 @@ def optimizer_step(session: Session, out: StepOutputs | None = None) -> StepResu
     devices.synchronize(run.resolved.device)
     started = time.perf_counter()
     items = next_items(progress.stream, run.items_per_step)  # every rank's: the stream is the same on each
-    lr = trainee.scheduler.get_last_lr()[0]
+    lr = trainee.scheduler.get_last_lr()[0]  # the rate this update uses: the schedule advances at the step's end
     stats, progress.micro_batch, progress.grad_accum = backward_with_backoff(session, items)
     distributed.sum_gradients(trainee.params)  # the step's gradient, the same on every rank
     stats = distributed.sum_stats(stats)  # the step's sums: the loss, the guards and the log see all ranks
     loss = stats.means()["loss"]
     grad_norm = update.unscale_and_clip(trainee, run.cfg.max_grad_norm)
-    progress.step += 1
+    progress.step += 1  # from here on the notes, the log and the checkpoint name this step
     outcome = update.outcome(loss, grad_norm, trainee.scaler)
     if outcome is update.Outcome.APPLY:
         progress.nonfinite_in_a_row = 0
         update.optimizer_update(trainee)
-    elif outcome is update.Outcome.SCALER_SKIP:
+    elif outcome is update.Outcome.SCALER_SKIP:  # neither an update nor non-finite: the run of those stands
         progress.scaler_skips += 1
         log(update.scaler_skip_note(progress.step, trainee.scaler.get_scale(), progress.scaler_skips))
     else:
@@ -102,7 +102,7 @@ def optimizer_step(session: Session, out: StepOutputs | None = None) -> StepResu
         if progress.nonfinite_in_a_row >= run.cfg.max_nonfinite_steps:
             raise update.diverged(progress.step, progress.nonfinite_in_a_row,
                                   checkpoint.intact_note(run.cfg.output_dir))
-    update.finish_update(trainee)
+    update.finish_update(trainee)  # the loss scale, the schedule (a skipped step's too), the gradients zeroed
     devices.synchronize(run.resolved.device)
     result = StepResult(stats, grad_norm, lr, time.perf_counter() - started)
     if not guards.nonfinite(loss):
@@ -135,18 +135,21 @@ def backward_with_backoff(session: Session, items: list) -> tuple[Stats, int, in
     the progress's micro_batch. On out-of-memory (on any rank), halve the micro-batch (the accumulation doubles:
     the same items, the same update) and retry, down to 1 item. Returns the stats, and the micro-batch and
     accumulation that fit."""
-    mine = math.ceil(policy.rows_of(items) / session.run.world.size)  # this rank's rows, at most
+    rows, objective = policy.rows_of(items), session.run.objective
+    mine = math.ceil(rows / session.run.world.size)  # this rank's rows, at most
     step = session.progress.step + 1
 
     def attempt(micro_batch: int):
-        return session.run.objective.backward(session, items, micro_batch), micro_batch, math.ceil(mine / micro_batch)
+        return objective.accumulate_gradients(session, items, micro_batch), micro_batch, math.ceil(mine / micro_batch)
 
     return oom.halving_on_oom(
         attempt, session.progress.micro_batch, session.run.resolved.device,
-        lambda n: f"out of memory at step {step}: retrying with per_device_train_batch_size={n} "
-                  f"gradient_accumulation_steps={math.ceil(mine / n)} (the same {len(items)} pairs per step)",
-        f"out of memory at step {step} with 1 pair per micro-batch; lower max_length, or set "
-        "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml shows what fits)",
+        retrying=lambda n: f"out of memory at step {step}: retrying with per_device_train_batch_size={n} "
+                           f"gradient_accumulation_steps={math.ceil(mine / n)} (the same {rows} {objective.unit}s per "
+                           "step)",
+        exhausted=f"out of memory at step {step} with 1 {objective.unit} per micro-batch; lower max_length, or set "
+                  "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml shows what "
+                  "fits)",
         cleanup=lambda: session.trainee.optimizer.zero_grad(set_to_none=True),  # drop the partial step's gradients
         any_rank=distributed.any_rank)
 
@@ -174,7 +177,7 @@ class TrainResult:
     model: object  # the PEFT model as trained (in memory)
 
 
-def warn(session: Session, signs: list[str], metrics_file) -> None:
+def warn_or_stop(session: Session, signs: list[str], metrics_file) -> None:
     """Log the warning signs of this step, and write them to metrics.jsonl ({"step", "warnings"}: the report lists
     them); with early_stop_on_divergence, stop on the first (exit 2)."""
     for sign in signs:
@@ -192,10 +195,10 @@ def log_step(session: Session, metrics_file, result: StepResult, bar) -> dict:
     line = output.write_line(session, metrics_file, output.log_line(session, result.stats, result.grad_norm, result.lr,
                                                               result.seconds))
     signs = []
-    if not session.progress.window.empty:  # else every step since the last line was skipped (already warned)
+    if not session.progress.window.empty:  # else every step since the last line had a non-finite loss (warned)
         output.show(bar, session.run.objective.bar_numbers(line))
         signs = session.run.objective.warning_signs(session)
-    warn(session, signs, metrics_file)
+    warn_or_stop(session, signs, metrics_file)
     return line
 
 
@@ -207,7 +210,7 @@ def eval_step(session: Session, metrics_file, bar) -> dict:
     line, sign = distributed.broadcast((line, sign))
     output.write_line(session, metrics_file, line)
     output.show(bar, evaluation.bar_numbers(line))
-    warn(session, [sign] if sign else [], metrics_file)
+    warn_or_stop(session, [sign] if sign else [], metrics_file)
     return line
 
 

@@ -202,8 +202,8 @@ def model_card(session: Session, out_dir: Path) -> str:
 
 # -- metrics.jsonl and the progress bar -----------------------------------------------------------------------
 def log_line(session: Session, stats, grad_norm: float, lr: float, dt: float) -> dict:
-    """The metrics.jsonl line for this step: the window's means (null when every step since the last line was
-    skipped as non-finite), the step's gradient norm, learning rate and timing; on CUDA the window's memory
+    """The metrics.jsonl line for this step: the window's means (null when every step since the last line had a
+    non-finite loss: such a step's numbers stay out of the window), the step's gradient norm, learning rate and timing; on CUDA the window's memory
     (devices.memory_window: peak allocated and reserved since the last line, the card's used bytes); in float16
     the loss scale and the scaler's skips so far."""
     window = session.progress.window

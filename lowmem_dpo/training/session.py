@@ -46,10 +46,11 @@ class Objective(Protocol):
     """What a training stage plugs into the loop: DPO (train.py), SFT (sft.py), KTO (training/kto.py)."""
 
     name: str  # the stage: the progress bar's label
+    unit: str  # what a row of its data is, in messages: "pair" (DPO), "row" (SFT, KTO)
 
     def new_stats(self) -> Stats: ...
 
-    def backward(self, session: "Session", items: list, micro_batch: int) -> Stats:
+    def accumulate_gradients(self, session: "Session", items: list, micro_batch: int) -> Stats:
         """Forward + backward of this rank's share (loop.rank_share) of one optimizer step's items, in
         micro-batches of `micro_batch` items (loop.micro_batches); the gradients accumulate in the trainee's
         params, scaled so that summed over the ranks the step's loss is its mean over all `items` whatever the
@@ -135,7 +136,7 @@ class Progress:
     window: Stats  # stats since the last logged line
     step: int = 0  # optimizer steps finished
     skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient, in all
-    nonfinite_in_a_row: int = 0
+    nonfinite_in_a_row: int = 0  # skips for a non-finite loss or gradient since the last update
     scaler_skips: int = 0  # updates the float16 scaler skipped (scaled gradients overflowed), in all
     metrics_lines: list[str] = field(default_factory=list)  # metrics.jsonl so far
     best: dict = field(default_factory=lambda: dict.fromkeys(BEST_KEYS))  # evaluation.best_after
@@ -180,6 +181,7 @@ def restored_progress(fresh: Progress, resume_from: Path, saved: checkpoint.Trai
     next_items(fresh.stream, saved.pairs_seen)
     return dataclasses.replace(
         fresh, step=saved.step, skipped_steps=saved.skipped_steps, scaler_skips=saved.scaler_skips,
+        nonfinite_in_a_row=saved.nonfinite_in_a_row,
         micro_batch=saved.micro_batch, grad_accum=saved.grad_accum,
         window=resuming.restored_window(fresh.window, saved.window),
         metrics_lines=checkpoint.metrics_lines(resume_from), best={k: getattr(saved, k) for k in BEST_KEYS},
@@ -191,6 +193,7 @@ def checkpoint_state(session: Session) -> checkpoint.TrainerState:
     return checkpoint.TrainerState(step=progress.step, pairs_seen=progress.step * run.items_per_step,
                                    micro_batch=progress.micro_batch, grad_accum=progress.grad_accum,
                                    skipped_steps=progress.skipped_steps, scaler_skips=progress.scaler_skips,
+                                   nonfinite_in_a_row=progress.nonfinite_in_a_row,
                                    window=dataclasses.asdict(progress.window), config=dataclasses.asdict(run.cfg),
                                    inputs=run.inputs, **progress.best, best_model_checkpoint=best_folder(session),
                                    world_size=run.world.size)

@@ -69,7 +69,10 @@ def diverged(step: int, in_a_row: int, checkpoint_note: str) -> UserError:
 
 def finish_update(trainee: policy.Trainee) -> None:
     """Every step's end, updated or skipped: the loss scale (halved after an overflow, skipped steps' included;
-    grown after 2000 clean ones), the schedule, the gradients zeroed."""
+    grown after 2000 clean ones), the schedule, the gradients zeroed. The schedule advances on a skipped step too,
+    so the rate is a function of the step number, as the log, a resume and a changed run length read it
+    (transformers' Trainer holds it back after a float16 scaler skip: a shift of the few steps scaler_skips
+    counts)."""
     if trainee.scaler is not None:
         trainee.scaler.update()
     trainee.scheduler.step()

@@ -242,15 +242,21 @@ def test_a_real_small_filesystem_fills_up(built, tmp_path):
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(built, tmp_path):
     """A reference cache whose values are NaN (as a corrupt cache would be): every loss is NaN, the updates
-    are skipped, the weights stay, and max_nonfinite_steps in a row stop the run as diverged."""
-    session = train.setup(build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o"),
-                                        "max_nonfinite_steps": 3}), progress=False)
+    are skipped, the weights stay, and max_nonfinite_steps in a row stop the run as diverged, counted across a
+    checkpoint and a resume."""
+    cfg = build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o"),
+                        "max_nonfinite_steps": 3})
+    session = train.setup(cfg, progress=False)
     before = [p.detach().clone() for p in session.trainee.params]
     session.run.objective.ref.chosen[:] = float("nan")
     for _ in range(2):
         loop.optimizer_step(session)
     assert session.progress.skipped_steps == 2 and session.progress.step == 2
     assert all(torch.equal(b, p) for b, p in zip(before, session.trainee.params))
+    checkpoint.save(cfg.output_dir, checkpoint_state(session), session.trainee, [], 2)
+    session = train.setup(cfg, progress=False)  # resumes at step 2, 2 non-finite steps in a row
+    assert (session.progress.step, session.progress.nonfinite_in_a_row) == (2, 2)
+    session.run.objective.ref.chosen[:] = float("nan")
     with pytest.raises(UserError, match="diverged: 3 steps in a row with a non-finite loss or gradient"):
         loop.optimizer_step(session)
     assert all(torch.equal(b, p) for b, p in zip(before, session.trainee.params))
