@@ -27,6 +27,7 @@ from lowmem_dpo.config.schema import Config
 from lowmem_dpo.runtime import devices, distributed
 from lowmem_dpo.training import checkpoint, policy, resuming
 from lowmem_dpo.training.policy import Trainee
+from lowmem_dpo.training.trackers import Trackers
 
 
 class Stats(Protocol):
@@ -151,7 +152,7 @@ class Session:
     run: RunSetup
     trainee: Trainee
     progress: Progress
-    trackers: object = None  # trackers.open_trackers's
+    trackers: Trackers | None = None  # trackers.open_trackers's: None until run() opens them, or none asked
 
 
 # -- start or resume ---------------------------------------------------------------------------------------------
