@@ -43,11 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lowmem-dpo: error: {stage!r} is not a stage; one of {', '.join(STAGES)} (lowmem-dpo --help)",
               file=sys.stderr)
         return 2
-    sys.argv = [f"lowmem-dpo {stage}", *rest]  # the stage reads its arguments as `python -m` gives them
+    caller_argv, sys.argv = sys.argv, [f"lowmem-dpo {stage}", *rest]  # the stage reads them as `python -m` gives
     try:
         runpy.run_module(f"lowmem_dpo.{stage}", run_name="__main__", alter_sys=True)
     except SystemExit as e:  # every stage ends with SystemExit(its exit code)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:  # a caller in this process (a test, a bench's in-process run) keeps its own arguments
+        sys.argv = caller_argv
     return 0
 
 

@@ -127,8 +127,8 @@ def gather(obj) -> list:
 
 def sum_gradients(params: list[torch.Tensor]) -> None:
     """Sum each trainable parameter's gradient over the ranks (its .grad becomes the sum): one all-reduce of one
-    flat buffer (the LoRA gradients are a few MB). A parameter without a gradient keeps none (every rank runs the same graph, so
-    it has none on any rank; AdamW then leaves it alone, as in one process)."""
+    flat buffer (the LoRA gradients are a few MB). A parameter without a gradient keeps none (every rank runs the
+    same graph, so it has none on any rank; AdamW then leaves it alone, as in one process)."""
     if not active():
         return
     params = [p for p in params if p.grad is not None]

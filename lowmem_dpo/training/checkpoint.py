@@ -127,8 +127,9 @@ def save(output_dir: str | Path, state: TrainerState, trainee: policy.Trainee, m
          replaces: list[Path] = (), rng_states: list[dict] | None = None) -> Path:
     """Write checkpoint-{state.step} atomically (the trainee's adapter, optimizer, schedule and loss scaler, and
     the random states), then remove `replaces` (an earlier run's checkpoints, when this one started over) and
-    keep only the newest `keep` and the best (state.best_global_step's), which is never pruned. output_dir's samples.jsonl goes in too, as metrics_lines do. A full disk stops the run with
-    exit 2 and leaves the previous checkpoints as they were. `rng_states`: every rank's rng_state(), in rank order
+    keep only the newest `keep` and the best (state.best_global_step's), which is never pruned. output_dir's
+    samples.jsonl goes in too, as metrics_lines do. A full disk stops the run with exit 2 and leaves the previous
+    checkpoints as they were. `rng_states`: every rank's rng_state(), in rank order
     (distributed.gather); default this process's."""
     folder = root(output_dir)
     final = folder / f"checkpoint-{state.step}"

@@ -43,9 +43,9 @@ def with_backoff(session: Session, attempt, size: int, what: str, every_rank: bo
     process runs it, and all retry when one runs out (the eval); else rank 0 alone (the samples)."""
     return oom.halving_on_oom(
         attempt, size, session.run.resolved.device,
-        lambda n: f"out of memory in {what} at step {session.progress.step}: retrying {n} at a time",
-        f"out of memory in {what} at step {session.progress.step}, one at a time; lower eval_max_pairs, "
-        "eval_generations or max_new_tokens (the last checkpoint is intact)",
+        retrying=lambda n: f"out of memory in {what} at step {session.progress.step}: retrying {n} at a time",
+        exhausted=f"out of memory in {what} at step {session.progress.step}, one at a time; lower eval_max_pairs, "
+                  "eval_generations or max_new_tokens (the last checkpoint is intact)",
         any_rank=distributed.any_rank if every_rank else lambda failed: failed)
 
 

@@ -8,8 +8,8 @@ order); a block is never split across micro-batches or steps. Per block:
      reference's from the cache, averaged over the block, clamped at 0 (TRL also averages the processes' blocks);
   2. the policy's log-probs of the block's own completions, the loss of each row against z0, their mean over the
      block; the step's gradient is the mean over its blocks.
-Both forwards go by sub-batches of the loop's micro-batch rows (the out-of-memory back-off halves it), which changes no
-number: z0 is over the whole block. Metrics are TRL's: each block's mean of rewards/chosen (its desirable rows),
+Both forwards go by sub-batches of the loop's micro-batch rows (the out-of-memory back-off halves it), which
+changes no number: z0 is over the whole block. Metrics are TRL's: each block's mean of rewards/chosen (its desirable rows),
 rewards/rejected, logps/*, the margin of the two where the block has both, kl and the loss, averaged over the
 blocks of a logged line.
 """
@@ -91,6 +91,7 @@ def block_step(session: Session, views: list, ref: cache.RefCache, desirable: to
                scale: float | None) -> KtoStats:
     """One block: z0, then the loss of its rows by sub-batches of `micro`, each backward'd at `scale` times its
     rows' loss sum (None: no gradient, eval); its metrics."""
+    cfg = session.run.cfg
     stats = KtoStats(rows=len(views))
     z0, stats.tokens = reference_point(session, views, ref, micro)
     rows = torch.tensor([v.row for v in views])
@@ -103,7 +104,6 @@ def block_step(session: Session, views: list, ref: cache.RefCache, desirable: to
                                        session.run.pad_id, session.run.resolved, micro)
             loss_inputs = kto.UnpairedLogps(got, ref.chosen[part].to(got.device),
                                             label[i:i + micro].to(got.device), z0.to(got.device))
-            cfg = session.run.cfg
             losses = objectives.OBJECTIVES[cfg.loss_type[0]].formula(loss_inputs, cfg.loss_settings)  # (n,)
             if scale is not None:
                 session.trainee.backward(losses.sum() * scale)
@@ -111,7 +111,7 @@ def block_step(session: Session, views: list, ref: cache.RefCache, desirable: to
         logps.append(got.detach().float().cpu())
         lossed.append(losses.detach().float().cpu())
     logps = torch.cat(logps)  # (N,)
-    rewards = kto.rewards(kto.UnpairedLogps(logps, ref.chosen[rows], label), session.run.cfg.loss_settings)  # (N,)
+    rewards = kto.rewards(kto.UnpairedLogps(logps, ref.chosen[rows], label), cfg.loss_settings)  # (N,)
     stats.note("loss", torch.cat(lossed).mean().item())
     stats.note("kl", z0.item())
     for side, mask in (("chosen", label), ("rejected", ~label)):

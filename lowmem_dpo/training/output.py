@@ -188,8 +188,8 @@ def model_card(session: Session, out_dir: Path) -> str:
         f"- **Data**: {', '.join(src.path for src in cfg.dataset)} ({policy.rows_of(session.run.items)} training rows)",
         f"- **Objective**: {objective}",
         f"- **Settings**: {session.run.steps} steps of {cfg.per_device_train_batch_size} x "
-        f"{cfg.gradient_accumulation_steps} per device, learning_rate {cfg.learning_rate} ({cfg.lr_scheduler_type}), max_length {cfg.max_length}, "
-        f"LoRA r {config.get('r')} alpha {config.get('lora_alpha')}, dtype {cfg.dtype}, quantization "
+        f"{cfg.gradient_accumulation_steps} per device, learning_rate {cfg.learning_rate} ({cfg.lr_scheduler_type}), "
+        f"max_length {cfg.max_length}, LoRA r {config.get('r')} alpha {config.get('lora_alpha')}, dtype {cfg.dtype}, quantization "
         f"{cfg.quantization}, seed {cfg.seed}",
         f"- **Last eval** (step {evals[-1]['step'] if evals else '-'}): {last}",
         f"- **Best**: {best}", "", "## Use", "", "```python", "from peft import PeftModel",
@@ -203,7 +203,8 @@ def model_card(session: Session, out_dir: Path) -> str:
 # -- metrics.jsonl and the progress bar -----------------------------------------------------------------------
 def log_line(session: Session, stats, grad_norm: float, lr: float, dt: float) -> dict:
     """The metrics.jsonl line for this step: the window's means (null when every step since the last line had a
-    non-finite loss: such a step's numbers stay out of the window), the step's gradient norm, learning rate and timing; on CUDA the window's memory
+    non-finite loss: such a step's numbers stay out of the window), the step's gradient norm, learning rate and
+    timing; on CUDA the window's memory
     (devices.memory_window: peak allocated and reserved since the last line, the card's used bytes); in float16
     the loss scale and the scaler's skips so far."""
     window = session.progress.window

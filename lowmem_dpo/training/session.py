@@ -40,7 +40,7 @@ class Stats(Protocol):
     def means(self) -> dict[str, float]: ...  # the metric line's values; "loss" is the step's mean loss
 
     @property
-    def empty(self) -> bool: ...  # nothing added (every step since the last line was skipped)
+    def empty(self) -> bool: ...  # nothing added (every step since the last line had a non-finite loss)
 
 
 class Objective(Protocol):
