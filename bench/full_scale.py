@@ -607,11 +607,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--stage"] and len(argv) == 4:  # one stage, in the process bench_run starts for it
         return stage_main(*argv[1:])
     args = parse_args(argv)
-    from machine import machine_info
+    from machine import command_line, machine_info
 
     t_start = time.perf_counter()
     report: dict = {"runs": [], "method": METHOD, "machine": machine_info(),
-                    "command": shlex.join(["python", "bench/full_scale.py", *argv])}
+                    "command": command_line("full_scale.py", argv)}
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -35,7 +35,8 @@ PROMPTS = ["Write a short review of a camera you liked.", "What is the capital o
 
 
 def tiny_adapter(root: Path) -> Path:
-    """A tiny Llama with a Llama-2-style tokenizer and a LoRA adapter on it (tests/conftest.py's, which tests/model/test_gguf.py exports)."""
+    """A tiny Llama with a Llama-2-style tokenizer and a LoRA adapter on it (tests/conftest.py's
+    build_llama2_style, which tests/model/test_gguf.py exports too)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_llama2_style
 
@@ -117,7 +118,7 @@ def run(adapter: Path, types: list[str], tokens: int, work: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--adapter", type=Path)
-    ap.add_argument("--tiny", action="store_true", help="the tiny Llama of tests/model/test_gguf.py")
+    ap.add_argument("--tiny", action="store_true", help="the tiny Llama of tests/conftest.py's build_llama2_style")
     ap.add_argument("--types", default="f16,q8_0")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--json", default=None)

@@ -291,12 +291,12 @@ def run_grads(args) -> dict:
 
     from lowmem_dpo import train
     from lowmem_dpo.model import activations
-    from lowmem_dpo.training import loop
+    from lowmem_dpo.training.session import next_items
 
     # ref_source=live: the reference from the same model (one load, no precompute; the gradients' question alike)
     cfg = child_config(args, activation_offloading="false", lora_dropout=0.0, memory_budget=None, ref_source="live")
     session = train.setup(cfg, None, False)
-    items = loop.next_items(session.progress.stream, session.run.items_per_step)
+    items = next_items(session.progress.stream, session.run.items_per_step)
     cuda = session.run.resolved.device.type == "cuda"
 
     def grads() -> tuple[list, dict]:

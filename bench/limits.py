@@ -195,11 +195,10 @@ def count_flops(fn):
 def _replay(session, warmup: int) -> None:
     """Rebuild the session's pair stream from the seed, as train.setup builds it, and skip the warm-up steps'
     pairs: the next steps see the batches of the first timed steps again."""
-    from lowmem_dpo.training import loop
-    from lowmem_dpo.training.session import pair_stream
+    from lowmem_dpo.training.session import next_items, pair_stream
 
     session.progress.stream = pair_stream(session.run.items, session.run.cfg.seed)
-    loop.next_items(session.progress.stream, warmup * session.run.items_per_step)
+    next_items(session.progress.stream, warmup * session.run.items_per_step)
 
 
 def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -82,4 +83,4 @@ def _proc_status_kib_meminfo() -> int | None:
 
 def command_line(script: str, argv: list[str] | None) -> str:
     """The command a bench ran as, to rerun it (`argv`: main's, None: the process's), for its results JSON."""
-    return " ".join(["python", f"bench/{script}", *(argv if argv is not None else sys.argv[1:])])
+    return shlex.join(["python", f"bench/{script}", *(argv if argv is not None else sys.argv[1:])])

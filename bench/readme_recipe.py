@@ -122,7 +122,7 @@ def run_stage(stage: str, recipe: Path, overrides: list[str], log: Path, threads
     its wall seconds. in_process: in this one, as `lowmem-dpo STAGE` runs it (--smoke: the suite's check of the
     flow, without a process start per stage)."""
     cmd = [sys.executable, "-m", f"lowmem_dpo.{stage}", str(recipe), *overrides]
-    print(("" if not threads else f"OMP_NUM_THREADS={threads} ") + "$ " + " ".join(cmd), flush=True)
+    print(("" if not threads or in_process else f"OMP_NUM_THREADS={threads} ") + "$ " + " ".join(cmd), flush=True)
     start = time.perf_counter()
     with open(log, "w", encoding="utf-8") as out:
         if in_process:
@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both recipes")
     ap.add_argument("--work", help="where the data, recipes, caches and runs go (default bench/out/readme_recipe; "
                     "--smoke: a temporary folder)")
-    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the stages (default: torch's own)")
+    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the stages' processes (default: torch's own; "
+                    "not with --smoke, whose stages run in this process)")
     ap.add_argument("--smoke", action="store_true", help="the flow on lowmem_dpo:tiny-llama, in seconds")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
@@ -252,14 +253,13 @@ def main(argv: list[str] | None = None) -> int:
             (work / "old.yaml").write_text(yaml.safe_dump(OLD_RECIPE, sort_keys=False), encoding="utf-8")
             recipes["old"] = (work / "old.yaml", ["eval_on_start=true", *(SMOKE_OLD_SET if args.smoke else []),
                                                   *args.set])
-        threads = args.threads
-        runs = {name: run_recipe(name, path, paths, extra, work, threads, args.smoke)
+        runs = {name: run_recipe(name, path, paths, extra, work, args.threads, args.smoke)
                 for name, (path, extra) in recipes.items()}
     from machine import command_line, machine_info
 
     report = {"command": command_line("readme_recipe.py", argv),
               "model": model, "rows": len(rows), "readme_recipe": yaml.safe_load(recipe_text),
-              "old_recipe": OLD_RECIPE, "ln2": math.log(2), "threads": threads, "machine": machine_info(),
+              "old_recipe": OLD_RECIPE, "ln2": math.log(2), "threads": args.threads, "machine": machine_info(),
               "runs": runs}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ for p in (str(ROOT), str(BENCH)):
 
 import limits  # noqa: E402
 import torch  # noqa: E402
-from machine import device_name, loadavg, machine_info, unavailable_reason  # noqa: E402
+from machine import command_line, device_name, loadavg, machine_info, unavailable_reason  # noqa: E402
 from ours import bench_ours, bench_precompute  # noqa: E402
 from report import markdown, plot  # noqa: E402
 from timing import guarded, log, release_freed_memory  # noqa: E402
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     from lowmem_dpo.runtime.errors import UserError
 
     report = {"devices": {}, "machine": machine_info(),
-              "command": shlex.join(["python", "bench/step_time.py", *argv])}
+              "command": command_line("step_time.py", argv)}
     t0 = time.perf_counter()
     failed = False
     for device in args.devices:

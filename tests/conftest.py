@@ -116,15 +116,11 @@ def build_llama2_style(root: Path) -> Path:
     not): test_gguf.py, bench/gguf_runtime.py --tiny, and the docs' my-model (test_doc_blocks.py)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    tok = llama2_tokenizer(root / "base")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=256, tie_word_embeddings=False,
-                                         bos_token_id=1, eos_token_id=tok.eos_token_id))
-    model.save_pretrained(root / "base")
+    build_tiny_model("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         tie_word_embeddings=False), root / "base", llama2_tokenizer(root / "base"))
     torch.manual_seed(1)
     peft = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"), LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"], init_lora_weights=False))
@@ -169,9 +165,9 @@ def sequences_of(cfg) -> set:
     from lowmem_dpo.runtime import devices
     from lowmem_dpo.training import inputs
 
-    ins = inputs.prepare(cfg, devices.resolve(cfg))
-    d = inputs.load_data(cfg, ins.tokenizer, progress=False)
-    return {(tuple(s.prompt_ids), tuple(s.completion_ids)) for s in d.sequences().values()}
+    prepared = inputs.prepare(cfg, devices.resolve(cfg))
+    dataset = inputs.load_data(cfg, prepared.tokenizer, progress=False)
+    return {(tuple(seq.prompt_ids), tuple(seq.completion_ids)) for seq in dataset.sequences().values()}
 
 
 def stored_sides(cache_dir) -> list[dict]:

@@ -85,7 +85,7 @@ def test_an_overflowing_scale_is_a_scaler_skip_not_divergence(fp16_cache, tmp_pa
         loop.optimizer_step(session)
     progress = session.progress
     assert progress.scaler_skips > 2 and progress.skipped_steps == 0 and progress.step == progress.scaler_skips + 1
-    assert session.trainee.scaler.get_scale() <= 2.0 ** (40 - session.progress.scaler_skips)
+    assert session.trainee.scaler.get_scale() <= 2.0 ** (40 - progress.scaler_skips)
     err = capsys.readouterr().err
     assert "the float16 gradients overflowed at loss scale 1.09951e+12; update skipped and the scale halved " \
            "(scaler skip 1; not divergence)" in err

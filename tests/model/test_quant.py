@@ -18,6 +18,7 @@ from lowmem_dpo.model import models
 from lowmem_dpo.runtime import devices, rules
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.training import loop, policy
+from lowmem_dpo.training.session import next_items
 
 LN2 = math.log(2)
 
@@ -63,7 +64,7 @@ def test_every_lora_parameter_gets_a_gradient(small, quantization, checkpointing
     assert checkpointed == (checkpointing == "true")
 
     loop.optimizer_step(session)
-    items = loop.next_items(session.progress.stream, session.progress.micro_batch)
+    items = next_items(session.progress.stream, session.progress.micro_batch)
     train.train_step(session.trainee, cfg, [items], None, session.run.pad_id, session.run.resolved)
     lora = {n: p for n, p in session.trainee.model.named_parameters() if p.requires_grad}
     assert len(lora) == 2 * len(adapted) and all("lora_A" in n or "lora_B" in n for n in lora)

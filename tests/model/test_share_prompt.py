@@ -175,8 +175,8 @@ def test_by_length_sorts_a_step_longest_first_and_keeps_its_items(pairs):
     sizes = [len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in ordered]
     assert sizes == sorted(sizes, reverse=True)
     assert sorted(p.row for p in ordered) == sorted(p.row for p in pairs)
-    ties = [p.row for p in ordered if loop.item_tokens(p) == sizes[0]]
-    assert ties == [p.row for p in pairs if loop.item_tokens(p) == sizes[0]]  # stable: ties keep the step's order
+    step = [data.TokenizedPair(5, [1], [2], [3])] + [data.TokenizedPair(row, [1], [2, 3], [4]) for row in (2, 0, 1)]
+    assert [p.row for p in data.by_length(step, loop.item_tokens)] == [2, 0, 1, 5]  # ties keep the step's order
 
 
 def test_auto_shares_only_when_the_prompts_are_a_large_share(tiny_path, pairs, capsys):

@@ -87,9 +87,8 @@ def test_train_and_eval_metrics_equal_trls(trained, tiny_path, loss_type, weight
     session.run = dataclasses.replace(session.run, cfg=cfg)  # RunSetup is frozen
     got_eval = evaluation.evaluate(session)
     with torch.no_grad():
-        got_train = kto.KtoStats()
+        got_train, objective = kto.KtoStats(), session.run.objective
         for block in sorted(session.run.items, key=lambda block: block[0].row):  # data order: TRL's sequential batches
-            objective = session.run.objective
             got_train.add(kto.block_step(session, block, objective.ref, objective.desirable, BLOCK, None))
     trainer = trl(root, tiny_path, train_rows, eval_rows, loss_type=loss_type, desirable_weight=weights[0],
                   undesirable_weight=weights[1])

@@ -15,6 +15,7 @@ from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.runtime.errors import ConfigError
 from lowmem_dpo.training import loop
+from lowmem_dpo.training.session import next_items
 
 SIMPO = str(REPO / "recipes" / "tiny-simpo.yaml")
 
@@ -53,7 +54,7 @@ def test_orpo_s_nll_covers_the_chosen_prompt_as_trl_s(make_cfg, tmp_path, share)
     completion tokens but the first, from the model's own full logits; the loss adds it to beta's odds term."""
     cfg = make_cfg(loss_type=["orpo"], beta=0.5, max_steps=1, share_prompt=share, eval_fraction=0.0)
     session = train.setup(cfg, progress=False)
-    items = list(loop.next_items(session.progress.stream, session.run.items_per_step))
+    items = next_items(session.progress.stream, session.run.items_per_step)
     session.progress.stream = iter(items)
     nll, tokens = 0.0, 0
     with torch.no_grad(), session.trainee.model.disable_adapter():

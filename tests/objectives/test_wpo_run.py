@@ -13,13 +13,14 @@ import torch
 from lowmem_dpo import precompute, train
 from lowmem_dpo.runtime.errors import ConfigError
 from lowmem_dpo.training import loop
+from lowmem_dpo.training.session import next_items
 
 
 def test_step_one_loss_is_ln2_times_the_mean_wpo_weight(make_cfg, tmp_path):
     cfg = make_cfg(use_weighting=True, max_steps=1, eval_fraction=0.0)
     precompute.run(cfg, progress=False)
     session = train.setup(cfg, progress=False)
-    items = list(loop.next_items(session.progress.stream, session.run.items_per_step))
+    items = next_items(session.progress.stream, session.run.items_per_step)
     session.progress.stream = iter(items)
     weights = []
     with torch.no_grad(), session.trainee.model.disable_adapter():

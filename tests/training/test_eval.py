@@ -49,7 +49,6 @@ def split_files(tmp_path_factory):
     return write_jsonl(d / "train.jsonl", rows[:344]), write_jsonl(d / "eval.jsonl", rows[344:])
 
 
-
 def test_the_best_so_far_moves_only_to_a_better_evaluated_step():
     """evaluation.best_after, at a checkpoint: the step becomes the best only when it was evaluated at that step
     and its metric beats the best in the metric's direction (eval_loss: lower; eval_rewards/accuracies: higher);
@@ -69,6 +68,7 @@ def test_the_best_so_far_moves_only_to_a_better_evaluated_step():
     assert evaluation.best_after(none, 40, loss, {**line, "eval_loss": math.inf}) is none
     assert evaluation.best_after(at_20, 40, loss, None) is at_20  # step 40 was not evaluated
     assert evaluation.best_after(at_20, 60, loss, line) is at_20  # the line is another step's
+
 
 def test_dpo_eval_metrics_equal_a_recomputation(make_cfg, split_files, tiny_path, tokenizer):
     """eval_loss and TRL's eval_rewards/eval_logps at steps 2 and 4 equal those recomputed here from the saved

@@ -62,8 +62,8 @@ def test_kto_resumes_to_the_same_adapter_and_samples_desirable_rows(make_cfg, tm
     session = train.setup(cfg, progress=False)  # the finished run, resumed at step 4: its eval rows and labels
     run = session.run
     desirable = {tuple(v.chosen_ids) for v in run.eval_items if bool(run.objective.eval_desirable[v.row])}
-    assert isinstance(session.run.objective, kto.KTO) and len(desirable) < len(session.run.eval_items)
-    tokenizer = session.run.tokenizer
+    assert isinstance(run.objective, kto.KTO) and len(desirable) < len(run.eval_items)
+    tokenizer = run.tokenizer
     for sample in (json.loads(x) for x in open(out / "samples.jsonl")):
         assert any(tokenizer.decode(list(c), skip_special_tokens=True) == sample["chosen"] for c in desirable)
     shutil.rmtree(out / "checkpoints" / "checkpoint-4")  # the last checkpoint gone: resumes from step 2

@@ -27,7 +27,7 @@ from lowmem_dpo.data import cache
 from lowmem_dpo.runtime import devices, files
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.training import checkpoint, guards, inputs, loop, output
-from lowmem_dpo.training.session import checkpoint_state
+from lowmem_dpo.training.session import checkpoint_state, next_items
 
 # lora_dropout > 0: the resumed run must restore the RNG too, not only the weights and the optimizer.
 RUN = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", dtype="float32",
@@ -276,7 +276,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_
                 if kwargs["input_ids"].shape[0] > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
             session.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
-        pairs = loop.next_items(session.progress.stream, session.run.items_per_step)
+        pairs = next_items(session.progress.stream, session.run.items_per_step)
         if limit == 1:
             with pytest.raises(UserError, match="out of memory at step 1 with 1 pair per micro-batch"):
                 loop.backward_with_backoff(session, pairs)
