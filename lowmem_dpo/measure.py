@@ -185,9 +185,9 @@ def _measure_precompute(mcfg: Config, prepared: inputs.Inputs, resolved: devices
 
 
 def _measure_train(mcfg: Config, steps: int, timed: int = 0):
-    """(PeakMeter, [(T, completion tokens)] of each micro-batch, [(seconds, tokens)] of `timed` more steps run
-    without the meter (its profiler slows each op)) of `steps` loop.optimizer_step calls after precompute.run and
-    train.setup, as train runs them."""
+    """(PeakMeter, [(T, completion tokens)] of each micro-batch, whether the batches were shared, [(seconds,
+    tokens)] of `timed` more steps run without the meter (its profiler slows each op), whether the MLP ran in tiles)
+    of `steps` loop.optimizer_step calls after precompute.run and train.setup, as train runs them."""
     precompute.run(mcfg, progress=False)
     session = train.setup(mcfg, progress=False)
     taken = []
@@ -207,7 +207,7 @@ def _measure_train(mcfg: Config, steps: int, timed: int = 0):
         stats = loop.optimizer_step(session).stats
         devices.synchronize(session.run.resolved.device)
         times.append((time.perf_counter() - t0, stats.tokens))
-    shared = session.run.objective.shared
+    shared, mlp_tiles = session.run.objective.shared, session.run.resolved.mlp_tiles
     taken_steps = loop.micro_batches(taken, session.run.items_per_step)
     seen = [_pair_shape(pairs, shared) for step in taken_steps  # as DPO.accumulate_gradients splits each step
             for pairs in loop.micro_batches(data.by_length(step, loop.item_tokens), session.progress.micro_batch)]
@@ -215,7 +215,7 @@ def _measure_train(mcfg: Config, steps: int, timed: int = 0):
     gc.collect()
     if meter.device.type == "cuda":
         torch.cuda.empty_cache()
-    return meter, seen, shared, times
+    return meter, seen, shared, times, mlp_tiles
 
 
 def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
@@ -236,7 +236,7 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
                                    ref_cache_dir=str(tmp / "cache"),
                                    output_dir=str(tmp / "out"), max_steps=steps + timed, save_steps=0)
         pre, (pre_t, pre_m, n_pre), _ = _measure_precompute(mcfg, prepared, resolved)
-        tr, seen, shared, times = _measure_train(mcfg, steps, timed)
+        tr, seen, shared, times, mlp_tiles = _measure_train(mcfg, steps, timed)
     t = max(s[0] for s in seen)
     m = max(s[1] for s in seen)
     n_train = cfg.per_device_train_batch_size * (1 if shared else 2)
@@ -245,6 +245,7 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
         "dtype": devices.dtype_name(resolved.dtype),
         "train": {"measured_peak_bytes": tr.peak_bytes, "entry_bytes": tr.entry_bytes, "steps": steps,
                   "seq_len": t, "completion_tokens": math.ceil(m / n_train), "share_prompt": shared,
+                  "mlp_tiles": mlp_tiles,
                   "step_s": [round(s, 3) for s, _ in times], "step_tokens": [n for _, n in times]},
         "precompute": {"measured_peak_bytes": pre.peak_bytes, "entry_bytes": pre.entry_bytes,
                        "seq_len": pre_t, "completion_tokens": math.ceil(pre_m / n_pre)},
@@ -254,6 +255,7 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
 def at_measured_shapes(setup: Setup, measured: dict) -> Setup:
     """The setup at the sequence shapes --measure ran (the data's longest rows may be shorter than max_length)."""
     return dataclasses.replace(setup, share_prompt=measured["train"].get("share_prompt", False),
+                               mlp_tiles=measured["train"].get("mlp_tiles", True),
                                seq_len=measured["train"]["seq_len"],
                                completion_tokens=measured["train"]["completion_tokens"],
                                precompute_seq_len=measured["precompute"]["seq_len"],

@@ -58,7 +58,7 @@ from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import fmt, parse_size, size_note
 
 EXIT_NO_FIT = 1
-ROWS = (("base_weights", "base weights"), ("lora_params", "LoRA params (fp32)"), ("lora_grads", "LoRA grads (fp32)"),
+ROWS = (("base_weights", "base weights"), ("lora_params", "LoRA params"), ("lora_grads", "LoRA grads"),
         ("optimizer_state", "optimizer state"), ("activations", "activations kept for backward"),
         ("peak_phase", "peak phase (layer or LM head)"), ("framework_overhead", "framework overhead"))
 
@@ -170,7 +170,8 @@ def measured_columns(args, cfg: Config, arch: Arch, setup: Setup, budget: int, r
 
 def print_plan(chosen: Plan, budget: int, reference: bool = True) -> None:
     c = chosen.setup
-    print(f"plan: quantization={c.quantization} gradient_checkpointing={str(c.gradient_checkpointing).lower()} "
+    mlp = (" (the MLP in tiles)" if c.mlp_tiles else " (the MLP whole)") if c.gradient_checkpointing else ""
+    print(f"plan: quantization={c.quantization} gradient_checkpointing={str(c.gradient_checkpointing).lower()}{mlp} "
           f"micro-batch {c.micro_batch} x {c.grad_accum} accumulation, "
           + (f"precompute batch {c.precompute_batch}, " if reference else "")
           + (f"stream {chosen.offload_layers} layers ({fmt(max(chosen.offload_bytes, chosen.precompute_offload_bytes))}"

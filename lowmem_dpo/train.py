@@ -112,10 +112,12 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
         policy_logps = batch_logps(model, batch, prompts=objectives.nll_prompt(types),  # ORPO: prompts' too
                                    weighting=cfg.use_weighting, ld_alpha=cfg.ld_alpha)
     chosen, rejected = policy_logps.split()  # (B,) each
+    if reference:  # the cache's float64 values, in the policy's sums' dtype (float32 on mps) on its device
+        ref_chosen, ref_rejected = (r.to(device, chosen.logps.dtype) for r in (ref_chosen, ref_rejected))
     weights = None if not cfg.use_weighting else objectives.wpo_weights(chosen.aligned, chosen.n_tokens,
                                                                          rejected.aligned, rejected.n_tokens)
     logps = objectives.PairLogps(chosen.logps, rejected.logps, chosen.n_tokens, rejected.n_tokens,
-                                 *((ref_chosen.to(device), ref_rejected.to(device)) if reference else (None, None)),
+                                 ref_chosen, ref_rejected,
                                  chosen.prompt_logps, chosen.prompt_tokens, weights)
     losses = objectives.combine(logps, cfg.loss_settings, cfg.loss_terms)  # (B,)
     r_chosen, r_rejected = objectives.rewards(logps, cfg.loss_settings, types)

@@ -20,6 +20,7 @@ from lowmem_dpo.config.recipe import build_config, load_config
 from lowmem_dpo.memory.arch import load_arch
 from lowmem_dpo.memory.model import predict
 from lowmem_dpo.memory.setup import setup_from_config
+from lowmem_dpo.model import compute_copies
 from lowmem_dpo.runtime import devices, oom
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.training import checkpoint, loop
@@ -97,7 +98,8 @@ def test_gradients_that_overflow_unscaled_are_divergence(fp16_cache, tmp_path):
     session = train.setup(config(tmp_path, dtype="float16", ref_cache_dir=str(fp16_cache / "cache"), max_steps=10,
                                  max_nonfinite_steps=2), progress=False)
     session.trainee.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
-    session.trainee.params[0].register_hook(lambda g: g * float("inf"))
+    # on the tensor the float16 forward reads: the weight's compute copy (model/compute_copies.py)
+    compute_copies.read_by_forward(session.trainee.params[0]).register_hook(lambda g: g * float("inf"))
     loop.optimizer_step(session)
     assert session.progress.skipped_steps == 1 and session.progress.scaler_skips == 0
     with pytest.raises(UserError, match="diverged: 2 steps in a row"):

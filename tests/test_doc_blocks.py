@@ -298,9 +298,9 @@ def test_block(b, world):
             warnings.simplefilter("error", UserWarning)  # PEFT's unmatched keys, a tokenizer not found, ...
             namespace = {"__name__": "__main__"}
             exec(compile(b.text, b.id, "exec"), namespace)
-        if b == block("cache.md", "python"):  # "float32, one entry per dataset row"
+        if b == block("cache.md", "python"):  # "float64, one entry per dataset row"
             ref = namespace["ref"]
-            assert ref.chosen.dtype == ref.rejected.dtype == torch.float32 and len(ref.chosen) == len(ref.rejected)
+            assert ref.chosen.dtype == ref.rejected.dtype == torch.float64 and len(ref.chosen) == len(ref.rejected)
             assert len(ref.chosen) == len(TINY_DATA.read_text(encoding="utf-8").splitlines())
     elif b.kind == "yaml":
         check_yaml(b.text)

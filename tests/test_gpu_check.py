@@ -1,5 +1,6 @@
 """bench/gpu_check.py --smoke: the GPU check's whole flow (a run of each tool in its own process, the JSON it
-writes) on the tiny built-in model on this CPU, so the command is known to work before a GPU is lent."""
+writes, the profiled step's op table) on the tiny built-in model on this CPU, so the command is known to work
+before a GPU is lent; and bench/step_work.py's comparison of the two tools' profiled steps."""
 
 import json
 import math
@@ -15,8 +16,8 @@ FIELDS = ("tool", "recipe", "variant", "max_length", "cap_gib", "planned_gib", "
 def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
     out = tmp_path / "gpu_check.json"
     p = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--recipes", "llama", "--lengths", "recipe",
-                        "--steps", "3", "--grads", "--json", str(out)], cwd=REPO, capture_output=True, text=True,
-                       timeout=600)
+                        "--steps", "3", "--grads", "--profile", "2", "--json", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["smoke"] is True and report["device"] == "cpu (--smoke)"
@@ -43,3 +44,20 @@ def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
     # the plan train applies: its knobs as train turns them on a CPU (no offloading, no streaming there)
     assert ours["activation_offloading"] is False and ours["streamed_layers"] == 0 and ours["fits"] is True
     assert math.isclose(runs[1]["max_length"], ours["max_length"])
+    # --profile 2: each tool's second step, counted, its op table beside the JSON; ours does no more work than TRL
+    profiled = {r["tool"]: r["profile"] for r in runs[:2]}
+    for tool, prof in profiled.items():
+        assert prof["matmul_4bit"] == 28 and prof["mm"] > 0 and prof["copy_"] > 0 and prof["op_events"] > 1000, tool
+        table = tmp_path / f"gpu_check-prof-{tool}-llama3.1-8b-qlora-12gb-96.txt"
+        assert "aten::mm" in table.read_text() and "Self CPU" in table.read_text()
+    sys.path.insert(0, str(REPO / "bench"))  # bench/ is not a package: its folder on sys.path while it runs
+    try:
+        import step_work
+
+        assert step_work.main(["--from", str(out), "--json", str(tmp_path / "step_work.json")]) == 0
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    work = json.loads((tmp_path / "step_work.json").read_text())
+    assert [(r["count"], r["ours"]) for r in work["comparison"]] == [
+        (k, profiled["lowmem_dpo"][k]) for k in ("matmul_4bit", "mm", "copy_", "op_events")]
+    assert work["met"] is True, work["comparison"]

@@ -256,10 +256,11 @@ def test_16bit_runs_skip_peft_s_float32_input_copy_with_the_same_numbers(make_cf
     with torch.no_grad():  # a non-zero adapter, as after some steps
         for p in session.trainee.params:
             p.normal_(0, 0.05)
+    session.trainee.copies.refresh()  # the forward reads the adapter's bf16 copies
     pairs = next_items(session.progress.stream, 4)
 
     def grads():
-        session.trainee.optimizer.zero_grad(set_to_none=True)
+        session.trainee.zero_grad()
         run = session.run
         stats = train.train_step(session.trainee, cfg, [pairs], run.objective.ref, run.pad_id, run.resolved)
         return stats.sums["loss"], [p.grad.clone() for p in session.trainee.params]

@@ -98,7 +98,7 @@ class Config:
                     choices=("auto", "float32", "bfloat16", "float16"))
     quantization: str = key("none", "Quantize the policy's frozen base weights with bitsandbytes (4bit: NF4 with "
                            "double quantization, ~0.56 bytes/param; 8bit: LLM.int8, ~1.06; none: 2 bytes/param in "
-                           "16-bit). LoRA weights stay float32.", choices=("none", "8bit", "4bit"))
+                           "16-bit). LoRA weights stay float32 (read as 16-bit copies).", choices=("none", "8bit", "4bit"))
     ref_quantization: Optional[str] = key(None, "Quantization of the reference in precompute (none|8bit|4bit); null: "
                                          "the same as quantization. E.g. none with a 4bit policy computes the "
                                          "reference at full precision.", choices=("none", "8bit", "4bit"),

@@ -38,7 +38,9 @@ from lowmem_dpo.runtime.errors import UserError
 
 FORMAT_VERSION = 3  # values per sequence; 2 was per pair, 1 was manifest.json and shards
 FINGERPRINT_FORMAT = 1  # the "format" in inputs.fingerprint_components
-LOGPS_RULES = 1  # bump when logps.completion_logps gives other numbers for the same ids and weights
+# bump when logps.completion_logps gives other numbers for the same ids and weights (2: the LM head in tiles with an
+# online logsumexp, each sequence summed in float64)
+LOGPS_RULES = 2
 LEGACY_MANIFEST = "manifest.json"  # format 1's index: refused, and recognised as this tool's folder
 BUILD, REPORT = "build.json", "preflight.json"  # precompute's record of its last build, preflight's report
 # A side's components that are the reference's precision: a cache holding another precision can serve train as
@@ -102,6 +104,7 @@ def ld_sums(chosen: stores.Value, rejected: stores.Value, ld_alpha: float) -> tu
         if not v.tokens:  # nothing to weigh (frombuffer refuses an empty buffer)
             return 0.0
         t = torch.frombuffer(bytearray(v.token_logps), dtype=torch.float32)  # (tokens,)
+        t = t.double()  # the sums in float64, as logps.sequence_sums
         return float(t[:shared].sum() + ld_alpha * t[shared:].sum())
 
     return weighted(chosen), weighted(rejected)
@@ -113,8 +116,8 @@ class RefCache:
     """Reference log-probs of one part's rows (the dataset's, or eval_dataset's), indexed by row; NaN and 0 tokens
     for rows it does not serve (skipped by tokenization, or held out)."""
 
-    chosen: torch.Tensor  # (num_rows,) fp32
-    rejected: torch.Tensor  # (num_rows,) fp32
+    chosen: torch.Tensor  # (num_rows,) float64: the sums as precompute computed them (logps.sequence_sums)
+    rejected: torch.Tensor  # (num_rows,) float64
     chosen_tokens: torch.Tensor  # (num_rows,) int32
     rejected_tokens: torch.Tensor  # (num_rows,) int32
     side: str = ""  # the model side its values were computed under (side_digest)
@@ -123,7 +126,8 @@ class RefCache:
 
     @classmethod
     def empty(cls, num_rows: int, **kwargs) -> "RefCache":
-        return cls(torch.full((num_rows,), float("nan")), torch.full((num_rows,), float("nan")),
+        return cls(torch.full((num_rows,), float("nan"), dtype=torch.float64),
+                   torch.full((num_rows,), float("nan"), dtype=torch.float64),
                    torch.zeros(num_rows, dtype=torch.int32), torch.zeros(num_rows, dtype=torch.int32), **kwargs)
 
     def fill(self, pairs: list, keys: list[tuple[bytes, bytes]], values: dict, ld_alpha: float | None = None

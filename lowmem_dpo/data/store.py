@@ -4,7 +4,7 @@ values under (model side, sequence key). cache.py makes the keys; this module ke
     sides      id (never reused: AUTOINCREMENT), digest (cache.side_digest), components (JSON: what the side is),
                created
     sequences  side, key (16 bytes: cache.sequence_key of a prompt and one completion), logps (the completion's
-               float32 log-prob sum, stored exactly as a double), tokens (its token count), token_logps (each
+               float64 log-prob sum: logps.sequence_sums), tokens (its token count), token_logps (each
                token's float32 log-prob, for the sides that keep them: LD-DPO's; else NULL)
                                                              PRIMARY KEY (side, key), WITHOUT ROWID
 

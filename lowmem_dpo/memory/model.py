@@ -18,7 +18,8 @@ from lowmem_dpo.memory.weights import (
     optimizer_state_bytes,
 )
 from lowmem_dpo.model.activations import MLP_TILE_TOKENS
-from lowmem_dpo.model.logps import CHUNK_ELEMENTS
+from lowmem_dpo.model.head import HEAD_TILE_ELEMENTS, head_tile
+from lowmem_dpo.runtime.devices import FUSED_HEAD_TILE
 from lowmem_dpo.runtime.rules import ADAMW_TORCH
 
 # CUDA's caching allocator holds more than its live tensors (reserved - allocated): an estimate of that share of
@@ -35,11 +36,11 @@ OFFLOAD_WINDOW = 2
 
 # -- formulas: activations ---------------------------------------------------------------------------------------
 def mlp_tokens(arch: Arch, setup: Setup, n_seq: int, seq_len: int, stage: str = "train") -> int:
-    """Tokens the MLP works on at once: activations.tile_mlps runs it in tiles of MLP_TILE_TOKENS // n_seq
-    positions per sequence where the layers have an MLP block, in precompute (no gradients) and in train with
-    gradient checkpointing (the recompute holds one tile's MLP); else the whole n_seq*T."""
-    tiled = arch.mlp_block and (stage == "precompute" or setup.gradient_checkpointing)
-    return n_seq * (min(seq_len, max(1, MLP_TILE_TOKENS // n_seq)) if tiled else seq_len)
+    """Tokens the MLP works on at once: tiles of MLP_TILE_TOKENS of the n_seq*T (activations.tile_mlps) where the
+    layers have an MLP block, in precompute and in train with checkpointing when the plan tiles (setup.mlp_tiles:
+    the backward recomputes one tile at a time); else the whole n_seq*T."""
+    tiled = arch.mlp_block and (stage == "precompute" or (setup.gradient_checkpointing and setup.mlp_tiles))
+    return min(n_seq * seq_len, MLP_TILE_TOKENS) if tiled else n_seq * seq_len
 
 
 def attention_masks(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> tuple[int, int]:
@@ -199,26 +200,35 @@ def layer_working_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> i
 
 
 def chunk_tokens(arch: Arch, completion_positions: int) -> int:
-    """Rows of one LM-head chunk in logps.completion_logps: CHUNK_ELEMENTS // V, at most the M positions."""
-    return max(1, min(completion_positions, CHUNK_ELEMENTS // arch.vocab))
+    """Rows of one checkpointed chunk of a LoRA-adapted LM head (logps.chunked_head): 2^24 // V, at most M."""
+    return max(1, min(completion_positions, HEAD_TILE_ELEMENTS // arch.vocab))
 
 
-def logits_train_bytes(arch: Arch, completion_positions: int, lora_head: bool = False) -> int:
-    """The LM head in train (logps.py): only the M completion positions, in chunks of c = min(M, 2^24 // V) rows,
-    each checkpointed. Nothing (c, V)-sized is kept; at the peak (one chunk's backward: LogsumexpBackward) four
-    float32 (c, V) tensors live: the recomputed logits, logits - logsumexp, its exp, and the gradient.
-    4 * c * V * 4 bytes, at most 256 MiB whatever the batch, sequence length or vocabulary (never N*T*V*4).
-    LoRA on the LM head adds its B output, one more (c, V) tensor (counted as float32); a softcapped head
-    (Gemma2: logps.Head) one more, tanh's output, kept for its backward."""
-    n = 4 + lora_head + arch.softcapped_head
-    return n * chunk_tokens(arch, completion_positions) * arch.vocab * 4
+def head_tile_bytes(arch: Arch, m: int, s: int, device: str) -> int:
+    """One LM-head tile of logps' frozen head (head.tiled_logps: c = min(M, 4096) rows x v = 2^24 // c entries,
+    measured on the CPU): its float32 logits, transformed and turned into the softmax's gradient in place, and the
+    larger of its s-byte product before the float32 copy (s = 2) and, with a softcapped head (Gemma2), a second
+    float32 tile (the softmax beside the capped logits its derivative reads): (4 + max(s | 0, 4 | 0))*c*v. On CUDA
+    the larger of that and TRL's fused kernel's s-byte (4096, 32768) tile (devices.fused_head, where installed)."""
+    c, v = head_tile(m, arch.vocab)
+    ours = (4 + max(s if s != 4 else 0, 4 * arch.softcapped_head)) * c * v
+    tokens, entries = FUSED_HEAD_TILE
+    return max(ours, min(m, tokens) * min(arch.vocab, entries) * s) if device == "cuda" else ours
 
 
-def logits_inference_bytes(arch: Arch, completion_positions: int) -> int:
-    """The LM head under inference_mode (precompute): one chunk's float32 logits and logsumexp's exp(logits - max)
-    (computed in place), 2 * c * V * 4 (the s-byte logits before the float32 cast are gone by then); a
-    softcapped head one more (tanh's input and output live together)."""
-    return (2 + arch.softcapped_head) * chunk_tokens(arch, completion_positions) * arch.vocab * 4
+def logits_train_bytes(arch: Arch, completion_positions: int, lora_head: bool = False, s: int = 4,
+                       device: str = "cpu") -> int:
+    """The LM head in train (logps.py), over the M completion positions only, nothing (M, V)-sized. A frozen head,
+    at a tile's backward: the tile (head_tile_bytes), its c rows' float32 gradient over the vocabulary (c*H*4), the
+    hidden states' gradient (M*H*s), and 16-bit off CUDA a float32 copy of the weight's tile. LoRA on the LM head:
+    checkpointed chunks of 2^24 // V rows, the whole vocabulary each: four float32 (c, V) tensors at a chunk's
+    backward (logits, minus logsumexp, exp, gradient), its B output one more, a softcap one more."""
+    m = completion_positions
+    if lora_head:
+        return (4 + 1 + arch.softcapped_head) * chunk_tokens(arch, m) * arch.vocab * 4
+    c, v = head_tile(m, arch.vocab)
+    upcast = v * arch.hidden * 4 if s != 4 and device != "cuda" and v < arch.vocab else 0  # off CUDA, W's tile
+    return head_tile_bytes(arch, m, s, device) + c * arch.hidden * 4 + m * arch.hidden * s + upcast
 
 
 def precompute_layer_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> int:
@@ -226,7 +236,7 @@ def precompute_layer_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -
     tile) and NT tokens, the largest of:
     MLP product: the embedding output, the layer input, the residual and the norm output (4*H), SiLU(gate), up
       and their product (3*I): (NT*4H + M*3I)*s (measured: the peak for these architectures unquantized); tiled,
-      one more (NT, H): the tiles' outputs beside their concatenation;
+      one tile's (M, H) output more, beside the output it is copied into (activations.TiledMLP.run);
     (not gated: fc's output and the activation's, 2*I; 4*I for gelu_new's Python ops);
     up_proj of a quantized base: 4*H, SiLU(gate) and up's output (2*I; not gated 1*I, 3*I with gelu_new), and
       the dequantized weight (4bit) or LLM.int8's buffers (8bit, int8_buffers): (NT*4H + M*2I)*s + that
@@ -243,7 +253,7 @@ def precompute_layer_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -
     # I-wide tensors alive at the MLP's product (gated) or activation (fc's output and the activation's; a
     # Python-op tanh-GELU, GPT-2's gelu_new, holds two more temporaries: measured)
     inner = 3 if arch.gated_mlp else (4 if arch.activation == "gelu_new" else 2)
-    outer = nt * (4 + (mt < nt)) * arch.hidden
+    outer = (nt * 4 + (mt if mt < nt else 0)) * arch.hidden
     mlp = (outer + mt * inner * arch.intermediate) * s
     up_proj = ((outer + mt * (inner - 1) * arch.intermediate) * s + dequant) if dequant else 0
     bool_mask, additive = attention_masks(arch, dataclasses.replace(setup, dtype=setup.ref_dtype), n_seq, seq_len)
@@ -299,8 +309,10 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
                        norm's input) is in host memory (details "offload.host_bytes"); the device keeps
                        OFFLOAD_WINDOW layers' worth of it, the LM head's inputs, the mask and LLM.int8's inputs.
     The optimizer step itself (activations freed by then) adds 2 float32 copies of the LoRA params for
-    torch's foreach AdamW on CUDA; it counts only if larger than the backward peak.
+    torch's foreach AdamW on CUDA; it counts only if larger than the backward peak. In a 16-bit dtype the LoRA
+    params and grads have their compute copies (s bytes each) beside the float32 ones.
     """
+    copy = DTYPE_BYTES[setup.dtype] if setup.autocast else 0
     seq_len, completion = setup.shapes("train")
     n_seq = setup.sequences("train")
     m = n_seq * completion
@@ -324,11 +336,11 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
                        + min(arch.layers, OFFLOAD_WINDOW) * per_layer)
     layer_phase = layer_working_bytes(arch, setup, n_seq, seq_len) + (
         layer_total if setup.gradient_checkpointing else 0)
-    logits_phase = logits_train_bytes(arch, m, lora_head=ad.lm_head)
+    logits_phase = logits_train_bytes(arch, m, ad.lm_head, DTYPE_BYTES[setup.dtype], setup.device)
     breakdown = {
         "base_weights": sum(weights.values()),
-        "lora_params": 4 * n_lora,
-        "lora_grads": 4 * n_lora,
+        "lora_params": (4 + copy) * n_lora,  # float32, and in 16-bit the copies the forward reads
+        "lora_grads": (4 + copy) * n_lora,  # the same for their gradients (model/compute_copies.py)
         "optimizer_state": optimizer_state_bytes(shapes, setup.optimizer),
         "activations": activations,
         "peak_phase": max(layer_phase, logits_phase),
@@ -352,14 +364,14 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
 def predict_precompute(arch: Arch, setup: Setup) -> StagePrediction:
     """Peak of one precompute forward under inference_mode (nothing kept between layers): weights of the
     reference + the larger of one layer's working set and the LM head phase (the final hidden states, the
-    gathered completion positions and one chunk's logits)."""
+    gathered completion positions and one tile of logits)."""
     s = DTYPE_BYTES[setup.ref_dtype]
     seq_len, completion = setup.shapes("precompute")
     n_seq = setup.sequences("precompute")
     m = n_seq * completion
     weights = base_weight_bytes(arch, setup.ref_dtype, setup.ref_quantization)
     layer_phase = precompute_layer_bytes(arch, setup, n_seq, seq_len)
-    logits_phase = (n_seq * seq_len + m) * arch.hidden * s + logits_inference_bytes(arch, m)
+    logits_phase = (n_seq * seq_len + m) * arch.hidden * s + head_tile_bytes(arch, m, s, setup.device)  # one tile
     breakdown = {"base_weights": sum(weights.values()), "lora_params": 0, "lora_grads": 0, "optimizer_state": 0,
                  "activations": 0, "peak_phase": max(layer_phase, logits_phase)}
     tensor_peak = sum(breakdown.values())

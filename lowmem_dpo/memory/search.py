@@ -17,7 +17,8 @@ The knobs, cheapest first, each tried only while a stage is over the budget:
   5. stream           the trailing decoder layers' frozen weights in pinned CPU RAM, copied to the GPU for each
                       forward (streaming.py; train and precompute apply it on CUDA): last, every forward pays the copy.
                       16-bit and 4-bit bases only.
-Once a heavier knob is on, the micro-batch is again the largest that fits with it.
+Once a heavier knob is on, the micro-batch is again the largest that fits with it. Last, train's MLP runs whole
+where that still fits (Setup.mlp_tiles off): its tiles only for the memory they save.
 """
 
 from __future__ import annotations
@@ -225,6 +226,7 @@ def choose(arch: Arch, cfg_like, budget: int, knobs=KNOBS, stages=STAGES) -> Pla
     order; a stage turns only those it can apply, and asks for its own `stages`). `cfg_like`: a Setup, or a
     Config (resolved as in predict)."""
     start = cfg_like if isinstance(cfg_like, Setup) else setup_from_config(cfg_like, budget)
+    start = dataclasses.replace(start, mlp_tiles=True)  # the knobs are found tiled; untiled last, where it fits
     for changes in _levels(start, knobs):
         cur = dataclasses.replace(start, **changes)
         if "micro_batch" in knobs:
@@ -233,6 +235,10 @@ def choose(arch: Arch, cfg_like, budget: int, knobs=KNOBS, stages=STAGES) -> Pla
             cur = _largest_precompute_batch(arch, cur, budget)
         if all(_fits(arch, cur, stage, budget) for stage in stages):
             break
+    if "train" in stages and cur.gradient_checkpointing and cur.mlp_tiles and arch.mlp_block:
+        whole = dataclasses.replace(cur, mlp_tiles=False)  # the MLP's tiles only for the memory they save
+        if _fits(arch, whole, "train", budget):
+            cur = whole
     steps, overrides = _steps(arch, start, cur, budget)
     pred, streams, fits = predict(arch, cur), {}, True
     for stage in stages:

@@ -44,6 +44,9 @@ class Setup:
     activation_offloading: bool = False  # train's saved tensors in pinned host memory (activations.py; CUDA only)
     prompt_tokens: int | None = None  # the data's prompts, when known (plan --prompt-tokens); None: the worst case
     share_forced: bool = False  # share_prompt=true: shared whatever the prompts' share of the tokens
+    # train's MLP in tiles with checkpointing (activations.TiledMLP): the recompute's peak one tile's, the same two
+    # passes per step; search.choose runs it whole where that fits (fewer, larger kernels)
+    mlp_tiles: bool = True
 
     @property
     def autocast(self) -> bool:

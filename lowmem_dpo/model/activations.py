@@ -3,14 +3,16 @@ saves for backward offloaded to pinned host memory (activation_offloading). Both
 both are for sequences of thousands of tokens on a card that holds the weights but not the activations.
 
     tile_mlps(model, "mlp", "model.layers")          # every decoder layer's MLP, MLP_TILE_TOKENS at a time
+    probe_recompute_stop(model, tiled, autocast)     # with gradients: skip the MLP in a layer's recompute
     offload_activations(model, device)               # the backbone's saved tensors to host memory (CUDA)
 
-Tiles. A decoder MLP works on each token alone (gate, up, act, down per position), so it can run on a few
-thousand tokens at a time and its (N, T, I) intermediates exist for one tile only. With gradients each tile is
-checkpointed (non-reentrant), so the backward recomputes one tile at a time: inside a checkpointed layer's
-recompute, the layer's peak then holds one tile's MLP, not the sequence's (memory/model.py counts it). Only forwards
-longer than a tile are tiled. With lora_dropout > 0 each tile draws its own dropout mask (another draw of the same
-distribution).
+Tiles. A decoder MLP works on each token alone, so it can run on a few thousand tokens at a time, its (N*T, I)
+intermediates existing for one tile only. With gradients (train, where the plan needs it: memory/search.py) the
+forward runs the tiles without gradients and the backward recomputes them one at a time (_TiledMLPFunction): two
+passes per step, as an untiled MLP in a checkpointed layer, the backward's peak one tile's (memory/model.py). A
+checkpointed layer's recompute, which torch stops once it has the layer's saved tensors, skips the MLP: its output
+is never read there, where nothing after the MLP saves a tensor (probe_recompute_stop asks once; else a third
+pass). Only forwards longer than a tile are tiled. With lora_dropout > 0 the backward draws the forward's masks.
 
 Offloading. Every tensor the backbone's forward saves for backward (with gradient checkpointing: each layer's
 input and the final norm's input; the position embeddings and mask go to the checkpointed call as keywords, and
@@ -28,14 +30,14 @@ the T x T scores exist: sdpa_kernel asks torch's own dispatcher, and headcheck l
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from lowmem_dpo.model import compute_copies
 from lowmem_dpo.model.logps import causal_lm
 from lowmem_dpo.runtime import devices
 
@@ -47,41 +49,176 @@ OFFLOAD_MIN_BYTES = 1 << 20
 
 
 # -- the MLP in tiles ----------------------------------------------------------------------------------------------
-def _tiled(forward, tokens: int, grad_tiles: bool, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """forward(x) on the sequence (dim 1 of x: (N, T, H)) in tiles of tokens // N positions, concatenated; with
-    gradients, each tile checkpointed, or (grad_tiles off) untiled."""
-    grad = torch.is_grad_enabled()
-    if args or kwargs or x.dim() != 3 or (grad and not grad_tiles):
-        return forward(x, *args, **kwargs)
-    n, t = x.shape[:2]
-    step = max(1, tokens // n)
-    if t <= step:
-        return forward(x)
-    def tile(part: torch.Tensor) -> torch.Tensor:
-        return forward(part.contiguous())  # some MLPs view their input flat (GPT-2's Conv1D); the copy is a tile's
+_RECOMPUTING = threading.local()  # .depth: how deep this thread is in checkpointed layers' recomputes
 
-    # Checkpointed, a tile keeps its input as a view of x (no copy) and recomputes the rest in backward.
-    outs = [checkpoint(tile, x[:, i:i + step], use_reentrant=False) if grad else tile(x[:, i:i + step])
-            for i in range(0, t, step)]  # each (N, step, H)
-    return torch.cat(outs, dim=1)  # (N, T, H)
+
+class RecomputedPastMLP(RuntimeError):
+    """A checkpointed layer's recompute went on past an MLP that skipped its forward there (probe_recompute_stop)."""
+
+
+class _Recompute:
+    """The context of one checkpointed layer's recompute (checkpoint_contexts' second context manager)."""
+
+    def __enter__(self):
+        _RECOMPUTING.depth = getattr(_RECOMPUTING, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _RECOMPUTING.depth -= 1
+        return False
+
+
+def checkpoint_contexts():
+    """context_fn for torch.utils.checkpoint (use_reentrant=False; policy.enable_checkpointing passes it through
+    transformers): the forward as it is, the recompute marked, so that a TiledMLP knows it runs there."""
+    return contextlib.nullcontext(), _Recompute()
+
+
+class TiledMLP:
+    """A decoder MLP's forward over its (N, T, H) input in tiles of `tokens` rows of the flattened (N*T, H): an MLP
+    works on each token alone. Without gradients the tiles run one after the other into one output. With
+    gradients (grad_tiles), _TiledMLPFunction runs them without gradients in the forward and again, one tile at a
+    time with gradients, in the backward: two passes of the MLP per step, the recompute's peak one tile's."""
+
+    def __init__(self, mlp: torch.nn.Module, forward, tokens: int, grad_tiles: bool):
+        self.mlp, self.forward, self.tokens, self.grad_tiles = mlp, forward, tokens, grad_tiles
+        self.skip_in_recompute = False  # in a checkpointed layer's recompute (probe_recompute_stop sets it)
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs):
+        if args or kwargs or x.dim() != 3:
+            return self.forward(x, *args, **kwargs)
+        grad = torch.is_grad_enabled()
+        if x.shape[0] * x.shape[1] <= self.tokens or (grad and not self.grad_tiles):
+            return self.forward(x)
+        if not grad:
+            return self.run(x)
+        params = [p for p in self.mlp.parameters() if p.requires_grad]  # the LoRA weights: their gradients
+        out = _TiledMLPFunction.apply(self, x, *params)
+        if out.device.type == "meta":
+            # Skipped in a checkpointed layer's recompute, which torch stops (its private _StopRecomputationError,
+            # out of apply) once it has every tensor the layer's forward saved: this one was not the last
+            raise RecomputedPastMLP("a checkpointed decoder layer's recompute goes on past its MLP (the layer saves "
+                                    "tensors after it): probe_recompute_stop should have said so before training")
+        return out
+
+    def tiles(self, rows: int):
+        return [(a, min(a + self.tokens, rows)) for a in range(0, rows, self.tokens)]
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP on x (N, T, H) tile by tile, each tile's output copied into one (N, T, H_out) tensor (never the
+        tiles' outputs and their concatenation at once)."""
+        flat = x.reshape(1, -1, x.shape[-1])  # (1, N*T, H): each tile a contiguous view (a copy if x is strided)
+        out = None
+        for a, b in self.tiles(flat.shape[1]):
+            part = self.forward(flat[:, a:b])  # (1, b - a, H_out)
+            if out is None:
+                out = part.new_empty(flat.shape[1], part.shape[-1])  # (N*T, H_out)
+            out[a:b] = part[0]
+        return out.view(*x.shape[:-1], out.shape[-1])  # (N, T, H_out)
+
+
+class _TiledMLPFunction(torch.autograd.Function):
+    """TiledMLP with gradients: the forward keeps only the MLP's input; the backward recomputes each tile with
+    gradients, returns the input's gradient and adds the weights' into their .grad (the tensors the forward reads:
+    the LoRA weights, or their compute copies), the tiles' summed in float32 and rounded once, as the untiled
+    MLP's. The trainable parameters are inputs so that the output needs a gradient even when x needs none.
+    Dropout draws the forward's masks again (the RNG state restored) under the forward's autocast."""
+
+    @staticmethod
+    def forward(ctx, tiler: TiledMLP, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.tiler, ctx.params = tiler, params
+        ctx.save_for_backward(x)
+        if getattr(_RECOMPUTING, "depth", 0) and tiler.skip_in_recompute:
+            # a checkpointed layer's recompute, which stops at this save (else TiledMLP raises): the output is
+            # never read
+            return torch.empty(x.shape, dtype=x.dtype, device="meta")
+        device = x.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        dropout = any(isinstance(m, torch.nn.Dropout) and m.training and m.p > 0 for m in tiler.mlp.modules())
+        ctx.rng = devices.rng_state(x.device) if dropout else None
+        with torch.no_grad():
+            return tiler.run(x)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        tiler = ctx.tiler
+        wants_x = ctx.needs_input_grad[1]
+        flat = x.detach().reshape(-1, x.shape[-1])  # (N*T, H)
+        grad_flat = grad_out.reshape(-1, grad_out.shape[-1])  # (N*T, H_out)
+        grad_x = torch.empty_like(flat) if wants_x else None  # (N*T, H)
+        leaves = [compute_copies.read_by_forward(p) for p in ctx.params]  # what the MLP's forward reads
+        sums: list[torch.Tensor | None] = [None] * len(leaves)  # float32: the tiles' gradients, each rounded once
+        enabled, dtype = ctx.autocast
+        with devices.restored_rng(x.device, ctx.rng), torch.autocast(x.device.type, dtype=dtype, enabled=enabled), \
+                torch.enable_grad():
+            for a, b in tiler.tiles(flat.shape[0]):
+                part = flat[a:b].detach().requires_grad_(wants_x)  # (b - a, H), a view of x
+                out = tiler.forward(part.unsqueeze(0))  # (1, b - a, H_out)
+                got = torch.autograd.grad(out, ([part] if wants_x else []) + leaves,
+                                          grad_flat[a:b].unsqueeze(0), allow_unused=True)
+                if wants_x:
+                    grad_x[a:b] = got[0]
+                    got = got[1:]
+                for i, g in enumerate(got):
+                    if g is not None:
+                        sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
+        for leaf, total in zip(leaves, sums):  # into .grad, as autograd's AccumulateGrad would
+            if total is not None:
+                total = total.to(leaf.dtype)
+                leaf.grad = total if leaf.grad is None else leaf.grad.add_(total)
+        return None, (grad_x.view_as(x) if wants_x else None), *(None for _ in ctx.params)
 
 
 def tile_mlps(model: torch.nn.Module, block: str, prefix: str, grad_tiles: bool = True,
-              tokens: int = MLP_TILE_TOKENS) -> int:
+              tokens: int = MLP_TILE_TOKENS) -> list[TiledMLP]:
     """Run the MLP block `block` (arch.Arch.mlp_block, e.g. "mlp") of every decoder layer of the ModuleList at
-    `prefix` (arch.Arch.layers_prefix) in tiles of `tokens` tokens: without gradients always, with gradients when
-    `grad_tiles` (train with gradient checkpointing: the recompute's peak; without it, tiling would add an MLP
-    recompute for little). Returns the MLPs tiled (0 when the layers have no such block)."""
+    `prefix` (arch.Arch.layers_prefix) in tiles of `tokens` tokens (TiledMLP): without gradients always, with
+    gradients when `grad_tiles` (train with gradient checkpointing, where the plan needs the recompute's peak
+    lower: memory.search). Returns the tiled MLPs' TiledMLP (none when the layers have no such block)."""
     layers = causal_lm(model).get_submodule(prefix)
-    n = 0
+    tiled = []
     for layer in layers:
         mlp = getattr(layer, block, None) if block else None
-        if not isinstance(mlp, torch.nn.Module) or getattr(mlp, "_lowmem_dpo_tiled", False):
+        if not isinstance(mlp, torch.nn.Module) or isinstance(mlp.forward, TiledMLP):
             continue
-        mlp.forward = functools.partial(_tiled, mlp.forward, tokens, grad_tiles)  # the instance's, not the class's
-        mlp._lowmem_dpo_tiled = True
-        n += 1
-    return n
+        mlp.forward = TiledMLP(mlp, mlp.forward, tokens, grad_tiles)  # the instance's forward, not the class's
+        tiled.append(mlp.forward)
+    return tiled
+
+
+def probe_recompute_stop(model: torch.nn.Module, tiled: list[TiledMLP], forward_context) -> bool:
+    """Whether each checkpointed decoder layer's recompute stops at its tiled MLP, which then skips its forward
+    there (TiledMLP.skip_in_recompute, set to the answer): two positions, tiles of one, forward and backward under
+    `forward_context` (the stage's autocast), the RNG left as it was, no .grad left (it runs before training).
+    It does where nothing after the MLP saves a tensor for backward (Llama, Mistral, Qwen: a residual add); a norm
+    after the MLP (Gemma2's post_feedforward_layernorm) needs the MLP's output there: 3 MLP passes per step then."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not tiled or not params:
+        return False
+    lm = causal_lm(model)
+    backbone = getattr(lm, lm.base_model_prefix)
+    embedding = lm.get_input_embeddings().weight
+    kept = [(t.tokens, t.grad_tiles) for t in tiled]
+    for t in tiled:
+        t.tokens, t.grad_tiles, t.skip_in_recompute = 1, True, True
+    ids = torch.zeros(1, 2, dtype=torch.long, device=embedding.device)  # (1, 2)
+    cuda = [embedding.device] if embedding.device.type == "cuda" else []
+    modes = {m: m.training for m in model.modules()}
+    model.train()  # transformers checkpoints a layer only in train mode: the probe's point
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.enable_grad(), forward_context:
+            hidden = backbone(input_ids=ids, use_cache=False).last_hidden_state  # (1, 2, H)
+            torch.autograd.grad(hidden.float().sum(), params, allow_unused=True)
+        stops = True
+    except RecomputedPastMLP:
+        stops = False
+    for m, training in modes.items():
+        m.training = training
+    for p in params:  # what the tiles' backward added into .grad
+        p.grad = None
+    for t, (tokens, grad_tiles) in zip(tiled, kept):
+        t.tokens, t.grad_tiles, t.skip_in_recompute = tokens, grad_tiles, stops
+    return stops
 
 
 # -- saved tensors to host memory ---------------------------------------------------------------------------------
@@ -123,6 +260,8 @@ class Offloader:
         enough, on the device (or any tensor when forced)."""
         if type(t) is not torch.Tensor or t.numel() * t.element_size() < self.min_bytes:
             return False  # a Parameter (or a quantized weight's subclass), or too small
+        if t.is_leaf and t.requires_grad:  # a trainable weight that is not a Parameter: a LoRA compute copy
+            return False
         if t.untyped_storage().data_ptr() in self.weights:
             return False
         return self.force or t.device.type == "cuda"

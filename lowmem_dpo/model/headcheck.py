@@ -19,6 +19,7 @@ import torch
 from lowmem_dpo import data, objectives
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model import activations, logps
+from lowmem_dpo.model.head import FUSED, HEAD_TOKENS
 from lowmem_dpo.runtime import devices, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.rules import SHARE_MIN_PROMPT_SHARE
@@ -82,8 +83,8 @@ def check_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
     theirs = logits.float().log_softmax(-1).to(device).gather(-1, labels.unsqueeze(-1)).squeeze(-1)[keep]  # (P,)
     h = hidden.to(device).reshape(n * t, -1)  # (n*t, H): the shape lm_head saw inside the forward
 
-    def difference(h_: logps.Head) -> float:
-        ours = logps.token_logps(lm_head, h, labels.reshape(-1), h_).view(n, t)[keep]  # (P,)
+    def difference(h_: logps.Head) -> float:  # through the head train and precompute run (tiles, or the fused one)
+        ours = logps.chunked_head(lm_head, h_, h, labels.reshape(-1), None)[0].view(n, t)[keep]  # (P,)
         return float((ours - theirs).abs().max()) if ours.numel() else 0.0
 
     low = max((hidden.dtype, logits.dtype), key=lambda d: torch.finfo(d).eps)  # the coarser of the two
@@ -241,14 +242,31 @@ def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, 
     return False
 
 
+def use_fused_head(device: torch.device) -> str | None:
+    """Set the LM head's fused kernel for `device` (devices.fused_head: TRL's Triton kernel on CUDA, where it is
+    installed), or none; on CUDA, the line that says which head runs."""
+    kernel = devices.fused_head(device)
+    if kernel is None:
+        FUSED.pop(device.type, None)
+        return None if device.type != "cuda" else (
+            f"LM head: {HEAD_TOKENS}-token tiles, online logsumexp, in torch ops (TRL's fused Triton kernel "
+            "folds each tile in one pass: pip install 'lowmem_dpo[kernels]')")
+    FUSED[device.type] = kernel
+    return "LM head: TRL 1.16's fused Triton kernel (4096-token x 32,768-entry tiles, online logsumexp)"
+
+
 def bring_up(model, cfg: Config, resolved: devices.Resolved, pad_id: int, first: list, pairs: list | None = None,
              train: bool = False) -> bool:
     """A stage's model, checked before its first real batch (precompute, train, sft, measure, the benches): its LM
     head against its own forward on the `first` rows (verify: an architecture logps.HEADS does not know); whether
     each prompt is shared, decided on `pairs` (decide_sharing; None: SFT's completions, never shared; KTO trains one
     sequence a row); the attention kernel of the first rows in that layout, logged. train: the policy's dtype, else
-    the reference's. Returns whether prompts are shared."""
+    the reference's. The LM head's fused kernel, where the device has one (head.FUSED), is set and logged. Returns
+    whether prompts are shared."""
     dtype = resolved.dtype if train else resolved.ref_dtype
+    fused = use_fused_head(resolved.device)
+    if fused:
+        log(fused)
     collate = data.collate_completions if pairs is None else data.collate
     verify(model, collate(first, pad_id).to(resolved.device), resolved.device, dtype)
     shared = pairs is not None and not objectives.unpaired(cfg.loss_type) and decide_sharing(

@@ -1,10 +1,10 @@
 """Completion log-probs: the one function precompute (reference) and train (policy) both use.
 
-For each sequence: sum over completion tokens t of log p(x_t | x_<t), in fp32. Prompt and padding positions
-contribute nothing. The LM head runs only on the hidden states that predict a completion token, in chunks of
-`chunk_tokens` rows, so the [tokens, vocab] fp32 log-softmax exists one chunk at a time. Under autograd each
-chunk is checkpointed: backward recomputes its logits instead of keeping every chunk's alive (at a 7B model's
-32k-152k vocabulary, the full [batch, seq, vocab] fp32 tensor would be the largest thing in memory).
+For each sequence: sum over completion tokens t of log p(x_t | x_<t), each token's in fp32, the sum in float64 in
+a fixed order (sequence_sums). Prompt and padding positions contribute nothing. The LM head runs only on the
+hidden states that predict a completion token, in (token, vocabulary) tiles with an online logsumexp (head.py),
+so no [tokens, vocab] logits exist and backward recomputes each tile (at a 7B model's 32k-152k vocabulary, the full
+[batch, seq, vocab] fp32 tensor would be the largest thing in memory); a LoRA-adapted head in checkpointed chunks.
 
 The LM head is the model's own: `Head` is what its CausalLM forward does to lm_head's output (Gemma's
 softcapping, Granite's logits_scaling, Cohere's logit_scale, Falcon-H1's lm_head_multiplier), read from the
@@ -21,15 +21,14 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# Elements of one chunk's fp32 logits: 2^24 * 4 B = 64 MiB (e.g. 512 tokens at a 32k vocabulary).
-CHUNK_ELEMENTS = 1 << 24
+from lowmem_dpo.model.head import FUSED, HEAD_TILE_ELEMENTS, tiled_logps
 
 
 @dataclass
 class SequenceLogps:
     """Per-sequence completion log-prob sums and completion token counts."""
 
-    logps: torch.Tensor  # (N,) fp32
+    logps: torch.Tensor  # (N,) float64 (float32 on mps)
     n_tokens: torch.Tensor  # (N,) int64
     # with prompts=True (ORPO's NLL, which TRL takes over the prompt too): the chosen rows' prompt log-prob sums
     # and predicted prompt tokens (its first has no predictor), (B,) each; else None
@@ -60,6 +59,22 @@ class Head:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        """apply, in place on `logits` (no autograd: head.py's tiles)."""
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        if self.softcap:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
+
+    def grad_at(self, out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient with respect to lm_head's output of `grad`, the gradient of apply's output `out`: times
+        scale * (1 - (out / softcap)^2), tanh's derivative read off its output. In place on grad (and on out, which
+        is not usable after)."""
+        if self.softcap:
+            grad.mul_(out.div_(self.softcap).square_().neg_().add_(1))
+        return grad.mul_(self.scale) if self.scale != 1.0 else grad
 
 
 def _plain(config) -> Head:
@@ -224,15 +239,24 @@ def _prompt_targets(attention_mask: torch.Tensor, completion_mask: torch.Tensor,
 
 
 def chunked_head(lm_head, head: Head, h: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None,
-                 weighting: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """token_logps of the hidden states h (M, H) predicting `labels` (M,), in chunks of chunk_tokens rows (default:
-    CHUNK_ELEMENTS of logits): (M,) fp32 log-probs, and with weighting WPO's aligned ones (M,), detached."""
+                 weighting: bool = False, chunk_vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logps of the hidden states h (M, H) predicting `labels` (M,): (M,) fp32 log-probs, and with weighting
+    WPO's aligned ones (M,), detached. A frozen nn.Linear head runs in tiles of chunk_tokens rows x chunk_vocab
+    entries (head.head_tile's defaults) with an online logsumexp (head.tiled_logps; a fused kernel where the
+    stage set one for the device: head.FUSED); any other (LoRA on the head, a trainable one) in checkpointed chunks of
+    chunk_tokens rows (default: HEAD_TILE_ELEMENTS of logits), the whole vocabulary each."""
+    if (type(lm_head) is torch.nn.Linear and not lm_head.weight.requires_grad
+            and (lm_head.bias is None or not lm_head.bias.requires_grad)):
+        kernel = FUSED.get(h.device.type) if chunk_tokens is None and chunk_vocab is None else None
+        if kernel is not None:
+            return kernel(h, lm_head.weight, lm_head.bias, labels, head.scale, head.softcap, weighting)
+        return tiled_logps(h, lm_head.weight, lm_head.bias, labels, head, weighting, chunk_tokens, chunk_vocab)
     if chunk_tokens is None:
-        chunk_tokens = max(1, CHUNK_ELEMENTS // lm_head.weight.shape[0])
+        chunk_tokens = max(1, HEAD_TILE_ELEMENTS // lm_head.weight.shape[0])
     grad = torch.is_grad_enabled() and h.requires_grad
     parts, aligned = [], []
     for start in range(0, h.shape[0], chunk_tokens):
-        hc, lc = h[start:start + chunk_tokens], labels[start:start + chunk_tokens].to(h.device)  # (c, H), (c,)
+        hc, lc = h[start:start + chunk_tokens], labels[start:start + chunk_tokens]  # (c, H), (c,)
         if grad:
             # Saves memory: keep only (c, H) hidden for backward and recompute the (c, V) logits there.
             got = checkpoint(token_logps, lm_head, hc, lc, head, weighting, use_reentrant=False)
@@ -245,13 +269,31 @@ def chunked_head(lm_head, head: Head, h: torch.Tensor, labels: torch.Tensor, chu
     return tok, (torch.cat(aligned) if aligned else tok.detach()) if weighting else None
 
 
+def sequence_sums(out: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) float64 sums of `values` (M,) into outputs `out` (M,), whose each output's values are contiguous
+    (_targets' order: a precondition, two runs of one output would overwrite each other), each sum in a fixed
+    order: a (n, longest) float64 table, each value at its place in its output, summed by row. index_add would add
+    float32 atomically on CUDA, in another order each launch (~0.6 nats apart at 24k tokens); this gives the same
+    bits for the same batch every time, exact to ~1e-12 (float32 on mps, which has no float64)."""
+    dtype = torch.float32 if values.device.type == "mps" else torch.float64  # mps has no float64
+    if values.numel() == 0:
+        return values.new_zeros(n, dtype=dtype)
+    index = torch.arange(out.shape[0], device=out.device)  # (M,)
+    first = torch.ones_like(out, dtype=torch.bool)
+    first[1:] = out[1:] != out[:-1]  # (M,) where an output's values begin
+    place = index - torch.cummax(torch.where(first, index, 0), 0).values  # (M,) each value's place in its output
+    table = values.new_zeros((n, int(place.max()) + 1), dtype=dtype)  # (n, longest)
+    return table.index_put((out, place), values.to(dtype)).sum(1)  # (n,)
+
+
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
                      chunk_tokens: int | None = None, position_ids: torch.Tensor | None = None,
                      prompts: bool = False, weighting: bool = False,
-                     ld_alpha: float | None = None, per_token: bool = False) -> SequenceLogps:
+                     ld_alpha: float | None = None, per_token: bool = False,
+                     chunk_vocab: int | None = None) -> SequenceLogps:
     """Sum of log p over each sequence's completion tokens, shifted by one (position t-1 predicts token t).
 
-    input_ids, attention_mask, completion_mask: (N, T). Returns (N,) fp32 sums and (N,) token counts. With
+    input_ids, attention_mask, completion_mask: (N, T). Returns (N,) float64 sums and (N,) token counts. With
     position_ids (a shared-prefix batch, data.collate_shared: (B, T) rows [prompt, chosen, rejected] and
     completion_mask 1 on chosen, 2 on rejected), returns (2B,) in the order [chosen; rejected], as for the
     unshared batch of the same pairs: each prompt goes through the model once. prompts: also the chosen rows'
@@ -287,15 +329,16 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                                                              (out, p_out)))
     h = hidden[seq_idx.to(hidden.device), pred.to(hidden.device)]  # (M, H)
     labels = input_ids[seq_idx, label]  # (M,)
-    tok, aligned_tok = chunked_head(lm_head, head, h.to(lm_head.weight.device), labels, chunk_tokens, weighting)
+    tok, aligned_tok = chunked_head(lm_head, head, h.to(lm_head.weight.device), labels.to(lm_head.weight.device),
+                                    chunk_tokens, weighting, chunk_vocab)
     if weight is not None:  # the completions' tokens come first in tok, the prompts' (unweighted) after
-        tok = torch.cat([tok[:weight.shape[0]] * weight.to(tok.device), tok[weight.shape[0]:]])  # (M,)
+        tok = torch.cat([tok[:weight.shape[0]].double() * weight.to(tok.device), tok[weight.shape[0]:].double()])
     out = out.to(tok.device)
-    logps = torch.zeros(n + pairs, dtype=torch.float32, device=tok.device).index_add(0, out, tok)  # (N + pairs,)
+    logps = sequence_sums(out, tok, n + pairs)  # (N + pairs,) float64
     n_tokens = torch.bincount(out, minlength=n + pairs)  # (N + pairs,)
     aligned = None
     if weighting:  # (N,): the completions' tokens only
-        aligned = torch.zeros(n + pairs, dtype=torch.float32, device=tok.device).index_add(0, out, aligned_tok)[:n]
+        aligned = sequence_sums(out, aligned_tok, n + pairs)[:n]
     if not prompts:
         # each output's tokens are contiguous in `out` and in order (_targets): a stable sort keeps that order
         tokens = None if not per_token else list(tok.detach()[torch.sort(out, stable=True)[1]].split(

@@ -124,7 +124,7 @@ class Objective:
 
 # -- the f-divergences of f-DPO (Wang et al. 2023, arXiv:2309.16240), as TRL 1.16 computes them ---------------------
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
-_EXP_MAX = {torch.float16: 11.0, torch.bfloat16: 80.0, torch.float32: 80.0}  # exp() stays finite in the dtype
+_EXP_MAX = {torch.float16: 11.0, torch.bfloat16: 80.0, torch.float32: 80.0, torch.float64: 80.0}  # exp in float32
 
 
 def scores(x: PairLogps, s: Settings) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,7 @@ class Resolved:
     budget: int | None = None  # bytes the run may use on the device; None: the planner's default (RAM on a CPU)
     micro_batch: int | None = None  # pairs per micro-batch the planner fits (policy.apply_plan); None: the recipe's
     activation_offloading: bool = False  # train's saved tensors to pinned host memory (activations.py; CUDA only)
+    mlp_tiles: bool = True  # train's MLP in tiles under checkpointing (activations.TiledMLP); the plan may run it whole
 
     def __post_init__(self):
         if self.ref_dtype is None:
@@ -236,6 +237,51 @@ def make_optimizer(name: str, params: list, lr: float, weight_decay: float) -> t
     raise AssertionError(f"unknown optimizer {name!r} in rules.RULES")
 
 
+# -- a fused LM head on CUDA (TRL's Triton kernel, optional: pip install 'lowmem_dpo[kernels]') ---------------------
+_FUSED_HEAD: dict = {}
+FUSED_HEAD_TILE = (4096, 32768)  # its tile: trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE x the chunk_size passed
+
+
+def trl_head_kernel():
+    """TRL 1.16's chunked log-prob function (trl.kernels.chunked_logprob: 4096-token x 32,768-entry tiles, an online
+    logsumexp folded by a Triton kernel on CUDA, by torch ops elsewhere), as
+    f(h, weight, bias, labels, scale, softcap, weighting) -> ((M,) float32 log-probs, (M,) WPO's aligned log-probs
+    or None); None where TRL is not installed at that version."""
+    try:
+        import trl
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    except Exception:  # not installed, or a build that does not import here
+        return None
+    if not trl.__version__.startswith("1.16."):  # its signature is TRL's own: the one read here
+        return None
+
+    def head(h, weight, bias, labels, scale: float, softcap: float | None, weighting: bool):
+        tokens, entries = FUSED_HEAD_TILE
+        outputs = ("log_sum_sq_probs",) if weighting else ()
+        # Saves memory: a call per 4096 rows, so its float32 gradient accumulator is (4096, H), not (M, H); split,
+        # so that one concatenation builds h's gradient (slices would each make an (M, H) one)
+        parts = [ChunkedLogProbFunction.apply(hc, weight, bias, lc, 1.0, entries, softcap, scale, outputs)
+                 for hc, lc in zip(h.split(tokens), labels.split(tokens))]
+        if not parts:
+            return h.new_zeros(0, dtype=torch.float32), (h.new_zeros(0, dtype=torch.float32) if weighting else None)
+        logp = torch.cat([p[0] for p in parts])  # (M,)
+        return logp, (logp - torch.cat([p[2] for p in parts])).detach() if weighting else None
+
+    return head
+
+
+def fused_head(device: torch.device):
+    """trl_head_kernel() on a CUDA device with Triton, else None (logps._TiledHead, the same tiles in torch ops,
+    runs instead)."""
+    if device.type != "cuda":
+        return None
+    if "head" not in _FUSED_HEAD:
+        from transformers.utils import is_triton_available
+
+        _FUSED_HEAD["head"] = trl_head_kernel() if is_triton_available() else None
+    return _FUSED_HEAD["head"]
+
+
 # -- forward-pass helpers ---------------------------------------------------------------------------------------
 def autocast(device: torch.device, dtype: torch.dtype):
     """Forward-pass context: with 16-bit base weights, autocast to the same dtype so peft's float32 LoRA path
@@ -298,6 +344,25 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor, hold_src: bool = False) -> 
     dst.copy_(src, non_blocking=True)
     if hold_src and src.is_cuda:
         src.record_stream(torch.cuda.current_stream(src.device))
+
+
+def rng_state(device: torch.device) -> tuple:
+    """The RNG state a forward's dropout draws from: the CPU generator's and, on CUDA, the device's."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def restored_rng(device: torch.device, state: tuple | None):
+    """The block draws from `state` (rng_state: a recompute's dropout draws its forward's masks again); the RNG
+    after it is as before it. None: nothing to restore."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
 
 
 def dtype_name(dtype: torch.dtype) -> str:

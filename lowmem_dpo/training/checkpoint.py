@@ -270,11 +270,19 @@ def load_adapter_weights(path: Path, model) -> None:
                         f"({len(result.unexpected_keys)} unexpected keys); {new_run(Path(path).parent.parent)}")
 
 
+def load_adapter(path: Path, trainee: policy.Trainee) -> None:
+    """Checkpoint `path`'s adapter weights into the trainee's model, its compute copies after them (a 16-bit
+    forward reads those)."""
+    load_adapter_weights(path, trainee.model)
+    if trainee.copies is not None:
+        trainee.copies.refresh()
+
+
 def restore(path: Path, trainee: policy.Trainee, rank: int = 0) -> None:
     """Load the adapter weights, optimizer, scheduler and loss scaler (float16) of checkpoint `path` into the
     trainee, and its RNG state into this process: process `rank`'s (a checkpoint of one process, or one written
     before each rank's was kept: its one state)."""
-    load_adapter_weights(path, trainee.model)
+    load_adapter(path, trainee)
     trainee.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
     trainee.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     if trainee.scaler is not None and (path / SCALER).is_file():

@@ -180,6 +180,6 @@ def load_best(session: Session) -> None:
         raise UserError(f"load_best_model_at_end: the best checkpoint {folder} (step {step}) is gone; the last "
                         f"step's adapter is in {checkpoint.complete(session.run.cfg.output_dir)[-1][1]}. Set "
                         "load_best_model_at_end=false to save it as the final adapter")
-    checkpoint.load_adapter_weights(folder, session.trainee.model)
+    checkpoint.load_adapter(folder, session.trainee)  # the compute copies too: a caller may run the model
     best = session.progress.best["best_metric"]
     log(f"load_best_model_at_end: the final adapter is step {step}'s ({name} {best:.4f}, from {folder})")

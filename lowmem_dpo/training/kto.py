@@ -102,7 +102,7 @@ def block_step(session: Session, views: list, ref: cache.RefCache, desirable: to
         with torch.set_grad_enabled(scale is not None):
             got, tokens = policy_logps(session.trainee.model, sequences(views[i:i + micro], kl=False),
                                        session.run.pad_id, session.run.resolved, micro)
-            loss_inputs = kto.UnpairedLogps(got, ref.chosen[part].to(got.device),
+            loss_inputs = kto.UnpairedLogps(got, ref.chosen[part].to(got.device, got.dtype),
                                             label[i:i + micro].to(got.device), z0.to(got.device))
             losses = objectives.OBJECTIVES[cfg.loss_type[0]].formula(loss_inputs, cfg.loss_settings)  # (n,)
             if scale is not None:

@@ -150,7 +150,7 @@ def backward_with_backoff(session: Session, items: list) -> tuple[Stats, int, in
         exhausted=f"out of memory at step {step} with 1 {objective.unit} per micro-batch; lower max_length, or set "
                   "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml shows what "
                   "fits)",
-        cleanup=lambda: session.trainee.optimizer.zero_grad(set_to_none=True),  # drop the partial step's gradients
+        cleanup=session.trainee.zero_grad,  # drop the partial step's gradients
         any_rank=distributed.any_rank)
 
 

@@ -20,7 +20,7 @@ from lowmem_dpo.config.schedule import make_schedule
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory import attention, search
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
-from lowmem_dpo.model import activations, adapters, models, streaming
+from lowmem_dpo.model import activations, adapters, compute_copies, models, streaming
 from lowmem_dpo.runtime import devices, rules
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
@@ -47,7 +47,8 @@ def enable_checkpointing(base) -> None:
     # its *inputs* requires grad, and with a frozen (e.g. 8-bit) base and frozen embeddings none does, so
     # backward fails with "element 0 of tensors does not require grad" or the LoRA weights inside get no
     # gradient. The non-reentrant version tracks the parameters used inside the layer.
-    kwargs = {"use_reentrant": False}
+    # context_fn marks the recompute, where a tiled MLP skips its forward (activations.checkpoint_contexts).
+    kwargs = {"use_reentrant": False, "context_fn": activations.checkpoint_contexts}
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5; the old name warns there
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -87,12 +88,13 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, strea
     return model
 
 
-def tile(model, model_path: Path, grad_tiles: bool = True) -> None:
+def tile(model, model_path: Path, grad_tiles: bool = True) -> list[activations.TiledMLP]:
     """The MLP in tiles (activations.tile_mlps) where the planner knows the layers' MLP block: a long sequence's
-    MLP peak is one tile's (with gradients, only when grad_tiles)."""
+    MLP peak is one tile's (with gradients, only when grad_tiles). Returns the tiled MLPs."""
     arch = search.quiet_arch(model_path)
     if arch is not None and arch.mlp_block:
-        activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix, grad_tiles)
+        return activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix, grad_tiles)
+    return []
 
 
 def attention_path(model, device: torch.device, dtype: torch.dtype, grad: bool) -> None:
@@ -108,11 +110,17 @@ def attention_path(model, device: torch.device, dtype: torch.dtype, grad: bool) 
 
 def long_sequences(model, resolved: devices.Resolved, model_path: Path) -> None:
     """What a long sequence needs in train (activations.py): the MLP in tiles (with gradients only under
-    checkpointing), and the saved tensors offloaded when resolved says so."""
-    tile(model, model_path, resolved.gradient_checkpointing)
+    checkpointing, where the plan tiles it: their recompute skipped in each layer's recompute where the
+    architecture allows), and the saved tensors offloaded when resolved says so."""
+    grad_tiles = resolved.gradient_checkpointing and resolved.mlp_tiles
+    tiled = tile(model, model_path, grad_tiles)
     attention_path(model, resolved.device, resolved.dtype, grad=True)
     if resolved.activation_offloading:
         activations.offload_activations(model, resolved.device)
+    if grad_tiles and tiled and not activations.probe_recompute_stop(model, tiled,
+                                                                     devices.autocast(resolved.device, resolved.dtype)):
+        log("note: this architecture saves tensors after its MLP (a norm of its output): a checkpointed layer's "
+            "recompute runs the tiled MLP, which runs 3 times per step, not 2")
 
 
 def setup_optimizer(cfg: Config, model, total_steps: int, resolved: devices.Resolved):
@@ -133,18 +141,28 @@ class Trainee:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     params: list  # the trainable LoRA parameters
     scaler: object = None  # float16: torch.amp.GradScaler (devices.grad_scaler); None otherwise
+    copies: compute_copies.ComputeCopies | None = None  # 16-bit: the LoRA weights' copies the forward reads
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), the loss scaled first in float16 (the scaler's scale; update.unscale_and_clip
         unscales)."""
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        if self.copies is not None:  # 16-bit: the copies' gradients into the weights' .grad
+            self.copies.accumulate()
+
+    def zero_grad(self) -> None:
+        """No gradient anywhere: the weights' and, in a 16-bit dtype, their compute copies'."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.copies is not None:
+            self.copies.zero_grad()
 
 
 def trainee(cfg: Config, model, total_steps: int, resolved: devices.Resolved) -> Trainee:
-    """`model` with its optimizer and schedule over `total_steps` (setup_optimizer), and the loss scaler float16
-    needs."""
+    """`model` with its optimizer and schedule over `total_steps` (setup_optimizer), the loss scaler float16
+    needs, and in a 16-bit dtype the LoRA weights' compute copies (compute_copies: no cast in the forward)."""
     optimizer, scheduler, params = setup_optimizer(cfg, model, total_steps, resolved)
-    return Trainee(model, optimizer, scheduler, params, devices.grad_scaler(resolved.device, resolved.dtype))
+    copies = compute_copies.ComputeCopies(model, resolved.dtype) if resolved.dtype != torch.float32 else None
+    return Trainee(model, optimizer, scheduler, params, devices.grad_scaler(resolved.device, resolved.dtype), copies)
 
 
 def items_per_step(cfg: Config, world_size: int = 1) -> int:
@@ -193,6 +211,11 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
         resolved.share_prompt = False
         resolved.reasons.append(f"share_prompt=false (auto; the planner: a shared row's (T, T) mask does not fit "
                                 f"{fmt(budget)}, each prompt twice does)")
+    resolved.mlp_tiles = s.mlp_tiles
+    if s.gradient_checkpointing and arch.mlp_block:
+        tiles = f"in tiles of {activations.MLP_TILE_TOKENS} tokens" if s.mlp_tiles else "whole"
+        resolved.reasons.append(f"the MLP {tiles} (the planner: {'needed to fit' if s.mlp_tiles else 'fits'} "
+                                f"{fmt(budget)})")
     if s.activation_offloading and not resolved.activation_offloading:
         resolved.activation_offloading = True
         resolved.reasons.append(f"activation_offloading=true (auto; the planner: needed to fit {fmt(budget)}, "

@@ -42,11 +42,13 @@ def outcome(loss: float, grad_norm: float, scaler) -> Outcome:
 
 
 def optimizer_update(trainee: policy.Trainee) -> None:
-    """AdamW's step (through the loss scaler in float16)."""
+    """AdamW's step (through the loss scaler in float16), and the LoRA weights' compute copies refreshed."""
     if trainee.scaler is None:
         trainee.optimizer.step()
     else:
         trainee.scaler.step(trainee.optimizer)
+    if trainee.copies is not None:
+        trainee.copies.refresh()
 
 
 def scaler_skip_note(step: int, scale: float, skips: int) -> str:
@@ -76,4 +78,4 @@ def finish_update(trainee: policy.Trainee) -> None:
     if trainee.scaler is not None:
         trainee.scaler.update()
     trainee.scheduler.step()
-    trainee.optimizer.zero_grad(set_to_none=True)
+    trainee.zero_grad()

@@ -75,7 +75,7 @@ def test_cache_equals_independent_forward_in_row_order(make_cfg, tiny_path, toke
     precompute.run(cfg, progress=False)
     assert counted(capsys.readouterr().err) == (len(sequences_of(cfg)), 0) and len(sequences_of(cfg)) > 11
     ref = cached(cfg)[0]
-    assert ref.chosen.dtype == torch.float32 and ref.chosen.shape == (12,)
+    assert ref.chosen.dtype == torch.float64 and ref.chosen.shape == (12,)
     assert math.isnan(ref.chosen[5]) and math.isnan(ref.rejected[5]) and ref.counts["dropped_rows"] == [5]
     model = load_model(tiny_path, torch.device("cpu"), torch.float32)
     for i, row in enumerate(some):

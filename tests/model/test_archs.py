@@ -60,7 +60,7 @@ def own_logps(model, batch) -> torch.Tensor:
     """Independently of logps.py: the model's own full logits, log_softmax, shifted, summed on completions."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()  # (N, T, V)
     logp = logits[:, :-1].log_softmax(-1).gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (N, T-1)
-    return (logp * batch.completion_mask[:, 1:]).sum(-1)  # (N,)
+    return (logp * batch.completion_mask[:, 1:]).sum(-1).double()  # (N,), compared with our float64 sums
 
 
 def tiny_rows(tmp_path, n: int = 4):
@@ -80,7 +80,8 @@ def test_logps_equal_the_models_own_forward(name, arch_dir, tokenizer, monkeypat
     batch = data.collate(pairs, data.pad_token_id(tokenizer))
     with torch.no_grad():
         want = own_logps(model, batch)
-        got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=7)
+        got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=7,
+                               chunk_vocab=100)  # the head's tiles: 7 tokens x 100 entries of the 461
         assert torch.allclose(got.logps, want, atol=1e-4, rtol=0), (got.logps - want).abs().max()
         if name in TRANSFORMED:  # the transform matters: a plain head would be off by far more than 1e-4
             monkeypatch.setitem(logps.HEADS, name, logps._plain)

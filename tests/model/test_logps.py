@@ -1,4 +1,5 @@
-"""Completion log-probs: chunked equals the plain full log-softmax, values and gradients, and a row's result
+"""Completion log-probs: the LM head in (token, vocabulary) tiles equals the plain full log-softmax, values and
+gradients, TRL's fused kernel gives the same, each sequence's sum is float64 in a fixed order, and a row's result
 does not depend on its batch-mates."""
 
 import pytest
@@ -29,18 +30,22 @@ def some_pairs(tokenizer, n=6):
     return data.tokenize_rows(ds, tokenizer, 64, None, progress=False).pairs
 
 
-@pytest.mark.parametrize("chunk", [None, 1, 7])
-def test_chunked_equals_full_log_softmax(model, tokenizer, chunk):
+@pytest.mark.parametrize("chunk, entries", [(None, None), (1, None), (7, 100)])
+def test_chunked_equals_full_log_softmax(model, tokenizer, chunk, entries):
+    """Tiles of `chunk` rows x `entries` vocabulary entries (the tiny vocabulary is 461: 100 makes 5 tiles, the
+    online logsumexp across them): the full log-softmax's sums, in float64."""
     batch = data.collate(some_pairs(tokenizer), 0)
-    got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=chunk)
+    got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=chunk,
+                           chunk_vocab=entries)
     want = naive_logps(model, batch)
-    assert torch.allclose(got.logps, want, atol=1e-4, rtol=1e-5)
-    assert got.logps.dtype == torch.float32
+    assert got.logps.dtype == torch.float64
+    assert torch.allclose(got.logps, want.double(), atol=1e-4, rtol=1e-5)
     assert got.n_tokens.tolist() == batch.completion_mask.sum(-1).tolist()
     assert (got.logps < 0).all()
 
 
-def test_gradients_match_unchunked(tiny_path, tokenizer):
+@pytest.mark.parametrize("chunk, entries", [(5, None), (5, 64)])
+def test_gradients_match_unchunked(tiny_path, tokenizer, chunk, entries):
     from peft import LoraConfig, get_peft_model
 
     m = load_model(tiny_path, torch.device("cpu"), torch.float32)
@@ -48,12 +53,52 @@ def test_gradients_match_unchunked(tiny_path, tokenizer):
     m = get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     batch = data.collate(some_pairs(tokenizer, 4), 0)
     params = [p for p in m.parameters() if p.requires_grad]
-    got = completion_logps(m, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=5)
+    got = completion_logps(m, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=chunk,
+                           chunk_vocab=entries)
     g1 = torch.autograd.grad(got.logps.sum(), params)
     want = naive_logps(m, batch)
     g2 = torch.autograd.grad(want.sum(), params)
     for a, b in zip(g1, g2):  # float32 sums in another order: tolerance relative to the gradient's scale
         torch.testing.assert_close(a, b, atol=1e-5 * float(b.abs().max()), rtol=1e-4)
+
+
+@pytest.mark.parametrize("weighting", [False, True])
+def test_trl_fused_head_equals_ours(model, tokenizer, weighting):
+    """TRL 1.16's chunked log-prob function (the CUDA path where Triton is: devices.fused_head; here its torch
+    fold, the same tiles and arguments) gives our tiled head's log-probs, WPO's aligned ones and the hidden
+    states' gradient, through a scaled and softcapped head."""
+    from lowmem_dpo.model.logps import Head, chunked_head
+    from lowmem_dpo.runtime import devices
+
+    kernel = devices.trl_head_kernel()
+    assert kernel is not None  # trl==1.16.0 is in the test extra
+    head, lm_head = Head(scale=0.5, softcap=3.0), model.get_output_embeddings()
+    h = torch.randn(300, lm_head.in_features, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    labels = torch.randint(0, lm_head.out_features, (300,), generator=torch.Generator().manual_seed(1))
+    ours, ours_aligned = chunked_head(lm_head, head, h, labels, 128, weighting, 200)
+    theirs, theirs_aligned = kernel(h, lm_head.weight, None, labels, head.scale, head.softcap, weighting)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+    if weighting:
+        assert torch.allclose(ours_aligned, theirs_aligned, atol=1e-5, rtol=1e-5)
+    g = torch.linspace(-1, 1, 300)
+    assert torch.allclose(*(torch.autograd.grad((x * g).sum(), h)[0] for x in (ours, theirs)), atol=1e-6, rtol=1e-4)
+
+
+def test_sequence_sums_are_float64_in_a_fixed_order():
+    """Each output's values (contiguous, outputs in any order) summed in float64: a float64 sum of 30,000 float32
+    log-probs exactly, the same bits on every call, where float32 accumulation drifts."""
+    from lowmem_dpo.model.logps import sequence_sums
+
+    g = torch.Generator().manual_seed(0)
+    values = -torch.rand(30000, generator=g) * 8  # (M,) float32 log-probs
+    out = torch.cat([torch.full((20000,), 2), torch.full((9000,), 0), torch.full((1000,), 1)])  # (M,)
+    got = sequence_sums(out, values, 4)
+    want = torch.stack([values[20000:29000].double().sum(), values[29000:].double().sum(),
+                        values[:20000].double().sum(), torch.zeros((), dtype=torch.float64)])
+    assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=1e-12, atol=1e-9)
+    assert torch.equal(got, sequence_sums(out, values, 4))
+    float32 = torch.zeros(4).index_add(0, out, values)
+    assert (float32.double() - want).abs().max() > 1e-4  # what float32 accumulation loses at this length
 
 
 def test_row_alone_equals_row_in_padded_batch(model, tokenizer):
@@ -84,8 +129,8 @@ def test_wpo_aligned_sums_equal_the_full_distribution_s(model, tokenizer, shared
     batch = data.collate_shared(pairs, 0) if shared else plain
     got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=7,
                            position_ids=batch.position_ids, weighting=True)
-    assert torch.allclose(got.aligned, want, atol=1e-4, rtol=1e-5) and not got.aligned.requires_grad
-    assert torch.allclose(got.logps, naive_logps(model, plain), atol=1e-4, rtol=1e-5)
+    assert torch.allclose(got.aligned, want.double(), atol=1e-4, rtol=1e-5) and not got.aligned.requires_grad
+    assert torch.allclose(got.logps, naive_logps(model, plain).double(), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -111,7 +156,7 @@ def test_ld_alpha_weights_the_tokens_beyond_the_shorter_completion(model, tokeni
     batch = data.collate_shared(pairs, 0) if shared else plain
     got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=7,
                            position_ids=batch.position_ids, ld_alpha=0.25)
-    assert torch.allclose(got.logps, want, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(got.logps, want.double(), atol=1e-4, rtol=1e-5)
     assert got.n_tokens.tolist() == counts.long().tolist()
 
 

@@ -328,11 +328,11 @@ def test_a_wrong_reference_is_flagged_and_stops_with_early_stop(built, tmp_path,
 
 
 def test_a_run_of_nonfinite_losses_logs_nulls_and_stops_as_diverged(built, tmp_path, capsys):
-    """Reference values at float32's limits (finite, so the cache passes its checks) make every loss
+    """Reference values at float64's limits (finite, so the cache passes its checks) make every loss
     infinite: the log lines of the skipped steps carry null metrics (not 0, which would read as a perfect
     loss), and the third in a row stops the run with exit 2 and no traceback; no adapter is saved."""
-    _edit_store(tmp_path / "cache", "UPDATE sequences SET logps = -3.4e38")
-    _edit_store(tmp_path / "cache", "UPDATE sequences SET logps = 3.4e38 WHERE key IN ({})", chosen_keys())
+    _edit_store(tmp_path / "cache", "UPDATE sequences SET logps = -1.7e308")
+    _edit_store(tmp_path / "cache", "UPDATE sequences SET logps = 1.7e308 WHERE key IN ({})", chosen_keys())
     out = tmp_path / "out"
     code = run_cli(train.main, [str(built), f"output_dir={out}", "logging_steps=1", "max_steps=10"], "train", "")
     err = capsys.readouterr().err
