@@ -4,8 +4,9 @@
     python bench/gpu_check.py [--cap-gib 11.25] [--steps 20] [--recipes mistral,llama] [--tools ours,trl]
         [--lengths recipe,2048,longest] [--no-step-compare] [--json bench/results/gpu_check.json]
     python bench/gpu_check.py --smoke [...]         # the whole flow on the tiny built-in model, on this CPU
-    python bench/gpu_check.py --part N --json $OUT/partN.json   # one part of at most 8 minutes (PARTS), N = 1..4
-    python bench/gpu_check.py --combine A.json B.json --json bench/results/gpu_check.json
+    python bench/gpu_check.py --part N --json $OUT/partN.json   # one part of at most 8 minutes (PARTS), N = 1..6
+    python bench/gpu_check.py --profile 4 [...]      # each run's 4th step profiled: counts, and its op table
+    python bench/gpu_check.py --combine A.json B.json [--loan N] --json bench/results/gpu_check.json
     make gpu-check
 
 For each shipped 12 GB recipe (recipes/mistral-7b-qlora-12gb.yaml, recipes/llama3.1-8b-qlora-12gb.yaml), on a
@@ -36,6 +37,12 @@ one step's LoRA gradients on one batch with and without activation offloading (p
 noise; rel_l2, max_abs_diff, cosine), their peaks and times. Timings on an H100 are not a consumer card's; memory
 figures carry over.
 
+--profile STEP records that optimizer step of each run with torch.profiler (CPU and CUDA activities): the run's
+"profile" has its counts (COUNTS: 4-bit matmuls, matrix products, copies; op events; on CUDA kernel launches and
+device time) and op table, which is also written beside the JSON (STEM-prof-TOOL-RECIPE-LENGTH.txt); the profiled
+step is left out of the median. bench/step_work.py --from compares the two tools' counts. --set KEY=VALUE changes
+every run's recipe (TRL's dtype follows a dtype set so).
+
 --smoke swaps every model for lowmem_dpo:tiny-llama, runs on the CPU (the cap is then only the planner's budget)
 and shortens the lengths, so the script is known to work end to end before a GPU is lent.
 """
@@ -43,6 +50,7 @@ and shortens the lengths, so the script is known to work end to end before a GPU
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -67,7 +75,7 @@ RECIPES = {"mistral": ("recipes/mistral-7b-qlora-12gb.yaml", "mistral-7b-v0.1"),
            "llama": ("recipes/llama3.1-8b-qlora-12gb.yaml", "llama-3.1-8b")}
 STEP_RECIPE = "bench/recipes/llama-25m-cpu.yaml"
 SMOKE_MODEL = "lowmem_dpo:tiny-llama"
-SMOKE_LENGTHS = {"recipe": 96, "2048": 128}  # --smoke: the tiny model's stand-ins for 1024 and 2048
+SMOKE_LENGTHS = {"recipe": 96, "2048": 128, "4096": 160}  # --smoke: the tiny model's stand-ins for 1024, 2048, 4096
 # The check in parts of at most 8 minutes each on an H100/H200 (a lent machine's 10-minute command, its model built
 # in the part that first needs it); peak memory does not depend on the steps' count, so 6 steps (5 timed) do.
 PARTS = {
@@ -75,6 +83,11 @@ PARTS = {
     2: dict(recipes="mistral", tools="trl", lengths="recipe,2048", grads=False, step_compare=False, steps=6),
     3: dict(recipes="llama", tools="ours", lengths="recipe,longest,2048", grads=False, step_compare=False, steps=6),
     4: dict(recipes="llama", tools="trl", lengths="recipe,2048", grads=False, step_compare=True, steps=6),
+    # issue 46: the step at 2048 and 4096, ours and TRL, the 4th step of each profiled (its op table)
+    5: dict(recipes="llama", tools="ours,trl", lengths="2048,4096", grads=False, step_compare=False, steps=6,
+            profile=4),
+    6: dict(recipes="mistral", tools="ours,trl", lengths="2048,4096", grads=False, step_compare=False, steps=6,
+            profile=4),
 }
 WORK = ROOT / "bench" / "out" / "gpu_check"
 RESULT = ROOT / "bench" / "results" / "gpu_check.json"
@@ -137,10 +150,11 @@ def planned_train(cfg) -> tuple[float | None, dict]:
                                   "share_prompt": plan.setup.share_prompt, "fits": plan.fits}
 
 
-def summarize(lines: list[dict], tokens_key: str = "tokens_per_s") -> dict:
-    """The run's figures from its per-step lines (step, loss, step_time_s, tokens_per_s, memory keys)."""
+def summarize(lines: list[dict], tokens_key: str = "tokens_per_s", profiled: int = 0) -> dict:
+    """The run's figures from its per-step lines (step, loss, step_time_s, tokens_per_s, memory keys); the
+    `profiled` step (the profiler slows it) is not timed."""
     steps = [line for line in lines if "loss" in line]
-    timed = [line for line in steps if line["step"] >= 2] or steps
+    timed = [line for line in steps if line["step"] >= 2 and line["step"] != profiled] or steps
     peak = {k: max((line[k] for line in steps if line.get(k) is not None), default=None)
             for k in ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes")}
     first = next((line for line in steps if line["step"] == 1), None)
@@ -159,6 +173,61 @@ def _gib(n) -> float | None:
     return None if n is None else round(n / GiB, 3)
 
 
+# -- one step's op table (--profile; bench/step_work.py counts the same on the CPU) ----------------------------------
+# What one step's work is counted in: 4-bit matmuls (bitsandbytes' autograd function, one per 4-bit Linear call:
+# forward and recompute), matrix products, copies, and all op events; on CUDA kernel launches and device time.
+COUNTS = {"matmul_4bit": ("MatMul4Bit",), "mm": ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_"),
+          "copy_": ("aten::copy_",)}
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def step_profile(prof, wall_s: float, cuda: bool, rows: int = 45) -> dict:
+    """The counts (COUNTS, op events) and the op table of a torch.profiler run over one optimizer step."""
+    ka = prof.key_averages()
+    by_name = {e.key: e.count for e in ka}
+    out = {name: sum(by_name.get(k, 0) for k in keys) for name, keys in COUNTS.items()}
+    out["op_events"] = sum(e.count for e in ka)
+    out["wall_s"] = round(wall_s, 4)
+    if cuda:
+        out["kernel_launches"] = sum(by_name.get(k, 0) for k in LAUNCHES)
+        out["device_self_s"] = round(sum(getattr(e, "self_device_time_total", 0) or 0 for e in ka) / 1e6, 4)
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    out["table"] = ka.table(sort_by=sort, row_limit=rows, max_name_column_width=80)
+    return out
+
+
+class StepProfiler:
+    """torch.profiler over the `step`-th optimizer step (1-based) of a run: start() and stop() around it."""
+
+    def __init__(self, step: int, cuda: bool):
+        self.step, self.cuda, self.result, self.prof, self.t0 = step, cuda, None, None, 0.0
+
+    def start(self, step: int) -> None:
+        if step != self.step:
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.prof = profile(activities=acts)
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def stop(self, step: int) -> None:
+        if step != self.step or self.prof is None:
+            return
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        self.result = step_profile(self.prof, wall, self.cuda)
+        self.prof = None
+
+
 def run_ours(args) -> dict:
     """lowmem_dpo's plan, precompute and train in this process (a child of the check)."""
     from lowmem_dpo import precompute, train
@@ -172,14 +241,43 @@ def run_ours(args) -> dict:
 
         free, total = torch.cuda.mem_get_info()
         out["context_gib"] = _gib(total - free)
+    profiler = StepProfiler(args.profile_step, args.device == "cuda") if args.profile_step else None
     try:
         precompute.run(cfg, progress=False)
-        train.run(cfg, progress=False)
+        with profiled_steps(profiler):
+            train.run(cfg, progress=False)
     except UserError as e:
         out.update(oom="out of memory" in str(e), error=str(e))
+    if profiler is not None:
+        out["profile"] = profiler.result
     lines = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()] \
         if (Path(cfg.output_dir) / "metrics.jsonl").is_file() else []
-    return {**out, **summarize(lines)}
+    return {**out, **summarize(lines, profiled=args.profile_step)}
+
+
+@contextlib.contextmanager
+def profiled_steps(profiler: StepProfiler | None):
+    """loop.optimizer_step, the step train runs, with `profiler` around its profiler.step-th call."""
+    from lowmem_dpo.training import loop
+
+    if profiler is None:
+        yield
+        return
+    real, calls = loop.optimizer_step, [0]
+
+    def step(*a, **k):
+        calls[0] += 1
+        profiler.start(calls[0])
+        try:
+            return real(*a, **k)
+        finally:
+            profiler.stop(calls[0])
+
+    loop.optimizer_step = step
+    try:
+        yield
+    finally:
+        loop.optimizer_step = real
 
 
 def child_config(args, **changes):
@@ -217,8 +315,11 @@ def run_trl(args) -> dict:
     if cuda:
         free, held, total = devices.cuda_memory(torch.device("cuda"))
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total))
-    bf16 = devices.cuda_native_bf16() if cuda else devices.cpu_has_native_bf16()
-    fp16 = cuda and not bf16  # a card without bf16 (T4): float16 with a loss scale, as ours runs
+    if cfg.dtype == "auto":  # as ours resolves it
+        bf16 = devices.cuda_native_bf16() if cuda else devices.cpu_has_native_bf16()
+        fp16 = cuda and not bf16  # a card without bf16 (T4): float16 with a loss scale, as ours runs
+    else:  # the recipe's (--set dtype=...), as ours runs it
+        bf16, fp16 = cfg.dtype == "bfloat16", cfg.dtype == "float16"
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     path = models.resolve_model_path(args.model)
     work = Path(args.work)
@@ -227,12 +328,15 @@ def run_trl(args) -> dict:
     quant = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                 bnb_4bit_compute_dtype=dtype) if cfg.quantization == "4bit" else None)
     lines: list[dict] = []
+    profiler = StepProfiler(args.profile_step, cuda) if args.profile_step else None
 
     class Meter(TrainerCallback):  # each step's time, tokens and peaks, reset per step as ours are
         def on_step_begin(self, a, state, control, **kw):
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            if profiler is not None:  # global_step counts the steps done: this one is the next
+                profiler.start(state.global_step + 1)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
@@ -241,6 +345,8 @@ def run_trl(args) -> dict:
                 torch.cuda.synchronize()
                 line.update(devices.memory_window(torch.device("cuda")))
             line["step_time_s"] = time.perf_counter() - self.t0
+            if profiler is not None:
+                profiler.stop(state.global_step)
             lines.append(line)
 
     out: dict = {"planned_gib": None, "micro_batch": cfg.per_device_train_batch_size, "grad_accum": 1,
@@ -272,7 +378,7 @@ def run_trl(args) -> dict:
     history = {h["step"]: h for h in (trainer.state.log_history if trainer is not None else []) if "loss" in h}
     for line in lines:
         line["loss"] = history.get(line["step"], {}).get("loss")
-    summary = summarize(lines, tokens_key="step_time_s")
+    summary = summarize(lines, tokens_key="step_time_s", profiled=args.profile_step)
     if summary["median_step_s"]:  # TRL logs no token count: the pairs' real tokens, which ours count alike
         from lowmem_dpo.model.models import load_tokenizer
 
@@ -280,6 +386,8 @@ def run_trl(args) -> dict:
         per_pair = statistics.mean(2 * len(tok(r["prompt"])["input_ids"]) + len(tok(r["chosen"])["input_ids"])
                                    + len(tok(r["rejected"])["input_ids"]) for r in rows[:DISTINCT_ROWS])
         summary["tokens_per_s"] = round(per_pair * cfg.per_device_train_batch_size / summary["median_step_s"], 1)
+    if profiler is not None:
+        out["profile"] = profiler.result
     return {**out, **summary}
 
 
@@ -300,7 +408,7 @@ def run_grads(args) -> dict:
     cuda = session.run.resolved.device.type == "cuda"
 
     def grads() -> tuple[list, dict]:
-        session.trainee.optimizer.zero_grad(set_to_none=True)
+        session.trainee.zero_grad()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -382,6 +490,10 @@ def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, devi
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", tool, "--name", name, "--recipe", recipe,
             "--model", model, "--max-length", str(length), "--cap-gib", str(args.cap_gib), "--steps",
             str(args.steps), "--device", device, "--work", str(work), "--out", str(out)]
+    if args.profile and tool != "grads":
+        argv += ["--profile-step", str(args.profile)]
+    if args.set:
+        argv += ["--set", *args.set]
     log(f"{tool} {name} max_length={length} on {device}: {shlex.join(argv[2:])}")
     with open(work / "log.txt", "w") as logfile:
         rc = subprocess.run(argv, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT).returncode
@@ -393,6 +505,9 @@ def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, devi
              "max_length": length, "cap_gib": args.cap_gib if device == "cuda" else None, "device": device,
              "oom": False, **result}
     log(f"  -> {json.dumps({k: entry.get(k) for k in ('oom', 'planned_gib', 'allocated_gib', 'reserved_gib', 'median_step_s', 'step1_loss_minus_ln2', 'error')})}")
+    if entry.get("profile"):
+        counts = {k: v for k, v in entry["profile"].items() if k != "table"}
+        log(f"  profiled step {args.profile}: {json.dumps(counts)}")
     return entry
 
 
@@ -409,14 +524,22 @@ def lengths(args, recipe: str, model: str, device: str) -> list[tuple[int, str |
             limit = 512 if args.smoke else args.longest_limit
             out.append((longest_length(recipe, model, args.cap_gib, device, limit), "longest"))
         else:
-            n = SMOKE_LENGTHS["2048"] if args.smoke and what == "2048" else int(what)
+            n = SMOKE_LENGTHS[what] if args.smoke and what in SMOKE_LENGTHS else int(what)
             out.append((n, f"max_length={what}"))
     return [(n, v) for i, (n, v) in enumerate(out) if n and n not in [m for m, _ in out[:i]]]
 
 
 def write(report: dict, path: Path) -> None:
+    """The JSON, and each profiled run's op table beside it (STEM-prof-TOOL-RECIPE-LENGTH.txt)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+    for run in report["runs"]:
+        table = (run.get("profile") or {}).get("table")
+        if table:
+            counts = {k: v for k, v in run["profile"].items() if k != "table"}
+            name = f"{path.stem}-prof-{run['tool']}-{run['recipe']}-{run['max_length']}.txt"
+            (path.parent / name).write_text(f"{run['tool']} {run['recipe']} {run['max_length']}: {json.dumps(counts)}\n"
+                                            + table + "\n")
 
 
 def check(args) -> int:
@@ -459,11 +582,12 @@ def check(args) -> int:
     return 0
 
 
-def combine(paths: list[str], out: Path) -> int:
+def combine(paths: list[str], out: Path, loan: int | None = None) -> int:
     """One JSON from several calls' (each a part of the check, e.g. one per recipe): the first one's header, every
-    run."""
+    run; `loan` marks the runs that carry no loan number yet (a new GPU loan's files beside earlier ones)."""
     parts = [json.loads(Path(p).read_text()) for p in paths]  # a part may be an earlier combination: its commands
-    report = {**parts[0], "runs": [{"command": p["command"], **r} for p in parts for r in p["runs"]],
+    report = {**parts[0], "runs": [{"command": p["command"], **({"loan": loan} if loan else {}), **r}
+                                   for p in parts for r in p["runs"]],
               "commands": [c for p in parts for c in p.get("commands", [p["command"]])]}
     write(report, out)
     log(f"wrote {out}: {len(report['runs'])} runs from {len(parts)} files")
@@ -481,17 +605,21 @@ def parse_args(argv):
     ap.add_argument("--no-step-compare", dest="step_compare", action="store_false")
     ap.add_argument("--grads", action="store_true", help="also the offloaded gradients against plain ones")
     ap.add_argument("--grads-length", type=int, default=4096, help="max_length of the gradient comparison")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEP", help="profile this optimizer step of each run "
+                    "(torch.profiler, CPU and CUDA): its counts and op table in the JSON, the table beside it")
     ap.add_argument("--part", type=int, choices=sorted(PARTS), help="one part of the check (PARTS), for a short "
                     "GPU loan: sets --recipes, --tools, --lengths, --grads, --no-step-compare and --steps")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default=str(RESULT))
     ap.add_argument("--combine", nargs="+", metavar="JSON")
+    ap.add_argument("--loan", type=int, help="with --combine: the loan number of runs that have none")
     # a child run (internal)
     ap.add_argument("--child", choices=("ours", "trl", "grads"))
     for name in ("--name", "--recipe", "--model", "--device", "--work", "--out"):
         ap.add_argument(name)
     ap.add_argument("--max-length", type=int)
-    ap.add_argument("--set", nargs="*", default=[])
+    ap.add_argument("--profile-step", type=int, default=0)
+    ap.add_argument("--set", nargs="*", default=[], help="recipe keys for every run, e.g. dtype=bfloat16")
     return ap.parse_args(argv)
 
 
@@ -505,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     # `timeout` ends the check with SIGTERM: as an exception, so that subprocess.run kills the running child too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.combine:
-        return combine(args.combine, Path(args.json))
+        return combine(args.combine, Path(args.json), args.loan)
     return check(args)
 
 
