@@ -260,7 +260,7 @@ class Offloader:
         enough, on the device (or any tensor when forced)."""
         if type(t) is not torch.Tensor or t.numel() * t.element_size() < self.min_bytes:
             return False  # a Parameter (or a quantized weight's subclass), or too small
-        if t.is_leaf and t.requires_grad:  # a trainable weight that is not a Parameter: a LoRA compute copy
+        if compute_copies.is_copy(t):  # a LoRA weight's 16-bit copy: a weight, not a Parameter
             return False
         if t.untyped_storage().data_ptr() in self.weights:
             return False

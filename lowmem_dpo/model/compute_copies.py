@@ -30,6 +30,7 @@ forward reads the same copies; in float32 nothing changes.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,13 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
 _COPY_OF = WeakTensorKeyDictionary()  # a weight -> its compute copy, by identity
+_ALL: "weakref.WeakSet[ComputeCopies]" = weakref.WeakSet()  # every live set of copies (is_copy reads them)
+
+
+def is_copy(t: torch.Tensor) -> bool:
+    """Whether `t` is a compute copy (a weight, which activations.Offloader leaves where it is)."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(c.flat.numel() and ptr == c.flat.untyped_storage().data_ptr() for c in _ALL)
 
 
 def read_by_forward(param: torch.Tensor) -> torch.Tensor:
@@ -69,6 +77,7 @@ class ComputeCopies:
         self.flat_grad = torch.zeros(n, dtype=dtype, device=device)  # (n,) their gradients
         self.flat_grad32 = torch.zeros(n, dtype=torch.float32, device=device)  # (n,) the float32 weights' .grad
         self.copies, self.grads32, self.flat_params = {}, [], []
+        _ALL.add(self)
         start = 0
         for p in self.params:
             end = start + p.numel()

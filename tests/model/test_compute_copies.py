@@ -7,7 +7,7 @@ import torch
 from torch.profiler import profile
 
 from lowmem_dpo import precompute, train
-from lowmem_dpo.model import compute_copies
+from lowmem_dpo.model import activations, compute_copies
 from lowmem_dpo.training import checkpoint, loop
 
 CASTS = "ToCopyBackward0"  # a cast's node in backward: one per LoRA weight per micro-batch under autocast alone
@@ -45,7 +45,7 @@ def test_the_copies_train_the_autocast_adapter_to_the_bit(make_cfg, tmp_path, mo
 
 def test_a_restored_checkpoint_refreshes_the_copies(make_cfg, tmp_path, monkeypatch):
     """checkpoint.restore loads the float32 weights and the copies follow: the forward reads the restored
-    adapter, not the one it had before."""
+    adapter, not the one it had before. Offloading never takes a copy for an activation."""
     session = session_of(make_cfg, tmp_path, True, monkeypatch, max_steps=2, save_steps=1)
     copies = session.trainee.copies
     loop.optimizer_step(session)
@@ -56,3 +56,7 @@ def test_a_restored_checkpoint_refreshes_the_copies(make_cfg, tmp_path, monkeypa
     checkpoint.restore(checkpoint.folder(tmp_path / "out-True", 1), session.trainee)
     assert all(torch.equal(a, b) for a, b in zip(saved, session.trainee.params))
     assert torch.equal(copies.flat, torch.cat([p.reshape(-1) for p in saved]).to(copies.flat.dtype))
+    # activation offloading leaves a copy where it is (a weight), and takes an activation
+    offloader = activations.offload_activations(session.trainee.model, torch.device("cpu"), force=True)
+    offloader.min_bytes = 0
+    assert not any(offloader.moves(c) for c in copies.copies.values()) and offloader.moves(torch.ones(3))
