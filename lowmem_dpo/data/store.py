@@ -17,12 +17,16 @@ the other's commit. Shards would need their own index, compaction and locking to
 ref_cache_dir off NFS.
 
 An index of an earlier format (the pair-keyed `rows` table) is refused (OldFormat): no release wrote one, and
-its values cannot be split into sequences.
+its values cannot be split into sequences. A damaged index (a disk's or a copy's fault, bytes written over it, a
+truncated file) is refused in one line naming it, whatever SQLite raises and wherever: SQLite's quick check on
+open, before anything can write to the file (~0.25 s per million sequences), and every query after it (_refused).
+SQLite cannot see bytes changed inside a stored value; cache.damaged refuses a value whose token count disagrees.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sqlite3
 import time
@@ -50,7 +54,9 @@ class OldFormat(UserError):
 def tables(cache_dir: str | Path) -> set[str]:
     """The tables of the folder's index, read without writing; empty when it has none or it is unreadable. Without
     a write-ahead log it is read as immutable (SQLite makes no -shm file); with one (a writer killed, or still
-    running) read-only through it, since the tables may be there only."""
+    running) read-only through it, since the tables may be there only. Unreadable is not refused here: read
+    without locks, a file another process is folding its log into may look damaged for a moment; Store's open,
+    with locks, refuses a damaged one."""
     path = Path(cache_dir) / INDEX
     if not path.is_file():
         return set()
@@ -93,25 +99,48 @@ class SideUsage:
     bytes: int  # its share of the file, by sequences
 
 
+def _refused(method: Callable) -> Callable:
+    """A Store method whose SQLite errors are the index's, said in one line naming it (_problem): a damaged file
+    may fail any query, not only the open's check. A full disk goes on as SQLite raised it: precompute meets it
+    with the space it needs and what is kept."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.Error as e:
+            if "full" in str(e):
+                raise
+            raise UserError(_problem(self.path, e)) from None
+
+    return run
+
+
 class Store:
     """The index of one cache folder, opened for the life of a stage (one connection, one process)."""
 
     def __init__(self, cache_dir: str | Path, create: bool = False):
         self.path = Path(cache_dir) / INDEX
-        if not create and not self.path.is_file():
+        existed = self.path.is_file()
+        if not create and not existed:
             raise FileNotFoundError(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if OLD_TABLE in tables(cache_dir):  # read only: the file stays as it is
+            raise OldFormat(f"{self.path} is a reference cache of the earlier pair-keyed format")
+        self.db = None
         try:
-            if OLD_TABLE in tables(cache_dir):  # read only: the file stays as it is
-                raise OldFormat(f"{self.path} is a reference cache of the earlier pair-keyed format")
             self.db = sqlite3.connect(self.path, timeout=WAIT_S)
+            if existed:  # a damaged file is refused before any statement below may write to it
+                _busy(lambda: _check(self.db))
             if self.db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                 # readers do not wait for a writer; SQLite answers "locked" at once (no busy wait) while another
                 # process holds the file, as when two processes create a new cache together
                 _busy(lambda: self.db.execute("PRAGMA journal_mode=WAL"))
             self.db.execute("PRAGMA synchronous=NORMAL")  # a commit survives a killed process (not a power cut)
             _busy(lambda: self.db.executescript(SCHEMA))
-        except sqlite3.DatabaseError as e:
+        except sqlite3.Error as e:
+            if self.db is not None:
+                self.db.close()  # SQLite removes the -wal and -shm files it made beside the user's file
             raise UserError(_problem(self.path, e)) from None
 
     def close(self) -> None:
@@ -135,6 +164,7 @@ class Store:
             raise
         self.db.commit()
 
+    @_refused
     def side(self, digest: str, components: dict | None = None) -> int | None:
         """The id of a model side; with `components`, created when it is new."""
         row = self.db.execute("SELECT id FROM sides WHERE digest = ?", (digest,)).fetchone()
@@ -145,6 +175,7 @@ class Store:
                             (digest, json.dumps(components, sort_keys=True), time.strftime("%Y-%m-%dT%H:%M:%S%z")))
         return self.side(digest)
 
+    @_refused
     def get(self, side: int | None, keys: list[bytes]) -> dict[bytes, Value]:
         """The values the store holds for `keys` under `side` (the others are absent from the result)."""
         out: dict[bytes, Value] = {}
@@ -159,6 +190,7 @@ class Store:
                 out[bytes(key)] = Value(*values)
         return out
 
+    @_refused
     def values(self, side: int | None) -> list[Value]:
         """Every value stored under `side` (benchmarks: the statistics of a whole build)."""
         if side is None:
@@ -166,6 +198,7 @@ class Store:
         return [Value(*v) for v in self.db.execute(
             "SELECT logps, tokens, token_logps FROM sequences WHERE side = ?", (side,))]
 
+    @_refused
     def put(self, side: int, values: dict[bytes, Value]) -> None:
         """Add sequences, in one transaction (all or none of them); a key already there keeps its value (any process
         computes the same one). A side that another process's --prune removed meanwhile is refused: its id is
@@ -177,6 +210,7 @@ class Store:
             self.db.executemany("INSERT OR IGNORE INTO sequences VALUES (?, ?, ?, ?, ?)",
                                 [(side, k, v.logps, v.tokens, v.token_logps) for k, v in values.items()])
 
+    @_refused
     def usage(self) -> list[SideUsage]:
         """Each model side's sequences and its share of the file's bytes in use (pages not on the free list), by
         what its values hold (a per-token side's blobs count), the largest first."""
@@ -192,6 +226,7 @@ class Store:
                for i, digest, components in self.db.execute("SELECT id, digest, components FROM sides")]
         return sorted(out, key=lambda u: -u.sequences)
 
+    @_refused
     def prune(self, side: int, keep: set[bytes]) -> int:
         """Drop every sequence but `keep` under `side`, and every other side; returns the sequences dropped. The
         file shrinks (VACUUM) afterwards."""
@@ -206,6 +241,7 @@ class Store:
         self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the rewritten file replaces the old one now
         return before - self.count()
 
+    @_refused
     def count(self) -> int:
         """The sequences stored, under every side."""
         return self.db.execute("SELECT COUNT(*) FROM sequences").fetchone()[0]
@@ -227,13 +263,23 @@ def _busy(run: Callable, wait_s: float = WAIT_S):
             time.sleep(0.05)
 
 
-def _problem(path: Path, e: sqlite3.DatabaseError) -> str:
-    """What an SQLite error opening the index means, and what to do."""
-    text = str(e)
+def _check(db: sqlite3.Connection) -> None:
+    """SQLite's quick check of the whole file (every page's structure and every record's form, not the values):
+    a DatabaseError saying the first problem it finds."""
+    found = [line.strip() for (text,) in db.execute("PRAGMA quick_check") for line in str(text).splitlines()]
+    problems = [line for line in found if line and line != "ok" and not line.startswith("***")]
+    if problems:
+        raise sqlite3.DatabaseError(f"damaged: {problems[0]}")
+
+
+def _problem(path: Path, e: sqlite3.Error) -> str:
+    """What an SQLite error on the index means, and what to do, in one line."""
+    text = " ".join(str(e).split())
     if "locked" in text or "busy" in text:
         return (f"the reference cache index {path} stayed locked by another process for {WAIT_S // 60} minutes "
                 f"({text}): wait for that process (another precompute?) to finish, then run this again")
     if "readonly" in text or "read-only" in text or "unable to open" in text:
         return (f"cannot write the reference cache index {path} ({text}): make {path.parent} writable, or point "
                 "ref_cache_dir elsewhere")
-    return f"the reference cache index {path} is unreadable ({text}): move it away and run precompute again"
+    return (f"the reference cache index {path} is unreadable ({text}): move it away, with its -wal and -shm files "
+            "if there are any, and run precompute again")

@@ -132,6 +132,29 @@ def cuda_budget(free: int, held: int, total: int, memory_budget: int | None) -> 
                       f"{fmt(available)} free (enforced: torch.cuda.set_per_process_memory_fraction({fraction:.4f}))")
 
 
+
+@dataclass(frozen=True)
+class RamBudget:
+    """What a CPU run given memory_budget plans for."""
+
+    budget: int  # bytes: what the planner fits
+    why: str
+    short: bool = False  # memory_budget asked for more RAM than this process's share of what is available
+
+
+def cpu_budget(available: int, processes: int, memory_budget: int, source: str = "available") -> RamBudget:
+    """The budget of a CPU run given memory_budget, from the RAM the OS says new allocations get now without
+    swapping (`available`, as `source` names it: Linux's MemAvailable), shared by the run's `processes` on this
+    machine, each with its own model. A memory_budget above this process's share is planned at the share, as
+    cuda_budget plans a card's free memory: a plan for RAM that is not there ends in swapping or the kernel's
+    out-of-memory killer, not in torch's out-of-memory back-off."""
+    share = available // max(1, processes)
+    of = f"{fmt(share)} of RAM {source}" + (f" ({processes} processes' share)" if processes > 1 else "")
+    if memory_budget > share:
+        return RamBudget(share, f"memory_budget={fmt(memory_budget)} but only {of} on this machine: planning for "
+                         f"{fmt(share)}", short=True)
+    return RamBudget(memory_budget, f"memory_budget={fmt(memory_budget)}, {of}")
+
 def dtype_problem(key: str, setting: str, kind: str) -> str | None:
     """Why `key`=`setting` (dtype or ref_dtype, from the recipe) cannot run on a device of rule `kind`, or None.
     bfloat16 on a CUDA card without native bf16 (Turing, Volta: T4, V100, RTX 20xx): its matmuls are emulated and

@@ -292,6 +292,58 @@ def test_a_cache_of_an_earlier_format_is_refused_with_what_to_remove_and_the_com
         assert not (tmp_path / "out").exists()
 
 
+
+def _damaged(index, how: str, rng) -> None:
+    """Damage a copy of an index as a disk, a bad copy or a stray write would: 64 random bytes over `how` (an
+    offset: 16 is the file header's page size, 100 the first page's b-tree header, "middle" the header of the
+    middle page, "end" the last page's last cell), or the file cut to a third ("truncated")."""
+    data = index.read_bytes()
+    if how == "truncated":
+        index.write_bytes(data[:len(data) // 3])
+        return
+    pages = len(data) // 4096
+    at = {"middle": pages // 2 * 4096, "end": len(data) - 64}.get(how, how)
+    index.write_bytes(data[:at] + rng.randbytes(64) + data[at + 64:])
+
+
+def test_a_damaged_index_is_refused_in_one_line_by_every_stage_and_left_as_it_is(tmp_path, capsys):
+    """One real cache of 96 of the demo's rows, copied and damaged five ways (random bytes, seeded, over the file
+    header, the first page, the middle page and the last cell; the file cut short): precompute (and --prune),
+    preflight and train each exit 2 with one line naming index.sqlite and what to do, no traceback, and every file
+    in the folder (the index byte for byte, no -wal or -shm left beside it) as it was."""
+    import random
+
+    from lowmem_dpo import preflight
+
+    stages = {"precompute": precompute, "preflight": preflight, "train": train}
+
+    def main(argv: list[str]) -> int:
+        return run_cli(stages[argv[0]].main, argv[1:], argv[0], stages[argv[0]].__doc__)
+
+    args = [f"ref_cache_dir={tmp_path / 'built'}", f"dataset={write_jsonl(tmp_path / 'd.jsonl', rows(96))}",
+            "dtype=float32", f"output_dir={tmp_path / 'out'}", "max_steps=1"]
+    assert main(["precompute", RECIPE, *args]) == 0
+    assert main(["preflight", RECIPE, *args]) == 0  # the intact cache serves every row
+    capsys.readouterr()
+    rng = random.Random(47)
+    for how in (16, 100, "middle", "end", "truncated"):
+        folder = tmp_path / f"damaged-{how}"
+        shutil.copytree(tmp_path / "built", folder)
+        _damaged(folder / "index.sqlite", how, rng)
+        before = {p.name: p.read_bytes() for p in folder.iterdir()}
+        args[0] = f"ref_cache_dir={folder}"
+        for stage in (["precompute"], ["precompute", "--prune"], ["preflight"], ["train"]):
+            assert main([*stage[:1], RECIPE, *args, *stage[1:]]) == 2, (how, stage)
+            err = capsys.readouterr().err.strip()
+            assert "Traceback" not in err and err.count("error:") == 1, (how, stage, err)
+            assert re.fullmatch(rf"lowmem_dpo\.{stage[0]}: error: the reference cache index "
+                                rf"{re.escape(str(folder / 'index.sqlite'))} is unreadable \(.+\): move it away, with "
+                                "its -wal and -shm files if there are any, and run precompute again",
+                                err.splitlines()[-1]), (how, stage, err)
+            assert {p.name: p.read_bytes() for p in folder.iterdir()} == before, (how, stage)
+        assert not (tmp_path / "out").exists()
+
+
 def _four_completions(n: int) -> list[list]:
     """n prompts with 4 completions each, best first (UltraFeedback's shape): the demo rows' chosen and rejected
     of row i and of row i + n."""

@@ -72,7 +72,8 @@ def test_usage_counts_the_pages_in_use_not_the_write_ahead_log(tmp_path):
 
 def test_an_unreadable_index_is_named_with_what_to_do(tmp_path):
     (tmp_path / "index.sqlite").write_bytes(b"not a database" * 100)
-    with pytest.raises(UserError, match="index.sqlite is unreadable .*: move it away and run precompute again"):
+    with pytest.raises(UserError, match="index.sqlite is unreadable .*: move it away, with its -wal and -shm files "
+                                        "if there are any, and run precompute again"):
         stores.Store(tmp_path)
 
 
@@ -117,3 +118,41 @@ def test_usage_weighs_a_per_token_sides_blobs(tmp_path):
         got = {u.digest: u for u in s.usage()}
         assert got["plain"].sequences == got["tokens"].sequences == 500
         assert got["tokens"].bytes > 40 * got["plain"].bytes
+
+
+def test_an_index_damaged_while_open_is_refused_by_every_query_and_left_as_it_is(tmp_path):
+    """The file cut short while a stage holds it open (a real truncation): every query after it, a read, a write
+    and --prune, refuses in one line naming the index and what to do, and the write adds nothing to the file."""
+    import hashlib
+
+    with stores.Store(tmp_path, create=True) as s:
+        s.put(s.side("side", {"k": 1}), values(2000))
+    s = stores.Store(tmp_path)  # its check on open passes
+    side = s.side("side")
+    index = tmp_path / "index.sqlite"
+    with open(index, "r+b") as f:
+        f.truncate(index.stat().st_size // 3)
+    digest = hashlib.sha256(index.read_bytes()).hexdigest()
+    for query in (s.count, lambda: s.get(side, list(values(2000))), s.usage, lambda: s.side("new", {"k": 2}),
+                  lambda: s.put(side, values(10, 5000)), lambda: s.prune(side, set())):
+        with pytest.raises(UserError) as e:
+            query()
+        assert str(e.value) == (f"the reference cache index {index} is unreadable (database disk image is "
+                                "malformed): move it away, with its -wal and -shm files if there are any, and run "
+                                "precompute again")
+    s.close()
+    assert hashlib.sha256(index.read_bytes()).hexdigest() == digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.sqlite"]
+
+
+def test_a_full_disk_is_raised_as_sqlite_raised_it(tmp_path):
+    """SQLite's own "database or disk is full" (a page limit on the file: a real SQLITE_FULL) is not called
+    damage: precompute meets it with the space it needs and what it keeps."""
+    import sqlite3
+
+    with stores.Store(tmp_path, create=True) as s:
+        side = s.side("side", {"k": 1})
+        s.db.execute(f"PRAGMA max_page_count={s.db.execute('PRAGMA page_count').fetchone()[0] + 2}")
+        with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
+            s.put(side, values(5000))
+        assert s.count() == 0

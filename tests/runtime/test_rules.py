@@ -1,5 +1,6 @@
 """The CUDA decisions as pure functions of a card's numbers (rules.py): the budget a run plans for, the device rule
-it gets, the dtypes a card refuses. Numbers in, numbers out: the cards are ones this machine does not have."""
+it gets, the dtypes a card refuses; and a CPU run's budget from the RAM available. Numbers in, numbers out: the
+cards and machines are ones this machine is not."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.runtime import devices, oom, rules
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.runtime.units import GiB, MiB
+from lowmem_dpo.runtime.units import GiB, MiB, fmt
 
 
 @pytest.mark.parametrize("gib, tier", [(11.25, "12gb"), (11.7, "12gb"), (12, "12gb"), (12.01, "24gb"),
@@ -62,6 +63,26 @@ def test_the_emulated_card_gets_the_small_cards_rule():
     assert kind == "cuda-12gb-bf16" and rules.RULES[kind].gradient_checkpointing
     assert not rules.RULES[rules.cuda_kind(int(78.5 * GiB), True)].gradient_checkpointing
 
+
+
+@pytest.mark.parametrize("available, processes, cap, budget, short", [
+    # simulated machines (numbers in, numbers out): the RAM the OS says is available, the run's processes on it
+    (23.5 * GiB, 1, 500 * GiB, 23.5 * GiB, True),  # above the RAM that is there: planned at it, and said
+    (23.5 * GiB, 1, 16 * GiB, 16 * GiB, False),  # within it: the budget as given
+    (23.5 * GiB, 1, 23.5 * GiB, 23.5 * GiB, False),
+    (64 * GiB, 4, 20 * GiB, 16 * GiB, True),  # four processes, each with its own model: a quarter each
+    (64 * GiB, 4, 8 * GiB, 8 * GiB, False),
+])
+def test_cpu_budget_plans_at_most_the_ram_that_is_there(available, processes, cap, budget, short):
+    b = rules.cpu_budget(int(available), processes, int(cap), "available (MemAvailable)")
+    assert b.budget == int(budget) and b.short == short
+    share = f" ({processes} processes' share)" if processes > 1 else ""
+    if short:
+        assert b.why == (f"memory_budget={fmt(cap)} but only {fmt(budget)} of RAM available (MemAvailable){share} on "
+                         f"this machine: planning for {fmt(budget)}")
+    else:
+        assert b.why == (f"memory_budget={fmt(cap)}, {fmt(available // processes)} of RAM available "
+                         f"(MemAvailable){share}")
 
 @pytest.mark.parametrize("key, setting, kind, refused", [
     ("dtype", "bfloat16", "cuda-12gb", True),  # a T4: emulated bf16
