@@ -15,7 +15,7 @@ from pathlib import Path
 
 # The stages in the order a run goes through them (each a module lowmem_dpo/STAGE.py, its docstring's first line
 # what --help says of it).
-STAGES = ("plan", "sft", "precompute", "preflight", "train", "report", "export")
+STAGES = ("plan", "sft", "precompute", "preflight", "train", "report", "export", "chat")
 
 
 def summary(stage: str) -> str:
@@ -26,7 +26,7 @@ def summary(stage: str) -> str:
 
 def help_text() -> str:
     width = max(map(len, STAGES))
-    lines = ["usage: lowmem-dpo STAGE RECIPE.yaml [key=value | --key value ...]   (report, export: their own "
+    lines = ["usage: lowmem-dpo STAGE RECIPE.yaml [key=value | --key value ...]   (report, export, chat: their own "
              "arguments)", "", "stages, in the order a run goes through them:"]
     lines += [f"  {stage:<{width}}  {summary(stage)}" for stage in STAGES]
     lines += ["", "lowmem-dpo STAGE --help lists the stage's keys; docs/README.md is the manual."]

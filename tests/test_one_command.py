@@ -20,7 +20,7 @@ def test_help_lists_the_stages_in_pipeline_order_with_their_docstrings(capsys):
     assert one.main(["--help"]) == 0
     out = capsys.readouterr().out
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
-    assert listed == ["plan", "sft", "precompute", "preflight", "train", "report", "export"]
+    assert listed == ["plan", "sft", "precompute", "preflight", "train", "report", "export", "chat"]
     assert "  train       Train a LoRA DPO policy against cached reference log-probs" in out
     assert one.main(["trian", "x"]) == 2 and "'trian' is not a stage; one of plan, sft" in capsys.readouterr().err
 
