@@ -44,7 +44,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from lowmem_dpo import measure
+from lowmem_dpo import data, measure
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
@@ -203,6 +203,35 @@ def print_lengths(arch: Arch, chosen: Plan, budget: int) -> None:
                                                                                          else "") + capped)
 
 
+LENGTH_SHARES = (0.5, 0.9, 0.95, 0.99)  # the data's length percentiles plan prints
+
+
+def print_data_lengths(cfg: Config) -> None:
+    """The tokens each row needs to stay whole (prompt and longest completion, tokenized as train tokenizes them:
+    the chat template applied to conversations, apply_chat_template to text) at LENGTH_SHARES, and how many rows
+    max_length keeps whole. Not shown, with the reason, when the model has no tokenizer here (architecture-only)
+    or the data cannot be read: plan's numbers need neither."""
+    from lowmem_dpo.training import inputs
+
+    if is_arch_only(cfg.model_name_or_path):
+        print(f"data     lengths not shown: {cfg.model_name_or_path} is architecture-only here (no tokenizer); point "
+              "model_name_or_path at the model's folder for them")
+        return
+    try:
+        source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)
+        tok = inputs.tokenized(cfg, models.load_tokenizer(source.tokenizer_path, cfg.chat_template), progress=False)
+    except (UserError, OSError, ValueError) as e:
+        print(f"data     lengths not shown: {str(e).splitlines()[0]}")
+        return
+    if not tok.whole:
+        return
+    whole = sum(n <= cfg.max_length for n in tok.whole)
+    shown = ", ".join(f"p{round(100 * s)} {data.nearest_rank(tok.whole, s)}" for s in LENGTH_SHARES)
+    print(f"data     {tok.num_rows} rows, tokens to keep a row whole (prompt + longest completion, as tokenized): "
+          f"{shown}, max {max(tok.whole)}; max_length={cfg.max_length} keeps {whole} of {len(tok.whole)} "
+          f"({whole / len(tok.whole):.0%}) whole")
+
+
 def print_prediction(arch: Arch, setup: Setup, pred: Prediction, budget: int, no_reference: str = "") -> None:
     print(f"model    {arch.describe()}")
     print(f"device   {setup.device} (rule {setup.kind}), budget {fmt(budget)}")
@@ -267,6 +296,7 @@ def main(argv: list[str]) -> int:
     print()
     print_plan(chosen, budget, reference)
     print_lengths(arch, chosen, budget)
+    print_data_lengths(cfg)
     if args.json_out:
         path = Path(args.json_out)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,9 @@ def make_cfg(tmp_path):
                       output_dir=str(tmp_path / "out"), ref_cache_dir=str(tmp_path / "cache"), device="cpu",
                       dtype="float32",  # exact comparisons; auto may pick bfloat16 on a CPU with native bf16
                       max_length=64, per_device_train_batch_size=4, precompute_batch_size=16, max_steps=3,
-                      logging_steps=1, learning_rate=1e-2, seed=0)
+                      logging_steps=1, learning_rate=1e-2, seed=0,
+                      # tests skip and cut rows on purpose; test_third_hour checks the limits at their defaults
+                      max_skipped_share=1, max_truncated_share=1)
         values.update(overrides)
         return build_config(values)
 

@@ -2,7 +2,9 @@
 tiny model, a few rows, seconds), so they still work when it is time to run them for real (bench/README.md has
 those numbers)."""
 
+import json
 import math
+import re
 import sys
 
 import pytest
@@ -47,6 +49,22 @@ def test_readme_recipe_smoke(bench_path, tiny_path, capsys):
     assert [int(e[1]) for e in evals] == [0, 2, 4]  # eval_on_start, then eval_steps=2 of 4 steps
     assert abs(float(evals[0][2]) - math.log(2)) < 1e-3 and float(evals[0][4]) == 0.0
     assert all(0.0 <= float(e[3]) <= 1.0 for e in evals)
+
+
+def test_own_columns_smoke(bench_path, tmp_path, capsys):
+    """A question/good/bad CSV of plain text on the tiny model (a chat template): with apply_chat_template every
+    held-out sample is an answer; the trap's max_length exits 2 naming one that keeps 95% of the rows, which runs."""
+    import own_columns
+
+    out = tmp_path / "own_columns.json"
+    assert own_columns.main(["--smoke", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    template = got["runs"]["template"]
+    assert abs(template["eval_loss_first"] - math.log(2)) < 1e-3 and template["samples"]["of"] > 0
+    assert template["samples"]["empty"] == 0
+    trap = got["trap"]
+    assert trap["exit_code"] == 2 and re.search(r"over max_(skipped|truncated)_share", trap["message"])
+    assert trap["advised"]["exit_code"] == 0 and trap["advised"]["max_length"] > trap["max_length"]
 
 
 def test_repairing_smoke(bench_path, capsys):

@@ -149,6 +149,9 @@ def run_shell(text: str) -> list[tuple[str, str]]:
         if words[:2] == ["pip", "install"]:
             check_pip(words)
             continue
+        if words[0] == "source":  # a new shell's activation: test_commands_run_in_a_new_shell runs it there
+            assert words[1:] == [".venv/bin/activate"], f"an activation this test does not know: {line!r}"
+            continue
         argv = stage_argv(words)
         if words[0] == "torchrun" and not env:
             code, output = run_torchrun(words)
@@ -275,11 +278,49 @@ def test_every_block_is_run_or_says_why_not():
             assert len(b.not_run) > 10, f"{b.id}: say why it cannot run here"
 
 
+def test_commands_run_in_a_new_shell(tmp_path):
+    """What the pages run, from a user's new terminal: no activated venv, no PYTHONPATH, a folder outside the
+    repository. The README's activation line (in the repository, its venv this test's: make's .venv, or where
+    this Python is), then in tmp_path each command the blocks start with resolves: `lowmem-dpo --help` runs,
+    every stage and library imports, every `python bench/...` script is where the pages say (from the
+    repository)."""
+    venv = Path(sys.prefix)
+    activation = block("README.md", "bash", "source .venv/bin/activate").text
+    if venv != REPO / ".venv":
+        activation = activation.replace(".venv/", f"{venv}/")
+    assert (venv / "bin" / "activate").is_file(), f"this Python ({sys.executable}) is not in a venv"
+    stages, scripts, programs = set(), set(), {"lowmem-dpo"}
+    for b in (b for b in BLOCKS if b.kind == "bash"):
+        for line in commands(b.text):
+            words = [w for w in shlex.split(line, comments=True) if not ENV_SETTING.fullmatch(w)]
+            argv = stage_argv(words)
+            if words[0] == "python" and words[1].endswith(".py"):  # a bench, run or not here: it is there
+                scripts.add(words[1])
+            elif b.not_run is None and argv and argv[0] in one.STAGES:
+                stages.add(argv[0])
+            elif b.not_run is None and words[0] in ("torchrun", "accelerate"):
+                programs.add(words[0])
+    modules = ["torch", "transformers", "peft", *(f"lowmem_dpo.{s}" for s in sorted(stages))]
+    script = "\n".join([
+        "set -e", f"cd {shlex.quote(str(REPO))}", activation, f"cd {shlex.quote(str(tmp_path))}",
+        *(f"command -v {p} >/dev/null || {{ echo 'not found: {p}'; exit 1; }}" for p in sorted(programs)),
+        "lowmem-dpo --help",
+        "python -c 'import importlib.util, sys; missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) "
+        "is None]; sys.exit(f\"cannot import {missing}\" if missing else 0)' " + " ".join(modules)])
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    p = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert all(f"  {stage}" in p.stdout for stage in stages)  # lowmem-dpo --help lists them
+    assert stages >= {"plan", "precompute", "train", "report", "export"} and scripts
+    for path in scripts:
+        assert (REPO / path).is_file(), f"the pages run python {path}, which is not in the repository"
+
+
 def test_make_demo_runs_the_commands_of_docs_demo_md():
     makefile = (REPO / "Makefile").read_text(encoding="utf-8")
     recipe = re.search(r"^RECIPE \?= (\S+)$", makefile, re.M).group(1)
     demo = re.search(r"^demo:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
-    lines = [line.strip().replace("$(PY)", "python").replace("$(RECIPE)", recipe) for line in demo.splitlines()]
+    lines = [line.strip().replace("$(LOWMEM_DPO)", "lowmem-dpo").replace("$(RECIPE)", recipe) for line in demo.splitlines()]
     assert lines == commands(block("demo.md", "bash").text)
 
 

@@ -34,3 +34,21 @@ def throwaway_optimizer():
     import torch
 
     return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+
+def schedule_problems(cfg) -> list[str]:
+    """The schedule keys' problems (Config.validate): warmup as steps or a ratio, and the schedule's own
+    arguments, checked by transformers."""
+    problems = []
+    if cfg.warmup_steps >= 1 and cfg.warmup_steps != int(cfg.warmup_steps):
+        problems.append(f"warmup_steps={cfg.warmup_steps}: a number of steps is whole; below 1 it is a ratio "
+                        "of the run's steps")
+    if cfg.warmup_steps > 0 and cfg.warmup_ratio > 0:
+        problems.append(f"warmup_steps={cfg.warmup_steps} and warmup_ratio={cfg.warmup_ratio}: set one")
+    try:
+        make_schedule(cfg, throwaway_optimizer(), 10)  # the schedule's own arguments, checked by transformers
+    except (TypeError, ValueError) as e:
+        problems.append(f"lr_scheduler_type={cfg.lr_scheduler_type} with lr_scheduler_kwargs="
+                        f"{cfg.lr_scheduler_kwargs}: {str(e).splitlines()[0]}")
+    return problems
+

@@ -20,7 +20,7 @@ from typing import ClassVar, Optional
 
 import yaml
 
-from lowmem_dpo.config.schedule import SCHEDULERS, make_schedule, throwaway_optimizer
+from lowmem_dpo.config.schedule import SCHEDULERS, schedule_problems
 from lowmem_dpo.config.sources import Source, repeated, yaml_form
 from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings, logs
 from lowmem_dpo.objectives import no_effect as objective_no_effect
@@ -35,8 +35,8 @@ def key(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fa
     """A config field with its one-line doc, validation bounds, and what a change of its value changes.
 
     reference: the key changes the reference log-probs: "value" by its value, "files" by the files it names
-      (inputs.file_components; a checkpoint records their digests). None: it does not. The cache is keyed by
-      row ids and model side (cache.py); this list is what the format-1 cache's fingerprint held.
+      (inputs.file_components; a checkpoint records their digests). None: it does not. (The cache itself is keyed
+      by each sequence's token ids and the model side: data/cache.py.)
     resumable: the key may change between a run and its resumption from a checkpoint: it changes neither the
       numbers the run computes nor the data it sees (output places, logging, saving, guards). "length": the key
       sets how long the run is (max_steps, num_train_epochs): changing it continues the run, the schedule
@@ -132,6 +132,14 @@ class Config:
     chat_template: Optional[str] = key(None, "Jinja chat template for conversational rows, in place of the "
                                       "tokenizer's: a file (e.g. template.jinja) or the template text itself. A new "
                                       "template gives the rows new token ids: precompute computes them again.", reference="files")
+    apply_chat_template: bool = key(False, "Plain-text rows as chat turns (prompt: user, completions: assistant) "
+                                    "through the chat template; false: as written, as TRL.", reference="value")
+    system_prompt: Optional[str] = key(None, "A system turn before each prompt the chat template renders that has "
+                                      "none (docs/data.md). null: none.", reference="value")
+    max_skipped_share: float = key(0.1, "Train, sft and precompute stop (exit 2) past this share of rows skipped, "
+                                  "naming a max_length that keeps 95% whole; 1: any.", min=0, max=1, resumable=True)
+    max_truncated_share: float = key(0.25, "Likewise past this share of the kept completions cut at max_length; 1: "
+                                    "any.", min=0, max=1, resumable=True)
     strict: bool = key(False, "Refuse the data instead of skipping unusable rows (an empty value, chosen identical to "
                       "rejected, a prompt alone reaching max_length); docs/data.md, Data checks. Not a cache key: it only "
                       "turns skips into errors, the rows kept are the same.", resumable=True)
@@ -262,7 +270,7 @@ class Config:
                                     "ref_source=cache")
         problems += objective_problems(self.loss_type, self.loss_weights, self.loss_settings)
         problems += self._eval_problems()
-        problems += self._schedule_problems()
+        problems += schedule_problems(self)
         if self.memory_budget is not None:
             try:
                 parse_size(self.memory_budget, "memory_budget")
@@ -289,20 +297,6 @@ class Config:
         if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
             notes.append("lr_scheduler_type=constant has no warmup (as transformers'); use constant_with_warmup")
         return notes
-
-    def _schedule_problems(self) -> list[str]:
-        problems = []
-        if self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps):
-            problems.append(f"warmup_steps={self.warmup_steps}: a number of steps is whole; below 1 it is a ratio "
-                            "of the run's steps")
-        if self.warmup_steps > 0 and self.warmup_ratio > 0:
-            problems.append(f"warmup_steps={self.warmup_steps} and warmup_ratio={self.warmup_ratio}: set one")
-        try:
-            make_schedule(self, throwaway_optimizer(), 10)  # the schedule's own arguments, checked by transformers
-        except (TypeError, ValueError) as e:
-            problems.append(f"lr_scheduler_type={self.lr_scheduler_type} with lr_scheduler_kwargs="
-                            f"{self.lr_scheduler_kwargs}: {str(e).splitlines()[0]}")
-        return problems
 
     def _eval_problems(self) -> list[str]:
         problems = []

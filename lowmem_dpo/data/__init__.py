@@ -2,6 +2,7 @@
 
     rows.py    load rows through `datasets`, after checking a local file's structure (file:line errors)
     encode.py  tokenize as TRL 1.16 does; skip (and count) the rows DPO cannot use
+    lengths.py what tokenization kept and cut, the max_length that keeps rows whole (pure)
     batch.py   collate chosen and rejected of a micro-batch into one right-padded forward; items longest first
     split.py   the eval hold-out of a dataset (eval_fraction), by a hash of each row's prompt
     mix.py     a mixture of sources: the rows each gives (fraction, rows, max_train_samples), tokenized per source
@@ -21,14 +22,17 @@ from lowmem_dpo.data.encode import (
                                     TokenizedData,
                                     TokenizedPair,
                                     check_skips,
+                                    kept,
+                                    skip_reasons,
                                     tokenize_completions,
                                     tokenize_rows,
 )
+from lowmem_dpo.data.lengths import Kept, losses_over, nearest_rank
 from lowmem_dpo.data.mix import Mixture, load_mixture, tokenize_mixture
 from lowmem_dpo.data.rows import REQUIRED, data_files, load_rows
 from lowmem_dpo.data.split import held_out, holdout_rows, prompt_keys, shown_prompt
 
 __all__ = ["Batch", "by_length", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
-           "TokenizedData", "TokenizedPair", "check_skips", "tokenize_completions", "tokenize_rows",
+           "TokenizedData", "TokenizedPair", "check_skips", "kept", "skip_reasons", "Kept", "losses_over", "nearest_rank", "tokenize_completions", "tokenize_rows",
            "REQUIRED", "data_files", "load_rows", "held_out", "holdout_rows",
            "prompt_keys", "shown_prompt", "Mixture", "load_mixture", "tokenize_mixture"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from lowmem_dpo.data.lengths import Kept, common_prefix_length, kept_of, whole_length
 from lowmem_dpo.data.rows import REQUIRED, row_kind, row_locator
 from lowmem_dpo.runtime import builtins
 from lowmem_dpo.runtime.errors import UserError, log
@@ -33,6 +34,7 @@ SKIPS = {
     "empty_completion": ("the prompt or the completion is empty", "fill in or remove the row"),  # SFT rows
 }
 TRUNCATIONS = ("prompt", "chosen", "rejected")  # prompt: cut by max_prompt_length; completions: at max_length
+COMPLETION = "completion"  # the truncated part of SFT's and KTO's rows (one completion each)
 
 
 @dataclass
@@ -59,15 +61,7 @@ class TokenizedData:
     dropped: list[int]  # every row left out, for any reason (the cache holds NaN for them)
     skipped: dict[str, list[int]] = field(default_factory=dict)  # the same rows by SKIPS reason
     truncated: dict[str, list[int]] = field(default_factory=dict)  # TRUNCATIONS part -> kept rows cut there
-
-
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    whole: list[int] = field(default_factory=list)  # each tokenized row's tokens kept whole (whole_length)
 
 
 def _is_empty(value) -> bool:
@@ -99,9 +93,9 @@ def check_format(tokenizer, kind: str | None, spec: str, noted: set) -> None:
     if kind == "text" and template and spec not in noted and not builtins.is_builtin(spec):
         noted.add(spec)
         log(f"note: dataset {spec!r} is plain text, tokenized as written: the model's chat template is not applied "
-            "(as in TRL), and a chat model may answer such prompts with nothing. For the template, write each row "
-            'as a conversation: prompt [{"role": "user", "content": ...}], chosen and rejected [{"role": '
-            '"assistant", "content": ...}] (docs/data.md, Conversations)')
+            "(as in TRL), and a chat model may answer such prompts with nothing. For the template, set "
+            "apply_chat_template=true (each prompt a user turn, each completion an assistant turn; system_prompt "
+            "adds a system turn), or write the rows as conversations (docs/data.md, Conversations)")
 
 
 def _conversation_ids(tokenizer, messages: list, spec: str, where: str, **kwargs) -> list[int]:
@@ -138,7 +132,7 @@ def _split_prompt(prompt: list[int], full: list[list[int]], max_length: int, max
     None when the prompt alone reaches max_length: the completion starts where the ids stop sharing a prefix with
     the prompt's; with max_prompt_length the prompt is cut from the left; each prompt+completion keeps its first
     max_length tokens."""
-    prompt_len = min(_common_prefix_length(prompt, f) for f in full)
+    prompt_len = min(common_prefix_length(prompt, f) for f in full)
     prompt_ids = prompt[:prompt_len]
     prompt_cut = max_prompt_length is not None and len(prompt_ids) > max_prompt_length
     if max_prompt_length is not None:
@@ -160,6 +154,7 @@ def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None,
     pairs: list[TokenizedPair] = []
     skipped: dict[str, list[int]] = {reason: [] for reason in SKIPS}
     truncated: dict[str, list[int]] = {part: [] for part in TRUNCATIONS}
+    whole: list[int] = []
     noted: set = set()
     for checked, kind in _checked_chunks(ds, spec, where, REQUIRED, progress):
         usable = []
@@ -172,6 +167,7 @@ def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None,
         check_format(tokenizer, kind, spec, noted)
         encoded = _encode(usable, tokenizer, kind == "conversation", spec, where) if usable else []
         for (i, _), (p, pc, pr) in zip(usable, encoded):
+            whole.append(whole_length(p, [pc, pr], max_prompt_length))
             split = _split_prompt(p, [pc, pr], max_length, max_prompt_length)
             if split is None:
                 skipped["prompt_too_long"].append(i)
@@ -185,7 +181,8 @@ def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None,
                 if cut[part]:
                     truncated[part].append(i)
             pairs.append(TokenizedPair(i, prompt_ids, chosen_ids, rejected_ids))
-    return _checked_result(pairs, len(ds), skipped, truncated, spec, max_length, max_prompt_length, strict, where)
+    return _checked_result(pairs, len(ds), skipped, truncated, whole, spec, max_length, max_prompt_length, strict,
+                           where)
 
 
 def _eos_text(tokenizer) -> str:
@@ -216,13 +213,14 @@ def _checked_chunks(ds, spec: str, where: Callable[[int], str], required: tuple[
 
 
 def _checked_result(items: list, num_rows: int, skipped: dict[str, list[int]], truncated: dict[str, list[int]],
-                    spec: str, max_length: int, max_prompt_length: int | None, strict: bool,
+                    whole: list[int], spec: str, max_length: int, max_prompt_length: int | None, strict: bool,
                     where: Callable[[int], str]) -> TokenizedData:
     """The TokenizedData of the rows kept, its skips checked (strict, every row skipped) and logged."""
     skipped = {k: sorted(v) for k, v in skipped.items() if v}
-    tok = TokenizedData(items, num_rows, sorted(r for rows in skipped.values() for r in rows), skipped, truncated)
+    tok = TokenizedData(items, num_rows, sorted(r for rows in skipped.values() for r in rows), skipped, truncated,
+                        whole)
     check_skips(tok.skipped, tok.num_rows, len(items), spec, max_length, strict, where)
-    for line in summary_lines(tok, max_length, max_prompt_length, where):
+    for line in summary_lines(tok, max_length, max_prompt_length, where, spec):
         log(line)
     return tok
 
@@ -249,9 +247,9 @@ def check_skips(skipped: dict[str, list[int]], num_rows: int, kept: int, spec: s
 
 
 def summary_lines(tok: TokenizedData, max_length: int, max_prompt_length: int | None,
-                  where: Callable[[int], str]) -> list[str]:
-    """Log lines: rows skipped, by reason with their first rows, and rows kept with a cut prompt or completion."""
-    lines = []
+                  where: Callable[[int], str], spec: str = "dataset") -> list[str]:
+    """Log lines: the rows kept, skipped and cut, always; the rows skipped by reason with their first rows."""
+    lines = [f"dataset {spec!r}: {kept(tok).text(max_length)}"]
     if tok.skipped:
         parts = [f"{len(rows)} because {_reason_text(r, max_length)} ("
                  + ", ".join(map(where, rows[:3])) + (", ..." if len(rows) > 3 else "") + ")"
@@ -259,12 +257,25 @@ def summary_lines(tok: TokenizedData, max_length: int, max_prompt_length: int | 
         lines.append(f"skipped {len(tok.dropped)} of {tok.num_rows} rows: " + "; ".join(parts)
                      + " (strict=true refuses them instead)")
     cut = {part: len(rows) for part, rows in tok.truncated.items() if rows}
-    parts = [f"{cut[p]} {p} completions cut at max_length={max_length}" for p in ("chosen", "rejected") if p in cut]
+    parts = [f"{cut[p]} {p} completions cut at max_length={max_length}" for p in (*TRUNCATIONS[1:], COMPLETION)
+             if p in cut]
     if "prompt" in cut:
         parts.append(f"{cut['prompt']} prompts cut to max_prompt_length={max_prompt_length}")
     if parts:
         lines.append(f"kept {len(tok.pairs)} rows, with " + ", ".join(parts))
     return lines
+
+
+def kept(tok: TokenizedData) -> Kept:
+    """The Kept of a TokenizedData: pairs count two completions, SFT's and KTO's rows one."""
+    pairs = bool(tok.pairs) and isinstance(tok.pairs[0], TokenizedPair)
+    cut = sum(len(tok.truncated.get(part, [])) for part in (*TRUNCATIONS[1:], COMPLETION))
+    return kept_of(tok.num_rows, len(tok.dropped), len(tok.pairs) * (2 if pairs else 1), cut, tok.whole)
+
+
+def skip_reasons(skipped: dict[str, list[int]], max_length: int) -> str:
+    """"28 because the prompt alone reaches max_length=38, ...": the rows skipped, by reason."""
+    return ", ".join(f"{len(rows)} because {_reason_text(r, max_length)}" for r, rows in skipped.items())
 
 
 # -- SFT rows -----------------------------------------------------------------------------------------------------
@@ -305,28 +316,37 @@ def tokenize_completions(ds, tokenizer, max_length: int, max_prompt_length: int 
     where = where or row_locator(spec, len(ds))  # `where`: a mixture's rows name their place in their source
     items: list[TokenizedCompletion] = []
     skipped: dict[str, list[int]] = {"empty_completion": [], "prompt_too_long": []}
+    cut: list[int] = []
+    whole: list[int] = []
     noted: set = set()
     for checked, kind in _checked_chunks(ds, spec, where, ("prompt", column), progress):
-        items += [TokenizedCompletion(i, p, c) for i, _, p, c, _ in completion_rows(
-            checked, kind, column, tokenizer, max_length, max_prompt_length, spec, where, skipped, noted)]
-    return _checked_result(items, len(ds), skipped, {}, spec, max_length, max_prompt_length, strict, where)
+        for i, _, p, c, uncut in completion_rows(checked, kind, column, tokenizer, max_length, max_prompt_length,
+                                                 spec, where, skipped, noted, whole=whole):
+            items.append(TokenizedCompletion(i, p, c))
+            if len(c) < len(uncut):
+                cut.append(i)
+    return _checked_result(items, len(ds), skipped, {COMPLETION: cut}, whole, spec, max_length, max_prompt_length,
+                           strict, where)
 
 
 def completion_rows(checked: list, kind: str | None, column: str, tokenizer, max_length: int,
                     max_prompt_length: int | None, spec: str, where: Callable[[int], str], skipped: dict,
-                    noted: set, keep_empty: bool = False):
+                    noted: set, keep_empty: bool = False, whole: list[int] | None = None):
     """(index, row, prompt ids, completion ids, the whole completion's ids) of each usable row of one checked chunk
     (SFT's rows, KTO's), prompt + `column` tokenized as tokenize_rows tokenizes prompt + chosen; the rows left out
     are added to `skipped` (empty_completion, prompt_too_long). keep_empty (KTO, as TRL): an empty text is a row
-    too (its completion the EOS alone); only a missing (null) one is left out."""
+    too (its completion the EOS alone); only a missing (null) one is left out. whole: each tokenized row's
+    whole_length is appended to it."""
     empty = (lambda v: v is None) if keep_empty else _is_empty
     usable = [(i, r) for i, r in checked if not (empty(r["prompt"]) or empty(r[column]))]
     skipped["empty_completion"] += sorted({i for i, _ in checked} - {i for i, _ in usable})
     check_format(tokenizer, kind, spec, noted)
     encoded = _encode_completions(usable, column, tokenizer, kind == "conversation", spec, where) if usable else []
     for (i, row), (p, pc) in zip(usable, encoded):
+        if whole is not None:
+            whole.append(whole_length(p, [pc], max_prompt_length))
         split = _split_prompt(p, [pc], max_length, max_prompt_length)
         if split is None:
             skipped["prompt_too_long"].append(i)
         else:
-            yield i, row, split[0], split[1][0], pc[_common_prefix_length(p, pc):]
+            yield i, row, split[0], split[1][0], pc[common_prefix_length(p, pc):]

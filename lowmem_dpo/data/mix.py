@@ -205,4 +205,5 @@ def tokenize_mixture(mix: Mixture, tokenize: Callable[[object, str, Callable | N
             out.skipped.setdefault(reason, []).extend(r + p.offset for r in rows)
         for part, rows in tok.truncated.items():
             out.truncated.setdefault(part, []).extend(r + p.offset for r in rows)
+        out.whole += tok.whole
     return out

@@ -9,6 +9,7 @@ with conversations. Well-formed rows that DPO cannot use are encode.py's busines
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 from pathlib import Path
@@ -73,14 +74,22 @@ def _value_kind(value) -> str | None:
     return "invalid"
 
 
+class MissingColumns(ValueError):
+    """A row lacks `missing` of the columns it needs."""
+
+    def __init__(self, text: str, missing: list[str]):
+        super().__init__(text)
+        self.missing = missing
+
+
 def row_kind(row: dict, kind: str | None, required: tuple[str, ...] = REQUIRED) -> str | None:
     """The kind of the row's `required` values, 'text' or 'conversation' (`kind`, the kind of the rows before
     it, when they are all null); ValueError saying what is wrong for a structural problem. Rows may not mix the
     two kinds."""
     missing = [k for k in required if k not in row]
     if missing:
-        raise ValueError(f"lacks {', '.join(missing)} (has {', '.join(map(str, row)) or 'no keys'}); every row "
-                         f"needs {', '.join(required)}")
+        raise MissingColumns(f"lacks {', '.join(missing)} (has {', '.join(map(str, row)) or 'no keys'}); every "
+                             f"row needs {', '.join(required)}", missing)
     kinds = set()
     for key in required:
         k = _value_kind(row[key])
@@ -98,8 +107,10 @@ def row_kind(row: dict, kind: str | None, required: tuple[str, ...] = REQUIRED) 
     return mine or kind
 
 
-def _check_rows(rows: Iterator[tuple[str, object]], spec: str, required: tuple[str, ...]) -> None:
-    """Structural checks of (location, parsed JSON value) rows; UserError at the first problem."""
+def _check_rows(rows: Iterator[tuple[str, object]], spec: str, required: tuple[str, ...],
+                keys: dict[str, str] | None = None) -> None:
+    """Structural checks of (location, parsed JSON value) rows; UserError at the first problem (a missing column
+    with the keys that name another: `keys`, the column read -> its key's name, column_hint)."""
     kind, count, implicit = None, 0, None
     for where, row in rows:
         if not isinstance(row, dict):
@@ -112,6 +123,8 @@ def _check_rows(rows: Iterator[tuple[str, object]], spec: str, required: tuple[s
                             "prompt is the shared start of chosen and rejected); use one format for every row")
         try:
             kind = row_kind(row, kind, implicit_required(required) if implicit else required)
+        except MissingColumns as e:
+            raise UserError(f"dataset {spec!r} {where}: {e}{column_hint(e.missing, list(row), keys)}") from None
         except ValueError as e:
             raise UserError(f"dataset {spec!r} {where}: {e}") from None
         count += 1
@@ -137,13 +150,20 @@ def at(text: str, pos: int) -> str:
     return f"{'...' if pos > 40 else ''}{before}>>>{after}{'...' if len(text.rstrip()) > pos + 20 else ''}"
 
 
-def check_file(path: Path, spec: str, required: tuple[str, ...] = REQUIRED) -> None:
+def check_file(path: Path, spec: str, required: tuple[str, ...] = REQUIRED, keys: dict[str, str] | None = None
+               ) -> None:
     """Streamed checks of a local file before `datasets` reads it: UTF-8 (.jsonl, .json, .csv) and, for JSON,
-    one object per line (or a list of objects) with well-formed `required` values."""
+    one object per line (or a list of objects) with well-formed `required` values (keys: _check_rows')."""
     suffix = path.suffix.lower()
     if suffix == ".csv":
-        for _ in _decoded_lines(path, spec):
+        lines = _decoded_lines(path, spec)
+        # the header and the first row, blank lines skipped as datasets skips them; then the rest decoded
+        records = list(itertools.islice((r for r in csv.reader(text for _, text in lines) if r), 2))
+        for _ in lines:
             pass
+        if len(records) < 2:
+            raise UserError(f"dataset {spec!r} has no rows{' under its header line' if records else ''}: it needs "
+                            f"rows with {', '.join(required)}")
         return
     if suffix not in (".jsonl", ".json"):
         return
@@ -168,9 +188,9 @@ def check_file(path: Path, spec: str, required: tuple[str, ...] = REQUIRED) -> N
             raise UserError(f"dataset {spec!r} line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}) at "
                             f"{at(line, e.colno - 1)}; use one JSON object per line, or one list of objects") from None
         if isinstance(whole, list):
-            _check_rows(((f"row {i}", row) for i, row in enumerate(whole)), spec, required)
+            _check_rows(((f"row {i}", row) for i, row in enumerate(whole)), spec, required, keys)
         return  # one object: datasets reads it as columns, checked once loaded
-    _check_rows(_json_lines(itertools.chain(head, lines), spec, required), spec, required)
+    _check_rows(_json_lines(itertools.chain(head, lines), spec, required), spec, required, keys)
 
 
 def row_locator(spec: str, num_rows: int) -> Callable[[int], str]:
@@ -193,13 +213,14 @@ def row_locator(spec: str, num_rows: int) -> Callable[[int], str]:
 
 
 def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUIRED,
-              columns: dict[str, str] | None = None):
+              columns: dict[str, str] | None = None, turns: bool = False, system_prompt: str | None = None):
     """A `datasets.Dataset` of preference rows (or rows with the `required` columns) from a local file, a
     save_to_disk folder or a hub name; `columns`: the data's column read as each of prompt, chosen and rejected
-    where it is called otherwise (the prompt_column, chosen_column and rejected_column keys)."""
+    where it is called otherwise (the prompt_column, chosen_column and rejected_column keys). turns, system_prompt:
+    plain text as chat turns (as_turns; the apply_chat_template and system_prompt keys)."""
     columns = {k: v for k, v in (columns or {}).items() if v and v != k}
     prompt_column = columns.get("prompt")
-    ds = _load(spec, split, tuple(columns.get(k, k) for k in required))
+    ds = _load(spec, split, tuple(columns.get(k, k) for k in required), {columns.get(k, k): k for k in required})
     for key, column in columns.items():
         if column not in ds.column_names:
             raise UserError(f"{key}_column={column}: dataset {spec!r} has no such column (it has "
@@ -220,11 +241,57 @@ def load_rows(spec: str, split: str = "train", required: tuple[str, ...] = REQUI
     missing = [k for k in required if k not in ds.column_names]
     if missing:
         raise UserError(f"dataset {spec!r} lacks column(s) {', '.join(missing)} (has {', '.join(ds.column_names)});"
-                        f" each row needs {', '.join(required)}" + ("" if prompt_column else
-                                                                     " (another column as the prompt: prompt_column)"))
+                        f" each row needs {', '.join(required)}" + column_hint(missing, ds.column_names, columns and
+                                                                               {v: k for k, v in columns.items()}))
     if len(ds) == 0:
         raise UserError(f"dataset {spec!r} has no rows")
+    if turns or system_prompt is not None:
+        ds = _with_turns(ds, spec, turns, system_prompt)
     return ds
+
+
+COLUMN_KEYS = ("prompt", "chosen", "rejected")  # the columns a recipe may read from others (KEY_column)
+
+
+def column_hint(missing: list[str], names: list[str], keys: dict[str, str] | None = None) -> str:
+    """"; name the columns that hold them: prompt_column=question chosen_column=good rejected_column=bad" for the
+    `missing` columns (keys: a column read under another name -> its own, so that `worse` is rejected_column's), each
+    with a column of `names` that no key reads, in order (COLUMN when none is left); "" when no key names one."""
+    keys = keys or {}
+    named = [keys.get(m, m) for m in missing if keys.get(m, m) in COLUMN_KEYS]
+    if not named:
+        return ""
+    free = [c for c in names if c not in COLUMN_KEYS and c not in keys and c not in ("label", "completion")]
+    return "; name the columns that hold them: " + " ".join(
+        f"{k}_column={c}" for k, c in zip(named, free + ["COLUMN"] * len(named)))
+
+
+def as_turns(row: dict, columns: tuple[str, ...], turns: bool, system_prompt: str | None) -> dict:
+    """One row with chat turns (turns): its text prompt as a user turn and each text value of `columns` (its
+    completions) as an assistant turn; with system_prompt a system turn before a prompt that has none. Null
+    values stay null; rows already conversations keep their turns."""
+    out = dict(row)
+    prompt = row.get("prompt")
+    if turns and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+        for column in columns:
+            if isinstance(row[column], str):
+                out[column] = [{"role": "assistant", "content": row[column]}]
+    if system_prompt is not None and isinstance(prompt, list) and not any(m["role"] == "system" for m in prompt):
+        prompt = [{"role": "system", "content": system_prompt}, *prompt]
+    out["prompt"] = prompt
+    return out
+
+
+def _with_turns(ds, spec: str, turns: bool, system_prompt: str | None):
+    """The rows as_turns; plain text with system_prompt and no turns is a UserError (it has nowhere to go)."""
+    first = ds[0].get("prompt")
+    if isinstance(first, str) and not turns:
+        raise UserError(f"system_prompt is set but dataset {spec!r} is plain text, tokenized as written: set "
+                        "apply_chat_template=true to render its rows as chat turns with that system prompt")
+    columns = tuple(c for c in ("chosen", "rejected", "completion") if c in ds.column_names)
+    return ds.map(lambda row: as_turns(row, columns, turns, system_prompt), keep_in_memory=True,
+                  load_from_cache_file=False)
 
 
 def _texty(feature) -> bool:
@@ -236,7 +303,7 @@ def _texty(feature) -> bool:
     return isinstance(feature, (list, datasets.Sequence, getattr(datasets, "List", datasets.Sequence)))
 
 
-def _load(spec: str, split: str, required: tuple[str, ...]):
+def _load(spec: str, split: str, required: tuple[str, ...], keys: dict[str, str] | None = None):
     """The rows of a local file (checked first), a save_to_disk folder or a hub name, as `datasets` reads them."""
     import datasets
 
@@ -250,7 +317,7 @@ def _load(spec: str, split: str, required: tuple[str, ...]):
                                 + ", ".join(FILE_BUILDERS))
             if path.stat().st_size == 0:
                 raise UserError(f"dataset {spec!r} is empty: it needs rows with prompt, chosen and rejected")
-            check_file(path, spec, required)
+            check_file(path, spec, required, keys)
             ds = datasets.load_dataset(builder, data_files=str(path), split="train")
         elif path.is_dir():
             ds = datasets.load_from_disk(str(path))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lowmem_dpo.data.encode import (
+    COMPLETION,
     TokenizedData,
     TokenizedPair,
     _checked_chunks,
@@ -81,17 +82,21 @@ def tokenize_unpaired(ds, tokenizer, max_length: int, max_prompt_length: int | N
     columns = ("chosen", "rejected") if paired(ds) else ("completion",)
     items: list[TokenizedUnpaired] = []
     skipped: dict[str, list[int]] = {"empty_completion": [], "prompt_too_long": []}
+    cut: list[int] = []
+    whole: list[int] = []
     noted: set = set()
     for checked, kind in _checked_chunks(ds, spec, where, ("prompt", *columns), progress):
         for column in columns:
             for i, row, prompt, completion, uncut in completion_rows(checked, kind, column, tokenizer, max_length,
                                                                      max_prompt_length, spec, where, skipped, noted,
-                                                                     keep_empty=True):
+                                                                     keep_empty=True, whole=whole):
                 label = column == "chosen" if len(columns) == 2 else _label(row, spec, where(i))
                 items.append(TokenizedUnpaired(i, prompt, completion, label, uncut=uncut))
+                if len(completion) < len(uncut):
+                    cut.append(i)
     skipped = {k: sorted(set(v)) for k, v in skipped.items()}
-    return _checked_result(unpair_order(items) if len(columns) == 2 else items, len(ds), skipped, {}, spec,
-                           max_length, max_prompt_length, strict, where)
+    return _checked_result(unpair_order(items) if len(columns) == 2 else items, len(ds), skipped, {COMPLETION: cut},
+                           whole, spec, max_length, max_prompt_length, strict, where)
 
 
 def unpair_order(items: list[TokenizedUnpaired]) -> list[TokenizedUnpaired]:

@@ -169,7 +169,7 @@ def mixture(cfg: Config) -> data.Mixture:
     """The rows of cfg.dataset (its sources loaded and taken, not tokenized): Mixture.row(pair.row) is a pair's
     row."""
     return data.load_mixture(cfg.dataset, cfg.dataset_split, cfg.seed, cfg.max_train_samples,
-                             lambda path, part: data.load_rows(path, part, columns=data_columns(cfg)))
+                             row_loader(cfg, data.REQUIRED))
 
 
 @dataclass
@@ -236,7 +236,7 @@ def _tokenize(cfg: Config, tokenizer, sources: list[Source], split: str, progres
     row's source and its place there."""
     rows = not sft and objectives.unpaired(cfg.loss_type)  # KTO: unpaired rows, or pairs unpaired
     required = ("prompt",) if sft or rows else data.REQUIRED
-    load = lambda path, part: data.load_rows(path, part, required, data_columns(cfg))  # noqa: E731
+    load = row_loader(cfg, required)
     tokenize = data.tokenize_completions if sft else unpaired.tokenize_unpaired if rows else data.tokenize_rows
     mix = data.load_mixture(sources, split, cfg.seed, cap, load)
     return mix, data.tokenize_mixture(mix, lambda rows, spec, where: tokenize(
@@ -266,6 +266,13 @@ def _held_out(cfg: Config, mix: data.Mixture, tok: data.TokenizedData) -> tuple[
     return train, evals
 
 
+def row_loader(cfg: Config, required: tuple[str, ...]):
+    """(path, split) -> the rows of one source as the recipe reads them: its columns (data_columns), plain text as
+    chat turns (apply_chat_template, system_prompt)."""
+    return lambda path, part: data.load_rows(path, part, required, data_columns(cfg), cfg.apply_chat_template,
+                                             cfg.system_prompt)
+
+
 def data_columns(cfg: Config) -> dict[str, str]:
     """The data's columns read as prompt, chosen and rejected where the recipe names others (their _column keys)."""
     return {k: getattr(cfg, f"{k}_column") for k in ("prompt", "chosen", "rejected") if getattr(cfg, f"{k}_column")}
@@ -276,13 +283,19 @@ def rows_noun(cfg: Config, sft: bool) -> str:
     return "rows" if sft or objectives.unpaired(cfg.loss_type) else "pairs"
 
 
-def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) -> Data:
+def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False, limits: bool = True) -> Data:
     """dataset tokenized, split into training and eval items by eval_fraction, or eval_dataset tokenized beside
-    it (split eval_split; the same data checks, its messages naming it). sft: SFT rows (tokenize_completions)."""
+    it (split eval_split; the same data checks, its messages naming it). sft: SFT rows (tokenize_completions).
+    limits: a UserError when either loses more than max_skipped_share or max_truncated_share (check_losses);
+    False: the caller says so (preflight warns)."""
     progress = progress and distributed.is_main()  # several processes tokenize alike: one bar
     mix, tok = _tokenize(cfg, tokenizer, cfg.dataset, cfg.dataset_split, progress, sft, cfg.max_train_samples)
+    if limits:
+        check_losses(cfg, tok, label(cfg.dataset))
     if cfg.eval_dataset is not None:
         eval_mix, eval_tok = _tokenize(cfg, tokenizer, [Source(cfg.eval_dataset)], cfg.eval_split, progress, sft)
+        if limits:
+            check_losses(cfg, eval_tok, cfg.eval_dataset)
         log(f"eval: {len(eval_tok.pairs)} {rows_noun(cfg, sft)} from {cfg.eval_dataset}")
         dataset = Data(tok, tok.pairs, eval_tok.pairs, "eval", eval_tok, mix, eval_mixture=eval_mix)
     elif cfg.eval_fraction > 0:
@@ -294,6 +307,19 @@ def load_data(cfg: Config, tokenizer, progress: bool = True, sft: bool = False) 
         unpaired_views(cfg, dataset)
     dataset.prompts = shown_prompts(dataset, dataset.eval)
     return dataset
+
+
+def losses(cfg: Config, tok: data.TokenizedData) -> str | None:
+    """What tokenization lost of a dataset past max_skipped_share or max_truncated_share (data.losses_over)."""
+    return data.losses_over(data.kept(tok), cfg.max_length, cfg.max_skipped_share, cfg.max_truncated_share,
+                            data.skip_reasons(tok.skipped, cfg.max_length))
+
+
+def check_losses(cfg: Config, tok: data.TokenizedData, name: str) -> None:
+    """A UserError when tokenization lost more of dataset `name` than the limits allow (losses)."""
+    lost = losses(cfg, tok)
+    if lost is not None:
+        raise UserError(f"dataset {name!r}: {lost}")
 
 
 def unpaired_views(cfg: Config, dataset: Data) -> None:

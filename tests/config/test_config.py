@@ -92,7 +92,8 @@ def test_recipe_errors(tmp_path):
 
 def test_training_knobs_are_not_cache_keys():
     keys = set(cache_settings(Config()))
-    assert keys == {"ref_dtype", "ref_quantization", "max_length", "max_prompt_length"}
+    assert keys == {"ref_dtype", "ref_quantization", "max_length", "max_prompt_length", "apply_chat_template",
+                    "system_prompt"}
     # null ref settings are the policy's; set, they make the policy's dtype and quantization training knobs
     assert cache_settings(Config(quantization="4bit", dtype="bfloat16")) == {
         **cache_settings(Config()), "ref_quantization": "4bit", "ref_dtype": "bfloat16"}
@@ -165,7 +166,8 @@ ALTERNATIVES = {
     "dataset_split": "test", "output_dir": "elsewhere", "ref_cache_dir": "elsewhere-cache", "device": "auto",
     "dtype": "bfloat16", "quantization": "4bit", "ref_quantization": "4bit", "ref_dtype": "bfloat16",
     "gradient_checkpointing": "true", "memory_budget": "12GiB", "max_length": 48, "max_prompt_length": 16,
-    "strict": True, "beta": 0.2, "loss_type": "ipo", "label_smoothing": 0.1, "f_divergence_type": "js_divergence", "f_alpha_divergence_coef": 0.5,
+    "strict": True, "apply_chat_template": True, "system_prompt": "Be brief.", "max_skipped_share": 0.5,
+    "max_truncated_share": 0.5, "beta": 0.2, "loss_type": "ipo", "label_smoothing": 0.1, "f_divergence_type": "js_divergence", "f_alpha_divergence_coef": 0.5,
     "discopop_tau": 0.1, "simpo_gamma": 1.0, "alpha": 0.25, "use_weighting": True, "ld_alpha": 0.5, "desirable_weight": 1.3,
     "undesirable_weight": 0.7, "learning_rate": 1e-3,
     "lr_scheduler_type": "cosine", "warmup_steps": 2, "weight_decay": 0.01, "max_grad_norm": None,
@@ -215,6 +217,7 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
                                           "cache_shard_rows", "early_stop_on_divergence", "max_nonfinite_steps",
                                           "strict", "eval_steps", "load_best_model_at_end", "eval_generations",
                                           "max_new_tokens", "report_to", "run_name", "memory_snapshot_on_oom",
-                                          "overwrite_output_dir", "activation_offloading", "eval_on_start"}
+                                          "overwrite_output_dir", "activation_offloading", "eval_on_start",
+                                          "max_skipped_share", "max_truncated_share"}
     assert keys_where(resumable="length") == {"max_steps", "num_train_epochs"}  # the run continues to the new total
     assert keys_where(reference="files") == inputs.FILE_KEYS  # each has its digest in inputs.file_components

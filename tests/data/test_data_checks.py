@@ -43,6 +43,7 @@ def user_error(path, tokenizer, strict=False) -> str:
      "line 2: not UTF-8 text (byte 0xe9"),
     ("latin1.csv", "prompt,chosen,rejected\na,b,c\n".encode() + "café,b,c\n".encode("latin-1"),
      "line 3: not UTF-8 text"),
+    ("header.csv", b"prompt,chosen,rejected\n\n", "has no rows under its header line: it needs rows with prompt"),
     ("rows.json", json.dumps([json.loads(GOOD), {"prompt": "a", "chosen": "b"}]).encode(),
      "row 1: lacks rejected"),
 ])
