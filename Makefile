@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
+LOWMEM_DPO := $(VENV)/bin/lowmem-dpo
 RECIPE ?= lowmem_dpo:tiny-cpu
 
 .PHONY: demo demo-sft test lint bench gpu-check clean
@@ -36,15 +37,15 @@ $(VENV)/.install-bench: setup.cfg pyproject.toml $(VENV)/.torch
 # Ends with the report: runs/tiny/curves.png and the summary (runs/tiny is the output_dir of the default RECIPE,
 # the built-in lowmem_dpo:tiny-cpu shipped in the package: lowmem_dpo/demo/tiny-cpu.yaml)
 demo: $(VENV)/.install-report
-	$(PY) -m lowmem_dpo.precompute $(RECIPE)
-	$(PY) -m lowmem_dpo.train $(RECIPE)
-	$(PY) -m lowmem_dpo.report runs/tiny
+	$(LOWMEM_DPO) precompute $(RECIPE)
+	$(LOWMEM_DPO) train $(RECIPE)
+	$(LOWMEM_DPO) report runs/tiny
 
 # Stacked SFT -> DPO on the tiny model (docs/stacked-sft-dpo.md)
 demo-sft: $(VENV)/.install-base
-	$(PY) -m lowmem_dpo.sft lowmem_dpo:tiny-sft
-	$(PY) -m lowmem_dpo.precompute lowmem_dpo:tiny-dpo-after-sft
-	$(PY) -m lowmem_dpo.train lowmem_dpo:tiny-dpo-after-sft
+	$(LOWMEM_DPO) sft lowmem_dpo:tiny-sft
+	$(LOWMEM_DPO) precompute lowmem_dpo:tiny-dpo-after-sft
+	$(LOWMEM_DPO) train lowmem_dpo:tiny-dpo-after-sft
 
 test: $(VENV)/.install-test
 	$(VENV)/bin/ruff check lowmem_dpo tests bench
