@@ -26,13 +26,12 @@ tokens (a model folder: that key's default), or --max-new-tokens. Writes nothing
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from lowmem_dpo import data
-from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.cli import StageParser, run_cli
 from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.config.schema import FIELD_DEFAULTS, Config
 from lowmem_dpo.model import adapters, models
@@ -238,13 +237,8 @@ def answer_lines(chat: Chat, lines, write=print) -> int:
     return n
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would exit itself; run_cli prints one line and exits 2
-        raise UserError(f"{message}; usage: lowmem-dpo chat {USAGE}")
-
-
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="lowmem-dpo chat", add_help=False)
+    parser = StageParser("lowmem-dpo chat", USAGE)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--prompt", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=None)

@@ -27,7 +27,6 @@ tied to the output head, and a MERGED_DIR that holds files other than an earlier
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.cli import StageParser, run_cli
 from lowmem_dpo.model import gguf, lora_merge, models, weights
 from lowmem_dpo.model.lora_merge import CONV1D, EMBEDDING, LINEAR, LoraPair
 from lowmem_dpo.runtime import files, folders
@@ -315,13 +314,8 @@ def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_s
     return merged_dir
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would exit itself; run_cli prints one line and exits 2
-        raise UserError(f"{message}; usage: python -m lowmem_dpo.export {USAGE}")
-
-
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="python -m lowmem_dpo.export", add_help=False)
+    parser = StageParser("python -m lowmem_dpo.export", USAGE)
     parser.add_argument("adapter_dir", type=Path)
     parser.add_argument("merged_dir", type=Path)
     parser.add_argument("--dtype", choices=DTYPES, default="auto")

@@ -45,7 +45,7 @@ import json
 from pathlib import Path
 
 from lowmem_dpo import data, measure
-from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.config.cli import StageParser, run_cli
 from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
@@ -96,14 +96,9 @@ def table(columns: list[tuple[str, StagePrediction]], budget: int, measured: lis
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2, through run_cli
-        raise UserError(f"{message}; usage: python -m lowmem_dpo.plan RECIPE.yaml [key=value ...] [--budget SIZE] "
-                        "[--json OUT] [--measure] [--slice N] [--steps K] [--prompt-tokens P]")
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = _Parser(prog="python -m lowmem_dpo.plan", add_help=False)
+    ap = StageParser("python -m lowmem_dpo.plan", "RECIPE.yaml [key=value ...] [--budget SIZE] [--json OUT] "
+                     "[--measure] [--slice N] [--steps K] [--prompt-tokens P]")
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--budget")

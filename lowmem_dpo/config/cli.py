@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from typing import Callable, Optional
@@ -116,3 +117,15 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
         kept = e.args[0] if e.args else "committed cache rows and checkpoints are kept"
         print(f"lowmem_dpo.{stage}: interrupted: {kept}.", file=sys.stderr)
         return 130
+
+
+class StageParser(argparse.ArgumentParser):
+    """argparse for a stage's own arguments (plan, export, chat): a bad argument is one line ending with the usage,
+    a UserError that run_cli turns into exit 2, where argparse would print its own and exit itself."""
+
+    def __init__(self, prog: str, usage_line: str):
+        super().__init__(prog=prog, add_help=False)
+        self.usage_line = usage_line
+
+    def error(self, message):
+        raise UserError(f"{message}; usage: {self.prog} {self.usage_line}")
