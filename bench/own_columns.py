@@ -44,7 +44,7 @@ from readme_recipe import ensure_model, readme_recipe, results, run_stage  # noq
 COLUMNS = ["prompt_column=question", "chosen_column=good", "rejected_column=bad"]
 # A few short steps: enough to show what the template changes in the answers, on a 2-core CPU
 STEPS = ["max_steps=6", "eval_steps=3", "save_steps=3", "eval_generations=8", "max_new_tokens=24",
-         "gradient_accumulation_steps=1", "max_length=256"]
+         "gradient_accumulation_steps=1", "max_length=256", "max_prompt_length=128"]
 SMOKE_STEPS = ["max_steps=4", "eval_steps=2", "save_steps=2", "eval_generations=2", "max_new_tokens=8"]
 TRAP, SMOKE_TRAP = 38, 12  # SmolLM2's system line alone is ~20 tokens; the tiny rows are ~10-20 tokens
 
