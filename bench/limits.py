@@ -41,7 +41,7 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
 
     resolved = devices.resolve(cfg)
     prepared = inputs.prepare(cfg, resolved)
-    dataset = inputs.load_data(cfg, prepared.tokenizer, progress=False)
+    dataset = inputs.load_data(cfg, prepared.tokenizer, progress=False, limits=False)  # rows cut at length on purpose
     seqs = list(dataset.sequences().values())  # what precompute computes from an empty cache: each sequence once
     pairs = dataset.tok.pairs
     bs = cfg.precompute_batch_size  # in pairs

@@ -232,8 +232,9 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
         tmp = Path(tmp)
         prepared = inputs.prepare(cfg, resolved)
         subset = _longest_rows(cfg, prepared.tokenizer, rows, tmp)
+        # the longest rows, cut at max_length on purpose (the peak is at full length): past any share limit
         mcfg = dataclasses.replace(cfg, dataset=subset, dataset_split="train", max_train_samples=None,
-                                   ref_cache_dir=str(tmp / "cache"),
+                                   ref_cache_dir=str(tmp / "cache"), max_skipped_share=1.0, max_truncated_share=1.0,
                                    output_dir=str(tmp / "out"), max_steps=steps + timed, save_steps=0)
         pre, (pre_t, pre_m, n_pre), _ = _measure_precompute(mcfg, prepared, resolved)
         tr, seen, shared, times, mlp_tiles = _measure_train(mcfg, steps, timed)

@@ -219,7 +219,7 @@ def _checked_result(items: list, num_rows: int, skipped: dict[str, list[int]], t
     skipped = {k: sorted(v) for k, v in skipped.items() if v}
     tok = TokenizedData(items, num_rows, sorted(r for rows in skipped.values() for r in rows), skipped, truncated,
                         whole)
-    check_skips(tok.skipped, tok.num_rows, len(items), spec, max_length, strict, where)
+    check_skips(tok.skipped, tok.num_rows, len(items), spec, max_length, strict, where, kept(tok).whole)
     for line in summary_lines(tok, max_length, max_prompt_length, where, spec):
         log(line)
     return tok
@@ -230,8 +230,9 @@ def _reason_text(reason: str, max_length: int) -> str:
 
 
 def check_skips(skipped: dict[str, list[int]], num_rows: int, kept: int, spec: str, max_length: int,
-                strict: bool, where: Callable[[int], str] | None = None) -> None:
-    """UserError when rows were skipped and `strict` is set (naming the first), or when every row was."""
+                strict: bool, where: Callable[[int], str] | None = None, whole: int | None = None) -> None:
+    """UserError when rows were skipped and `strict` is set (naming the first), or when every row was (whole: the
+    max_length that keeps 95% of the rows whole, lengths.Kept.whole, named when it is above max_length)."""
     if not skipped or (kept and not strict):
         return
     where = where or row_locator(spec, num_rows)
@@ -243,7 +244,9 @@ def check_skips(skipped: dict[str, list[int]], num_rows: int, kept: int, spec: s
                         "to skip them")
     detail = "; ".join(f"{len(rows)} because {_reason_text(r, max_length)} (first: {where(rows[0])}; "
                        f"{SKIPS[r][1]})" for r, rows in skipped.items())
-    raise UserError(f"dataset {spec!r}: all {num_rows} rows were skipped, so no row is left to use: {detail}")
+    advice = (f"; max_length={whole} keeps 95% of the rows whole (prompt and longest completion, as tokenized)"
+              if whole is not None and whole > max_length else "")
+    raise UserError(f"dataset {spec!r}: all {num_rows} rows were skipped, so no row is left to use: {detail}{advice}")
 
 
 def summary_lines(tok: TokenizedData, max_length: int, max_prompt_length: int | None,
