@@ -355,7 +355,7 @@ def report(cache_dir: Path, store, side, dataset: inputs.Data, cfg: Config) -> N
         ref, _ = cache.reference(store, side, dataset.tok, keys=dataset.keys("train"), ld_alpha=cfg.ld_alpha)
         eval_ref = (cache.reference(store, side, dataset.eval_tok, keys=dataset.keys("eval"), ld_alpha=cfg.ld_alpha)[0]
                     if dataset.eval_tok is not None else None)
-        lost = [text for text in (inputs.losses(cfg, dataset.tok),) if text]  # only past limits the run raised
+        lost = inputs.losses(cfg, dataset.tok)  # only past limits the run raised (max_*_share set higher)
         for line in preflight.summary_lines(preflight.save(cache_dir, preflight.report(ref, eval_ref, lost=lost))):
             log(line)
         log(f"preflight report: {cache_dir / preflight.REPORT}")

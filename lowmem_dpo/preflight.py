@@ -83,7 +83,7 @@ def ill_posed(report: dict, thresholds: dict = THRESHOLDS) -> list[str]:
 
 
 def report(ref: cache.RefCache, eval_ref: cache.RefCache | None = None, thresholds: dict = THRESHOLDS,
-           lost: list[str] = ()) -> dict:
+           lost: str | None = None) -> dict:
     """The preflight report of the dataset's rows (ref: their cached values and tokenization counts); eval_ref:
     eval_dataset's, counted only; lost: what tokenization lost past the recipe's limits (inputs.losses), warned
     first."""
@@ -103,7 +103,7 @@ def report(ref: cache.RefCache, eval_ref: cache.RefCache | None = None, threshol
     if eval_ref is not None:  # eval_dataset's rows: counted, not part of the distributions
         ev = eval_ref.counts
         out["eval"] = {"rows": ev["num_rows"], "pairs": ev["num_pairs"], "skipped": len(ev["dropped_rows"])}
-    out["warnings"] = [f"dataset: {text}" for text in lost] + ill_posed(out, thresholds)
+    out["warnings"] = ([f"dataset: {lost}"] if lost else []) + ill_posed(out, thresholds)
     return out
 
 
@@ -180,8 +180,7 @@ def run(cfg, recipe: str | None = None) -> dict:
     prepared = inputs.prepare(cfg, resolved)
     dataset = inputs.load_data(cfg, prepared.tokenizer, progress=False, limits=False)  # warned, not refused
     ref, eval_ref = inputs.cached_reference(cfg, prepared, inputs.run_side(cfg, resolved, prepared), dataset, recipe)
-    lost = [text for text in (inputs.losses(cfg, dataset.tok),) if text]
-    return save(Path(cfg.ref_cache_dir), report(ref, eval_ref, lost=lost))
+    return save(Path(cfg.ref_cache_dir), report(ref, eval_ref, lost=inputs.losses(cfg, dataset.tok)))
 
 
 def main(argv: list[str]) -> int:
@@ -193,8 +192,8 @@ def main(argv: list[str]) -> int:
     if objectives.unpaired(cfg.loss_type):
         prepared = inputs.prepare(cfg, devices.resolve(cfg))
         dataset = inputs.load_data(cfg, prepared.tokenizer, progress=False, limits=False)
-        lost = [f"warning: dataset: {text}" for text in (inputs.losses(cfg, dataset.tok),) if text]
-        print("\n".join(lost + unpaired_lines([dataset.unpaired["train"][v.row] for v in dataset.train], cfg.loss_settings,
+        lost = inputs.losses(cfg, dataset.tok)
+        print("\n".join(([f"warning: dataset: {lost}"] if lost else []) + unpaired_lines([dataset.unpaired["train"][v.row] for v in dataset.train], cfg.loss_settings,
                                         objectives.needs_kl(cfg.loss_type))))
         return 0
     rep = run(cfg, recipe=argv[0])

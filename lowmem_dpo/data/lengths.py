@@ -89,5 +89,3 @@ def losses_over(k: Kept, max_length: int, max_skipped_share: float, max_truncate
               "fix or remove those rows")
     return (" and ".join(over) + f": {advice}, or set max_skipped_share=1 max_truncated_share=1 to go on with "
             "what is left")
-
-
