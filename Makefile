@@ -47,9 +47,13 @@ demo-sft: $(VENV)/.install-base
 	$(LOWMEM_DPO) precompute lowmem_dpo:tiny-dpo-after-sft
 	$(LOWMEM_DPO) train lowmem_dpo:tiny-dpo-after-sft
 
+# One pytest worker per core (pytest-xdist; TEST_WORKERS=0 runs in this process), each with its share of the
+# cores for torch (tests/conftest.py); worksteal keeps both busy to the end, past the few long tests.
+TEST_WORKERS ?= auto
+
 test: $(VENV)/.install-test
 	$(VENV)/bin/ruff check lowmem_dpo tests bench
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 bench: $(VENV)/.install-bench
 	$(PY) bench/step_time.py bench/recipes/llama-25m-cpu.yaml --devices cpu,cuda --steps 20 --vs-trl --json bench/out/step_time.json

@@ -11,6 +11,11 @@ import pytest
 # The tests use no hub. Offline, a name that could be a hub id is answered at once, not after the network's
 # timeouts on a machine without one (27 s for one test of model paths); the stages' processes inherit it.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Under pytest-xdist (make test: a worker per core), each worker's torch takes its share of the cores, set before
+# anything imports torch (torch's default is a thread per core in every process: 2 workers would run 4 on 2 cores).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DATA = REPO / "lowmem_dpo" / "demo" / "tiny-prefs.jsonl"  # lowmem_dpo:tiny-prefs, the demo's rows

@@ -100,15 +100,20 @@ def measured_vs_predicted(cfg, steps=2):
             for stage in ("train", "precompute")}
 
 
+# llama-25m's bfloat16 cases take 1 pair per micro-batch: a CPU without native bf16 (AVX2 only) multiplies bf16
+# matrices ~50x slower than float32 (2 against 97 GFLOPS at 512x512x1376), and at 2 pairs these cases took 60-70 s
+# each. The quantized bases' other combinations run in float32 (the same weight bytes; the bf16 cases hold the
+# 2-byte activations). Predicted/measured train peaks, here: 1.03 (bf16 4-bit), 1.02 (bf16), 1.03 (float32 4-bit
+# without checkpointing), 1.06 (float32 8-bit with).
 CASES = [  # model, max_length, pairs per micro-batch, dtype, checkpointing, quantization
     ("tiny-llama", 64, 8, "float32", "false", "none"),
     ("tiny-llama", 64, 8, "bfloat16", "true", "4bit"),
     ("llama-25m", 128, 2, "float32", "false", "none"),
-    ("llama-25m", 128, 2, "bfloat16", "true", "none"),
-    ("llama-25m", 128, 2, "bfloat16", "false", "4bit"),
-    ("llama-25m", 128, 2, "bfloat16", "true", "4bit"),
+    ("llama-25m", 128, 1, "bfloat16", "true", "none"),
+    ("llama-25m", 128, 2, "float32", "false", "4bit"),
+    ("llama-25m", 128, 1, "bfloat16", "true", "4bit"),
     ("llama-25m", 128, 2, "float32", "false", "8bit"),
-    ("llama-25m", 128, 2, "bfloat16", "true", "8bit"),
+    ("llama-25m", 128, 2, "float32", "true", "8bit"),
 ]
 
 
