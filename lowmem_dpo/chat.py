@@ -163,7 +163,7 @@ def load(folder: Path, device: str | None = None, max_new_tokens: int | None = N
     """RUN_OR_MERGED loaded for answering: base (the run's dtype and quantization, by the device rules), the SFT
     adapter merged in for new_on_merged, the adapter on top, frozen, in eval mode."""
     source = locate(folder)
-    tokenizer = models.load_tokenizer(source.tokenizer, source.chat_template)
+    tokenizer = models.load_tokenizer(source.tokenizer, source.chat_template, source.base)
     try:
         resolved = devices.resolve(settings(source.record, device))
     except UserError as e:  # its advice names the config keys; here the device is the run's, or --device

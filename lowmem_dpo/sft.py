@@ -148,7 +148,7 @@ def setup(cfg: Config, progress: bool = True) -> Session:
     stream = policy.apply_plan(adapters.planned_lora(cfg, source), resolved, source.base_path)
     policy.check_bitsandbytes(resolved)
     log(source.description)
-    tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template)
+    tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template, source.base_path)
     dataset = inputs.load_data(cfg, tokenizer, progress, sft=True)  # logs the rows it skips and the eval split
     files = inputs.file_components(cfg, source.base_path, source.adapter_path, source.tokenizer_path, dataset.mixture)
     trains_on = inputs.run_inputs(files, dataset.train)  # no reference cache in SFT

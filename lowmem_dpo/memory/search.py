@@ -231,7 +231,7 @@ def choose(arch: Arch, cfg_like, budget: int, knobs=KNOBS, stages=STAGES) -> Pla
         cur = dataclasses.replace(start, **changes)
         if "micro_batch" in knobs:
             cur = _largest_micro_batch(arch, cur, budget)
-        if "precompute_batch" in knobs:
+        if "precompute_batch" in knobs and "precompute" in stages:  # train's advice never names precompute's
             cur = _largest_precompute_batch(arch, cur, budget)
         if all(_fits(arch, cur, stage, budget) for stage in stages):
             break

@@ -226,14 +226,34 @@ def chat_template_text(spec: str) -> str:
     return spec
 
 
-def load_tokenizer(path: Path, chat_template: str | None = None):
-    """The tokenizer in `path`; `chat_template` (the config key: a file or the template) replaces its template."""
+def load_tokenizer(path: Path, chat_template: str | None = None, model_path: Path | None = None):
+    """The tokenizer in `path`; `chat_template` (the config key: a file or the template) replaces its template.
+    Its model_max_length is raised to the positions of the model in `model_path` (default `path`) where it is
+    smaller: a tokenizer saved with 4096 beside a model of 131,072 positions would warn of "indexing errors" on
+    every long row, which max_length, not the tokenizer, bounds."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     if chat_template is not None:
         tok.chat_template = chat_template_text(chat_template)
+    positions = model_positions(Path(model_path if model_path is not None else path))
+    if positions is not None and tok.model_max_length < positions:
+        tok.model_max_length = positions
     return tok
+
+
+def model_positions(path: Path) -> int | None:
+    """The longest sequence the model in `path` has positions for (its config.json: max_position_embeddings, or
+    GPT-2's n_positions; a multimodal config's text_config), None where it does not say."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for part in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_positions"):
+            if isinstance(part.get(key), int):
+                return part[key]
+    return None
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

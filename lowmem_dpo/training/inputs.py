@@ -150,7 +150,7 @@ def reference_of(cfg: Config) -> tuple:
 
 def prepare(cfg: Config, resolved: Resolved) -> Inputs:
     source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)  # the stages log source.description
-    tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template)
+    tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template, source.base_path)
     return Inputs(source.base_path, source, tokenizer,
                   fingerprint_components(cfg, resolved, source.base_path, source.adapter_path, source.tokenizer_path))
 

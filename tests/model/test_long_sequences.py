@@ -304,6 +304,16 @@ def test_the_search_offloads_before_quantizing_and_unshares_long_shared_rows():
     assert plan.fits and plan.overrides == {"activation_offloading": "true", "share_prompt": "false"}
 
 
+def test_train_s_advice_names_only_what_train_turns():
+    """At 32,256 tokens a batch of 4 pairs' reference forward does not fit 11.25 GiB: the plan of both stages halves
+    precompute_batch_size, and train's own advice (stages=("train",), the warning train prints) does not name it: a
+    run whose precompute already went at 1 was told to set it to 1."""
+    arch, budget = load_arch("meta-llama/Llama-3.1-8B"), int(11.25 * GiB)
+    setup = cuda_setup(32256, micro_batch=1, precompute_batch=4)
+    assert choose(arch, setup, budget).overrides["precompute_batch_size"] == "1"
+    assert "precompute_batch_size" not in choose(arch, setup, budget, stages=("train",)).overrides
+
+
 def test_the_plan_matches_a_measured_long_step(tmp_path):
     """tiny-llama at 4096 tokens per sequence (rows cut to max_length: a 2048-token prompt and completions to the
     end), checkpointing on so the MLP runs in tiles: the predicted peaks of precompute and of a train step are
@@ -347,3 +357,25 @@ def test_only_mlps_of_the_hidden_states_alone_are_tiled(config_class, kwargs, bl
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert arch_from_model(model, config_class).mlp_block == block
+
+
+def test_a_tokenizer_shorter_than_the_model_s_positions_takes_the_model_s(make_cfg, tiny_path, tmp_path, capfd):
+    """A tokenizer saved with a model_max_length below the model's positions (4096 here) is raised to them, so a long
+    row tokenizes without transformers' "indexing errors" line; one above them is left as it is."""
+    import json
+    import shutil
+
+    from lowmem_dpo.training import inputs
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_path, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 16}))
+    cfg = make_cfg(model_name_or_path=str(model), max_length=64, max_prompt_length=32)
+    tok = inputs.prepare(cfg, devices.resolve(cfg)).tokenizer
+    assert tok.model_max_length == json.loads((model / "config.json").read_text())["max_position_embeddings"] == 4096
+    capfd.readouterr()
+    n = len(tok("the lamp is on the chair " * 20)["input_ids"])
+    assert n > 16 and "indexing errors" not in capfd.readouterr().err
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 10**6}))
+    assert inputs.prepare(cfg, devices.resolve(cfg)).tokenizer.model_max_length == 10**6
