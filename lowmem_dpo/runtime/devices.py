@@ -38,6 +38,7 @@ class Resolved:
     micro_batch: int | None = None  # pairs per micro-batch the planner fits (policy.apply_plan); None: the recipe's
     activation_offloading: bool = False  # train's saved tensors to pinned host memory (activations.py; CUDA only)
     mlp_tiles: bool = True  # train's MLP in tiles under checkpointing (activations.TiledMLP); the plan may run it whole
+    streamed_layers: int = 0  # train's decoder layers streamed from CPU RAM (policy.apply_plan)
 
     def __post_init__(self):
         if self.ref_dtype is None:
@@ -71,12 +72,11 @@ def cuda_memory(device: torch.device) -> tuple[int, int, int]:
 
 
 def run_cuda_budget(device: torch.device, memory_budget: str | None):
-    """rules.cuda_budget of this card, memory_budget enforced on torch's allocator when it is set."""
+    """rules.cuda_budget of this card, enforced on torch's allocator: the cap is the budget the plan uses."""
     cap = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
     budget = rules.cuda_budget(*cuda_memory(device), cap)
-    if budget.fraction is not None:
-        # The out-of-memory back-off then fires at the budget: a large card behaves as the small one it emulates.
-        torch.cuda.set_per_process_memory_fraction(budget.fraction, device)
+    # The out-of-memory back-off then fires at the planned budget: a large card behaves as the small one it emulates.
+    torch.cuda.set_per_process_memory_fraction(budget.fraction, device)
     if budget.short:
         log(f"warning: {budget.why}")
     return budget

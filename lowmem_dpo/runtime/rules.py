@@ -99,7 +99,7 @@ class CudaBudget:
     """What a CUDA run may allocate, and how it is held to it."""
 
     budget: int  # bytes torch's allocator may hold: what the planner fits and the device rule's tier
-    fraction: float | None  # for torch.cuda.set_per_process_memory_fraction; None: no cap set
+    fraction: float  # budget / the card's total, for torch.cuda.set_per_process_memory_fraction
     why: str
     short: bool = False  # memory_budget asked for more than the card has free
 
@@ -116,21 +116,23 @@ def cuda_budget(free: int, held: int, total: int, memory_budget: int | None) -> 
     """The budget of a CUDA run from the card's numbers (torch.cuda.mem_get_info after the context exists): `free`
     bytes, `held` by this process's allocator already (torch.cuda.memory_reserved), `total`. Available: free +
     held, what torch can get (the display, other processes and this process's CUDA context are gone from free),
-    less CUDA_AFTER_START for what CUDA itself takes later. Without memory_budget: that. With it: at most
-    memory_budget, enforced as a fraction of the total so that the out-of-memory back-off fires at the budget and a
-    large card behaves as the small one it emulates."""
+    less CUDA_AFTER_START for what CUDA itself takes later. The budget is memory_budget where it is set and fits in
+    that, else what is available. It is what the planner fits and what torch's allocator is held to, as a fraction
+    of the total: the out-of-memory back-off fires at the budget the plan used, not in cuBLAS, cuDNN or
+    bitsandbytes past it, and a large card behaves as the small one it emulates."""
     available = max(0, free + held - CUDA_AFTER_START)
+    budget = available if memory_budget is None else min(memory_budget, available)
+    enforced = f"enforced: torch.cuda.set_per_process_memory_fraction({budget / total:.4f})"
     if memory_budget is None:
-        return CudaBudget(available, None, f"{fmt(available)} for torch on a {fmt(total)} card (torch.cuda."
-                          f"mem_get_info: the display, other processes and the CUDA context excluded; "
-                          f"{fmt(CUDA_AFTER_START)} kept for kernels and handles CUDA loads later)")
-    fraction = min(1.0, memory_budget / total)
-    if memory_budget > available:
-        return CudaBudget(available, fraction, f"memory_budget={fmt(memory_budget)} but only {fmt(available)} is free "
-                          f"on this {fmt(total)} card: planning for {fmt(available)}", short=True)
-    return CudaBudget(memory_budget, fraction, f"memory_budget={fmt(memory_budget)} of a {fmt(total)} card, "
-                      f"{fmt(available)} free (enforced: torch.cuda.set_per_process_memory_fraction({fraction:.4f}))")
-
+        why = (f"{fmt(available)} for torch on a {fmt(total)} card (torch.cuda.mem_get_info: the display, other "
+               f"processes and the CUDA context excluded; {fmt(CUDA_AFTER_START)} kept for kernels and handles CUDA "
+               f"loads later; {enforced})")
+    elif memory_budget > available:
+        why = (f"memory_budget={fmt(memory_budget)} but only {fmt(available)} is free on this {fmt(total)} card: "
+               f"planning for {fmt(available)} ({enforced})")
+    else:
+        why = f"memory_budget={fmt(memory_budget)} of a {fmt(total)} card, {fmt(available)} free ({enforced})"
+    return CudaBudget(budget, budget / total, why, short=memory_budget is not None and memory_budget > available)
 
 
 @dataclass(frozen=True)

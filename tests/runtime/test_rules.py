@@ -32,27 +32,43 @@ def test_the_rule_follows_the_budget_not_the_card(budget_gib, bf16, kind):
 H100 = 79.2 * GiB  # what torch.cuda.mem_get_info reports as an H100's total
 
 
-@pytest.mark.parametrize("free, held, total, cap, budget, fraction, short", [
+@pytest.mark.parametrize("free, held, total, cap, budget, short", [
     # no memory_budget: what torch can get now (free + what this process's allocator holds already), less 0.5 GiB
     # for what CUDA loads later (rules.CUDA_AFTER_START)
-    (11.3 * GiB, 0, 12 * GiB, None, 10.8 * GiB, None, False),  # a 12 GB card with its display and context
-    (10.0 * GiB, 1.0 * GiB, 12 * GiB, None, 10.5 * GiB, None, False),
-    (0.25 * GiB, 0, 12 * GiB, None, 0, None, False),  # a card someone else fills: nothing, not a negative budget
-    # memory_budget on a big card: the budget, enforced as a fraction of the total
-    (78.5 * GiB, 0, H100, 11.25 * GiB, 11.25 * GiB, 11.25 / 79.2, False),
-    # memory_budget above what is free: plan for what is free, still cap at the budget, and say so
-    (6.0 * GiB, 0, 12 * GiB, 11.25 * GiB, 5.5 * GiB, 11.25 / 12, True),
-    (11.5 * GiB, 0, 12 * GiB, 11.25 * GiB, 11.0 * GiB, 11.25 / 12, True),  # the reserve makes it short
-    (12 * GiB, 0, 12 * GiB, 20 * GiB, 11.5 * GiB, 1.0, True),  # never a fraction above 1
+    (11.3 * GiB, 0, 12 * GiB, None, 10.8 * GiB, False),  # a 12 GB card with its display and context
+    (10.0 * GiB, 1.0 * GiB, 12 * GiB, None, 10.5 * GiB, False),
+    (0.25 * GiB, 0, 12 * GiB, None, 0, False),  # a card someone else fills: nothing, not a negative budget
+    # memory_budget on a big card: the budget
+    (78.5 * GiB, 0, H100, 11.25 * GiB, 11.25 * GiB, False),
+    # memory_budget above what is free (a 12 GB card driving a display): plan for what is free, and say so
+    (6.0 * GiB, 0, 12 * GiB, 11.25 * GiB, 5.5 * GiB, True),
+    (11.5 * GiB, 0, 12 * GiB, 11.25 * GiB, 11.0 * GiB, True),  # the reserve makes it short
+    (12 * GiB, 0, 12 * GiB, 20 * GiB, 11.5 * GiB, True),
 ])
-def test_cuda_budget(free, held, total, cap, budget, fraction, short):
+def test_cuda_budget(free, held, total, cap, budget, short):
+    """Simulated card figures (what torch.cuda.mem_get_info would report: no card here). The cap torch is held to
+    is the budget the plan uses, whichever figure set it: fraction x total = budget."""
     b = rules.cuda_budget(int(free), int(held), int(total), None if cap is None else int(cap))
     assert b.budget == int(budget)
-    assert (b.fraction is None) == (fraction is None)
-    if fraction is not None:
-        assert b.fraction == pytest.approx(fraction, rel=1e-6)
+    assert b.fraction * int(total) == pytest.approx(b.budget, abs=1) and b.fraction <= 1
+    assert f"set_per_process_memory_fraction({b.fraction:.4f})" in b.why
     assert b.short == short
     assert ("only" in b.why) == short
+
+
+def test_the_cap_torch_enforces_is_the_planned_budget(monkeypatch):
+    """devices.run_cuda_budget on a simulated 12 GB card driving a display (5.5 GiB free; mem_get_info and the
+    allocator's cap simulated: no card here), memory_budget=11.25GiB: the fraction torch's allocator is held to is
+    the 5.0 GiB the plan uses, not the 11.25 GiB asked for (it was, and the back-off then fired late)."""
+    from lowmem_dpo.runtime import devices
+
+    caps = []
+    monkeypatch.setattr(devices, "cuda_memory", lambda device: (int(5.5 * GiB), 0, 12 * GiB))
+    monkeypatch.setattr(devices.torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: caps.append(fraction))
+    b = devices.run_cuda_budget(devices.torch.device("cuda", 0), "11.25GiB")
+    assert b.budget == 5 * GiB and b.short
+    assert len(caps) == 1 and caps[0] * 12 * GiB == pytest.approx(5 * GiB, abs=1)
 
 
 def test_the_emulated_card_gets_the_small_cards_rule():
