@@ -27,10 +27,11 @@ cpu (--no-step-compare skips it).
 Writes one JSON: {"device", "machine", "cap_gib", "command", "runs": [...]}, rewritten after every run. A run has
 tool (lowmem_dpo | trl), recipe, variant (null for a recipe as shipped, else what differs: "max_length=2048",
 "longest", "device=cpu"), max_length, cap_gib, planned_gib (the planner's train peak for the run as train applies
-it), allocated_gib / reserved_gib (the largest per-step peaks of torch's allocator over the train steps),
+it, at the budget train resolved), allocated_gib / reserved_gib (the largest per-step peaks of torch's allocator over the train steps),
 device_used_gib (the card's used memory at its highest, all processes and the CUDA context), oom, median_step_s and
-tokens_per_s (steps 2.., non-padding tokens), step1_loss_minus_ln2, and what it ran with (micro_batch, grad_accum,
-streamed_layers, activation_offloading, gradient_checkpointing, share_prompt: the plan's), context_gib (the card
+tokens_per_s (steps 2.., non-padding tokens), step1_loss_minus_ln2, and what it ran with, read from the run
+(budget_gib, micro_batch, grad_accum, streamed_layers, activation_offloading, gradient_checkpointing, mlp_tiles,
+share_prompt), context_gib (the card
 with the bare CUDA context), beyond_torch_gib (device_used - reserved at the peak: context, kernels, managed
 pages), its wall time, and its error and log tail when it failed. --grads adds a "lowmem_dpo gradients" run:
 one step's LoRA gradients on one batch with and without activation offloading (plain twice: the card's own
@@ -130,24 +131,35 @@ def run_overrides(name: str, recipe_cfg, model: str, max_length: int, steps: int
             "memory_budget": f"{cap_gib}GiB"}
 
 
-def planned_train(cfg) -> tuple[float | None, dict]:
-    """The planner's train peak (GiB) for the run as train applies it (search.stage_plan: the plan
-    policy.apply_plan applies), and what that plan turns: micro-batch, accumulation, streamed layers, offloading,
-    checkpointing, the prompt shared or not."""
+def planned_train(cfg, budget: int | None = None) -> tuple[float | None, bool]:
+    """The planner's train peak (GiB) for the run as train applies it (search.stage_plan at `budget`, the one
+    train resolved; default the recipe's cap, before the run), and whether that plan fits."""
     from lowmem_dpo.memory import search
     from lowmem_dpo.memory.arch import load_arch
     from lowmem_dpo.memory.setup import run_budget
     from lowmem_dpo.model import models
 
     arch = load_arch(str(models.resolve_model_path(cfg.model_name_or_path)))
-    plan = search.stage_plan(cfg, arch, run_budget(cfg, cfg.device), "train", cfg.device)
+    budget = budget if budget is not None else run_budget(cfg, cfg.device)
+    plan = search.stage_plan(cfg, arch, budget, "train", cfg.device)
     stream = plan.streams.get("train")
     peak = stream.device_peak if stream else plan.prediction.train.peak_bytes
-    return round(peak / GiB, 3), {"micro_batch": plan.setup.micro_batch, "grad_accum": plan.setup.grad_accum,
-                                  "streamed_layers": stream.layers if stream else 0,
-                                  "activation_offloading": plan.setup.activation_offloading,
-                                  "gradient_checkpointing": plan.setup.gradient_checkpointing,
-                                  "share_prompt": plan.setup.share_prompt, "fits": plan.fits}
+    return round(peak / GiB, 3), plan.fits
+
+
+def ran_with(session) -> dict:
+    """What the run applied, read from the session train set up (not from a plan made beside it): the budget it
+    planned and torch enforces, the micro-batch and accumulation, streamed layers, offloading, checkpointing, the
+    MLP in tiles, the prompt shared or not."""
+    from lowmem_dpo.memory.setup import run_budget
+
+    run, progress = session.run, session.progress
+    resolved = run.resolved
+    budget = resolved.budget if resolved.budget is not None else run_budget(run.cfg, resolved.device.type)
+    return {"budget_gib": _gib(budget), "micro_batch": progress.micro_batch, "grad_accum": progress.grad_accum,
+            "streamed_layers": resolved.streamed_layers, "activation_offloading": resolved.activation_offloading,
+            "gradient_checkpointing": resolved.gradient_checkpointing, "mlp_tiles": resolved.mlp_tiles,
+            "share_prompt": run.objective.shared}
 
 
 def summarize(lines: list[dict], tokens_key: str = "tokens_per_s", profiled: int = 0) -> dict:
@@ -232,10 +244,11 @@ def run_ours(args) -> dict:
     """lowmem_dpo's plan, precompute and train in this process (a child of the check)."""
     from lowmem_dpo import precompute, train
     from lowmem_dpo.runtime.errors import UserError
+    from lowmem_dpo.training import loop
 
     cfg = child_config(args)
-    planned, applied = planned_train(cfg)
-    out = {"planned_gib": planned, **applied}
+    planned, fits = planned_train(cfg)  # before the run: what a run that fails to start is reported with
+    out = {"planned_gib": planned, "fits": fits}
     if args.device == "cuda":  # the card with this process's bare CUDA context (rules.CUDA_AFTER_START's base)
         import torch
 
@@ -244,8 +257,11 @@ def run_ours(args) -> dict:
     profiler = StepProfiler(args.profile_step, args.device == "cuda") if args.profile_step else None
     try:
         precompute.run(cfg, progress=False)
+        session = train.setup(cfg, progress=False)
+        out.update(ran_with(session))
+        out["planned_gib"], out["fits"] = planned_train(cfg, session.run.resolved.budget)
         with profiled_steps(profiler):
-            train.run(cfg, progress=False)
+            loop.run(session, progress=False)
     except UserError as e:
         out.update(oom="out of memory" in str(e), error=str(e))
     if profiler is not None:

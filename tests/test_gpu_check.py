@@ -41,8 +41,11 @@ def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
         assert abs(r["step1_loss_minus_ln2"]) < 1e-2  # both tools start at ln 2: the reference is the policy
     ours = runs[0]
     assert ours["max_length"] == 96 and ours["planned_gib"] > 0 and ours["micro_batch"] == 2
-    # the plan train applies: its knobs as train turns them on a CPU (no offloading, no streaming there)
+    # what the run applied, read from its session: its knobs as train turns them on a CPU (no offloading, no
+    # streaming there), the budget it resolved (--smoke sets no cap: the planner's, the machine's RAM), the layout
     assert ours["activation_offloading"] is False and ours["streamed_layers"] == 0 and ours["fits"] is True
+    assert ours["cap_gib"] is None and ours["budget_gib"] > 0
+    assert ours["share_prompt"] in (True, False) and ours["mlp_tiles"] in (True, False)
     assert math.isclose(runs[1]["max_length"], ours["max_length"])
     # --profile 2: each tool's second step, counted, its op table beside the JSON; ours does no more work than TRL
     profiled = {r["tool"]: r["profile"] for r in runs[:2]}

@@ -188,7 +188,8 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
     same numbers), gradient checkpointing on (when auto), on CUDA activation offloading (when auto), the prompt
     unshared (share_prompt auto), and on CUDA, last, the trailing decoder layers streamed from CPU RAM. A knob it
     cannot apply (quantization changes the numbers and the cache) is advised, with numbers. Sets resolved's
-    micro_batch, gradient_checkpointing, activation_offloading and share_prompt; returns what to stream, or None."""
+    micro_batch, gradient_checkpointing, activation_offloading, share_prompt and streamed_layers; returns what to
+    stream, or None."""
     budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
     arch = search.arch_of_run(model_path, cfg, "using the device rule's choices")
     if arch is None:
@@ -233,7 +234,8 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
     else:
         resolved.reasons.append(f"planner: train peak {fmt(peak)} of a {fmt(budget)} budget")
     # Streaming that does not make the run fit would only make it slower: the out-of-memory back-off has the last word
-    return streaming.Plan(stream.layers, arch.layers_prefix) if stream and applied.fits else None
+    resolved.streamed_layers = stream.layers if stream and applied.fits else 0
+    return streaming.Plan(stream.layers, arch.layers_prefix) if resolved.streamed_layers else None
 
 
 def check_bitsandbytes(resolved: devices.Resolved) -> None:
