@@ -48,6 +48,11 @@ class StepStats:
     # the chosen NLL's weight in the loss (objectives.nll_weight: sft, ORPO's own; sums["loss"] excludes it), or
     # None without one; not a sum (distributed.sum_stats)
     nll_weight: float | None = field(default=None, metadata={"sum": False})
+    # the reference values against this forward (objectives.start_drift; 0 without a reference): summed |policy -
+    # reference| over the completions (nats), and summed loss minus its value at policy = reference. At step 1 the
+    # two are one model, so these measure how far the cache is from the policy's forward (train's drift line).
+    ref_drift: float = 0.0
+    ref_offset: float = 0.0
 
     def add(self, other: "StepStats") -> None:
         for k, v in other.sums.items():
@@ -58,6 +63,8 @@ class StepStats:
         self.rejected_tokens += other.rejected_tokens
         self.nll += other.nll
         self.nll_tokens += other.nll_tokens
+        self.ref_drift += other.ref_drift
+        self.ref_offset += other.ref_offset
 
     def means(self) -> dict:
         """TRL's metrics; with an NLL term, also nll_loss (the mean NLL per chosen token), which the loss adds
@@ -125,6 +132,9 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     stats = new_stats(cfg)
     stats.pairs, stats.tokens, stats.chosen_tokens = len(pairs), batch.num_tokens, int(chosen.n_tokens.sum())
     stats.rejected_tokens = int(rejected.n_tokens.sum())
+    if reference:
+        drift, offset = objectives.start_drift(logps, cfg.loss_settings, cfg.loss_terms)  # (B,) each
+        stats.ref_drift, stats.ref_offset = drift.sum().item(), offset.sum().item()
     nll, nll_tokens = logps.nll_logps()  # (B,) each
     stats.nll, stats.nll_tokens = -nll.detach().sum().item(), int(nll_tokens.sum())
     sums = stats.sums
@@ -188,8 +198,20 @@ class DPO:
     def accumulate_gradients(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
         batches = loop.micro_batches(loop.rank_share(session, pairs), micro_batch)
         run = session.run
-        return train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
-                          step_pairs=pairs)
+        stats = train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
+                           step_pairs=pairs)
+        if self.ref is not None and session.progress.step == 0 and session.progress.resumed_from is None:
+            # step 1: the policy is the reference, so the cache should hold its forward's values (this rank's pairs)
+            r = run.resolved
+            other = [f"ref_dtype={devices.dtype_name(r.ref_dtype)} against the policy's {devices.dtype_name(r.dtype)}"
+                     ] if r.ref_dtype != r.dtype else []
+            if r.ref_quantization != r.quantization:
+                other.append(f"ref_quantization={r.ref_quantization} against the policy's {r.quantization}")
+            for line in guards.drift_lines(stats.ref_drift, stats.ref_offset, stats.pairs,
+                                           stats.chosen_tokens + stats.rejected_tokens, r.quantization == "8bit",
+                                           " and ".join(other) or None):
+                log(line)
+        return stats
 
     def eval_stats(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
         batches = loop.micro_batches(loop.rank_share(session, pairs), micro_batch)

@@ -15,7 +15,7 @@ from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.model.logps import completion_logps
 from lowmem_dpo.model.models import load_model
 from lowmem_dpo.runtime import devices
-from lowmem_dpo.training import loop, policy
+from lowmem_dpo.training import guards, loop, policy
 from lowmem_dpo.training.session import next_items, pair_stream
 
 
@@ -221,6 +221,39 @@ def test_bfloat16_cache_and_policy_agree_at_step_1(make_cfg):
     (m,) = [train.run(cfg, progress=False).metrics]
     assert m["loss"] == pytest.approx(math.log(2), abs=2e-3)
     assert abs(m["rewards/margins"]) < 1e-2
+
+
+DRIFT = re.compile(r"step 1: reference cache against the policy's own forward \(one model at step 1\): (\S+) nats per token "
+                   r"\(bound \S+\), loss offset (\S+)")
+
+
+@pytest.mark.parametrize("settings, warned", [
+    ({}, False),  # the cache of this very run
+    ({"dtype": "bfloat16", "quantization": "4bit"}, False),
+    ({"quantization": "4bit", "ref_quantization": "none"}, True),  # a reference of another quantization
+    ({"ref_dtype": "bfloat16"}, True),  # and of another dtype, against a float32 policy
+])
+def test_step_1_measures_the_cache_against_the_policy_and_warns_past_the_bound(make_cfg, capsys, settings, warned):
+    """At step 1 the policy is the reference, so the cache should hold its forward's values: train says how far they
+    are (nats per token, and the loss offset), and warns when a cache of another model's forward is served, as a
+    user brings one with ref_dtype or ref_quantization. A matching float32 cache is exactly this forward's: 0 (in
+    bfloat16 too on this CPU; a CPU with native bf16 may round by batch shape, within the bounds)."""
+    cfg = make_cfg(max_steps=1, **settings)
+    precompute.run(cfg, progress=False)
+    capsys.readouterr()
+    (m,) = [train.run(cfg, progress=False).metrics]
+    err = capsys.readouterr().err
+    (per_token, offset), = DRIFT.findall(err)
+    assert ("warning: step 1: the cached reference is not this policy's forward" in err) == warned, err
+    if warned:
+        assert float(per_token) > guards.DRIFT_TOKEN_BOUND and "set them null and rerun precompute" in err
+        assert ("ref_quantization=none against the policy's 4bit" in err) == ("ref_quantization" in settings)
+        assert ("ref_dtype=bfloat16 against the policy's float32" in err) == ("ref_dtype" in settings)
+    else:
+        assert float(per_token) <= guards.DRIFT_TOKEN_BOUND and abs(float(offset)) <= guards.DRIFT_LOSS_BOUND
+    if not settings:
+        assert float(per_token) == float(offset) == 0 and m["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert float(offset) == pytest.approx(m["loss"] - math.log(2), abs=1e-6)  # sigmoid's start is ln 2
 
 
 def test_auto_checkpointing_comes_from_the_planner(make_cfg):

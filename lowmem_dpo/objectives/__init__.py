@@ -15,6 +15,8 @@ micro-batch's weighted terms), needs_reference.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from lowmem_dpo.objectives import dpo, kto, metrics, reference_free
@@ -71,6 +73,19 @@ def combine(x: PairLogps, s: Settings, terms: list[tuple[str, float]]) -> torch.
         if not OBJECTIVES[name].per_token:
             losses = losses + weight * OBJECTIVES[name].formula(x, s)  # (B,)
     return losses if x.weights is None else losses * x.weights  # use_weighting: WPO's weight of each pair
+
+
+def start_drift(x: PairLogps, s: Settings, terms: list[tuple[str, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far the reference values are from the policy's own forward, (B,) each, for a step where the two should
+    be one model (step 1: the adapter is the identity): |policy - reference| summed over each pair's two
+    completions (nats), and the per-pair loss minus the loss with the reference set to the policy (its value at
+    the start: ln 2 for sigmoid). Detached."""
+    chosen, rejected = x.chosen.detach(), x.rejected.detach()
+    drift = (chosen - x.ref_chosen).abs() + (rejected - x.ref_rejected).abs()  # (B,)
+    start = dataclasses.replace(x, chosen=chosen, rejected=rejected, ref_chosen=chosen, ref_rejected=rejected)
+    with torch.no_grad():
+        offset = combine(x, s, terms) - combine(start, s, terms)  # (B,)
+    return drift, offset
 
 
 def nll_prompt(loss_types) -> bool:

@@ -213,3 +213,36 @@ def drift_sign(base: dict, now: dict) -> str | None:
         return (f"answers drifting from the reference: KL {kl:.2f} nats per token on the policy's own answers (limit "
                 f"{KL_LIMIT:g}); {_READ}")
     return None
+
+
+# Step 1's drift between the cached reference and the policy's own forward (one model at step 1). On the CPU the two
+# are the same numbers (0 in float32 and bfloat16, 4-bit or not: tests/test_train.py); a cache of another dtype or
+# quantization is 1-2e-3 nats per token off even on the tiny model. On a card, 16-bit kernels round by batch layout:
+# the last loan measured step 1 at 1e-3 above ln 2 at 2048 tokens, 0.014 at 23,040 and 0.107 at 32,256 (before the
+# per-sequence sums were made exact), ~1e-5 to 3e-5 nats per token. Beyond either bound the cache is not this policy.
+DRIFT_LOSS_BOUND = 1e-2  # |mean loss - its value at policy = reference| (ln 2 for sigmoid)
+DRIFT_TOKEN_BOUND = 5e-4  # mean |policy - reference| log-prob per completion token, nats; not for an 8-bit base,
+# whose LLM.int8 picks outlier columns per batch: 2-3e-4 per token on the tiny model, the loss bound alone there
+
+
+def drift_lines(drift: float, offset: float, pairs: int, tokens: int, int8: bool = False,
+                other_reference: str | None = None) -> list[str]:
+    """The drift line of step 1 (summed |policy - reference| over `tokens` completion tokens, summed loss offset
+    over `pairs`), and a warning with what to do when it is beyond DRIFT_LOSS_BOUND or DRIFT_TOKEN_BOUND (not for
+    an 8-bit base: `int8`). other_reference: the reference's own settings where they differ from the policy's
+    (ref_dtype, ref_quantization), the cause then named."""
+    if pairs == 0:
+        return []
+    per_token, loss = drift / max(1, tokens), offset / pairs
+    token_bound = "none for an 8-bit base" if int8 else f"{DRIFT_TOKEN_BOUND:g}"
+    lines = [f"step 1: reference cache against the policy's own forward (one model at step 1): {per_token:.2e} nats "
+             f"per token (bound {token_bound}), loss offset {loss:+.2e} (bound {DRIFT_LOSS_BOUND:g})"]
+    if (per_token > DRIFT_TOKEN_BOUND and not int8) or abs(loss) > DRIFT_LOSS_BOUND:
+        cause = (f"the reference was computed with {other_reference}: set them null and rerun precompute to start at "
+                 "the policy" if other_reference else
+                 "the usual cause is a cache computed on another device or with other weights or library versions "
+                 "than this run's; rerun precompute where train runs")
+        lines.append(f"warning: step 1: the cached reference is not this policy's forward ({per_token:.2e} nats per "
+                     f"token, the loss {loss:+.2e} off its start), so every pair's weight starts off by that much: "
+                     + cause)
+    return lines
