@@ -49,11 +49,13 @@ from lowmem_dpo.config.cli import StageParser, run_cli
 from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
+from lowmem_dpo.memory.host import host_problem, host_ram
 from lowmem_dpo.memory.model import Prediction, StagePrediction, predict
 from lowmem_dpo.memory.search import KNOBS, LENGTH_STEP, Plan, choose, longest_max_length, stage_stream
 from lowmem_dpo.memory.setup import Setup, planned_device, run_budget, setup_from_config, with_prompts
 from lowmem_dpo.model import adapters, models
 from lowmem_dpo.objectives import needs_reference
+from lowmem_dpo.runtime.devices import ram_available
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import fmt, parse_size, size_note
 
@@ -180,6 +182,16 @@ def print_plan(chosen: Plan, budget: int, reference: bool = True) -> None:
             print("  overrides: " + " ".join(f"{k}={v}" for k, v in chosen.overrides.items()))
 
 
+def print_host_ram(arch: Arch, chosen: Plan, reference: bool = True) -> None:
+    """The plan's host RAM beside its device memory (memory/host.py), against what this machine has available."""
+    available, source = ram_available()
+    for stage in ("train", "precompute") if reference else ("train",):
+        host = host_ram(arch, chosen, stage)
+        fits = "" if host_problem(host, available, stage) is None else " - MORE THAN THIS MACHINE HAS"
+        print(f"host RAM {stage}: {host.describe()}{fits}")
+    print(f"         this machine: {fmt(available)} {source}")
+
+
 def print_lengths(arch: Arch, chosen: Plan, budget: int) -> None:
     """The longest max_length that fits, per micro-batch: the trade between pairs per forward and length."""
     s = chosen.setup
@@ -290,6 +302,7 @@ def main(argv: list[str]) -> int:
               "allow a margin on a GPU")
     print()
     print_plan(chosen, budget, reference)
+    print_host_ram(arch, chosen, reference)
     print_lengths(arch, chosen, budget)
     print_data_lengths(cfg)
     if args.json_out:

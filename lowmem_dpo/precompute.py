@@ -19,6 +19,7 @@ same store:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sqlite3
 import time
@@ -34,6 +35,7 @@ from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
 from lowmem_dpo.data.store import Value
 from lowmem_dpo.memory import search
+from lowmem_dpo.memory.host import host_ram
 from lowmem_dpo.memory.setup import run_budget
 from lowmem_dpo.model import adapters, headcheck, models, streaming
 from lowmem_dpo.model.logps import batch_logps
@@ -142,7 +144,11 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     if not plan.fits:
         log(f"warning: the planner predicts precompute does not fit {fmt(budget)} even so (python -m "
             "lowmem_dpo.plan shows the terms); an out-of-memory error halves the batch again")
-    return batch, streaming.Plan(stream.layers, arch.layers_prefix) if stream and plan.fits else None
+    streamed = bool(stream) and plan.fits
+    for line in policy.check_host_ram(host_ram(arch, plan if streamed else dataclasses.replace(plan, streams={}),
+                                               "precompute"), "precompute"):
+        log(line)
+    return batch, streaming.Plan(stream.layers, arch.layers_prefix) if streamed else None
 
 
 def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedCompletion]], store, side: int,

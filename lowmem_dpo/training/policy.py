@@ -10,6 +10,7 @@ optimizer and schedule, and the memory plan's choices for them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from lowmem_dpo.config.schedule import make_schedule
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory import attention, search
+from lowmem_dpo.memory.host import HostRam, host_problem, host_ram
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 from lowmem_dpo.model import activations, adapters, compute_copies, models, streaming
 from lowmem_dpo.runtime import devices, rules
@@ -235,7 +237,24 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
         resolved.reasons.append(f"planner: train peak {fmt(peak)} of a {fmt(budget)} budget")
     # Streaming that does not make the run fit would only make it slower: the out-of-memory back-off has the last word
     resolved.streamed_layers = stream.layers if stream and applied.fits else 0
+    if not resolved.streamed_layers and "train" in applied.streams:
+        applied = dataclasses.replace(applied, streams={})
+    resolved.reasons.extend(check_host_ram(host_ram(arch, applied, "train"), "train"))
     return streaming.Plan(stream.layers, arch.layers_prefix) if resolved.streamed_layers else None
+
+
+def check_host_ram(host: HostRam, stage: str) -> list[str]:
+    """The stage's host RAM (memory/host.py) against what this machine has available now, shared by the run's
+    processes on it: refused before anything loads when it does not fit; else the line that says it (none when
+    the stage pins and pages nothing)."""
+    if not host.total:
+        return []
+    available, source = devices.ram_available()
+    share = available // devices.local_size()
+    problem = host_problem(host, share, stage, source if share == available else f"{source}, per process here")
+    if problem:
+        raise UserError(problem)
+    return [f"host RAM: {host.describe()}; {fmt(share)} {source}"]
 
 
 def check_bitsandbytes(resolved: devices.Resolved) -> None:

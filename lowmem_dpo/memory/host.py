@@ -1,0 +1,85 @@
+"""Host RAM a run takes beside the device's memory: planned with it (from a search.Plan) and checked against what
+the OS says is available before anything loads.
+
+    host_ram(arch, plan, "train")     # HostRam: its terms, the load's file pages
+    host_problem(host, available, "train", "available (MemAvailable)")   # the refusal's line, or None
+
+The terms are memory the kernel can neither swap nor drop:
+  pinned activations    activation_offloading: the saved layer inputs in page-locked host memory, each block
+                        rounded up to a power of two by torch's caching host allocator (model.pinned_bytes)
+  streamed layers       the trailing decoder layers' frozen weights, pinned, one buffer per layer (search.Stream)
+  paged optimizer state paged_adamw_8bit: two 8-bit states a LoRA parameter in CUDA managed memory, which the
+                        driver moves to host RAM under device pressure: at most all of it
+The load reads the checkpoint through mmap (bitsandbytes quantizes the 16-bit shards as they come): those file
+pages show in RSS (18.8 GB for a 4-bit Llama-3.1-8B on the last GPU loan) but are page cache the kernel drops
+under pressure, so they are shown and never refused on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowmem_dpo.memory.arch import Arch
+from lowmem_dpo.runtime.rules import PAGED_ADAMW_8BIT
+from lowmem_dpo.runtime.units import fmt
+
+CHECKPOINT_BYTES = 2  # bytes a parameter in the checkpoint read at load: the 16-bit shards 7B models ship
+
+# What frees each term, for the refusal's line.
+KNOBS = {
+    "pinned activations": "activation_offloading=false, with a lower max_length or per_device_train_batch_size so "
+                          "the card holds the activations",
+    "streamed layers": "a lower max_length or per_device_train_batch_size (fewer layers streamed)",
+    "paged optimizer state": "optimizer=adamw_torch (the state stays on the card)",
+}
+
+
+@dataclass(frozen=True)
+class HostRam:
+    """The host RAM one stage holds while it runs (terms: name -> bytes), and the checkpoint's file pages it reads
+    while loading (page cache)."""
+
+    terms: dict[str, int]
+    load_file_pages: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    def describe(self) -> str:
+        held = (f"{fmt(self.total)} held (" + ", ".join(f"{name} {fmt(n)}" for name, n in self.terms.items()) + ")"
+                if self.total else "nothing pinned or paged")
+        return f"{held}; the load reads {fmt(self.load_file_pages)} of checkpoint pages"
+
+
+def checkpoint_bytes(arch: Arch) -> int:
+    """The bytes of the model's 16-bit checkpoint: the layers, the rest, an untied LM head."""
+    head = 0 if arch.tie_word_embeddings else arch.vocab * arch.hidden
+    return CHECKPOINT_BYTES * (arch.layers * arch.layer_params + arch.outer_params + head)
+
+
+def host_ram(arch: Arch, plan, stage: str) -> HostRam:
+    """The host RAM of `stage` ("train" or "precompute") under `plan` (search.Plan: the setup as applied, its
+    prediction and streams)."""
+    setup, terms = plan.setup, {}
+    if stage == "train":
+        if setup.activation_offloading:
+            terms["pinned activations"] = plan.prediction.train.details["offload.host_bytes"]
+        if setup.optimizer == PAGED_ADAMW_8BIT:
+            terms["paged optimizer state"] = 2 * plan.prediction.train.details["lora_param_count"]
+    if stage in plan.streams:
+        terms["streamed layers"] = plan.streams[stage].cpu_bytes
+    return HostRam(terms, checkpoint_bytes(arch))
+
+
+def host_problem(host: HostRam, available: int, stage: str, source: str = "available") -> str | None:
+    """The refusal's line when `stage`'s host RAM is more than `available` (as `source` names it), naming the
+    largest term and the knob that frees it; None when it fits."""
+    if host.total <= available:
+        return None
+    name, largest = max(host.terms.items(), key=lambda kv: kv[1])
+    return (f"{stage} needs {fmt(host.total)} of host RAM it cannot give back ("
+            + ", ".join(f"{n} {fmt(b)}" for n, b in host.terms.items() if b)
+            + f") and this machine has {fmt(available)} {source}: pinned or paged memory past that fails in "
+            f"cudaHostAlloc or ends in the kernel's out-of-memory killer. The largest, {name} ({fmt(largest)}), is "
+            f"freed by {KNOBS[name]}")
