@@ -31,7 +31,9 @@ it, at the budget train resolved), allocated_gib / reserved_gib (the largest per
 device_used_gib (the card's used memory at its highest, all processes and the CUDA context), oom, median_step_s and
 tokens_per_s (steps 2.., non-padding tokens), step1_loss_minus_ln2, and what it ran with, read from the run
 (budget_gib, micro_batch, grad_accum, streamed_layers, activation_offloading, gradient_checkpointing, mlp_tiles,
-share_prompt), context_gib (the card
+share_prompt); its host RAM planned (host_planned_gib, by term) against measured (pinned_peak_gib: torch's pinned
+allocator; peak_rss_gib: resident, the load's file pages included); step 1's drift line (step1_drift_per_token,
+step1_drift_loss_offset); context_gib (the card
 with the bare CUDA context), beyond_torch_gib (device_used - reserved at the peak: context, kernels, managed
 pages), its wall time, and its error and log tail when it failed. --grads adds a "lowmem_dpo gradients" run:
 one step's LoRA gradients on one batch with and without activation offloading (plain twice: the card's own
@@ -55,6 +57,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -131,11 +134,13 @@ def run_overrides(name: str, recipe_cfg, model: str, max_length: int, steps: int
             "memory_budget": f"{cap_gib}GiB"}
 
 
-def planned_train(cfg, budget: int | None = None) -> tuple[float | None, bool]:
+def planned_train(cfg, budget: int | None = None) -> dict:
     """The planner's train peak (GiB) for the run as train applies it (search.stage_plan at `budget`, the one
-    train resolved; default the recipe's cap, before the run), and whether that plan fits."""
+    train resolved; default the recipe's cap, before the run), whether that plan fits, and its host RAM (pinned
+    activations, streamed layers, paged optimizer state: memory/host.py)."""
     from lowmem_dpo.memory import search
     from lowmem_dpo.memory.arch import load_arch
+    from lowmem_dpo.memory.host import host_ram
     from lowmem_dpo.memory.setup import run_budget
     from lowmem_dpo.model import models
 
@@ -144,7 +149,27 @@ def planned_train(cfg, budget: int | None = None) -> tuple[float | None, bool]:
     plan = search.stage_plan(cfg, arch, budget, "train", cfg.device)
     stream = plan.streams.get("train")
     peak = stream.device_peak if stream else plan.prediction.train.peak_bytes
-    return round(peak / GiB, 3), plan.fits
+    host = host_ram(arch, plan, "train")
+    return {"planned_gib": round(peak / GiB, 3), "fits": plan.fits, "host_planned_gib": _gib(host.total),
+            "host_planned": {name: _gib(n) for name, n in host.terms.items()}}
+
+
+def host_measured(cuda: bool) -> dict:
+    """This process's host RAM at its peak: pinned (torch's host allocator, CUDA) and resident (ru_maxrss, the
+    load's file pages included)."""
+    import resource
+
+    out = {"peak_rss_gib": _gib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}  # KiB on Linux
+    if cuda:
+        import torch
+
+        out["pinned_peak_gib"] = _gib(torch.cuda.host_memory_stats().get("allocated_bytes.peak"))
+    return out
+
+
+# train's drift line at step 1 (guards.drift_lines), read from the child's log
+DRIFT_LINE = re.compile(r"step 1: reference cache against the policy's own forward \(one model at step 1\): (\S+) nats "
+                        r"per token .*loss offset (\S+)")
 
 
 def ran_with(session) -> dict:
@@ -247,8 +272,7 @@ def run_ours(args) -> dict:
     from lowmem_dpo.training import loop
 
     cfg = child_config(args)
-    planned, fits = planned_train(cfg)  # before the run: what a run that fails to start is reported with
-    out = {"planned_gib": planned, "fits": fits}
+    out = planned_train(cfg)  # before the run: what a run that fails to start is reported with
     if args.device == "cuda":  # the card with this process's bare CUDA context (rules.CUDA_AFTER_START's base)
         import torch
 
@@ -259,9 +283,10 @@ def run_ours(args) -> dict:
         precompute.run(cfg, progress=False)
         session = train.setup(cfg, progress=False)
         out.update(ran_with(session))
-        out["planned_gib"], out["fits"] = planned_train(cfg, session.run.resolved.budget)
+        out.update(planned_train(cfg, session.run.resolved.budget))
         with profiled_steps(profiler):
             loop.run(session, progress=False)
+        out.update(host_measured(args.device == "cuda"))
     except UserError as e:
         out.update(oom="out of memory" in str(e), error=str(e))
     if profiler is not None:
@@ -514,9 +539,12 @@ def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, devi
     with open(work / "log.txt", "w") as logfile:
         rc = subprocess.run(argv, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT).returncode
     result = json.loads(out.read_text()) if out.is_file() else {"error": f"the run died (exit {rc})"}
+    text = (work / "log.txt").read_text(errors="replace")
     if result.get("error"):
-        lines = (work / "log.txt").read_text(errors="replace").splitlines()  # not the progress bars' lines
-        result["log_tail"] = "\n".join(x for x in lines if "%|" not in x)[-4000:]
+        result["log_tail"] = "\n".join(x for x in text.splitlines() if "%|" not in x)[-4000:]  # not the bars' lines
+    drift = DRIFT_LINE.search(text)
+    if drift:
+        result["step1_drift_per_token"], result["step1_drift_loss_offset"] = map(float, drift.groups())
     entry = {"tool": {"ours": "lowmem_dpo", "grads": "lowmem_dpo gradients"}.get(tool, tool), "recipe": Path(recipe).stem, "variant": variant,
              "max_length": length, "cap_gib": args.cap_gib if device == "cuda" else None, "device": device,
              "oom": False, **result}

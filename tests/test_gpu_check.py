@@ -9,6 +9,8 @@ import sys
 
 from conftest import REPO
 
+from lowmem_dpo.training.guards import DRIFT_LOSS_BOUND, DRIFT_TOKEN_BOUND
+
 FIELDS = ("tool", "recipe", "variant", "max_length", "cap_gib", "planned_gib", "allocated_gib", "reserved_gib",
           "device_used_gib", "oom", "median_step_s", "tokens_per_s", "step1_loss_minus_ln2")
 
@@ -46,6 +48,12 @@ def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
     assert ours["activation_offloading"] is False and ours["streamed_layers"] == 0 and ours["fits"] is True
     assert ours["cap_gib"] is None and ours["budget_gib"] > 0
     assert ours["share_prompt"] in (True, False) and ours["mlp_tiles"] in (True, False)
+    # host RAM: a CPU run pins and pages nothing (adamw_torch, no offloading); its resident peak is measured; and
+    # step 1's drift line, read from the run's log: the cache is this forward's (0 here; a CPU with native bf16 may
+    # round by batch shape, within the bounds)
+    assert ours["host_planned_gib"] == 0 and ours["host_planned"] == {} and ours["peak_rss_gib"] > 0
+    assert 0 <= ours["step1_drift_per_token"] <= DRIFT_TOKEN_BOUND
+    assert abs(ours["step1_drift_loss_offset"]) <= DRIFT_LOSS_BOUND
     assert math.isclose(runs[1]["max_length"], ours["max_length"])
     # --profile 2: each tool's second step, counted, its op table beside the JSON; ours does no more work than TRL
     profiled = {r["tool"]: r["profile"] for r in runs[:2]}
