@@ -4,7 +4,7 @@
     python bench/gpu_check.py [--cap-gib 11.25] [--steps 20] [--recipes mistral,llama] [--tools ours,trl]
         [--lengths recipe,2048,longest] [--no-step-compare] [--json bench/results/gpu_check.json]
     python bench/gpu_check.py --smoke [...]         # the whole flow on the tiny built-in model, on this CPU
-    python bench/gpu_check.py --part N --json $OUT/partN.json   # one part of at most 8 minutes (PARTS), N = 1..6
+    python bench/gpu_check.py --part N --json $OUT/partN.json   # one part of at most 8 minutes (PARTS), N = 1..8
     python bench/gpu_check.py --profile 4 [...]      # each run's 4th step profiled: counts, and its op table
     python bench/gpu_check.py --combine A.json B.json [--loan N] --json bench/results/gpu_check.json
     make gpu-check
@@ -79,7 +79,7 @@ RECIPES = {"mistral": ("recipes/mistral-7b-qlora-12gb.yaml", "mistral-7b-v0.1"),
            "llama": ("recipes/llama3.1-8b-qlora-12gb.yaml", "llama-3.1-8b")}
 STEP_RECIPE = "bench/recipes/llama-25m-cpu.yaml"
 SMOKE_MODEL = "lowmem_dpo:tiny-llama"
-SMOKE_LENGTHS = {"recipe": 96, "2048": 128, "4096": 160}  # --smoke: the tiny model's stand-ins for 1024, 2048, 4096
+SMOKE_LENGTHS = {"recipe": 96, "2048": 128, "4096": 160, "16384": 192}  # --smoke: the tiny model's stand-ins
 # The check in parts of at most 8 minutes each on an H100/H200 (a lent machine's 10-minute command, its model built
 # in the part that first needs it); peak memory does not depend on the steps' count, so 6 steps (5 timed) do.
 PARTS = {
@@ -92,6 +92,10 @@ PARTS = {
             profile=4),
     6: dict(recipes="mistral", tools="ours,trl", lengths="2048,4096", grads=False, step_compare=False, steps=6,
             profile=4),
+    # issue 48: the long runs, 3 steps each (step 1's drift line, two timed): Llama at its longest and at 16,384
+    # with the offloading gradient check, Mistral at its longest; host RAM planned against pinned and resident
+    7: dict(recipes="llama", tools="ours", lengths="16384,longest", grads=True, step_compare=False, steps=3),
+    8: dict(recipes="mistral", tools="ours", lengths="longest", grads=False, step_compare=False, steps=3),
 }
 WORK = ROOT / "bench" / "out" / "gpu_check"
 RESULT = ROOT / "bench" / "results" / "gpu_check.json"
