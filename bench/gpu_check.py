@@ -57,7 +57,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -92,8 +91,8 @@ PARTS = {
             profile=4),
     6: dict(recipes="mistral", tools="ours,trl", lengths="2048,4096", grads=False, step_compare=False, steps=6,
             profile=4),
-    # issue 48: the long runs, 3 steps each (step 1's drift line, two timed): Llama at its longest and at 16,384
-    # with the offloading gradient check, Mistral at its longest; host RAM planned against pinned and resident
+    # issue 48: the long runs, 3 steps each (step 1's drift line, two timed): Llama at its longest and at 16,384,
+    # the offloading gradient check (at --grads-length), Mistral at its longest; host RAM against pinned, resident
     7: dict(recipes="llama", tools="ours", lengths="16384,longest", grads=True, step_compare=False, steps=3),
     8: dict(recipes="mistral", tools="ours", lengths="longest", grads=False, step_compare=False, steps=3),
 }
@@ -160,7 +159,7 @@ def planned_train(cfg, budget: int | None = None) -> dict:
 
 def host_measured(cuda: bool) -> dict:
     """This process's host RAM at its peak: pinned (torch's host allocator, CUDA) and resident (ru_maxrss, the
-    load's file pages included)."""
+    load's file pages included), precompute's (run in the same process, before train) included."""
     import resource
 
     out = {"peak_rss_gib": _gib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}  # KiB on Linux
@@ -169,11 +168,6 @@ def host_measured(cuda: bool) -> dict:
 
         out["pinned_peak_gib"] = _gib(torch.cuda.host_memory_stats().get("allocated_bytes.peak"))
     return out
-
-
-# train's drift line at step 1 (guards.drift_lines), read from the child's log
-DRIFT_LINE = re.compile(r"step 1: reference cache against the policy's own forward \(one model at step 1\): (\S+) nats "
-                        r"per token .*loss offset (\S+)")
 
 
 def ran_with(session) -> dict:
@@ -290,6 +284,7 @@ def run_ours(args) -> dict:
         out.update(planned_train(cfg, session.run.resolved.budget))
         with profiled_steps(profiler):
             loop.run(session, progress=False)
+        out.update(ran_with(session))  # again: an out-of-memory back-off changes the micro-batch
         out.update(host_measured(args.device == "cuda"))
     except UserError as e:
         out.update(oom="out of memory" in str(e), error=str(e))
@@ -528,6 +523,8 @@ def longest_length(recipe: str, model: str, cap_gib: float, device: str, limit: 
 
 def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, device: str, variant) -> dict:
     """One run in a process of its own; its result with what it was."""
+    from lowmem_dpo.training.guards import DRIFT_LINE
+
     work = WORK / "runs" / f"{name}-{tool}-{length}-{device}"
     out = work / "result.json"
     shutil.rmtree(work, ignore_errors=True)  # a rerun that fails before train writes reports nothing of the last
@@ -546,7 +543,7 @@ def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, devi
     text = (work / "log.txt").read_text(errors="replace")
     if result.get("error"):
         result["log_tail"] = "\n".join(x for x in text.splitlines() if "%|" not in x)[-4000:]  # not the bars' lines
-    drift = DRIFT_LINE.search(text)
+    drift = DRIFT_LINE.search(text)  # train's drift line at step 1 (guards.drift_lines)
     if drift:
         result["step1_drift_per_token"], result["step1_drift_loss_offset"] = map(float, drift.groups())
     entry = {"tool": {"ours": "lowmem_dpo", "grads": "lowmem_dpo gradients"}.get(tool, tool), "recipe": Path(recipe).stem, "variant": variant,

@@ -226,7 +226,8 @@ def print_data_lengths(cfg: Config) -> None:
         return
     try:
         source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)
-        tok = inputs.tokenized(cfg, models.load_tokenizer(source.tokenizer_path, cfg.chat_template, source.base_path), progress=False)
+        tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template, source.base_path)
+        tok = inputs.tokenized(cfg, tokenizer, progress=False)
     except (UserError, OSError, ValueError) as e:
         print(f"data     lengths not shown: {str(e).splitlines()[0]}")
         return

@@ -133,7 +133,7 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     stats.pairs, stats.tokens, stats.chosen_tokens = len(pairs), batch.num_tokens, int(chosen.n_tokens.sum())
     stats.rejected_tokens = int(rejected.n_tokens.sum())
     if reference:
-        drift, offset = objectives.start_drift(logps, cfg.loss_settings, cfg.loss_terms)  # (B,) each
+        drift, offset = objectives.start_drift(logps, cfg.loss_settings, cfg.loss_terms, losses)  # (B,) each
         stats.ref_drift, stats.ref_offset = drift.sum().item(), offset.sum().item()
     nll, nll_tokens = logps.nll_logps()  # (B,) each
     stats.nll, stats.nll_tokens = -nll.detach().sum().item(), int(nll_tokens.sum())
@@ -189,6 +189,7 @@ class DPO:
     ref: cache.RefCache | None  # None: ref_source=live, or an objective without a reference (SimPO, ORPO)
     eval_ref: cache.RefCache | None = None  # the eval pairs' reference (the same cache part, or its eval part)
     shared: bool = False  # each prompt once per pair (headcheck.decide_sharing)
+    drift_said: bool = False  # step 1's drift line logged (an out-of-memory retry of the step does not repeat it)
     name: str = "train"
     unit: str = "pair"
 
@@ -200,9 +201,11 @@ class DPO:
         run = session.run
         stats = train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
                            step_pairs=pairs)
-        if self.ref is not None and session.progress.step == 0 and session.progress.resumed_from is None:
-            # step 1: the policy is the reference, so the cache should hold its forward's values (this rank's pairs)
-            r = run.resolved
+        # Step 1: the policy is the reference, so the cache should hold its forward's values (this rank's pairs);
+        # not so for a continued SFT adapter with lora_dropout, whose B is not 0: the dropout draws noise into it
+        if (self.ref is not None and session.progress.step == 0 and session.progress.resumed_from is None
+                and not self.drift_said and (run.adapter_off_is_start or not run.cfg.lora_dropout)):
+            self.drift_said, r = True, run.resolved
             other = [f"ref_dtype={devices.dtype_name(r.ref_dtype)} against the policy's {devices.dtype_name(r.dtype)}"
                      ] if r.ref_dtype != r.dtype else []
             if r.ref_quantization != r.quantization:

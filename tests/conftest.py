@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # anything imports torch (torch's default is a thread per core in every process: 2 workers would run 4 on 2 cores).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+                          str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DATA = REPO / "lowmem_dpo" / "demo" / "tiny-prefs.jsonl"  # lowmem_dpo:tiny-prefs, the demo's rows

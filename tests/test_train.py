@@ -223,10 +223,6 @@ def test_bfloat16_cache_and_policy_agree_at_step_1(make_cfg):
     assert abs(m["rewards/margins"]) < 1e-2
 
 
-DRIFT = re.compile(r"step 1: reference cache against the policy's own forward \(one model at step 1\): (\S+) nats per token "
-                   r"\(bound \S+\), loss offset (\S+)")
-
-
 @pytest.mark.parametrize("settings, warned", [
     ({}, False),  # the cache of this very run
     ({"dtype": "bfloat16", "quantization": "4bit"}, False),
@@ -243,10 +239,10 @@ def test_step_1_measures_the_cache_against_the_policy_and_warns_past_the_bound(m
     capsys.readouterr()
     (m,) = [train.run(cfg, progress=False).metrics]
     err = capsys.readouterr().err
-    (per_token, offset), = DRIFT.findall(err)
+    (per_token, offset), = guards.DRIFT_LINE.findall(err)
     assert ("warning: step 1: the cached reference is not this policy's forward" in err) == warned, err
     if warned:
-        assert float(per_token) > guards.DRIFT_TOKEN_BOUND and "set them null and rerun precompute" in err
+        assert float(per_token) > guards.DRIFT_TOKEN_BOUND and "else set them null and rerun precompute" in err
         assert ("ref_quantization=none against the policy's 4bit" in err) == ("ref_quantization" in settings)
         assert ("ref_dtype=bfloat16 against the policy's float32" in err) == ("ref_dtype" in settings)
     else:

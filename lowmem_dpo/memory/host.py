@@ -8,8 +8,8 @@ The terms are memory the kernel can neither swap nor drop:
   pinned activations    activation_offloading: the saved layer inputs in page-locked host memory, each block
                         rounded up to a power of two by torch's caching host allocator (model.pinned_bytes)
   streamed layers       the trailing decoder layers' frozen weights, pinned, one buffer per layer (search.Stream)
-  paged optimizer state paged_adamw_8bit: two 8-bit states a LoRA parameter in CUDA managed memory, which the
-                        driver moves to host RAM under device pressure: at most all of it
+  paged optimizer state paged_adamw_8bit: its 8-bit states (the plan's optimizer_state) in CUDA managed memory,
+                        which the driver moves to host RAM under device pressure: at most all of it
 The load reads the checkpoint through mmap (bitsandbytes quantizes the 16-bit shards as they come): those file
 pages show in RSS (18.8 GB for a 4-bit Llama-3.1-8B on the last GPU loan) but are page cache the kernel drops
 under pressure, so they are shown and never refused on.
@@ -27,10 +27,9 @@ CHECKPOINT_BYTES = 2  # bytes a parameter in the checkpoint read at load: the 16
 
 # What frees each term, for the refusal's line.
 KNOBS = {
-    "pinned activations": "activation_offloading=false, with a lower max_length or per_device_train_batch_size so "
-                          "the card holds the activations",
-    "streamed layers": "a lower max_length or per_device_train_batch_size (fewer layers streamed)",
-    "paged optimizer state": "optimizer=adamw_torch (the state stays on the card)",
+    "pinned activations": "activation_offloading=false, with a lower max_length so the card holds the activations",
+    "streamed layers": "a lower max_length (fewer layers streamed)",
+    "paged optimizer state": "a smaller lora_r (the device rule's paged 8-bit AdamW holds its state there)",
 }
 
 
@@ -44,6 +43,7 @@ class HostRam:
 
     @property
     def total(self) -> int:
+        """The bytes held while the stage runs (the load's page cache not counted)."""
         return sum(self.terms.values())
 
     def describe(self) -> str:
@@ -65,8 +65,8 @@ def host_ram(arch: Arch, plan, stage: str) -> HostRam:
     if stage == "train":
         if setup.activation_offloading:
             terms["pinned activations"] = plan.prediction.train.details["offload.host_bytes"]
-        if setup.optimizer == PAGED_ADAMW_8BIT:
-            terms["paged optimizer state"] = 2 * plan.prediction.train.details["lora_param_count"]
+        if setup.optimizer == PAGED_ADAMW_8BIT:  # the plan's own figure (counted on the device too: it may be either)
+            terms["paged optimizer state"] = plan.prediction.train.breakdown["optimizer_state"]
     if stage in plan.streams:
         terms["streamed layers"] = plan.streams[stage].cpu_bytes
     return HostRam(terms, checkpoint_bytes(arch))

@@ -75,16 +75,17 @@ def combine(x: PairLogps, s: Settings, terms: list[tuple[str, float]]) -> torch.
     return losses if x.weights is None else losses * x.weights  # use_weighting: WPO's weight of each pair
 
 
-def start_drift(x: PairLogps, s: Settings, terms: list[tuple[str, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+def start_drift(x: PairLogps, s: Settings, terms: list[tuple[str, float]],
+                losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """How far the reference values are from the policy's own forward, (B,) each, for a step where the two should
-    be one model (step 1: the adapter is the identity): |policy - reference| summed over each pair's two
-    completions (nats), and the per-pair loss minus the loss with the reference set to the policy (its value at
-    the start: ln 2 for sigmoid). Detached."""
+    be one model (step 1: the adapter is the identity): |policy - reference| of each completion's summed log-prob,
+    added over the pair's two completions (nats), and the per-pair `losses` (combine(x, s, terms)) minus the loss
+    with the reference set to the policy (its value at the start: ln 2 for sigmoid). Detached."""
     chosen, rejected = x.chosen.detach(), x.rejected.detach()
     drift = (chosen - x.ref_chosen).abs() + (rejected - x.ref_rejected).abs()  # (B,)
     start = dataclasses.replace(x, chosen=chosen, rejected=rejected, ref_chosen=chosen, ref_rejected=rejected)
     with torch.no_grad():
-        offset = combine(x, s, terms) - combine(start, s, terms)  # (B,)
+        offset = losses.detach() - combine(start, s, terms)  # (B,)
     return drift, offset
 
 
@@ -233,4 +234,4 @@ def no_effect(loss_types, s: Settings) -> list[str]:
 
 __all__ = ["KEYS", "OBJECTIVES", "REFUSED", "Objective", "PairLogps", "Settings", "combine", "logged_logps", "logs",
            "needs_kl", "needs_reference", "nll_prompt", "nll_weight", "no_effect", "per_token_loss", "primary",
-           "problems", "rewards", "term_metrics", "unpaired", "wpo_weights"]
+           "problems", "rewards", "start_drift", "term_metrics", "unpaired", "wpo_weights"]

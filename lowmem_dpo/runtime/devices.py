@@ -72,10 +72,11 @@ def cuda_memory(device: torch.device) -> tuple[int, int, int]:
 
 
 def run_cuda_budget(device: torch.device, memory_budget: str | None):
-    """rules.cuda_budget of this card, enforced on torch's allocator: the cap is the budget the plan uses."""
+    """rules.cuda_budget of this card, enforced on torch's allocator: the back-off fires at the planned budget."""
     cap = None if memory_budget is None else parse_size(memory_budget, "memory_budget")
     budget = rules.cuda_budget(*cuda_memory(device), cap)
-    # The out-of-memory back-off then fires at the planned budget: a large card behaves as the small one it emulates.
+    if budget.budget == 0:
+        raise UserError(f"no memory for torch on {device}: {budget.why}; free it or pick another (CUDA_VISIBLE_DEVICES)")
     torch.cuda.set_per_process_memory_fraction(budget.fraction, device)
     if budget.short:
         log(f"warning: {budget.why}")

@@ -16,6 +16,7 @@ its rise since step 0 into the sign "generations collapsing into repetition".
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from lowmem_dpo.objectives.registry import Limits
@@ -221,8 +222,12 @@ def drift_sign(base: dict, now: dict) -> str | None:
 # the last loan measured step 1 at 1e-3 above ln 2 at 2048 tokens, 0.014 at 23,040 and 0.107 at 32,256 (before the
 # per-sequence sums were made exact), ~1e-5 to 3e-5 nats per token. Beyond either bound the cache is not this policy.
 DRIFT_LOSS_BOUND = 1e-2  # |mean loss - its value at policy = reference| (ln 2 for sigmoid)
-DRIFT_TOKEN_BOUND = 5e-4  # mean |policy - reference| log-prob per completion token, nats; not for an 8-bit base,
-# whose LLM.int8 picks outlier columns per batch: 2-3e-4 per token on the tiny model, the loss bound alone there
+DRIFT_TOKEN_BOUND = 5e-4  # |policy - reference| of each completion's summed log-prob, added over the step and divided
+# by its completion tokens (nats); not for an 8-bit base, whose LLM.int8 picks outlier columns per batch: 2-3e-4 on
+# the tiny model, the loss bound alone there
+# The drift line as drift_lines writes it: (nats per token, loss offset), for what reads it back from a log
+DRIFT_LINE = re.compile(r"step 1: reference cache against the policy's own forward \(one model at step 1\): (\S+) nats "
+                        r"per token \(bound [^)]*\), loss offset (\S+)")
 
 
 def drift_lines(drift: float, offset: float, pairs: int, tokens: int, int8: bool = False,
@@ -238,8 +243,8 @@ def drift_lines(drift: float, offset: float, pairs: int, tokens: int, int8: bool
     lines = [f"step 1: reference cache against the policy's own forward (one model at step 1): {per_token:.2e} nats "
              f"per token (bound {token_bound}), loss offset {loss:+.2e} (bound {DRIFT_LOSS_BOUND:g})"]
     if (per_token > DRIFT_TOKEN_BOUND and not int8) or abs(loss) > DRIFT_LOSS_BOUND:
-        cause = (f"the reference was computed with {other_reference}: set them null and rerun precompute to start at "
-                 "the policy" if other_reference else
+        cause = (f"the reference was computed with {other_reference}. Chosen for a more precise reference, that is "
+                 "its cost at the start; else set them null and rerun precompute" if other_reference else
                  "the usual cause is a cache computed on another device or with other weights or library versions "
                  "than this run's; rerun precompute where train runs")
         lines.append(f"warning: step 1: the cached reference is not this policy's forward ({per_token:.2e} nats per "

@@ -69,6 +69,11 @@ def test_the_cap_torch_enforces_is_the_planned_budget(monkeypatch):
     b = devices.run_cuda_budget(devices.torch.device("cuda", 0), "11.25GiB")
     assert b.budget == 5 * GiB and b.short
     assert len(caps) == 1 and caps[0] * 12 * GiB == pytest.approx(5 * GiB, abs=1)
+    # a card others fill (0.25 GiB free): refused in one line, not capped at 0 bytes
+    monkeypatch.setattr(devices, "cuda_memory", lambda device: (int(0.25 * GiB), 0, 12 * GiB))
+    with pytest.raises(UserError, match="no memory for torch on cuda:0: .*CUDA_VISIBLE_DEVICES"):
+        devices.run_cuda_budget(devices.torch.device("cuda", 0), None)
+    assert len(caps) == 1
 
 
 def test_the_emulated_card_gets_the_small_cards_rule():
