@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from lowmem_dpo.data.lengths import Kept, common_prefix_length, kept_of, whole_length
+from lowmem_dpo.data.lengths import Kept, kept_of, prompt_length, whole_length
 from lowmem_dpo.data.rows import REQUIRED, row_kind, row_locator
 from lowmem_dpo.runtime import builtins
 from lowmem_dpo.runtime.errors import UserError, log
@@ -127,12 +127,12 @@ def _encode(usable: list[tuple[int, dict]], tokenizer, conversational: bool, spe
     return list(zip(enc[:n], enc[n:2 * n], enc[2 * n:]))
 
 
-def _split_prompt(prompt: list[int], full: list[list[int]], max_length: int, max_prompt_length: int | None):
+def _split_prompt(prompt: list[int], full: list[list[int]], max_length: int, max_prompt_length: int | None,
+                  prompt_len: int):
     """(prompt ids, [completion ids of each of `full`], prompt cut?, [completion cut?]) as TRL 1.16 cuts them, or
     None when the prompt alone reaches max_length: the completion starts where the ids stop sharing a prefix with
-    the prompt's; with max_prompt_length the prompt is cut from the left; each prompt+completion keeps its first
-    max_length tokens."""
-    prompt_len = min(common_prefix_length(prompt, f) for f in full)
+    the prompt's (prompt_len: lengths.prompt_length, which the caller also needs); with max_prompt_length the
+    prompt is cut from the left; each prompt+completion keeps its first max_length tokens."""
     prompt_ids = prompt[:prompt_len]
     prompt_cut = max_prompt_length is not None and len(prompt_ids) > max_prompt_length
     if max_prompt_length is not None:
@@ -167,8 +167,9 @@ def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None,
         check_format(tokenizer, kind, spec, noted)
         encoded = _encode(usable, tokenizer, kind == "conversation", spec, where) if usable else []
         for (i, _), (p, pc, pr) in zip(usable, encoded):
-            whole.append(whole_length(p, [pc, pr], max_prompt_length))
-            split = _split_prompt(p, [pc, pr], max_length, max_prompt_length)
+            prompt_len = prompt_length(p, [pc, pr])
+            whole.append(whole_length(prompt_len, [pc, pr], max_prompt_length))
+            split = _split_prompt(p, [pc, pr], max_length, max_prompt_length, prompt_len)
             if split is None:
                 skipped["prompt_too_long"].append(i)
                 continue
@@ -346,10 +347,11 @@ def completion_rows(checked: list, kind: str | None, column: str, tokenizer, max
     check_format(tokenizer, kind, spec, noted)
     encoded = _encode_completions(usable, column, tokenizer, kind == "conversation", spec, where) if usable else []
     for (i, row), (p, pc) in zip(usable, encoded):
+        prompt_len = prompt_length(p, [pc])
         if whole is not None:
-            whole.append(whole_length(p, [pc], max_prompt_length))
-        split = _split_prompt(p, [pc], max_length, max_prompt_length)
+            whole.append(whole_length(prompt_len, [pc], max_prompt_length))
+        split = _split_prompt(p, [pc], max_length, max_prompt_length, prompt_len)
         if split is None:
             skipped["prompt_too_long"].append(i)
         else:
-            yield i, row, split[0], split[1][0], pc[common_prefix_length(p, pc):]
+            yield i, row, split[0], split[1][0], pc[prompt_len:]

@@ -19,10 +19,15 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
-def whole_length(prompt: list[int], full: list[list[int]], max_prompt_length: int | None) -> int:
-    """The max_length that keeps a row whole: its prompt (cut to max_prompt_length) and its longest completion,
-    split as _split_prompt splits them."""
-    prompt_len = min(common_prefix_length(prompt, f) for f in full)
+def prompt_length(prompt: list[int], full: list[list[int]]) -> int:
+    """Where the completions start: the tokens the prompt's ids share with every prompt+completion's (a template
+    may tokenize the prompt's end differently once a completion follows it)."""
+    return min(common_prefix_length(prompt, f) for f in full)
+
+
+def whole_length(prompt_len: int, full: list[list[int]], max_prompt_length: int | None) -> int:
+    """The max_length that keeps a row whole: its prompt (its prompt_length, cut to max_prompt_length) and its
+    longest completion, split as encode._split_prompt splits them."""
     kept_prompt = prompt_len if max_prompt_length is None else min(prompt_len, max_prompt_length)
     return kept_prompt + max(len(f) - prompt_len for f in full)
 
