@@ -183,3 +183,20 @@ def stored_sides(cache_dir) -> list[dict]:
 
     with cache.open_store(Path(cache_dir)) as store:
         return [u.components for u in store.usage() if u.sequences]
+
+
+def pytest_collection_finish(session):
+    """Once the tests are imported (in each xdist worker too): import the libraries the stages import lazily, then
+    gc.freeze() every object alive. A full garbage collection walks every tracked object: after torch,
+    transformers, peft and bitsandbytes that is ~500k objects and 0.5 s a pass here, and the stages collect on
+    purpose (precompute frees its model before train loads one) besides Python's own passes. Frozen objects are
+    never collected again; those are the modules' own. This took 20% off test_cache, test_train and test_eval
+    in one process (151 s -> 121 s)."""
+    import gc
+
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import torch._dynamo  # noqa: F401  (torch's optimizers import it at their first construction)
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    gc.freeze()
