@@ -21,11 +21,11 @@ from lowmem_dpo.runtime import distributed, ranks
 from lowmem_dpo.runtime.errors import UserError
 
 # Small, exact and quick: float32 on the tiny model, 6 steps of 8 pairs, eval and checkpoints every 3 steps; a
-# constant learning rate, so that a run continued to 8 steps is one that ran 8 from the start.
+# constant learning rate.
 KEYS = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", dtype="float32",
             max_length=64, precompute_batch_size=16, cache_shard_rows=48, learning_rate=1e-3, seed=0,
             eval_fraction=0.15, eval_steps=3, save_steps=3, logging_steps=1, eval_generations=2,
-            max_new_tokens=8, max_steps=6, lr_scheduler_type="constant")  # constant: 6 + 2 steps = 8
+            max_new_tokens=8, max_steps=6, lr_scheduler_type="constant")
 
 
 def torchrun(stage: str, recipe: Path, *overrides: str, script: Path | None = None) -> subprocess.CompletedProcess:
@@ -53,16 +53,24 @@ def assert_same_adapter(a: Path, b: Path, atol: float = 1e-4) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_path):
-    """A recipe, its cache from one process, and one process's 6-step run at per_device_train_batch_size=4
-    (the reference the 2-process runs at 2 per device must equal)."""
+    """A folder and the recipe the tests share (each test builds what it needs of it: under xdist a module's tests
+    may run on two workers, and a fixture that trained would train on both)."""
     root = tmp_path_factory.mktemp("dist")
     recipe = root / "recipe.yaml"
     recipe.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in KEYS.items()), encoding="utf-8")
+    return root, recipe
+
+
+def one_process(root: Path, recipe: Path, train_too: bool = False) -> Path:
+    """The recipe's cache from one process (root/cache1) and, with train_too, one process's 6-step run at
+    per_device_train_batch_size=4 (root/one: what the 2-process runs at 2 per device must equal); built once."""
     one = load_config(recipe, [f"ref_cache_dir={root / 'cache1'}", f"output_dir={root / 'one'}",
                                "per_device_train_batch_size=4", "gradient_accumulation_steps=2"])
-    precompute.run(one, progress=False)
-    train.run(one, progress=False)
-    return root, recipe
+    if not (root / "cache1").is_dir():
+        precompute.run(one, progress=False)
+    if train_too and not (root / "one" / "adapter_model.safetensors").is_file():
+        train.run(one, progress=False)
+    return root / "cache1"
 
 
 def test_precompute_on_two_processes_equals_one_and_computes_only_what_is_missing(run):
@@ -71,7 +79,7 @@ def test_precompute_on_two_processes_equals_one_and_computes_only_what_is_missin
     process's. (docs/several-processes.md's torchrun precompute runs in test_doc_blocks.py too.)"""
     root, recipe = run
     two = root / "cache2"
-    shutil.copytree(root / "cache1", two)
+    shutil.copytree(one_process(root, recipe), two)
     cfg1 = load_config(recipe, [f"ref_cache_dir={root / 'cache1'}"])
     cfg2 = load_config(recipe, [f"ref_cache_dir={two}"])
     total = len(sequences_of(cfg2))
@@ -85,16 +93,46 @@ def test_precompute_on_two_processes_equals_one_and_computes_only_what_is_missin
     assert (a.chosen - c.chosen).abs().max() < 1e-5 and (a.rejected - c.rejected).abs().max() < 1e-5
 
 
-def test_train_on_two_processes_equals_one_at_twice_the_batch_and_resumes(run, capsys):
+OOM_SCRIPT = '''"""Rank 1 runs out of memory (simulated: CUDA OOM cannot happen on this CPU) in its first forward of step 2."""
+import os
+import sys
+
+import torch
+
+from lowmem_dpo import train
+from lowmem_dpo.config.cli import run_cli
+
+real, calls = train.forward_pairs, {"n": 0}
+
+
+def forward_pairs(model, cfg, pairs, *args, **kwargs):
+    calls["n"] += torch.is_grad_enabled()  # a training forward (the eval's run without gradients)
+    if os.environ["RANK"] == "1" and calls["n"] == 3 and torch.is_grad_enabled():  # step 1 took 2 micro-batches
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+    return real(model, cfg, pairs, *args, **kwargs)
+
+
+train.forward_pairs = forward_pairs
+sys.exit(run_cli(train.main, sys.argv[1:], "train", ""))
+'''
+
+
+def test_train_on_two_processes_equals_one_at_twice_the_batch_through_an_out_of_memory(run, capsys):
     """2 processes at per_device_train_batch_size=2 take the same 8 pairs a step as 1 at 4: the same metrics
-    (eval included) and, in float32, the same adapter within 1e-4. Resumed from its step-6 checkpoint to step 8,
-    the 2-process run equals one process's uninterrupted 8 steps; one process may not resume it."""
+    (eval included) and, in float32, the same adapter within 1e-4; one process may not resume it. Rank 1 alone
+    runs out of memory at step 2: both ranks halve to 1 pair per micro-batch (a rank that went on alone would wait
+    forever in the gradient sum), and the step's update is the same. (A resumed 2-process run equals its
+    uninterrupted self: the dropout test below, where each rank's random state counts.)"""
     root, recipe = run
-    cache1, out = root / "cache1", root / "two"
+    cache1, out = one_process(root, recipe, train_too=True), root / "two"
+    script = root / "oom_rank1.py"
+    script.write_text(OOM_SCRIPT, encoding="utf-8")
     keys = [f"ref_cache_dir={cache1}", f"output_dir={out}", "per_device_train_batch_size=2",
             "gradient_accumulation_steps=2"]
-    p = torchrun("train", recipe, *keys)
+    p = torchrun("train", recipe, *keys, script=script)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "out of memory at step 2: retrying with per_device_train_batch_size=1 gradient_accumulation_steps=4" \
+        in p.stderr
     assert_same_adapter(root / "one", out)
     one, two = metrics(root / "one"), metrics(out)
     assert [m["step"] for m in one] == [m["step"] for m in two]
@@ -104,14 +142,6 @@ def test_train_on_two_processes_equals_one_at_twice_the_batch_and_resumes(run, c
     assert p.stderr.count("saved adapter to") == 1 and "process 0 of 2" in p.stderr
     assert len(list((out / "checkpoints").iterdir())) == 2 and (out / "samples.jsonl").is_file()
     assert json.loads((out / "checkpoints/checkpoint-6/trainer_state.json").read_text())["world_size"] == 2
-
-    p = torchrun("train", recipe, *keys, "max_steps=8")
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "resuming from" in p.stderr
-    eight = load_config(recipe, [f"ref_cache_dir={cache1}", f"output_dir={root / 'eight'}", "max_steps=8",
-                                 "per_device_train_batch_size=4", "gradient_accumulation_steps=2"])
-    train.run(eight, progress=False)
-    assert_same_adapter(root / "eight", out)
 
     code = run_cli(train.main, [str(recipe), *keys, "max_steps=10"], "train", "")
     err = capsys.readouterr().err
@@ -160,58 +190,13 @@ def test_sft_on_two_processes_equals_one_at_twice_the_batch(run):
                                                                         abs=1e-5)
 
 
-OOM_SCRIPT = '''"""Rank 1 runs out of memory (simulated: CUDA OOM cannot happen on this CPU) in its first forward of step 2."""
-import os
-import sys
-
-import torch
-
-from lowmem_dpo import train
-from lowmem_dpo.config.cli import run_cli
-
-real, calls = train.forward_pairs, {"n": 0}
-
-
-def forward_pairs(model, cfg, pairs, *args, **kwargs):
-    calls["n"] += 1
-    if os.environ["RANK"] == "1" and calls["n"] == 3:  # step 1 took 2 micro-batches on this rank
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-    return real(model, cfg, pairs, *args, **kwargs)
-
-
-train.forward_pairs = forward_pairs
-sys.exit(run_cli(train.main, sys.argv[1:], "train", ""))
-'''
-
-
-def test_out_of_memory_on_one_rank_halves_every_rank_and_keeps_the_update(run):
-    """Rank 1 alone runs out of memory at step 2: both ranks halve to 1 pair per micro-batch (a rank that goes
-    on alone would wait forever in the gradient sum), and the run ends with the same adapter as without it."""
-    root, recipe = run
-    script = root / "oom_rank1.py"
-    script.write_text(OOM_SCRIPT, encoding="utf-8")
-    out = root / "oom"
-    p = torchrun("train", recipe, f"ref_cache_dir={root / 'cache1'}", f"output_dir={out}",
-                 "per_device_train_batch_size=2", "gradient_accumulation_steps=2", "eval_fraction=0", "save_steps=0",
-                 script=script)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "out of memory at step 2: retrying with per_device_train_batch_size=1 gradient_accumulation_steps=4" \
-        in p.stderr
-    state = json.loads((out / "trainer_state.json").read_text())
-    assert state["global_step"] == 6
-    ref = load_config(recipe, [f"ref_cache_dir={root / 'cache1'}", f"output_dir={root / 'oom-ref'}",
-                               "per_device_train_batch_size=4", "gradient_accumulation_steps=2", "eval_fraction=0",
-                               "save_steps=0"])
-    train.run(ref, progress=False)
-    assert_same_adapter(root / "oom-ref", out)
-
-
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="accelerate launch --cpu starts its processes with mpirun "
                     "(OpenMPI: apt install openmpi-bin); not installed here")
 def test_accelerate_launch_on_a_cpu_runs_through_mpirun(run, tmp_path):
     """accelerate launch --cpu --num_processes 2 --mpirun_hostfile: mpirun's ranks (OMPI_COMM_WORLD_*), the same
     adapter as torchrun's 2 processes."""
     root, recipe = run
+    one_process(root, recipe, train_too=True)
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=2\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
