@@ -18,7 +18,7 @@ FIELDS = ("tool", "recipe", "variant", "max_length", "cap_gib", "planned_gib", "
 def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
     out = tmp_path / "gpu_check.json"
     p = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--recipes", "llama", "--lengths", "recipe",
-                        "--steps", "3", "--grads", "--profile", "2", "--json", str(out)], cwd=REPO,
+                        "--steps", "3", "--grads", "--profile", "2", "--no-step-compare", "--json", str(out)], cwd=REPO,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -29,9 +29,10 @@ def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
     assert grads["offloaded"]["packed"] == grads["offloaded"]["fetched"] > 0 and grads["tensors"] > 0
     assert grads["offloaded_vs_plain"]["rel_l2"] == grads["offloaded_vs_plain"]["max_abs_diff"] == 0.0
     assert grads["plain_again_vs_plain"]["max_abs_diff"] == 0.0 and grads["plain_again_vs_plain"]["max_abs"] > 0
+    # --no-step-compare: the step comparison's run is ours again on a recipe of its own (the loans to come run
+    # without it: gpu_check.PARTS 5-8), 10-20 s of this test
     assert [(r["tool"], r["recipe"], r["variant"]) for r in runs] == [
-        ("lowmem_dpo", "llama3.1-8b-qlora-12gb", None), ("trl", "llama3.1-8b-qlora-12gb", None),
-        ("lowmem_dpo", "llama-25m-cpu", "device=cpu")]
+        ("lowmem_dpo", "llama3.1-8b-qlora-12gb", None), ("trl", "llama3.1-8b-qlora-12gb", None)]
     for r in runs:
         assert set(FIELDS) <= set(r) and r.get("error") is None, r
         assert r["oom"] is False and r["steps_done"] == 3
