@@ -3,6 +3,7 @@ lowmem_dpo/training/guards.py's limits)
 
     python bench/signs.py --threads 1 --json bench/results/signs.json      # SmolLM2-135M-Instruct, 6 runs
     python bench/signs.py --kinds style --runs damaged --work bench/out/signs-x   # one run alone
+    python bench/signs.py --runs fast-sft --samples 24 --json bench/results/signs_fast_sft.json  # far and good
     python bench/signs.py --smoke                                          # the flow on tiny-llama, ~1 min
 
 The model: SmolLM2-135M-Instruct (readme_recipe.ensure_model: built once by ../shared/tools/make_smollm2.py, or
@@ -44,14 +45,18 @@ import chat_prefs  # noqa: E402
 
 WORK = ROOT / "bench" / "out" / "signs"
 KINDS = ("style", "correctness", "length")
-# learning_rate and how many times --steps: overtrained is the healthy rate for 6x as long (~6 epochs)
-RUNS = {"healthy": ("5e-5", 1), "damaged": ("5e-4", 1), "overtrained": ("5e-5", 6)}
+# learning_rate, how many times --steps, and the loss: overtrained is the healthy rate for 6x as long (~6 epochs);
+# fast-sft is the damaged run's rate kept on course by the sft term (RPO): a run that moves far from its reference
+# and stays good, which no sign may flag
+RUNS = {"healthy": ("5e-5", 1, "sigmoid"), "damaged": ("5e-4", 1, "sigmoid"), "overtrained": ("5e-5", 6, "sigmoid"),
+        "fast-sft": ("5e-4", 1, "[sigmoid, sft]")}
 RECIPE = """model_name_or_path: {model}
 dataset: {data}
 output_dir: {out}
 ref_cache_dir: {cache}
 max_length: 128
 beta: 0.1
+loss_type: {loss}
 learning_rate: {lr}
 lr_scheduler_type: constant_with_warmup
 warmup_steps: 1
@@ -65,7 +70,7 @@ logging_steps: 1
 eval_fraction: 0.2
 eval_on_start: true
 eval_steps: {eval_steps}
-eval_generations: 8
+eval_generations: {samples}
 max_new_tokens: 32
 save_steps: 0
 """
@@ -101,8 +106,9 @@ def run(kind: str, name: str, model: str, args) -> dict:
     chat_prefs.write(data, work / "rows.jsonl")
     recipe = work / "recipe.yaml"
     recipe.write_text(RECIPE.format(model=model, data=work / "rows.jsonl", out=work / "out", cache=work / "cache",
-                                    lr=RUNS[name][0], steps=args.steps * RUNS[name][1],
-                                    eval_steps=args.eval_steps * RUNS[name][1]), encoding="utf-8")
+                                    lr=RUNS[name][0], loss=RUNS[name][2], steps=args.steps * RUNS[name][1],
+                                    eval_steps=args.eval_steps * RUNS[name][1], samples=args.samples),
+                       encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     t0, logs = time.perf_counter(), ""
     for stage in ("precompute", "train"):
@@ -120,7 +126,8 @@ def run(kind: str, name: str, model: str, args) -> dict:
             kept.setdefault(s["step"], []).append(all(w in words(s["completion"]) for w in fact))
     evals = [x for x in lines if any(k.startswith("eval_") for k in x)]
     warnings = [m.groups() for m in re.finditer(r"warning: step (\d+): ([^:(]+)", logs)]
-    return {"kind": kind, "run": name, "learning_rate": float(RUNS[name][0]), "steps": args.steps * RUNS[name][1],
+    return {"kind": kind, "run": name, "learning_rate": float(RUNS[name][0]), "loss_type": RUNS[name][2],
+            "steps": args.steps * RUNS[name][1], "samples": args.samples,
             "wall_s": round(time.perf_counter() - t0),
             "facts_kept": {str(k): round(sum(v) / len(v), 3) for k, v in sorted(kept.items())},
             "warnings": [{"step": int(s), "sign": w.strip()} for s, w in warnings],
@@ -139,7 +146,9 @@ def table(results: list[dict]) -> str:
         signs = {}
         for w in r["warnings"]:
             signs.setdefault(w["sign"], w["step"])
-        out.append(f"| {r['kind']} | {r['run']} (lr {r['learning_rate']:g}, {r.get('steps', 16)} steps) | {kept[0]:.2f} -> {kept[-1]:.2f} | "
+        loss = "" if r.get("loss_type", "sigmoid") == "sigmoid" else f", {r['loss_type']}"
+        out.append(f"| {r['kind']} | {r['run']} (lr {r['learning_rate']:g}, {r.get('steps', 16)} steps{loss}) | "
+                   f"{kept[0]:.2f} -> {kept[-1]:.2f} | "
                    f"{e1.get('eval_rewards/accuracies', 0):.2f} | {e1.get('eval_rewards/margins', 0):.2f} | "
                    f"{e0.get('eval_gen/rouge_l', 0):.2f} -> {e1.get('eval_gen/rouge_l', 0):.2f} | "
                    f"{e1.get('eval_gen/kl') or 0:.2f} | {e1.get('eval_gen/length', 0):.1f} "
@@ -170,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=160)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--eval-steps", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=8, help="eval_generations: held-out answers judged per eval")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--work", default=str(WORK))
     ap.add_argument("--smoke", action="store_true")
