@@ -188,6 +188,24 @@ def test_metrics_log_the_rate_each_step_used(make_cfg):
     assert rates[1] == 0.0
 
 
+def test_the_schedules_built_without_arguments_are_the_ones_transformers_builds_so():
+    """config.schedule.NO_ARGUMENTS (the check at load builds none of them without kwargs): transformers builds each
+    of them with no lr_scheduler_kwargs, and refuses every other schedule so."""
+    from types import SimpleNamespace
+
+    from lowmem_dpo.config.schedule import NO_ARGUMENTS, SCHEDULERS, make_schedule, throwaway_optimizer
+
+    built = []
+    for name in SCHEDULERS:
+        try:
+            make_schedule(SimpleNamespace(lr_scheduler_type=name, lr_scheduler_kwargs=None, warmup_steps=2,
+                                          warmup_ratio=0.0), throwaway_optimizer(), 10)
+            built.append(name)
+        except (TypeError, ValueError):
+            pass
+    assert tuple(built) == NO_ARGUMENTS
+
+
 @pytest.mark.parametrize("keys, fragment", [
     ({"lr_scheduler_type": "cosine_with_min_lr"}, "lr_scheduler_type=cosine_with_min_lr with lr_scheduler_kwargs=None"),
     ({"lr_scheduler_type": "linear", "lr_scheduler_kwargs": {"power": 2}}, "lr_scheduler_kwargs={'power': 2}"),
