@@ -160,7 +160,7 @@ def test_a_resumed_two_process_run_with_dropout_equals_the_uninterrupted_one(run
     data = root / "uneven.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     keys = [f"dataset={data}", f"ref_cache_dir={root / 'cache-uneven'}", "per_device_train_batch_size=2",
-            "gradient_accumulation_steps=2", "lora_dropout=0.1", "eval_generations=0"]
+            "gradient_accumulation_steps=2", "lora_dropout=0.1", "eval_fraction=0"]
     precompute.run(load_config(recipe, keys), progress=False)
     whole, resumed = root / "dropout-whole", root / "dropout-resumed"
     p = torchrun("train", recipe, *keys, f"output_dir={whole}")

@@ -229,10 +229,10 @@ def test_two_writers_and_a_kill_9_leave_the_store_consistent(tmp_path, capsys):
     commit; one is killed with SIGKILL mid-build (a real kill, not simulated). The other finishes; the store
     passes SQLite's integrity check and holds no partial value; the killed recipe's rerun computes only the
     sequences nobody committed, and each recipe's served values equal a fresh build's."""
-    keys = {n: [f"dataset={write_jsonl(tmp_path / f'{n}.jsonl', rows(120, start))}", "dtype=float32",
+    keys = {n: [f"dataset={write_jsonl(tmp_path / f'{n}.jsonl', rows(80, start))}", "dtype=float32",
                 f"ref_cache_dir={tmp_path / 'cache'}", "cache_shard_rows=1", "precompute_batch_size=1"]
-            for n, start in (("a", 0), ("b", 60))}
-    only_a = load_config(RECIPE, [f"dataset={write_jsonl(tmp_path / 'only-a.jsonl', rows(60))}", *keys["a"][1:]])
+            for n, start in (("a", 0), ("b", 40))}
+    only_a = load_config(RECIPE, [f"dataset={write_jsonl(tmp_path / 'only-a.jsonl', rows(40))}", *keys["a"][1:]])
     ins = inputs.prepare(only_a, devices.resolve(only_a))
     # the sequences of a's own rows that b lacks: the synthetic rows repeat completions, and one b also computes
     # would count b's commit as a's (the kill then came before a committed 3 of its own, on a loaded machine)

