@@ -48,9 +48,9 @@ class StepStats:
     # the chosen NLL's weight in the loss (objectives.nll_weight: sft, ORPO's own; sums["loss"] excludes it), or
     # None without one; not a sum (distributed.sum_stats)
     nll_weight: float | None = field(default=None, metadata={"sum": False})
-    # the reference values against this forward (objectives.start_drift; 0 without a reference): summed |policy -
-    # reference| over the completions (nats), and summed loss minus its value at policy = reference. At step 1 the
-    # two are one model, so these measure how far the cache is from the policy's forward (train's drift line).
+    # the reference values against this forward (objectives.start_drift; measured at step 1 only, else 0): summed
+    # |policy - reference| over the completions (nats), and summed loss minus its value at policy = reference. At
+    # step 1 the two are one model, so these measure how far the cache is from the policy's forward (the drift line).
     ref_drift: float = 0.0
     ref_offset: float = 0.0
 
@@ -108,9 +108,11 @@ def judged_limits(cfg: Config):
 
 
 def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_id: int,
-                  resolved: devices.Resolved, shared: bool = False) -> tuple[torch.Tensor, objectives.PairLogps, StepStats]:
+                  resolved: devices.Resolved, shared: bool = False,
+                  drift: bool = False) -> tuple[torch.Tensor, objectives.PairLogps, StepStats]:
     """The per-pair terms' losses (B,) of one micro-batch of pairs, its log-probs (the per-token terms'), and its
-    metric sums (detached). shared: each prompt once (data.collate_shared), the same log-probs."""
+    metric sums (detached). shared: each prompt once (data.collate_shared), the same log-probs. drift: also the
+    reference values against this forward (StepStats.ref_drift, ref_offset), which step 1 logs."""
     device, types = resolved.device, cfg.loss_type
     batch = (data.collate_shared if shared else data.collate)(pairs, pad_id).to(device)
     reference = objectives.needs_reference(types)  # SimPO, ORPO, sft alone: no reference at all
@@ -132,9 +134,9 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
     stats = new_stats(cfg)
     stats.pairs, stats.tokens, stats.chosen_tokens = len(pairs), batch.num_tokens, int(chosen.n_tokens.sum())
     stats.rejected_tokens = int(rejected.n_tokens.sum())
-    if reference:
-        drift, offset = objectives.start_drift(logps, cfg.loss_settings, cfg.loss_terms, losses)  # (B,) each
-        stats.ref_drift, stats.ref_offset = drift.sum().item(), offset.sum().item()
+    if reference and drift:
+        ref_drift, offset = objectives.start_drift(logps, cfg.loss_settings, cfg.loss_terms, losses)  # (B,) each
+        stats.ref_drift, stats.ref_offset = ref_drift.sum().item(), offset.sum().item()
     nll, nll_tokens = logps.nll_logps()  # (B,) each
     stats.nll, stats.nll_tokens = -nll.detach().sum().item(), int(nll_tokens.sum())
     sums = stats.sums
@@ -151,12 +153,13 @@ def forward_pairs(model, cfg: Config, pairs: list[data.TokenizedPair], ref, pad_
 
 
 def train_step(trainee: policy.Trainee, cfg: Config, group: list[list[data.TokenizedPair]], ref, pad_id: int,
-               resolved: devices.Resolved, shared: bool = False, step_pairs: list | None = None) -> StepStats:
+               resolved: devices.Resolved, shared: bool = False, step_pairs: list | None = None,
+               drift: bool = False) -> StepStats:
     """Forward+backward of the trainee's model over the micro-batches of one optimizer step (trainee.backward:
     scaled in float16); gradients accumulate in its params. The loss is the mean over all the step's pairs whatever
     the split (the out-of-memory back-off changes it), and the sft term the mean over all its chosen tokens.
     step_pairs: every pair of the step when `group` holds this rank's share of them (loop.rank_share), whose
-    gradients the ranks sum; default: the group's pairs."""
+    gradients the ranks sum; default: the group's pairs. drift: forward_pairs' drift, for step 1."""
     stats = new_stats(cfg)
     step_pairs = step_pairs if step_pairs is not None else [p for pairs in group for p in pairs]
     n_pairs = len(step_pairs)
@@ -165,7 +168,7 @@ def train_step(trainee: policy.Trainee, cfg: Config, group: list[list[data.Token
     nll_tokens = sum(len(p.prompt_ids) + len(p.chosen_ids) - 1 if objectives.nll_prompt(cfg.loss_type)
                      else len(p.chosen_ids) for p in step_pairs)
     for pairs in group:
-        losses, logps, batch_stats = forward_pairs(trainee.model, cfg, pairs, ref, pad_id, resolved, shared)
+        losses, logps, batch_stats = forward_pairs(trainee.model, cfg, pairs, ref, pad_id, resolved, shared, drift)
         trainee.backward(losses.sum() / n_pairs + objectives.per_token_loss(logps, cfg.loss_terms, nll_tokens))
         stats.add(batch_stats)
     return stats
@@ -199,12 +202,13 @@ class DPO:
     def accumulate_gradients(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
         batches = loop.micro_batches(loop.rank_share(session, pairs), micro_batch)
         run = session.run
-        stats = train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
-                           step_pairs=pairs)
         # Step 1: the policy is the reference, so the cache should hold its forward's values (this rank's pairs);
         # not so for a continued SFT adapter with lora_dropout, whose B is not 0: the dropout draws noise into it
-        if (self.ref is not None and session.progress.step == 0 and session.progress.resumed_from is None
-                and not self.drift_said and (run.adapter_off_is_start or not run.cfg.lora_dropout)):
+        drift = (self.ref is not None and session.progress.step == 0 and session.progress.resumed_from is None
+                 and not self.drift_said and (run.adapter_off_is_start or not run.cfg.lora_dropout))
+        stats = train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
+                           step_pairs=pairs, drift=drift)
+        if drift:
             self.drift_said, r = True, run.resolved
             other = [f"ref_dtype={devices.dtype_name(r.ref_dtype)} against the policy's {devices.dtype_name(r.dtype)}"
                      ] if r.ref_dtype != r.dtype else []
