@@ -19,7 +19,6 @@ same store:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sqlite3
 import time
@@ -145,8 +144,7 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
         log(f"warning: the planner predicts precompute does not fit {fmt(budget)} even so (python -m "
             "lowmem_dpo.plan shows the terms); an out-of-memory error halves the batch again")
     streamed = bool(stream) and plan.fits
-    for line in policy.check_host_ram(host_ram(arch, plan if streamed else dataclasses.replace(plan, streams={}),
-                                               "precompute"), "precompute"):
+    for line in policy.check_host_ram(host_ram(arch, plan, "precompute", streamed), "precompute"):
         log(line)
     return batch, streaming.Plan(stream.layers, arch.layers_prefix) if streamed else None
 

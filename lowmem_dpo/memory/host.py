@@ -58,16 +58,17 @@ def checkpoint_bytes(arch: Arch) -> int:
     return CHECKPOINT_BYTES * (arch.layers * arch.layer_params + arch.outer_params + head)
 
 
-def host_ram(arch: Arch, plan, stage: str) -> HostRam:
+def host_ram(arch: Arch, plan, stage: str, streamed: bool = True) -> HostRam:
     """The host RAM of `stage` ("train" or "precompute") under `plan` (search.Plan: the setup as applied, its
-    prediction and streams)."""
+    prediction and streams). streamed=False: the stage does not stream the layers the plan would (a stream that
+    does not make the run fit is not applied), so they hold no host RAM."""
     setup, terms = plan.setup, {}
     if stage == "train":
         if setup.activation_offloading:
             terms["pinned activations"] = plan.prediction.train.details["offload.host_bytes"]
         if setup.optimizer == PAGED_ADAMW_8BIT:  # the plan's own figure (counted on the device too: it may be either)
             terms["paged optimizer state"] = plan.prediction.train.breakdown["optimizer_state"]
-    if stage in plan.streams:
+    if streamed and stage in plan.streams:
         terms["streamed layers"] = plan.streams[stage].cpu_bytes
     return HostRam(terms, checkpoint_bytes(arch))
 

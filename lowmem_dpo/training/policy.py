@@ -10,7 +10,6 @@ optimizer and schedule, and the memory plan's choices for them.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,9 +236,7 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
         resolved.reasons.append(f"planner: train peak {fmt(peak)} of a {fmt(budget)} budget")
     # Streaming that does not make the run fit would only make it slower: the out-of-memory back-off has the last word
     resolved.streamed_layers = stream.layers if stream and applied.fits else 0
-    if not resolved.streamed_layers and "train" in applied.streams:
-        applied = dataclasses.replace(applied, streams={})
-    resolved.reasons.extend(check_host_ram(host_ram(arch, applied, "train"), "train"))
+    resolved.reasons.extend(check_host_ram(host_ram(arch, applied, "train", bool(resolved.streamed_layers)), "train"))
     return streaming.Plan(stream.layers, arch.layers_prefix) if resolved.streamed_layers else None
 
 

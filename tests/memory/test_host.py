@@ -57,6 +57,9 @@ def test_streamed_layers_are_host_ram_too():
     assert set(host.terms) == {"pinned activations", "paged optimizer state", "streamed layers"}
     assert host.terms["streamed layers"] == plan.streams["train"].cpu_bytes == arch.layers * 128 * MiB
     assert host.terms["pinned activations"] > host.terms["streamed layers"] > host.terms["paged optimizer state"]
+    # a stream the stage does not apply (it would not make the run fit) holds no host RAM; the rest is the same
+    kept = host_ram(arch, plan, "train", streamed=False)
+    assert kept.terms == {k: v for k, v in host.terms.items() if k != "streamed layers"}
 
 
 @pytest.mark.parametrize("available, refused", [(16 * GiB, True), (64 * GiB, False)])
