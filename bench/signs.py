@@ -132,7 +132,10 @@ def run(kind: str, name: str, model: str, args) -> dict:
             "facts_kept": {str(k): round(sum(v) / len(v), 3) for k, v in sorted(kept.items())},
             "warnings": [{"step": int(s), "sign": w.strip()} for s, w in warnings],
             "evals": evals, "last_train": [x for x in lines if "loss" in x][-1],
-            "rejected_tokens": round(mean_rejected_tokens(model, data), 2),
+            "train": [x for x in lines if "loss" in x],
+            "rejected_tokens": round(mean_tokens(model, data, "rejected"), 2),
+            "chosen_tokens": round(mean_tokens(model, data, "chosen"), 2),
+            "rouge_per_sample": rouge_per_sample(model, samples),
             "samples_last": [s for s in samples if s["step"] == max(x["step"] for x in samples)][:3]}
 
 
@@ -163,12 +166,28 @@ def rejected_per_token(r: dict) -> float:
     return r["last_train"]["rewards/rejected"] / 0.1 / r["rejected_tokens"]
 
 
-def mean_rejected_tokens(model: str, data: list[dict]) -> float:
-    """The rejected completions' mean token count, as the model's tokenizer counts the answer (+1: its end)."""
+def tokenizer(model: str):
     from lowmem_dpo.model.models import load_tokenizer, resolve_model_path
 
-    tok = load_tokenizer(resolve_model_path(model))
-    return sum(len(tok(r["rejected"][0]["content"])["input_ids"]) + 1 for r in data) / len(data)
+    return load_tokenizer(resolve_model_path(model))
+
+
+def mean_tokens(model: str, data: list[dict], side: str) -> float:
+    """The `side` completions' mean token count, as the model's tokenizer counts the answer (+1: its end)."""
+    tok = tokenizer(model)
+    return sum(len(tok(r[side][0]["content"])["input_ids"]) + 1 for r in data) / len(data)
+
+
+def rouge_per_sample(model: str, samples: list[dict]) -> dict[str, list[float]]:
+    """Each eval's per-sample token ROUGE-L against the held-out chosen answer, by step (the text re-tokenized:
+    within rounding of what eval_gen/rouge_l averages), in the order of samples.jsonl: the noise of the mean."""
+    from lowmem_dpo.training.guards import rouge_l
+
+    tok, out = tokenizer(model), {}
+    for s in samples:
+        ids = [tok(t.rstrip("\n"), add_special_tokens=False)["input_ids"] for t in (s["completion"], s["chosen"])]
+        out.setdefault(str(s["step"]), []).append(round(rouge_l(*ids), 4))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

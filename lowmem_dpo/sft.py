@@ -106,7 +106,7 @@ class SFT:
     def eval_metrics(self, stats: SFTStats) -> dict[str, float]:
         return {"eval_loss": stats.means()["loss"]}  # the mean NLL per completion token
 
-    def warning_signs(self, session: Session) -> list[str]:
+    def warning_signs(self, session: Session, stats: SFTStats, held_out: bool = False) -> list[str]:
         return []  # DPO's signs (guards.py) read rewards an SFT step has not
 
     def bar_numbers(self, line: dict) -> dict[str, str]:

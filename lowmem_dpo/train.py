@@ -192,7 +192,7 @@ class DPO:
     ref: cache.RefCache | None  # None: ref_source=live, or an objective without a reference (SimPO, ORPO)
     eval_ref: cache.RefCache | None = None  # the eval pairs' reference (the same cache part, or its eval part)
     shared: bool = False  # each prompt once per pair (headcheck.decide_sharing)
-    drift_said: bool = False  # step 1's drift line logged (an out-of-memory retry of the step does not repeat it)
+    drift_said: bool = False  # step 1's drift measured (an out-of-memory retry of the step does not repeat it)
     name: str = "train"
     unit: str = "pair"
 
@@ -208,16 +208,7 @@ class DPO:
                  and not self.drift_said and (run.adapter_off_is_start or not run.cfg.lora_dropout))
         stats = train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
                            step_pairs=pairs, drift=drift)
-        if drift:
-            self.drift_said, r = True, run.resolved
-            other = [f"ref_dtype={devices.dtype_name(r.ref_dtype)} against the policy's {devices.dtype_name(r.dtype)}"
-                     ] if r.ref_dtype != r.dtype else []
-            if r.ref_quantization != r.quantization:
-                other.append(f"ref_quantization={r.ref_quantization} against the policy's {r.quantization}")
-            for line in guards.drift_lines(stats.ref_drift, stats.ref_offset, stats.pairs,
-                                           stats.chosen_tokens + stats.rejected_tokens, r.quantization == "8bit",
-                                           " and ".join(other) or None):
-                log(line)
+        self.drift_said = self.drift_said or drift  # step 1's line reads it, summed over the ranks (drift_signs)
         return stats
 
     def eval_stats(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
@@ -228,8 +219,10 @@ class DPO:
     def eval_metrics(self, stats: StepStats) -> dict[str, float]:
         return {f"eval_{k}": v for k, v in stats.means().items()}  # TRL's names: eval_loss, eval_rewards/...
 
-    def warning_signs(self, session: Session) -> list[str]:
-        window, cfg = session.progress.window, session.run.cfg
+    def warning_signs(self, session: Session, stats: StepStats, held_out: bool = False) -> list[str]:
+        window, cfg = stats, session.run.cfg
+        if window.empty:
+            return []
         tokens, rejected_tokens = window.chosen_tokens / window.pairs, window.rejected_tokens / window.pairs
         means = window.means()
         if window.nll_weight is not None:  # the signs judge the preference loss: the NLL term has its own scale
@@ -238,8 +231,26 @@ class DPO:
         thresholds = guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight)
         if not objectives.needs_reference(cfg.loss_type):
             tokens = rejected_tokens = 0.0  # the per-token signs read log-ratios to the reference: none here
-        return guards.warning_signs(means, session.progress.step, session.run.steps, cfg.beta, tokens, thresholds,
-                                    rejected_tokens)
+        signs = guards.warning_signs(means, session.progress.step, session.run.steps, cfg.beta, tokens, thresholds,
+                                     rejected_tokens, held_out)
+        if self.drift_said and session.progress.step == 1 and not held_out:  # the drift line, and its sign first
+            context = guards.context_signs(means, 1, session.run.steps, cfg.beta, thresholds, rejected_tokens)
+            signs = [guards.with_context(sign, context) for sign in self.drift_signs(session)] + signs
+        return signs
+
+    def drift_signs(self, session: Session) -> list[str]:
+        """Log step 1's drift line, from its window (every rank's pairs); its warning sign, if any: the cache is not
+        this policy's forward."""
+        window, r = session.progress.window, session.run.resolved  # step 1's line: step 1 alone
+        other = [f"ref_dtype={devices.dtype_name(r.ref_dtype)} against the policy's {devices.dtype_name(r.dtype)}"
+                 ] if r.ref_dtype != r.dtype else []
+        if r.ref_quantization != r.quantization:
+            other.append(f"ref_quantization={r.ref_quantization} against the policy's {r.quantization}")
+        line, sign = guards.drift_lines(window.ref_drift, window.ref_offset, window.pairs,
+                                        window.chosen_tokens + window.rejected_tokens, r.quantization == "8bit",
+                                        " and ".join(other) or None)
+        log(line)
+        return [sign] if sign else []
 
     def bar_numbers(self, line: dict) -> dict[str, str]:
         return {"loss": f"{line['loss']:.4f}", "acc": f"{line['rewards/accuracies']:.2f}",

@@ -44,7 +44,7 @@ def trained(tmp_path_factory, tiny_path):
 def ours(session, **changes) -> dict:
     cfg = dataclasses.replace(session.run.cfg, **changes)
     session.run = dataclasses.replace(session.run, cfg=cfg)  # RunSetup is frozen
-    return evaluation.evaluate(session)
+    return evaluation.evaluate(session)[0]
 
 
 def trls(root, rows, tiny_path, **args) -> dict:

@@ -106,20 +106,22 @@ def on_start(session: Session) -> bool:
     return session.run.cfg.eval_on_start and session.progress.step == 0 and bool(session.run.eval_items)
 
 
-def evaluate(session: Session) -> dict:
+def evaluate(session: Session) -> tuple[dict, list[str]]:
     """The eval line of step session.progress.step: the objective's metrics over the eval items (at most
     eval_max_pairs; each rank its share, the sums added up), no gradients, in eval mode, by the training micro-batch
-    (halved on out-of-memory); the samples' repetition and length (rank 0's: {} on the others); the time it took."""
+    (halved on out-of-memory); the samples' repetition and length (rank 0's: {} on the others); the time it took.
+    And the objective's warning signs on those sums (held out: the same on every rank)."""
     t0 = time.perf_counter()
     with eval_mode(session.trainee.model):
         local = with_backoff(session, lambda n: session.run.objective.eval_stats(session, session.run.eval_items, n),
                              session.progress.micro_batch, "the eval", True)
-        metrics = session.run.objective.eval_metrics(distributed.sum_stats(local))
+        summed = distributed.sum_stats(local)
+        metrics = session.run.objective.eval_metrics(summed)
         gen = sample_metrics(session, session.progress.step) if session.run.world.main else {}
     line = {"step": session.progress.step, **{k: None if v is None or not math.isfinite(v) else round(v, 6)
                                for k, v in metrics.items()}, **gen,
             "eval_runtime": round(time.perf_counter() - t0, 3), "eval_pairs": len(session.run.eval_items)}
-    return line
+    return line, session.run.objective.warning_signs(session, summed, held_out=True)
 
 
 def baseline(metrics_lines: list[str]) -> dict | None:

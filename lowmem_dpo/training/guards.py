@@ -21,33 +21,40 @@ from dataclasses import dataclass
 
 from lowmem_dpo.objectives.registry import Limits
 
+# What a warning asks the user to try, one line each (a warning names evidence of damage, then this).
+TRY_DISPLACEMENT = ("try loss_type [sigmoid, sft] (its sft term holds the chosen answers up), a lower learning_rate "
+                    "or fewer steps")
+TRY_ANSWERS = ("try the best checkpoint by eval_gen/rouge_l (metric_for_best_model: eval_gen/rouge_l), fewer steps, a "
+               "lower learning_rate or loss_type [sigmoid, sft]; output_dir/samples.jsonl has the answers")
+
 
 @dataclass(frozen=True)
 class Thresholds:
+    # Context, never a warning on its own (a run that learns what its data asks moves far from its reference: its
+    # margins grow and its rejected log-probs fall), shown beside a warning that evidence raises:
     # rewards/margins = beta * (chosen log-ratio - rejected log-ratio). Above 10 the sigmoid loss is below
-    # 5e-5: the pairs are separated, and further growth comes from pushing the two log-probs apart, the road
-    # to a policy that repeats itself.
+    # 5e-5: the pairs are separated, and further growth comes from pushing the two log-probs apart.
     margin: float = 10.0
     margin_why: str = "the loss is already ~0; growth now only pushes log-probs apart"
-    # The loss below this within the first `early_fraction` of the steps: the data is too easy, or the
-    # reference does not match the policy's start (e.g. a base-model reference for an SFT policy). None: no
-    # such sign (a loss whose optimum is 0 reaches it by design).
+    # The loss below this within the first `early_fraction` of the steps: the data is easy (a reference that is
+    # not the policy's start shows in step 1's drift line, a warning). None: no such note (a loss whose optimum is
+    # 0 reaches it by design).
     early_loss: float | None = 0.05
     early_fraction: float = 0.2
-    # Chosen log-probs this many nats per token below the reference's (each chosen token e^-0.5 = 0.61 times as
-    # likely): DPO is lowering both completions, the known failure where chosen falls with rejected.
-    chosen_drop_per_token: float = 0.5
-    # Likelihood displacement: with the preference learned (accuracy at least `saturated`), the rejected
-    # log-probs this many nats per token below the reference's: DPO now only pushes log-probs down, and with
-    # them the tokens the chosen answers share (SmolLM2: logps/rejected -8 to -74 while the answers got worse).
-    # On SmolLM2 (bench/signs.py, as above) the healthy runs end at -0.20, -0.05 and -0.30 nats/token and the
-    # damaged ones at -10.5, -2.4 and -5.7, all three with accuracy saturated; the healthy demo at -1.19.
+    # The rejected log-probs this many nats per token below the reference's, the preference learned (accuracy at
+    # least `saturated`): DPO pushing the rejected answers down, which healthy runs do too (SmolLM2 with
+    # [sigmoid, sft] at lr 5e-4: -2.8 to -4.1 nats/token at their end).
     saturated: float = 0.95
     rejected_drop_per_token: float = 2.0
+    # Evidence, a warning: likelihood displacement, the chosen log-probs this many nats per token below the
+    # reference's (each chosen token e^-0.5 = 0.61 times as likely), on the train window or the held-out pairs: DPO
+    # pushing log-probs down, the good answers' with the bad ones'. Healthy runs stay above it (the tiny demo's
+    # chosen side ends at -0.2 to -0.33: most DPO runs lower it somewhat).
+    chosen_drop_per_token: float = 0.5
 
 
-# Several preference terms summed (or sft alone): the margin sign stays, at the sigmoid's limit; the loss is no
-# known function of the margin, so no early-loss sign.
+# Several preference terms summed (or sft alone): the margin note stays, at the sigmoid's limit; the loss is no
+# known function of the margin, so no early-loss note.
 SEVERAL = Limits(lambda beta, n: 10.0, "the pairs are separated well beyond what DPO needs; growth now only pushes "
                  "log-probs apart", None)
 UNGUARDED = Thresholds(margin=math.inf, margin_why="", early_loss=None)
@@ -69,34 +76,54 @@ def nonfinite(*values: float) -> bool:
     return not all(math.isfinite(v) for v in values)
 
 
-def warning_signs(means: dict, step: int, total_steps: int, beta: float, chosen_tokens_per_pair: float,
-                  t: Thresholds = Thresholds(), rejected_tokens_per_pair: float = 0.0) -> list[str]:
-    """The warning signs that `means` (one logged line's rewards/*, loss) show at optimizer step `step` of
-    `total_steps`, each as a message with its numbers; [] when none. `t`: thresholds() of the run's loss (the
-    default is the sigmoid loss's). Token counts of 0: the signs per token against the reference are off."""
-    signs = []
+def context_signs(means: dict, step: int, total_steps: int, beta: float, t: Thresholds = Thresholds(),
+                  rejected_tokens_per_pair: float = 0.0) -> list[str]:
+    """The context beyond its limits in one logged line's means (rewards/*, loss) at optimizer step `step` of
+    `total_steps`: a reward margin far past separation, a loss near 0 early, the rejected log-probs far below the
+    reference's. Never a warning alone (healthy runs that move far show them): warning_signs adds them to one."""
+    notes = []
     margin = means["rewards/margins"]
     if margin > t.margin:
-        signs.append(f"reward margin exploding: rewards/margins {margin:.2f} > {t.margin:g} ({t.margin_why})")
-    early = t.early_loss is not None and step <= t.early_fraction * total_steps
-    if early and means["loss"] < t.early_loss:
-        signs.append(f"loss collapsing early: {means['loss']:.4f} < {t.early_loss:.4g} at step {step} of "
-                     f"{total_steps} (data too easy, or a reference that is not the policy's start, e.g. the base "
-                     "model for an SFT policy)")
-    if beta > 0 and chosen_tokens_per_pair > 0:
-        per_token = means["rewards/chosen"] / beta / chosen_tokens_per_pair  # policy - reference, nats/token
-        if per_token < -t.chosen_drop_per_token:
-            signs.append(f"chosen log-probs falling fast: {per_token:.3f} nats/token below the reference (limit "
-                         f"-{t.chosen_drop_per_token:g}); both completions are being pushed down")
-    accuracy = means.get("rewards/accuracies", 0.0)
-    if beta > 0 and rejected_tokens_per_pair > 0 and accuracy >= t.saturated:
+        notes.append(f"reward margin exploding: rewards/margins {margin:.2f} > {t.margin:g} ({t.margin_why})")
+    if t.early_loss is not None and step <= t.early_fraction * total_steps and means["loss"] < t.early_loss:
+        notes.append(f"loss collapsing early: {means['loss']:.4f} < {t.early_loss:.4g} at step {step} of {total_steps} "
+                     "(easy data)")
+    if beta > 0 and rejected_tokens_per_pair > 0 and means.get("rewards/accuracies", 0.0) >= t.saturated:
         per_token = means["rewards/rejected"] / beta / rejected_tokens_per_pair
         if per_token < -t.rejected_drop_per_token:
-            signs.append(f"likelihood displacement: rejected log-probs {per_token:.2f} nats/token below the "
-                         f"reference (limit -{t.rejected_drop_per_token:g}) with accuracy at {accuracy:.2f}: the "
-                         "preference is learned and DPO now only pushes log-probs down, the good answer's tokens "
-                         "too; use loss_type [sigmoid, sft] (RPO) or a lower learning_rate")
-    return signs
+            notes.append(f"rejected log-probs {per_token:.2f} nats/token below the reference (beyond "
+                         f"-{t.rejected_drop_per_token:g})")
+    return notes
+
+
+def with_context(sign: str, context: list[str], what_to_try: str = "") -> str:
+    """A warning: its evidence, the context beyond its limits that backs it (each note as context_signs words it),
+    and what to try (where the evidence does not already say it)."""
+    beside = f"; beside it: {'; '.join(context)}" if context else ""
+    return f"{sign}{beside}" + (f"; {what_to_try}" if what_to_try else "")
+
+
+def warning_signs(means: dict, step: int, total_steps: int, beta: float, chosen_tokens_per_pair: float,
+                  t: Thresholds = Thresholds(), rejected_tokens_per_pair: float = 0.0,
+                  held_out: bool = False) -> list[str]:
+    """The warning sign that `means` (one logged line's rewards/*, loss; or held_out: an eval's) shows at optimizer
+    step `step` of `total_steps`, with the context beyond its limits and what to try; [] when none. The one evidence
+    of damage in the preference metrics: likelihood displacement, the chosen log-probs below the reference's
+    (Thresholds). `t`: thresholds() of the run's loss (the default is the sigmoid loss's). Token counts of 0: the
+    signs per token against the reference are off."""
+    if not (beta > 0 and chosen_tokens_per_pair > 0):
+        return []
+    per_token = means["rewards/chosen"] / beta / chosen_tokens_per_pair  # policy - reference, nats/token
+    if per_token >= -t.chosen_drop_per_token:
+        return []
+    accuracy = means.get("rewards/accuracies", 0.0)
+    why = ("the preference is learned and DPO now pushes log-probs down, the good answers' too"
+           if accuracy >= t.saturated else "both completions are being pushed down")
+    where = " on the held-out pairs" if held_out else ""
+    sign = (f"likelihood displacement{where}: chosen log-probs {per_token:.3f} nats/token below the reference (limit "
+            f"-{t.chosen_drop_per_token:g}), accuracy {accuracy:.2f}: {why}")
+    return [with_context(sign, context_signs(means, step, total_steps, beta, t, rejected_tokens_per_pair),
+                         TRY_DISPLACEMENT)]
 
 
 # -- degeneration of the generations ------------------------------------------------------------------------------
@@ -172,29 +199,35 @@ def generation_stats(seqs: list[list[int]], chosen: list[list[int]] | None = Non
     return out
 
 
-_READ = ("read output_dir/samples.jsonl, lower learning_rate or raise beta, and keep the best checkpoint rather than "
-         "the last")
-
-
 def collapse_sign(base: dict | None, now: dict) -> str | None:
-    """The warning sign when the generations (`now`: generation_stats' keys) collapse against step 0's (`base`;
-    None, or a line without a measure: compared against none): into repetition, far above step 0's; into empty
-    answers; or into answers a quarter as long. None otherwise."""
-    base = base or {}
+    """The warning sign when the generations (`now`: generation_stats' keys) get worse against step 0's (`base`;
+    None, or a line without a measure: compared against none): collapsing into repetition, far above step 0's;
+    into empty answers; into answers a quarter as long; or drifting from the chosen answers (drift_sign). With the
+    KL from the reference beside it when that is past KL_LIMIT, and what to try. None otherwise."""
+    sign = _collapse(base or {}, now) or drift_sign(base or {}, now)
+    if sign is None:
+        return None
+    kl = now.get(GEN_KL)
+    context = [f"KL {kl:.2f} nats per token from the reference on the policy's own answers (beyond {KL_LIMIT:g})"
+               ] if kl is not None and kl > KL_LIMIT else []
+    return with_context(sign, context, TRY_ANSWERS)
+
+
+def _collapse(base: dict, now: dict) -> str | None:
     rep, start = now.get(GEN_REPETITION), base.get(GEN_REPETITION) or 0.0
     if rep is not None and rep - start >= COLLAPSE_RISE and rep >= COLLAPSE_LEVEL:
         return (f"generations collapsing into repetition: seq-rep-{COLLAPSE_N} {rep:.2f} against {start:.2f} at "
-                f"step 0 (limits: +{COLLAPSE_RISE:g} and >= {COLLAPSE_LEVEL:g}); {_READ}")
+                f"step 0 (limits: +{COLLAPSE_RISE:g} and >= {COLLAPSE_LEVEL:g})")
     empty, empty0 = now.get(GEN_EMPTY), base.get(GEN_EMPTY) or 0.0
     if empty is not None and empty - empty0 >= EMPTY_RISE:
         return (f"generations collapsing into empty answers: {empty:.0%} of the samples end at once against "
-                f"{empty0:.0%} at step 0 (limit: +{EMPTY_RISE:.0%}); {_READ}")
+                f"{empty0:.0%} at step 0 (limit: +{EMPTY_RISE:.0%})")
     length, length0, chosen = now.get(GEN_LENGTH), base.get(GEN_LENGTH), now.get(GEN_CHOSEN_LENGTH)
     if (length is not None and length0 is not None and length0 >= SHORT_MIN_START and length <= SHORT_FRACTION * length0
             and (chosen is None or length < CHOSEN_FRACTION * chosen)):  # as long as the chosen answers: no collapse
         return (f"generations collapsing into short answers: {length:.1f} tokens on average against {length0:.1f} at "
-                f"step 0 (limit: {SHORT_FRACTION:g} of it){_chosen(chosen)}; {_READ}")
-    return drift_sign(base, now)
+                f"step 0 (limit: {SHORT_FRACTION:g} of it){_chosen(chosen)}")
+    return None
 
 
 def _chosen(length: float | None) -> str:
@@ -202,17 +235,13 @@ def _chosen(length: float | None) -> str:
 
 
 def drift_sign(base: dict, now: dict) -> str | None:
-    """The sign when the samples drift from what the data prefers (token ROUGE-L against the chosen completions
-    far below step 0's) or from the reference (the per-token KL on the policy's own answers above KL_LIMIT):
-    preference metrics can look perfect while the answers get worse. None otherwise."""
+    """The sign when the samples drift from what the data prefers: token ROUGE-L against the chosen completions
+    far below step 0's (preference metrics can look perfect while the answers get worse). None otherwise. The KL
+    from the reference is no such sign: a run that learns its data moves far from the reference (context)."""
     rouge, rouge0 = now.get(GEN_ROUGE_L), base.get(GEN_ROUGE_L)
     if rouge is not None and rouge0 is not None and rouge <= rouge0 - DRIFT_DROP and rouge <= DRIFT_FRACTION * rouge0:
         return (f"answers drifting from the chosen completions: ROUGE-L {rouge:.2f} against {rouge0:.2f} at step 0 "
-                f"(limits: -{DRIFT_DROP:g} and {DRIFT_FRACTION:g} of it), whatever the preference metrics say; {_READ}")
-    kl = now.get(GEN_KL)
-    if kl is not None and kl > KL_LIMIT:
-        return (f"answers drifting from the reference: KL {kl:.2f} nats per token on the policy's own answers (limit "
-                f"{KL_LIMIT:g}); {_READ}")
+                f"(limits: -{DRIFT_DROP:g} and {DRIFT_FRACTION:g} of it), whatever the preference metrics say")
     return None
 
 
@@ -231,23 +260,22 @@ DRIFT_LINE = re.compile(r"step 1: reference cache against the policy's own forwa
 
 
 def drift_lines(drift: float, offset: float, pairs: int, tokens: int, int8: bool = False,
-                other_reference: str | None = None) -> list[str]:
+                other_reference: str | None = None) -> tuple[str, str | None]:
     """The drift line of step 1 (summed |policy - reference| over `tokens` completion tokens, summed loss offset
-    over `pairs`), and a warning with what to do when it is beyond DRIFT_LOSS_BOUND or DRIFT_TOKEN_BOUND (not for
-    an 8-bit base: `int8`). other_reference: the reference's own settings where they differ from the policy's
-    (ref_dtype, ref_quantization), the cause then named."""
+    over `pairs`), and the warning sign with what to do when it is beyond DRIFT_LOSS_BOUND or DRIFT_TOKEN_BOUND (not
+    for an 8-bit base: `int8`; None within them). other_reference: the reference's own settings where they differ
+    from the policy's (ref_dtype, ref_quantization), the cause then named. No pairs: ("", None)."""
     if pairs == 0:
-        return []
+        return "", None
     per_token, loss = drift / max(1, tokens), offset / pairs
     token_bound = "none for an 8-bit base" if int8 else f"{DRIFT_TOKEN_BOUND:g}"
-    lines = [f"step 1: reference cache against the policy's own forward (one model at step 1): {per_token:.2e} nats "
-             f"per token (bound {token_bound}), loss offset {loss:+.2e} (bound {DRIFT_LOSS_BOUND:g})"]
-    if (per_token > DRIFT_TOKEN_BOUND and not int8) or abs(loss) > DRIFT_LOSS_BOUND:
-        cause = (f"the reference was computed with {other_reference}. Chosen for a more precise reference, that is "
-                 "its cost at the start; else set them null and rerun precompute" if other_reference else
-                 "the usual cause is a cache computed on another device or with other weights or library versions "
-                 "than this run's; rerun precompute where train runs")
-        lines.append(f"warning: step 1: the cached reference is not this policy's forward ({per_token:.2e} nats per "
-                     f"token, the loss {loss:+.2e} off its start), so every pair's weight starts off by that much: "
-                     + cause)
-    return lines
+    line = (f"step 1: reference cache against the policy's own forward (one model at step 1): {per_token:.2e} nats "
+            f"per token (bound {token_bound}), loss offset {loss:+.2e} (bound {DRIFT_LOSS_BOUND:g})")
+    if (per_token <= DRIFT_TOKEN_BOUND or int8) and abs(loss) <= DRIFT_LOSS_BOUND:
+        return line, None
+    cause = (f"the reference was computed with {other_reference}. Chosen for a more precise reference, that is its "
+             "cost at the start; else set them null and rerun precompute" if other_reference else
+             "the usual cause is a cache computed on another device or with other weights or library versions than "
+             "this run's; rerun precompute where train runs")
+    return line, (f"the cached reference is not this policy's forward ({per_token:.2e} nats per token, the loss "
+                  f"{loss:+.2e} off its start), so every pair's weight starts off by that much: " + cause)

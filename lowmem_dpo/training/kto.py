@@ -162,7 +162,7 @@ class KTO:
         return [data.TokenizedCompletion(v.row, v.prompt_ids, v.chosen_ids) for v in views
                 if bool(self.eval_desirable[v.row])]
 
-    def warning_signs(self, session: Session) -> list[str]:
+    def warning_signs(self, session: Session, stats: KtoStats, held_out: bool = False) -> list[str]:
         return []  # DPO's margin signs read pairs; the samples' collapse signs still judge a KTO run
 
     def bar_numbers(self, line: dict) -> dict[str, str]:

@@ -197,20 +197,21 @@ def log_step(session: Session, metrics_file, result: StepResult, bar) -> dict:
     signs = []
     if not session.progress.window.empty:  # else every step since the last line had a non-finite loss (warned)
         output.show(bar, session.run.objective.bar_numbers(line))
-        signs = session.run.objective.warning_signs(session)
+        signs = session.run.objective.warning_signs(session, session.progress.window)
     warn_or_stop(session, signs, metrics_file)
     return line
 
 
 def eval_step(session: Session, metrics_file, bar) -> dict:
-    """Evaluate at this step (evaluation.evaluate): the eval line, the bar's eval numbers, the collapse sign (rank
-    0's samples: its line and sign go to every rank, which then decide alike)."""
-    line = evaluation.evaluate(session)
+    """Evaluate at this step (evaluation.evaluate): the eval line, the bar's eval numbers, the objective's signs on
+    the held-out sums (every rank's), the collapse sign (rank 0's samples: its line and sign go to every rank, which
+    then decide alike)."""
+    line, signs = evaluation.evaluate(session)
     sign = evaluation.collapse_sign(session.progress.metrics_lines, line) if session.run.world.main else None
     line, sign = distributed.broadcast((line, sign))
     output.write_line(session, metrics_file, line)
     output.show(bar, evaluation.bar_numbers(line))
-    warn_or_stop(session, [sign] if sign else [], metrics_file)
+    warn_or_stop(session, ([sign] if sign else []) + signs, metrics_file)  # what the answers show first
     return line
 
 

@@ -63,8 +63,9 @@ class Objective(Protocol):
     def eval_metrics(self, stats: Stats) -> dict[str, float]:
         """The eval metrics ("eval_" names) of eval sums (all ranks' summed)."""
 
-    def warning_signs(self, session: "Session") -> list[str]:
-        """Signs the run is going wrong, from the progress's window at its step (guards.py); [] for none."""
+    def warning_signs(self, session: "Session", stats: Stats, held_out: bool = False) -> list[str]:
+        """Signs the run is going wrong (guards.py) in `stats`: the progress's window at its step, or (held_out)
+        the eval's sums; [] for none."""
 
     def bar_numbers(self, line: dict) -> dict[str, str]:
         """The progress bar's numbers from a metrics line."""

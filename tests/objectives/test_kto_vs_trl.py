@@ -85,7 +85,7 @@ def test_train_and_eval_metrics_equal_trls(trained, tiny_path, loss_type, weight
     cfg = dataclasses.replace(session.run.cfg, loss_type=[loss_type], desirable_weight=weights[0],
                               undesirable_weight=weights[1])
     session.run = dataclasses.replace(session.run, cfg=cfg)  # RunSetup is frozen
-    got_eval = evaluation.evaluate(session)
+    got_eval, _ = evaluation.evaluate(session)
     with torch.no_grad():
         got_train, objective = kto.KtoStats(), session.run.objective
         for block in sorted(session.run.items, key=lambda block: block[0].row):  # data order: TRL's sequential batches

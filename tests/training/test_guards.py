@@ -58,9 +58,9 @@ def test_every_objective_declares_its_limits_or_none_and_the_default_is_the_sigm
     assert {"sigmoid", "cdpo", "robust", "hinge", "ipo", "sigmoid_norm", "discopop", "sppo_hard"} <= guarded
     assert thresholds("sigmoid", 0.1, 0.0, 20.0) == guards.Thresholds()  # the default is the sigmoid's
     assert guards.thresholds(None, 0.1, 0.0, 20.0) == guards.UNGUARDED  # no limits: the two signs are off
-    signs = guards.warning_signs({"rewards/margins": 1e6, "loss": 0.0, "rewards/chosen": 0.0}, 1, 100, 0.1, 20.0,
+    notes = guards.context_signs({"rewards/margins": 1e6, "loss": 0.0, "rewards/chosen": 0.0}, 1, 100, 0.1,
                                  guards.UNGUARDED)
-    assert signs == []
+    assert notes == []
 
 
 def test_a_weighted_or_missing_preference_loss_moves_or_drops_the_early_limit():
@@ -110,7 +110,7 @@ CALM = {"rewards/margins": 0.5, "loss": 0.6, "rewards/chosen": -0.01}
 ])
 def test_margin_sign_per_loss(loss_type, e, margin, flagged):
     t = thresholds(loss_type, 0.1, e, 20.0)
-    signs = guards.warning_signs({**CALM, "rewards/margins": margin}, 50, 100, 0.1, 20.0, t)
+    signs = guards.context_signs({**CALM, "rewards/margins": margin}, 50, 100, 0.1, t)
     assert [s.startswith("reward margin exploding") for s in signs] == ([True] if flagged else [])
     if flagged and loss_type == "ipo":
         assert signs[0] == ("reward margin exploding: rewards/margins 21.00 > 20 (twice IPO's optimum of "
@@ -128,5 +128,5 @@ def test_margin_sign_per_loss(loss_type, e, margin, flagged):
 ])
 def test_early_loss_sign_per_loss(loss_type, e, loss, flagged):
     t = thresholds(loss_type, 0.1, e, 20.0)
-    signs = guards.warning_signs({**CALM, "loss": loss}, 10, 100, 0.1, 20.0, t)
+    signs = guards.context_signs({**CALM, "loss": loss}, 10, 100, 0.1, t)
     assert [s.startswith("loss collapsing early") for s in signs] == ([True] if flagged else [])

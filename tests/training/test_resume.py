@@ -299,13 +299,13 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_
 def test_warning_signs_hand_computed():
     t = guards.Thresholds()
     calm = {"rewards/margins": 0.5, "loss": 0.6, "rewards/chosen": -0.01}
-    assert guards.warning_signs(calm, 1, 100, 0.1, 20.0) == []
-    # margin 12 > 10
-    assert guards.warning_signs({**calm, "rewards/margins": 12.0}, 50, 100, 0.1, 20.0)[0].startswith(
+    assert guards.warning_signs(calm, 1, 100, 0.1, 20.0) == [] == guards.context_signs(calm, 1, 100, 0.1)
+    # context: margin 12 > 10; the loss 0.01 at step 20 of 100 (<= 20%): early; at step 21: not. No warning alone
+    assert guards.context_signs({**calm, "rewards/margins": 12.0}, 50, 100, 0.1)[0].startswith(
         "reward margin exploding: rewards/margins 12.00 > 10")
-    # loss 0.01 at step 20 of 100 (<= 20%): early; at step 21: not
-    assert len(guards.warning_signs({**calm, "loss": 0.01}, 20, 100, 0.1, 20.0)) == 1
-    assert guards.warning_signs({**calm, "loss": 0.01}, 21, 100, 0.1, 20.0) == []
+    assert len(guards.context_signs({**calm, "loss": 0.01}, 20, 100, 0.1)) == 1
+    assert guards.context_signs({**calm, "loss": 0.01}, 21, 100, 0.1) == []
+    assert guards.warning_signs({**calm, "rewards/margins": 12.0, "loss": 0.01}, 20, 100, 0.1, 20.0) == []
     # rewards/chosen -1.2 at beta 0.1: the policy's chosen log-prob is 12 nats below the reference's; over 20
     # tokens that is -0.6 nats/token < -0.5; over 30 tokens -0.4: fine
     assert "-0.600 nats/token" in guards.warning_signs({**calm, "rewards/chosen": -1.2}, 50, 100, 0.1, 20.0)[0]
@@ -315,18 +315,21 @@ def test_warning_signs_hand_computed():
 
 def test_a_wrong_reference_is_flagged_and_stops_with_early_stop(built, tmp_path, capsys):
     """A cache whose chosen log-probs are 200 nats too low (what a reference that is not the policy's start
-    gives): margin 0.1 * 200 = 20 at step 1 and a loss of ~0. Logged as warnings; with
-    early_stop_on_divergence=true the run stops there with exit 2."""
+    gives): step 1's drift line says the cache is not this policy's forward, a warning, with the margin 0.1 * 200 =
+    20 and the loss of ~0 beside it as context. With early_stop_on_divergence=true the run stops there, exit 2."""
     _edit_store(tmp_path / "cache", "UPDATE sequences SET logps = logps - 200 WHERE key IN ({})", chosen_keys())
     out = tmp_path / "out"
     assert run_cli(train.main, [str(built), f"output_dir={out}", "max_steps=5"], "train", "") == 0
     err = capsys.readouterr().err
-    assert "warning: step 1: reward margin exploding: rewards/margins 2" in err
-    assert "warning: step 1: loss collapsing early: 0.0000 < 0.05 at step 1 of 5" in err
+    (warning,) = [line for line in err.splitlines() if line.startswith("warning: step 1:")]
+    assert warning.startswith("warning: step 1: the cached reference is not this policy's forward")
+    assert "beside it: reward margin exploding: rewards/margins 2" in warning
+    assert "loss collapsing early: 0.0000 < 0.05 at step 1 of 5" in warning
+    assert [x["warnings"][0][:40] for x in metrics(out) if "warnings" in x] == [warning[17:57]]  # the report's
     code = run_cli(train.main, [str(built), f"output_dir={tmp_path / 'stop'}", "max_steps=5",
                                 "early_stop_on_divergence=true"], "train", "")
     err = capsys.readouterr().err
-    assert code == 2 and "stopped at step 1 (early_stop_on_divergence=true): reward margin exploding" in err
+    assert code == 2 and "stopped at step 1 (early_stop_on_divergence=true): the cached reference is not" in err
 
 
 def test_a_run_of_nonfinite_losses_logs_nulls_and_stops_as_diverged(built, tmp_path, capsys):

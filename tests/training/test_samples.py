@@ -71,7 +71,9 @@ def test_collapse_sign(base, now, fires):
         start = 0.0 if base is None else base
         assert sign.startswith("generations collapsing into repetition")
         assert f"{now:.2f}" in sign and f"{start:.2f}" in sign
-        assert "learning_rate" in sign and "beta" in sign and "samples.jsonl" in sign and "best" in sign
+        assert sign.endswith(guards.TRY_ANSWERS)  # what to try, in one line
+        assert "learning_rate" in sign and "[sigmoid, sft]" in sign and "samples.jsonl" in sign
+        assert "best checkpoint by eval_gen/rouge_l" in sign
 
 
 def test_collapsed_text_is_flagged_and_fluent_text_is_not(tokenizer):
