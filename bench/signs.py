@@ -94,6 +94,17 @@ def rows(kind: str, n: int, seed: int = 0) -> tuple[list[dict], dict[str, list[s
     return out, facts
 
 
+def facts_per_sample(samples: list[dict], facts: dict[str, list[str]]) -> dict[int, list[bool]]:
+    """Whether each held-out answer keeps its question's fact, by step, in the order of samples.jsonl (the same
+    prompts at every step)."""
+    kept = {}
+    for s in samples:
+        fact = facts.get(s["prompt"])
+        if fact is not None:
+            kept.setdefault(s["step"], []).append(all(w in words(s["completion"]) for w in fact))
+    return kept
+
+
 def words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", text.lower())
 
@@ -101,7 +112,7 @@ def words(text: str) -> list[str]:
 def run(kind: str, name: str, model: str, args) -> dict:
     """One run (precompute, train) as a user runs it; its warnings, eval lines and facts kept."""
     work = Path(args.work) / f"{kind}-{name}"
-    data, facts = rows(kind, args.rows)
+    data, _ = rows(kind, args.rows)
     work.mkdir(parents=True, exist_ok=True)
     chat_prefs.write(data, work / "rows.jsonl")
     recipe = work / "recipe.yaml"
@@ -110,27 +121,29 @@ def run(kind: str, name: str, model: str, args) -> dict:
                                     eval_steps=args.eval_steps * RUNS[name][1], samples=args.samples),
                        encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
-    t0, logs = time.perf_counter(), ""
+    t0 = time.perf_counter()
     for stage in ("precompute", "train"):
         p = subprocess.run([sys.executable, "-m", f"lowmem_dpo.{stage}", str(recipe), "overwrite_output_dir=true"],
                            cwd=ROOT, capture_output=True, text=True, env=env)
-        logs += p.stderr
         if p.returncode:
             raise SystemExit(f"{kind}/{name}: {stage} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return {**collect(kind, name, model, work, args.rows), "steps": args.steps * RUNS[name][1],
+            "samples": args.samples, "wall_s": round(time.perf_counter() - t0)}
+
+
+def collect(kind: str, name: str, model: str, work: Path, n_rows: int) -> dict:
+    """What a finished run in `work` recorded: its warnings (metrics.jsonl's), every metrics line, the facts its
+    held-out answers keep, their ROUGE-L one by one."""
+    data, facts = rows(kind, n_rows)
     lines = [json.loads(x) for x in (work / "out" / "metrics.jsonl").read_text().splitlines()]
     samples = [json.loads(x) for x in (work / "out" / "samples.jsonl").read_text().splitlines()]
-    kept = {}
-    for s in samples:
-        fact = facts.get(s["prompt"])
-        if fact is not None:
-            kept.setdefault(s["step"], []).append(all(w in words(s["completion"]) for w in fact))
+    kept = facts_per_sample(samples, facts)
     evals = [x for x in lines if any(k.startswith("eval_") for k in x)]
-    warnings = [m.groups() for m in re.finditer(r"warning: step (\d+): ([^:(]+)", logs)]
     return {"kind": kind, "run": name, "learning_rate": float(RUNS[name][0]), "loss_type": RUNS[name][2],
-            "steps": args.steps * RUNS[name][1], "samples": args.samples,
-            "wall_s": round(time.perf_counter() - t0),
             "facts_kept": {str(k): round(sum(v) / len(v), 3) for k, v in sorted(kept.items())},
-            "warnings": [{"step": int(s), "sign": w.strip()} for s, w in warnings],
+            "facts_per_sample": {str(k): [int(x) for x in v] for k, v in sorted(kept.items())},
+            "warnings": [{"step": x["step"], "sign": re.split(r"[:(]", w)[0].strip()} for x in lines
+                         for w in x.get("warnings", [])],
             "evals": evals, "last_train": [x for x in lines if "loss" in x][-1],
             "train": [x for x in lines if "loss" in x],
             "rejected_tokens": round(mean_tokens(model, data, "rejected"), 2),
@@ -140,30 +153,142 @@ def run(kind: str, name: str, model: str, args) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| kind | run | facts kept (step 0 -> end) | eval acc | eval margin | ROUGE-L (0 -> end) | KL end | "
-            "length (chosen) | rejected nats/token vs ref | warnings (first step) |")
-    out = [head, "|---" * 10 + "|"]
+    """Each run's ground truth (facts kept, ROUGE-L), then each sign's worst value over the run beside its limit
+    (guards' constants; ** past it), and the warnings train logged, with the step each first fired."""
+    from lowmem_dpo.training import guards as G
+
+    t = G.Thresholds()
+    head = ("| kind | run | facts kept (step 0 -> end; answers that lost it, gained it) | ROUGE-L 0 -> end | drift: lowest ROUGE-L (limit) | "
+            f"repetition (limit {G.COLLAPSE_LEVEL:g}) | shortest length (chosen) | "
+            f"chosen nats/token vs ref, train / held out (limit -{t.chosen_drop_per_token:g}) | "
+            f"context: KL (beyond {G.KL_LIMIT:g}) | context: margin (beyond {t.margin:g}) | "
+            f"context: rejected nats/token (beyond -{t.rejected_drop_per_token:g}) | warnings logged (first step) | "
+            "the shipped signs on its lines (first step) | answers |")
+    out = [head, "|---" * 14 + "|"]
     for r in results:
-        e0, e1 = r["evals"][0], r["evals"][-1]
+        values = sign_values(r)
         kept = list(r["facts_kept"].values())
         signs = {}
         for w in r["warnings"]:
             signs.setdefault(w["sign"], w["step"])
         loss = "" if r.get("loss_type", "sigmoid") == "sigmoid" else f", {r['loss_type']}"
-        out.append(f"| {r['kind']} | {r['run']} (lr {r['learning_rate']:g}, {r.get('steps', 16)} steps{loss}) | "
-                   f"{kept[0]:.2f} -> {kept[-1]:.2f} | "
-                   f"{e1.get('eval_rewards/accuracies', 0):.2f} | {e1.get('eval_rewards/margins', 0):.2f} | "
-                   f"{e0.get('eval_gen/rouge_l', 0):.2f} -> {e1.get('eval_gen/rouge_l', 0):.2f} | "
-                   f"{e1.get('eval_gen/kl') or 0:.2f} | {e1.get('eval_gen/length', 0):.1f} "
-                   f"({e1.get('eval_gen/chosen_length', 0):.1f}) | {rejected_per_token(r):.2f} | "
-                   + ("; ".join(f"{s} ({k})" for s, k in signs.items()) or "none") + " |")
+
+        def past(v: float, limit: float, below: bool = True) -> str:
+            text = f"{v:.2f}"
+            return f"**{text}**" if (v <= limit if below else v >= limit) else text
+
+        rouge0 = values["rouge0"]
+        drift_limit = rouge0 - G.DRIFT_DROP
+        out.append(
+            f"| {r['kind']} | {r['run']} (lr {r['learning_rate']:g}, {r.get('steps', 16)} steps{loss}) | "
+            f"{kept[0]:.2f} -> {kept[-1]:.2f}{flips(r)} | {rouge0:.2f} -> {values['rouge_end']:.2f} | "
+            f"{past(values['rouge_low'], drift_limit)} ({drift_limit:.2f}) | "
+            f"{past(values['repetition'], G.COLLAPSE_LEVEL, False)} | {values['length']:.1f} ({values['chosen_length']:.1f}) | "
+            f"{past(values['chosen_train'], -t.chosen_drop_per_token)} / "
+            f"{past(values['chosen_eval'], -t.chosen_drop_per_token)} | {past(values['kl'], G.KL_LIMIT, False)} | "
+            f"{past(values['margin'], t.margin, False)} | {past(values['rejected'], -t.rejected_drop_per_token)} | "
+            + ("; ".join(f"{s} ({k})" for s, k in signs.items()) or "none") + " | "
+            + ("; ".join(f"{s} ({k})" for s, k in replay(r).items()) or "none") + f" | {worse(r)} |")
     return "\n".join(out)
 
 
-def rejected_per_token(r: dict) -> float:
-    """The last train line's rejected log-ratio per rejected token, as guards' likelihood displacement reads it
-    (beta 0.1)."""
-    return r["last_train"]["rewards/rejected"] / 0.1 / r["rejected_tokens"]
+def replay(r: dict, beta: float = 0.1) -> dict[str, int]:
+    """The warnings the shipped guards give on a run's recorded lines, by kind, with the step each first shows: the
+    answers' signs exactly (each eval line holds what they read; the change's noise from the answers' own ROUGE-L
+    where the line lacks it), likelihood displacement with the data's mean chosen tokens per pair for each window's
+    own."""
+    from lowmem_dpo.training import guards as G
+
+    first: dict[str, int] = {}
+    base = next((e for e in r["evals"] if e["step"] == 0 and e.get(G.GEN_ROUGE_L) is not None), None)
+    steps, tokens = r.get("steps", 16), r.get("chosen_tokens", 0.0)
+    lines = [(x, False) for x in r.get("train") or []] + [
+        ({k.removeprefix("eval_"): v for k, v in e.items()}, True) for e in r["evals"] if "eval_loss" in e]
+    for line, held_out in sorted(lines, key=lambda x: x[0]["step"]):
+        for sign in G.warning_signs(line, line["step"], steps, beta, tokens, held_out=held_out):
+            first.setdefault(sign.split(":")[0], line["step"])
+    per = r.get("rouge_per_sample") or {}
+    for e in r["evals"]:
+        if str(e["step"]) in per and "0" in per and G.GEN_ROUGE_L_SE not in e:  # a run recorded before train logged it
+            e = {**e, G.GEN_ROUGE_L_SE: G.change_se(list(zip(per[str(e["step"])], per["0"])))}
+        sign = G.collapse_sign(base, e) if e["step"] > 0 and e.get(G.GEN_ROUGE_L) is not None else None
+        if sign:
+            first.setdefault(sign.split(":")[0], e["step"])
+    return dict(sorted(first.items(), key=lambda kv: kv[1]))
+
+
+def worse(r: dict) -> str:
+    """The ground truth: 'worse' when the held-out answers lost their facts more often than they gained them
+    beyond chance (one-sided sign test on the answers that changed, p < 0.05), else 'kept' or 'better' (the
+    same test the other way); with p."""
+    from math import comb
+
+    per = r.get("facts_per_sample")
+    if not per:
+        return "?"
+    first, last = per[min(per, key=int)], per[max(per, key=int)]
+    lost, gained = sum(a and not b for a, b in zip(first, last)), sum(b and not a for a, b in zip(first, last))
+    n = lost + gained
+
+    def tail(k: int) -> float:  # P(at least k of n changes go one way | each way equally likely)
+        return sum(comb(n, i) for i in range(k, n + 1)) / 2 ** n if n else 1.0
+
+    if tail(lost) < 0.05:
+        return f"worse (p {tail(lost):.3f})"
+    return f"better (p {tail(gained):.3f})" if tail(gained) < 0.05 else "kept"
+
+
+def flips(r: dict) -> str:
+    """' (-7 +1)': the held-out answers that lost their fact by the end and those that gained it, against step 0's
+    answers to the same prompts ('' for a run recorded without them)."""
+    per = r.get("facts_per_sample")
+    if not per:
+        return ""
+    first, last = per[min(per, key=int)], per[max(per, key=int)]
+    lost, gained = sum(a and not b for a, b in zip(first, last)), sum(b and not a for a, b in zip(first, last))
+    return f" (-{lost} +{gained})"
+
+
+def sign_values(r: dict, beta: float = 0.1) -> dict[str, float]:
+    """A run's worst value of each sign over its logged lines after step 0 (guards' names and limits). The per-token
+    log-ratios divide by the data's mean tokens per completion (train divides each window's by its own: within a few
+    percent of these)."""
+    from lowmem_dpo.training import guards as G
+
+    evals = [e for e in r["evals"] if e.get(G.GEN_ROUGE_L) is not None]
+    later = [e for e in evals if e["step"] > 0] or evals
+    scored = [e for e in r["evals"] if "eval_rewards/chosen" in e and e["step"] > 0]
+    train = r.get("train") or [r["last_train"]]
+    learned = [x for x in train if x.get("rewards/accuracies", 0) >= G.Thresholds().saturated]
+    return {"rouge0": evals[0][G.GEN_ROUGE_L], "rouge_end": evals[-1][G.GEN_ROUGE_L],
+            "rouge_low": min(e[G.GEN_ROUGE_L] for e in later),
+            "repetition": max(e.get(G.GEN_REPETITION, 0.0) for e in later),
+            "length": min(e[G.GEN_LENGTH] for e in later), "chosen_length": evals[-1][G.GEN_CHOSEN_LENGTH],
+            "chosen_train": min(x["rewards/chosen"] for x in train) / beta / r.get("chosen_tokens", 1.0),
+            "chosen_eval": min((e["eval_rewards/chosen"] for e in scored), default=0.0) / beta
+            / r.get("chosen_tokens", 1.0),
+            "kl": max(e.get(G.GEN_KL) or 0.0 for e in later),
+            "margin": max(x["rewards/margins"] for x in train),
+            "rejected": min((x["rewards/rejected"] for x in learned), default=0.0) / beta / r["rejected_tokens"]}
+
+
+def noise(results: list[dict], sizes=(8, 16, 32)) -> str:
+    """ROUGE-L's noise when an eval judges n held-out answers: the standard error of the mean change from step 0
+    (the same prompts at both), sd / sqrt(n), over each run's evals; median and largest."""
+    import statistics
+
+    per_n = {n: [] for n in sizes}
+    for r in results:
+        steps = r.get("rouge_per_sample") or {}
+        base = steps.get("0")
+        for step, scores in steps.items():
+            if step == "0" or not base or len(scores) != len(base) or len(scores) < 2:
+                continue
+            sd = statistics.stdev([a - b for a, b in zip(scores, base)])
+            for n in sizes:
+                per_n[n].append(sd / n ** 0.5)
+    return "; ".join(f"{n} answers: median {statistics.median(v):.3f}, largest {max(v):.3f}"
+                     for n, v in per_n.items() if v)
 
 
 def tokenizer(model: str):
@@ -198,12 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=160)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--eval-steps", type=int, default=4)
-    ap.add_argument("--samples", type=int, default=8, help="eval_generations: held-out answers judged per eval")
+    ap.add_argument("--samples", type=int, default=32,
+                    help="eval_generations: held-out answers judged per eval (the eval set holds 32 prompts)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--work", default=str(WORK))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these results; run nothing")
     args = ap.parse_args(argv)
+    if args.table:
+        results = [r for f in args.table for r in json.loads(Path(f).read_text())["results"]]
+        print(table(results))
+        print(f"\nROUGE-L's noise (the change from step 0): {noise(results)}")
+        return 0
     if args.smoke:
         model, args.kinds, args.runs, args.steps, args.eval_steps = "lowmem_dpo:tiny-llama", "style", "damaged", 2, 1
     else:
@@ -212,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(ensure_model(args.model))
     results = [run(kind, name, model, args) for kind in args.kinds.split(",") for name in args.runs.split(",")]
     print(table(results))
+    print(f"\nROUGE-L's noise (the change from step 0): {noise(results)}")
     if args.json:
         from machine import command_line, machine_info
 

@@ -32,11 +32,12 @@ from lowmem_dpo.model.logps import batch_logps
 from lowmem_dpo.model.tiny import BUILTIN_PREFIX
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import inputs, loop, output, policy, resuming
+from lowmem_dpo.training import guards, inputs, loop, output, policy, resuming
 from lowmem_dpo.training.session import RunSetup, Session
 from lowmem_dpo.training.session import start as start_session
 
-SFT_METRICS = ("eval_loss", "eval_gen/repetition")  # the eval metrics an SFT run logs (metric_for_best_model)
+# the eval metrics an SFT run logs (metric_for_best_model)
+SFT_METRICS = ("eval_loss", guards.GEN_REPETITION, guards.GEN_ROUGE_L)
 
 
 @dataclass

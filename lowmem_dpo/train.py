@@ -192,7 +192,7 @@ class DPO:
     ref: cache.RefCache | None  # None: ref_source=live, or an objective without a reference (SimPO, ORPO)
     eval_ref: cache.RefCache | None = None  # the eval pairs' reference (the same cache part, or its eval part)
     shared: bool = False  # each prompt once per pair (headcheck.decide_sharing)
-    drift_said: bool = False  # step 1's drift measured (an out-of-memory retry of the step does not repeat it)
+    drift_said: bool = False  # step 1's drift measured: its line reads it
     name: str = "train"
     unit: str = "pair"
 
@@ -204,8 +204,9 @@ class DPO:
         run = session.run
         # Step 1: the policy is the reference, so the cache should hold its forward's values (this rank's pairs);
         # not so for a continued SFT adapter with lora_dropout, whose B is not 0: the dropout draws noise into it
+        # (measured again on an out-of-memory retry of the step: every rank retries it, with fresh sums)
         drift = (self.ref is not None and session.progress.step == 0 and session.progress.resumed_from is None
-                 and not self.drift_said and (run.adapter_off_is_start or not run.cfg.lora_dropout))
+                 and (run.adapter_off_is_start or not run.cfg.lora_dropout))
         stats = train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
                            step_pairs=pairs, drift=drift)
         self.drift_said = self.drift_said or drift  # step 1's line reads it, summed over the ranks (drift_signs)
@@ -235,21 +236,22 @@ class DPO:
                                      rejected_tokens, held_out)
         if self.drift_said and session.progress.step == 1 and not held_out:  # the drift line, and its sign first
             context = guards.context_signs(means, 1, session.run.steps, cfg.beta, thresholds, rejected_tokens)
-            signs = [guards.with_context(sign, context) for sign in self.drift_signs(session)] + signs
+            signs = [guards.with_context(sign, context) for sign in self.drift_signs(session, stats)] + signs
         return signs
 
-    def drift_signs(self, session: Session) -> list[str]:
-        """Log step 1's drift line, from its window (every rank's pairs); its warning sign, if any: the cache is not
-        this policy's forward."""
-        window, r = session.progress.window, session.run.resolved  # step 1's line: step 1 alone
+    def drift_signs(self, session: Session, window: StepStats) -> list[str]:
+        """Log step 1's drift line, from its window (step 1 alone, every rank's pairs); its warning sign, if any:
+        the cache is not this policy's forward."""
+        r = session.run.resolved
         other = [f"ref_dtype={devices.dtype_name(r.ref_dtype)} against the policy's {devices.dtype_name(r.dtype)}"
                  ] if r.ref_dtype != r.dtype else []
         if r.ref_quantization != r.quantization:
             other.append(f"ref_quantization={r.ref_quantization} against the policy's {r.quantization}")
-        line, sign = guards.drift_lines(window.ref_drift, window.ref_offset, window.pairs,
-                                        window.chosen_tokens + window.rejected_tokens, r.quantization == "8bit",
-                                        " and ".join(other) or None)
-        log(line)
+        lines, sign = guards.drift_lines(window.ref_drift, window.ref_offset, window.pairs,
+                                         window.chosen_tokens + window.rejected_tokens, r.quantization == "8bit",
+                                         " and ".join(other) or None)
+        for line in lines:
+            log(line)
         return [sign] if sign else []
 
     def bar_numbers(self, line: dict) -> dict[str, str]:
@@ -262,11 +264,11 @@ class DPO:
                      else "live (adapter disabled), costs a forward" if objectives.needs_reference(cfg.loss_type)
                      else f"none (loss_type={cfg.loss_type} reads no reference: no cache, no precompute)")
         limits, _, judged = judged_limits(cfg)
-        still = ("chosen log-probs falling and the samples' collapse still warn"
-                 if objectives.needs_reference(cfg.loss_type) else "the samples' collapse still warns")
+        still = ("likelihood displacement and the answers' signs still warn"
+                 if objectives.needs_reference(cfg.loss_type) else "the answers' signs still warn")
         unguarded = [] if limits is not None else [
-            f"warning signs: loss_type={judged} declares no margin or early-loss limits, so those two signs are off "
-            f"({still})"]
+            f"warning signs: loss_type={judged} declares no margin or early-loss limits, so that context is not shown "
+            f"beside a warning ({still})"]
         return unguarded + [
                 f"reference: {reference}; prompts: {'once per pair (share_prompt)' if self.shared else 'twice'}",
                 f"training {sum(p.numel() for p in session.trainee.params):,} LoRA parameters for {session.run.steps} "

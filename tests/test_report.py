@@ -299,13 +299,13 @@ def test_the_warnings_train_wrote_are_listed_with_their_first_step(tmp_path):
     """train writes each warning to metrics.jsonl as {"step", "warnings"} (loop.warn); the summary names each kind
     at the step it first fired, and the curves' readers skip those lines."""
     lines = write_run(tmp_path / "run")
-    extra = [{"step": 10, "warnings": ["likelihood displacement: rejected log-probs -3.10 nats/token below ..."]},
-             {"step": 20, "warnings": ["likelihood displacement: rejected log-probs -4.00 ...",
-                                       "answers drifting from the reference: KL 1.20 nats per token ..."]}]
+    extra = [{"step": 10, "warnings": ["likelihood displacement: chosen log-probs -0.61 nats/token below ..."]},
+             {"step": 20, "warnings": ["likelihood displacement: chosen log-probs -0.70 ...",
+                                       "answers drifting from the chosen completions: ROUGE-L 0.25 against 0.53 ..."]}]
     (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines + extra))
     run = report.load_run(tmp_path / "run")
     assert report.warnings_line(run) == ("warnings: likelihood displacement at step 10 (2 times); answers drifting "
-                                         "from the reference at step 20 (the train log has the numbers)")
+                                         "from the chosen completions at step 20 (the train log has the numbers)")
     assert len(run.train) == len([x for x in lines if "loss" in x])  # the warnings are not train lines
     write_run(tmp_path / "quiet")
     assert report.warnings_line(report.load_run(tmp_path / "quiet")) == "warnings: none"

@@ -44,6 +44,8 @@ METRICS = (
            "seq-rep-4 of the sample generations (guards.repetition)"),
     Metric("gen/rouge_l", True, "sample", "eval_gen/rouge_l", "ROUGE-L",
            "token ROUGE-L F1 of the samples against their held-out chosen completions (guards.rouge_l)"),
+    Metric("gen/rouge_l_se", None, "sample", doc="the standard error of eval_gen/rouge_l's change from step 0, over "
+           "the same prompts' answers (guards.change_se): the answers' drift sign's noise"),
     Metric("gen/kl", False, "sample", "eval_gen/kl", "KL",
            "per-token KL of the policy from the reference along its own samples (samples.kl_to_reference)"),
     Metric("gen/length", None, "sample", label="length", doc="the samples' mean length in tokens"),

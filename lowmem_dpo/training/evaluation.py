@@ -59,6 +59,9 @@ def sample_items(items: list, n: int) -> list:
     return out
 
 
+SAMPLE_BATCH = 16  # the most sample answers generated at once (halved on out-of-memory)
+
+
 def sample_metrics(session: Session, step: int) -> dict:
     """Greedy samples for the first eval_generations distinct eval prompts, appended to output_dir/samples.jsonl
     with `step`; one shown in the log. Returns their repetition, mean length, share of empty answers, ROUGE-L
@@ -74,10 +77,17 @@ def sample_metrics(session: Session, step: int) -> dict:
             session.trainee.model, items[i:i + n], run.tokenizer, run.cfg.max_new_tokens, run.resolved.device,
             run.resolved.dtype, shown=[run.prompts.get(item.row) for item in items[i:i + n]])]
 
-    written = with_backoff(session, write, len(items), "the samples")
-    samples.append(Path(run.cfg.output_dir) / checkpoint.SAMPLES, step, written)
+    # At most SAMPLE_BATCH answers at a time: more samples judge the answers better, not at more memory
+    written = with_backoff(session, write, min(len(items), SAMPLE_BATCH), "the samples")
+    path = Path(run.cfg.output_dir) / checkpoint.SAMPLES
+    scores = [guards.rouge_l(w.ids, w.chosen_ids) for w in written]
+    base = samples.rouge_at(path, 0) if step > 0 else {}  # step 0's answers to the same prompts
+    samples.append(path, step, written, scores)
     log(samples.log_line(step, written[0]))
     stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written])
+    se = guards.change_se([(s, base[w.prompt]) for s, w in zip(scores, written) if w.prompt in base])
+    if se is not None:
+        stats[guards.GEN_ROUGE_L_SE] = round(se, 6)
     if run.adapter_off_is_start:  # the reference is the model with its adapter disabled
         kl = samples.kl_to_reference(session.trainee.model, items, [w.ids for w in written], run.resolved.device,
                                      run.resolved.dtype)
@@ -139,6 +149,29 @@ def collapse_sign(metrics_lines: list[str], line: dict) -> str | None:
     if line.get(guards.GEN_REPETITION) is None or line["step"] == 0:
         return None
     return guards.collapse_sign(baseline(metrics_lines), line)
+
+
+# The eval's log line: the preference metrics (context beside the warnings, guards.py), then the answers' measures
+SHOWN = (("eval_loss", "loss", "{:.4f}"), ("eval_rewards/accuracies", "accuracy", "{:.2f}"),
+         ("eval_rewards/margins", "margins", "{:.2f}"), ("eval_kl", "kl", "{:.4f}"))
+
+
+def log_line(metrics_lines: list[str], line: dict) -> str:
+    """`eval at step 80: loss 0.1655, accuracy 1.00, margins 2.71; answers: ROUGE-L 0.66 (0.71 at step 0, ±0.057),
+    KL 0.38, length 7.0 (chosen 7.0), repetition 0.00`: what the eval measured, step 0's answers beside."""
+    parts = [", ".join(f"{label} {form.format(line[key])}" for key, label, form in SHOWN if line.get(key) is not None)]
+    rouge, length = line.get(guards.GEN_ROUGE_L), line.get(guards.GEN_LENGTH)
+    if length is not None:
+        base, se = baseline(metrics_lines) or {}, line.get(guards.GEN_ROUGE_L_SE)
+        then = [f"{base[guards.GEN_ROUGE_L]:.2f} at step 0"] if base.get(guards.GEN_ROUGE_L) is not None else []
+        then += [f"±{se:.3f}"] if se is not None else []
+        answers = [f"ROUGE-L {rouge:.2f}" + (f" ({', '.join(then)})" if then else "")] if rouge is not None else []
+        kl, chosen = line.get(guards.GEN_KL), line.get(guards.GEN_CHOSEN_LENGTH)
+        answers += [f"KL {kl:.2f}"] if kl is not None else []
+        answers += [f"length {length:.1f}" + (f" (chosen {chosen:.1f})" if chosen is not None else ""),
+                    f"repetition {line[guards.GEN_REPETITION]:.2f}"]
+        parts.append("answers: " + ", ".join(answers))
+    return f"eval at step {line['step']}: " + "; ".join(p for p in parts if p)
 
 
 def bar_numbers(line: dict) -> dict[str, str]:

@@ -1,16 +1,17 @@
 """Signs that a DPO run is going wrong, from the metrics train logs: pure functions, numbers in, messages out.
 
-Train (its DPO objective, through loop.py) logs each sign as a warning at the logging step where it shows; with
-early_stop_on_divergence=true it stops there (exit 2, the last checkpoint kept). Non-finite losses and gradients
-are handled in the loop's step (loop.optimizer_step, update.outcome: the update is skipped; max_nonfinite_steps
-in a row stop the run).
+A warning names evidence of damage: step 1's cache that is not the policy's forward (drift_lines), likelihood
+displacement (warning_signs, on a logged line's window or the held-out pairs), answers that collapse or drift from
+the chosen ones (collapse_sign, on the samples), non-finite losses (the loop's step: update.outcome skips the
+update; max_nonfinite_steps in a row stop the run). How far the run moved from its reference (the margin, an early
+loss near 0, the rejected side's fall, the answers' KL) is context: shown beside a warning when past its own limit
+(with_context), never a warning alone, for a run that learns its data moves far. Each warning ends with what to
+try. Train logs each at the step where it shows; with early_stop_on_divergence=true it stops there (exit 2, the
+last checkpoint kept).
 
 The margin and early-loss limits depend on the objective: each entry of lowmem_dpo.objectives holds its own
-(`Limits`, or None: not guarded), and `thresholds` turns them and a run's beta, label smoothing and tokens per pair
-into the numbers.
-
-`repetition` measures how much the sample generations (samples.py) repeat themselves, and `collapse_sign` turns
-its rise since step 0 into the sign "generations collapsing into repetition".
+(`Limits`, or None: none), and `thresholds` turns them and a run's beta, label smoothing and tokens per pair into
+the numbers.
 """
 
 from __future__ import annotations
@@ -20,12 +21,6 @@ import re
 from dataclasses import dataclass
 
 from lowmem_dpo.objectives.registry import Limits
-
-# What a warning asks the user to try, one line each (a warning names evidence of damage, then this).
-TRY_DISPLACEMENT = ("try loss_type [sigmoid, sft] (its sft term holds the chosen answers up), a lower learning_rate "
-                    "or fewer steps")
-TRY_ANSWERS = ("try the best checkpoint by eval_gen/rouge_l (metric_for_best_model: eval_gen/rouge_l), fewer steps, a "
-               "lower learning_rate or loss_type [sigmoid, sft]; output_dir/samples.jsonl has the answers")
 
 
 @dataclass(frozen=True)
@@ -114,7 +109,7 @@ def warning_signs(means: dict, step: int, total_steps: int, beta: float, chosen_
     if not (beta > 0 and chosen_tokens_per_pair > 0):
         return []
     per_token = means["rewards/chosen"] / beta / chosen_tokens_per_pair  # policy - reference, nats/token
-    if per_token >= -t.chosen_drop_per_token:
+    if not per_token < -t.chosen_drop_per_token:  # a NaN is no displacement (the loop's non-finite note says it)
         return []
     accuracy = means.get("rewards/accuracies", 0.0)
     why = ("the preference is learned and DPO now pushes log-probs down, the good answers' too"
@@ -151,7 +146,8 @@ CHOSEN_FRACTION = 0.5
 # The answers drifting from the chosen completions: token ROUGE-L F1 against them this far below step 0's, and at
 # most this share of it. Healthy runs: 0.53 -> 0.48, 0.64 -> 0.69, 0.64 -> 0.64 (the demo 0.71 -> 0.61); damaged:
 # 0.53 -> 0.25 (fires at the first eval), 0.64 -> 0.39, 0.64 -> 0.55.
-DRIFT_DROP, DRIFT_FRACTION = 0.1, 0.6
+DRIFT_DROP = 0.1
+DRIFT_SE = 2.0  # and at least this many standard errors of the change (eval_gen/rouge_l_se)
 # The policy's own answers this many nats per token (KL of the policy's next-token distribution from the
 # reference's, along the answer) away from the reference. Healthy: 0.10, 0.01, 0.02 (the demo 0.59); damaged:
 # 1.60, 0.99, 0.66.
@@ -159,6 +155,12 @@ KL_LIMIT = 0.8
 # The samples' measures in metrics.jsonl (evaluation.sample_metrics), and what the collapse sign reads.
 GEN_REPETITION, GEN_LENGTH, GEN_EMPTY = "eval_gen/repetition", "eval_gen/length", "eval_gen/empty"
 GEN_ROUGE_L, GEN_CHOSEN_LENGTH, GEN_KL = "eval_gen/rouge_l", "eval_gen/chosen_length", "eval_gen/kl"
+GEN_ROUGE_L_SE = "eval_gen/rouge_l_se"
+# What a warning asks the user to try, one line each (a warning names evidence of damage, then this).
+TRY_DISPLACEMENT = ("try loss_type [sigmoid, sft] (its sft term holds the chosen answers up), a lower learning_rate "
+                    "or fewer steps")
+TRY_ANSWERS = (f"try the best checkpoint by {GEN_ROUGE_L} (metric_for_best_model: {GEN_ROUGE_L}), fewer steps or a "
+               "lower learning_rate, and for DPO loss_type [sigmoid, sft]; output_dir/samples.jsonl has the answers")
 
 
 def repetition(seqs: list[list[int]], n: int = COLLAPSE_N) -> float:
@@ -184,6 +186,16 @@ def rouge_l(answer: list[int], reference: list[int]) -> float:
             diagonal, row[j] = row[j], diagonal + 1 if a == b else max(row[j], row[j - 1])
     lcs = row[-1]
     return 0.0 if lcs == 0 else 2 * lcs / (len(answer) + len(reference))
+
+
+def change_se(pairs: list[tuple[float, float]]) -> float | None:
+    """The standard error of the mean change over (now, step 0) pairs of one prompt's scores: sd / sqrt(n), the
+    noise of eval_gen/rouge_l's change from step 0; None under 2 pairs."""
+    if len(pairs) < 2:
+        return None
+    diffs = [a - b for a, b in pairs]
+    mean = sum(diffs) / len(diffs)
+    return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
 
 
 def generation_stats(seqs: list[list[int]], chosen: list[list[int]] | None = None) -> dict[str, float]:
@@ -238,11 +250,14 @@ def drift_sign(base: dict, now: dict) -> str | None:
     """The sign when the samples drift from what the data prefers: token ROUGE-L against the chosen completions
     far below step 0's (preference metrics can look perfect while the answers get worse). None otherwise. The KL
     from the reference is no such sign: a run that learns its data moves far from the reference (context)."""
-    rouge, rouge0 = now.get(GEN_ROUGE_L), base.get(GEN_ROUGE_L)
-    if rouge is not None and rouge0 is not None and rouge <= rouge0 - DRIFT_DROP and rouge <= DRIFT_FRACTION * rouge0:
-        return (f"answers drifting from the chosen completions: ROUGE-L {rouge:.2f} against {rouge0:.2f} at step 0 "
-                f"(limits: -{DRIFT_DROP:g} and {DRIFT_FRACTION:g} of it), whatever the preference metrics say")
-    return None
+    rouge, rouge0, se = now.get(GEN_ROUGE_L), base.get(GEN_ROUGE_L), now.get(GEN_ROUGE_L_SE)
+    if rouge is None or rouge0 is None or rouge > rouge0 - DRIFT_DROP:
+        return None
+    if se is not None and rouge0 - rouge < DRIFT_SE * se:  # within the noise of the answers judged
+        return None
+    noise = "" if se is None else f"; ±{se:.3f}, limit {DRIFT_SE:g} of it"
+    return (f"answers drifting from the chosen completions: ROUGE-L {rouge:.2f} against {rouge0:.2f} at step 0 "
+            f"(limit: -{DRIFT_DROP:g}{noise}), whatever the preference metrics say")
 
 
 # Step 1's drift between the cached reference and the policy's own forward (one model at step 1). On the CPU the two
@@ -260,22 +275,24 @@ DRIFT_LINE = re.compile(r"step 1: reference cache against the policy's own forwa
 
 
 def drift_lines(drift: float, offset: float, pairs: int, tokens: int, int8: bool = False,
-                other_reference: str | None = None) -> tuple[str, str | None]:
-    """The drift line of step 1 (summed |policy - reference| over `tokens` completion tokens, summed loss offset
-    over `pairs`), and the warning sign with what to do when it is beyond DRIFT_LOSS_BOUND or DRIFT_TOKEN_BOUND (not
-    for an 8-bit base: `int8`; None within them). other_reference: the reference's own settings where they differ
-    from the policy's (ref_dtype, ref_quantization), the cause then named. No pairs: ("", None)."""
+                other_reference: str | None = None) -> tuple[list[str], str | None]:
+    """Step 1's lines to log: the drift line (summed |policy - reference| over `tokens` completion tokens, summed
+    loss offset over `pairs`); and when it is beyond DRIFT_LOSS_BOUND or DRIFT_TOKEN_BOUND (not for an 8-bit base:
+    `int8`), the warning sign with what to do (None within them). other_reference: the reference's own settings where
+    they differ from the policy's (ref_dtype, ref_quantization), chosen on purpose: then a note naming them and their
+    cost, no warning. No pairs: ([], None)."""
     if pairs == 0:
-        return "", None
+        return [], None
     per_token, loss = drift / max(1, tokens), offset / pairs
     token_bound = "none for an 8-bit base" if int8 else f"{DRIFT_TOKEN_BOUND:g}"
     line = (f"step 1: reference cache against the policy's own forward (one model at step 1): {per_token:.2e} nats "
             f"per token (bound {token_bound}), loss offset {loss:+.2e} (bound {DRIFT_LOSS_BOUND:g})")
     if (per_token <= DRIFT_TOKEN_BOUND or int8) and abs(loss) <= DRIFT_LOSS_BOUND:
-        return line, None
-    cause = (f"the reference was computed with {other_reference}. Chosen for a more precise reference, that is its "
-             "cost at the start; else set them null and rerun precompute" if other_reference else
-             "the usual cause is a cache computed on another device or with other weights or library versions than "
-             "this run's; rerun precompute where train runs")
-    return line, (f"the cached reference is not this policy's forward ({per_token:.2e} nats per token, the loss "
-                  f"{loss:+.2e} off its start), so every pair's weight starts off by that much: " + cause)
+        return [line], None
+    off = (f"reference cache off this policy's forward: {per_token:.2e} nats per token, the loss {loss:+.2e} off its "
+           "start, so every pair's weight starts off by that much")
+    if other_reference:
+        return [line, f"note: step 1: {off}: the reference was computed with {other_reference}. Chosen for a more "
+                      "precise reference, that is its cost at the start; else set them null and rerun precompute"], None
+    return [line], (f"{off}; the usual cause is a cache computed on another device or with other weights or library "
+                    "versions than this run's: rerun precompute where train runs")

@@ -163,7 +163,7 @@ class KTO:
                 if bool(self.eval_desirable[v.row])]
 
     def warning_signs(self, session: Session, stats: KtoStats, held_out: bool = False) -> list[str]:
-        return []  # DPO's margin signs read pairs; the samples' collapse signs still judge a KTO run
+        return []  # likelihood displacement reads pairs; the answers' signs (guards.collapse_sign) still judge KTO
 
     def bar_numbers(self, line: dict) -> dict[str, str]:
         return {k: f"{line[name]:.4f}" for k, name in (("loss", "loss"), ("kl", "kl")) if line.get(name) is not None}

@@ -209,6 +209,8 @@ def eval_step(session: Session, metrics_file, bar) -> dict:
     line, signs = evaluation.evaluate(session)
     sign = evaluation.collapse_sign(session.progress.metrics_lines, line) if session.run.world.main else None
     line, sign = distributed.broadcast((line, sign))
+    if line["step"] > 0:  # step 0's answers are the baseline the later lines show beside their own
+        log(evaluation.log_line(session.progress.metrics_lines, line))
     output.write_line(session, metrics_file, line)
     output.show(bar, evaluation.bar_numbers(line))
     warn_or_stop(session, ([sign] if sign else []) + signs, metrics_file)  # what the answers show first

@@ -32,8 +32,8 @@ def test_tiny_simpo_trains_with_no_reference_anywhere(tmp_path, monkeypatch, cap
     assert run_cli(train.main, [SIMPO, "dtype=float32"], "train", "doc") == 0
     err = capsys.readouterr().err
     assert "reference: none (loss_type=['simpo'] reads no reference: no cache, no precompute)" in err
-    # the chosen-falling sign reads the log-ratio to a reference: off here, and the log says what still warns
-    assert "chosen log-probs falling" not in err and "(the samples' collapse still warns)" in err
+    # likelihood displacement reads the log-ratio to a reference: off here, and the log says what still warns
+    assert "likelihood displacement" not in err and "(the answers' signs still warn)" in err
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["tiny-simpo"]  # no cache folder
     lines = [json.loads(x) for x in (tmp_path / "runs" / "tiny-simpo" / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in lines if "eval_loss" in x]

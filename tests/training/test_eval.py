@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from lowmem_dpo import data, precompute, sft, train
 from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import checkpoint, evaluation, loop
+from lowmem_dpo.training import checkpoint, evaluation, guards, loop
 
 
 def lines(path):
@@ -106,18 +106,25 @@ def test_eval_on_start_evaluates_the_reference_at_step_0(make_cfg, split_files):
     reference: eval_loss ln 2, zero rewards; its samples once (not also the plain step-0 samples)."""
     train_file, eval_file = split_files
     cfg = make_cfg(dataset=str(train_file), eval_dataset=str(eval_file), max_steps=2, save_steps=0,
-                   eval_generations=2, max_new_tokens=8, eval_on_start=True)
+                   eval_generations=3, max_new_tokens=8, eval_on_start=True)
     precompute.run(cfg, progress=False)
     train.run(cfg, progress=False)
     out = Path(cfg.output_dir)
     got = eval_lines(out)
     assert [m["step"] for m in got] == [0, 2]
+    # each answer's ROUGE-L is in samples.jsonl; the line's mean is theirs, and the noise of its change from step 0
+    # is the standard error of the same prompts' changes
+    rows = lines(out / "samples.jsonl")
+    at = {s: [r["rouge_l"] for r in rows if r["step"] == s] for s in (0, 2)}
+    assert got[1]["eval_gen/rouge_l"] == pytest.approx(sum(at[2]) / 3, abs=1e-5)
+    assert got[1]["eval_gen/rouge_l_se"] == pytest.approx(guards.change_se(list(zip(at[2], at[0]))), abs=1e-5)
+    assert "eval_gen/rouge_l_se" not in got[0]
     assert got[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
     # a completion that another row also holds is computed once, in that row's forward: float32 may round it an
     # ulp apart from this row's, which can tip the accuracy of the 6 of 40 eval pairs that hold one
     assert got[0]["eval_rewards/margins"] == pytest.approx(0, abs=1e-6) and got[0]["eval_rewards/accuracies"] <= 6 / 40
     assert got[0]["eval_gen/repetition"] is not None and got[1]["eval_loss"] != got[0]["eval_loss"]
-    assert [r["step"] for r in lines(out / "samples.jsonl")] == [0, 0, 2, 2]
+    assert [r["step"] for r in rows] == [0, 0, 0, 2, 2, 2]
 
 
 def test_sft_eval_loss_equals_a_recomputation(make_cfg, split_files, tiny_path, tokenizer):
@@ -327,3 +334,16 @@ def test_report_draws_a_real_run(make_cfg, tmp_path, capsys):
     text = capsys.readouterr().out
     assert f"at step {state['best_global_step']}" in text
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_eval_log_line_shows_the_context_and_the_answers_beside_step_0():
+    """KL, margins and accuracy never warn alone: the log's eval line shows them, with the answers' measures beside
+    step 0's and the noise of ROUGE-L's change."""
+    base = json.dumps({"step": 0, guards.GEN_ROUGE_L: 0.714, guards.GEN_REPETITION: 0.0})
+    line = {"step": 80, "eval_loss": 0.1655, "eval_rewards/accuracies": 1.0, "eval_rewards/margins": 2.712,
+            guards.GEN_ROUGE_L: 0.657, guards.GEN_ROUGE_L_SE: 0.057, guards.GEN_KL: 0.38, guards.GEN_LENGTH: 7.0,
+            guards.GEN_CHOSEN_LENGTH: 7.0, guards.GEN_REPETITION: 0.0}
+    assert evaluation.log_line([base], line) == (
+        "eval at step 80: loss 0.1655, accuracy 1.00, margins 2.71; answers: ROUGE-L 0.66 (0.71 at step 0, ±0.057), "
+        "KL 0.38, length 7.0 (chosen 7.0), repetition 0.00")
+    assert evaluation.log_line([], {"step": 3, "eval_loss": 1.23}) == "eval at step 3: loss 1.2300"  # no samples

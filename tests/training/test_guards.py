@@ -57,7 +57,7 @@ def test_every_objective_declares_its_limits_or_none_and_the_default_is_the_sigm
     guarded = {n for n, o in OBJECTIVES.items() if o.limits is not None}
     assert {"sigmoid", "cdpo", "robust", "hinge", "ipo", "sigmoid_norm", "discopop", "sppo_hard"} <= guarded
     assert thresholds("sigmoid", 0.1, 0.0, 20.0) == guards.Thresholds()  # the default is the sigmoid's
-    assert guards.thresholds(None, 0.1, 0.0, 20.0) == guards.UNGUARDED  # no limits: the two signs are off
+    assert guards.thresholds(None, 0.1, 0.0, 20.0) == guards.UNGUARDED  # no limits: no such context
     notes = guards.context_signs({"rewards/margins": 1e6, "loss": 0.0, "rewards/chosen": 0.0}, 1, 100, 0.1,
                                  guards.UNGUARDED)
     assert notes == []

@@ -322,14 +322,15 @@ def test_a_wrong_reference_is_flagged_and_stops_with_early_stop(built, tmp_path,
     assert run_cli(train.main, [str(built), f"output_dir={out}", "max_steps=5"], "train", "") == 0
     err = capsys.readouterr().err
     (warning,) = [line for line in err.splitlines() if line.startswith("warning: step 1:")]
-    assert warning.startswith("warning: step 1: the cached reference is not this policy's forward")
+    assert warning.startswith("warning: step 1: reference cache off this policy's forward: ")
+    assert "rerun precompute where train runs" in warning
     assert "beside it: reward margin exploding: rewards/margins 2" in warning
     assert "loss collapsing early: 0.0000 < 0.05 at step 1 of 5" in warning
     assert [x["warnings"][0][:40] for x in metrics(out) if "warnings" in x] == [warning[17:57]]  # the report's
     code = run_cli(train.main, [str(built), f"output_dir={tmp_path / 'stop'}", "max_steps=5",
                                 "early_stop_on_divergence=true"], "train", "")
     err = capsys.readouterr().err
-    assert code == 2 and "stopped at step 1 (early_stop_on_divergence=true): the cached reference is not" in err
+    assert code == 2 and "stopped at step 1 (early_stop_on_divergence=true): reference cache off this" in err
 
 
 def test_a_run_of_nonfinite_losses_logs_nulls_and_stops_as_diverged(built, tmp_path, capsys):
