@@ -159,8 +159,8 @@ def table(results: list[dict]) -> str:
 
     t = G.Thresholds()
     head = ("| kind | run | facts kept (step 0 -> end; answers that lost it, gained it) | ROUGE-L 0 -> end | drift: lowest ROUGE-L (limit) | "
-            f"repetition (limit {G.COLLAPSE_LEVEL:g}) | shortest length (chosen) | "
-            f"chosen nats/token vs ref, train / held out (limit -{t.chosen_drop_per_token:g}) | "
+            f"repetition (limit {G.COLLAPSE_LEVEL:g}) | length: shortest / end (chosen) | "
+            f"chosen nats/token vs ref, train / held out (limit -{t.chosen_drop_per_token:g}; -{t.displaced_per_token:g} backed) | "
             f"context: KL (beyond {G.KL_LIMIT:g}) | context: margin (beyond {t.margin:g}) | "
             f"context: rejected nats/token (beyond -{t.rejected_drop_per_token:g}) | warnings logged (first step) | "
             "the shipped signs on its lines (first step) | answers |")
@@ -183,7 +183,7 @@ def table(results: list[dict]) -> str:
             f"| {r['kind']} | {r['run']} (lr {r['learning_rate']:g}, {r.get('steps', 16)} steps{loss}) | "
             f"{kept[0]:.2f} -> {kept[-1]:.2f}{flips(r)} | {rouge0:.2f} -> {values['rouge_end']:.2f} | "
             f"{past(values['rouge_low'], drift_limit)} ({drift_limit:.2f}) | "
-            f"{past(values['repetition'], G.COLLAPSE_LEVEL, False)} | {values['length']:.1f} ({values['chosen_length']:.1f}) | "
+            f"{past(values['repetition'], G.COLLAPSE_LEVEL, False)} | {values['length']:.1f} / {values['length_end']:.1f} ({values['chosen_length']:.1f}) | "
             f"{past(values['chosen_train'], -t.chosen_drop_per_token)} / "
             f"{past(values['chosen_eval'], -t.chosen_drop_per_token)} | {past(values['kl'], G.KL_LIMIT, False)} | "
             f"{past(values['margin'], t.margin, False)} | {past(values['rejected'], -t.rejected_drop_per_token)} | "
@@ -197,15 +197,20 @@ def replay(r: dict, beta: float = 0.1) -> dict[str, int]:
     answers' signs exactly (each eval line holds what they read; the change's noise from the answers' own ROUGE-L
     where the line lacks it), likelihood displacement with the data's mean chosen tokens per pair for each window's
     own."""
+    from lowmem_dpo.objectives import OBJECTIVES
     from lowmem_dpo.training import guards as G
 
     first: dict[str, int] = {}
     base = next((e for e in r["evals"] if e["step"] == 0 and e.get(G.GEN_ROUGE_L) is not None), None)
-    steps, tokens = r.get("steps", 16), r.get("chosen_tokens", 0.0)
+    steps, tokens, rejected = r.get("steps", 16), r.get("chosen_tokens", 0.0), r.get("rejected_tokens", 0.0)
+    several = r.get("loss_type", "sigmoid") != "sigmoid"  # [sigmoid, sft]: judged by SEVERAL, its NLL taken out
+    t = G.thresholds(G.SEVERAL if several else OBJECTIVES["sigmoid"].limits, beta, 0.0, tokens)
     lines = [(x, False) for x in r.get("train") or []] + [
         ({k.removeprefix("eval_"): v for k, v in e.items()}, True) for e in r["evals"] if "eval_loss" in e]
     for line, held_out in sorted(lines, key=lambda x: x[0]["step"]):
-        for sign in G.warning_signs(line, line["step"], steps, beta, tokens, held_out=held_out):
+        if several and line.get("nll_loss") is not None:
+            line = {**line, "loss": line["loss"] - line["nll_loss"]}
+        for sign in G.warning_signs(line, line["step"], steps, beta, tokens, t, rejected, held_out):
             first.setdefault(sign.split(":")[0], line["step"])
     per = r.get("rouge_per_sample") or {}
     for e in r["evals"]:
@@ -235,7 +240,7 @@ def worse(r: dict) -> str:
 
     if tail(lost) < 0.05:
         return f"worse (p {tail(lost):.3f})"
-    return f"better (p {tail(gained):.3f})" if tail(gained) < 0.05 else "kept"
+    return f"better (p {tail(gained):.3f})" if tail(gained) < 0.05 else f"not shown worse (p {tail(lost):.2f})"
 
 
 def flips(r: dict) -> str:
@@ -263,7 +268,8 @@ def sign_values(r: dict, beta: float = 0.1) -> dict[str, float]:
     return {"rouge0": evals[0][G.GEN_ROUGE_L], "rouge_end": evals[-1][G.GEN_ROUGE_L],
             "rouge_low": min(e[G.GEN_ROUGE_L] for e in later),
             "repetition": max(e.get(G.GEN_REPETITION, 0.0) for e in later),
-            "length": min(e[G.GEN_LENGTH] for e in later), "chosen_length": evals[-1][G.GEN_CHOSEN_LENGTH],
+            "length": min(e[G.GEN_LENGTH] for e in later), "length_end": evals[-1][G.GEN_LENGTH],
+            "chosen_length": evals[-1][G.GEN_CHOSEN_LENGTH],
             "chosen_train": min(x["rewards/chosen"] for x in train) / beta / r.get("chosen_tokens", 1.0),
             "chosen_eval": min((e["eval_rewards/chosen"] for e in scored), default=0.0) / beta
             / r.get("chosen_tokens", 1.0),

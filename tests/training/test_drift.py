@@ -69,26 +69,32 @@ def test_the_kl_from_the_reference_is_context_never_a_warning_alone():
     assert "beside it" not in quiet and quiet.endswith(G.TRY_ANSWERS)
 
 
-@pytest.mark.parametrize("accuracy, chosen, fires", [
-    (1.0, -0.6, True),  # the preference learned, the chosen answers falling below the reference
-    (0.8, -0.6, True),  # both completions pushed down
-    (1.0, -0.33, False),  # the tiny demo's lowest: most DPO runs lower the chosen side somewhat
-    (1.0, 0.16, False)])  # the healthy style run with [sigmoid, sft] at lr 5e-4: chosen up, rejected -4.1
-def test_likelihood_displacement_reads_the_chosen_side(accuracy, chosen, fires):
+@pytest.mark.parametrize("accuracy, chosen, context, fires", [
+    (1.0, -0.6, True, True),  # far below alone: the preference learned, the chosen answers falling with the rest
+    (0.8, -0.6, False, True),  # both completions pushed down
+    (1.0, -0.31, True, True),  # SmolLM2's damaged length run: somewhat below, backed by margins of 17
+    (1.0, -0.33, False, False),  # the tiny demo: somewhat below, no context past its limits
+    (0.8, -0.31, True, False),  # somewhat below, the preference not learned
+    (1.0, 0.16, True, False)])  # the style run with [sigmoid, sft] at lr 5e-4: chosen up, rejected -4.1, margin 12
+def test_likelihood_displacement_reads_the_chosen_side_and_context_backs_it(accuracy, chosen, context, fires):
     beta, tokens = 0.1, 20.0
-    means = {"rewards/margins": 12.0, "loss": 0.3, "rewards/chosen": beta * chosen * tokens,
-             "rewards/accuracies": accuracy, "rewards/rejected": beta * -4.1 * tokens}
+    means = {"rewards/margins": 12.0 if context else 1.0, "loss": 0.3, "rewards/chosen": beta * chosen * tokens,
+             "rewards/accuracies": accuracy, "rewards/rejected": beta * (-4.1 if context else -1.0) * tokens}
     signs = G.warning_signs(means, 50, 100, beta, tokens, rejected_tokens_per_pair=tokens)
     assert len(signs) == fires
     if fires:
         assert signs[0].startswith(f"likelihood displacement: chosen log-probs {chosen:.3f} nats/token below the "
-                                   f"reference (limit -0.5), accuracy {accuracy:.2f}")
+                                   "reference (limit -0.5; -0.1 with accuracy >= 0.95 and context past its limits), "
+                                   f"accuracy {accuracy:.2f}")
         # the context beyond its limits stands beside it: the margin, and the rejected side's fall once learned
-        assert "; beside it: reward margin exploding: rewards/margins 12.00 > 10" in signs[0]
-        assert ("rejected log-probs -4.10 nats/token below the reference (beyond -2)" in signs[0]) == (accuracy > .9)
+        assert ("; beside it: reward margin exploding: rewards/margins 12.00 > 10" in signs[0]) == context
+        assert ("rejected log-probs -4.10 nats/token below the reference (beyond -2)" in signs[0]) == (
+            context and accuracy > .9)
         assert signs[0].endswith(G.TRY_DISPLACEMENT)
     # no token counts (a reference-free run): no sign against a reference
     assert G.warning_signs(means, 50, 100, beta, 0.0) == []
+    # a NaN is no displacement (the loop's non-finite note says it)
+    assert G.warning_signs({**means, "rewards/chosen": float("nan")}, 50, 100, beta, tokens, rejected_tokens_per_pair=tokens) == []
 
 
 @pytest.fixture(scope="module")
