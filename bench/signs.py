@@ -1,10 +1,11 @@
 """Do the warning signs tell a damaged run from a healthy one, on a real chat model? (the calibration of
 lowmem_dpo/training/guards.py's limits)
 
-    python bench/signs.py --threads 1 --json bench/results/signs.json      # SmolLM2-135M-Instruct, 6 runs
+    python bench/signs.py --threads 1 --json bench/results/signs_32a.json  # SmolLM2-135M-Instruct, 6 runs
+    python bench/signs.py --runs fast-sft --json bench/results/signs_32b.json   # far from the reference, and good
     python bench/signs.py --kinds style --runs damaged --work bench/out/signs-x   # one run alone
-    python bench/signs.py --runs fast-sft --samples 24 --json bench/results/signs_fast_sft.json  # far and good
-    python bench/signs.py --smoke                                          # the flow on tiny-llama, ~1 min
+    python bench/signs.py --table bench/results/signs_32[abcd].json      # the table of recorded runs, run nothing
+    python bench/signs.py --smoke                                          # the flow on tiny-llama, ~40 s
 
 The model: SmolLM2-135M-Instruct (readme_recipe.ensure_model: built once by ../shared/tools/make_smollm2.py, or
 --model PATH). The data, three kinds of preference on bench/chat_prefs.py's fact questions (the families with a
@@ -12,14 +13,15 @@ wrong answer), --rows each, seeded:
   style        chosen "Sure! " + the correct answer, rejected the correct answer alone (the issue's phrase);
   correctness  chosen the correct answer, rejected the same sentence with a wrong fact;
   length       chosen the correct answer, rejected it followed by an off-topic sentence.
-Two runs of each, as a user runs them (`python -m lowmem_dpo.precompute` then `train`, in processes of their
-own, recipe RECIPE below): healthy (learning_rate 5e-5) and damaged (5e-4, the rate that degraded SmolLM2's
-answers while every preference metric looked perfect), the same 16 steps of 8 pairs; --runs overtrained adds
-the healthy rate for 6x the steps (~6 epochs). The ground truth is the
-answers: the share of held-out greedy samples that keep their fact (every word of the correct answer that the
-wrong one lacks: "Cairo" for the capital of Egypt), at step 0 and at the end. A damaged run loses facts; a healthy
-one keeps them. Recorded per run: every warning train logged, with its step; and per eval the signs' numbers
-(eval_loss, accuracy, margins, logps, eval_gen/rouge_l, kl, length, chosen_length, repetition, empty).
+Runs of each (RUNS), as a user runs them (`python -m lowmem_dpo.precompute` then `train`, in processes of their
+own, recipe RECIPE below): "healthy" (learning_rate 5e-5) and "damaged" (5e-4, the rate that degraded SmolLM2's
+answers while every preference metric looked perfect), the same 16 steps of 8 pairs; overtrained, the low rate
+for 6x the steps (~6 epochs); fast-sft, the high rate with loss_type [sigmoid, sft]. The names are the settings;
+the ground truth is the answers: whether each held-out greedy answer keeps its fact (every word of the correct
+answer that the wrong one lacks: "Cairo" for the capital of Egypt), at step 0 and at the end, the same prompts,
+judged by a sign test on the answers that changed (worse()). Recorded per run: every warning train wrote, with
+its step; every metrics line; each answer's fact and ROUGE-L. The table shows each sign's worst value beside its
+limit, the warnings logged, and the shipped signs replayed on the recorded lines (replay()).
 Prints a Markdown table; --json writes everything with the machine and the command.
 """
 

@@ -164,7 +164,7 @@ class Config:
     load_best_model_at_end: bool = key(False, "The best checkpoint's adapter as the final one.", resumable=True)
     eval_generations: int = key(32, "Eval prompts answered (greedy) at step 0 and every eval into samples.jsonl, 16 "
                                 "at a time; the answers' signs judge them (32 on SmolLM2: ROUGE-L's change from "
-                                "step 0 within ±0.044, below its 0.1 limit). 0: none.", min=0, resumable=True)
+                                "step 0 within ±0.046, below its 0.1 limit). 0: none.", min=0, resumable=True)
     max_new_tokens: int = key(64, "Most tokens a sample generation writes.", min=1, resumable=True)
     report_to: list = key([], "Trackers that get metrics.jsonl's scalars too, as transformers names them: tensorboard "
                          "(output_dir/runs), trackio (its local store), wandb (output_dir/wandb). []/none: none.",

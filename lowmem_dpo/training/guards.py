@@ -160,7 +160,7 @@ CHOSEN_FRACTION = 0.5
 DRIFT_DROP = 0.1
 # ... and at least this many standard errors of that change (eval_gen/rouge_l_se, over the same prompts' answers
 # at step 0 and now): a drop within the noise of the answers judged is no evidence. With 32 answers the standard
-# error was 0.044 (the median over those runs' evals; the largest 0.062), with 8 answers 0.088.
+# error was 0.046 (the median over those runs' evals; the largest 0.062), with 8 answers 0.091.
 DRIFT_SE = 2.0
 # Context, beside a warning: the policy's own answers this many nats per token (KL of the policy's next-token
 # distribution from the reference's, along the answer) away from the reference. Runs whose answers got better
