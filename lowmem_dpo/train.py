@@ -192,7 +192,6 @@ class DPO:
     ref: cache.RefCache | None  # None: ref_source=live, or an objective without a reference (SimPO, ORPO)
     eval_ref: cache.RefCache | None = None  # the eval pairs' reference (the same cache part, or its eval part)
     shared: bool = False  # each prompt once per pair (headcheck.decide_sharing)
-    drift_said: bool = False  # step 1's drift measured: its line reads it
     name: str = "train"
     unit: str = "pair"
 
@@ -202,15 +201,17 @@ class DPO:
     def accumulate_gradients(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
         batches = loop.micro_batches(loop.rank_share(session, pairs), micro_batch)
         run = session.run
-        # Step 1: the policy is the reference, so the cache should hold its forward's values (this rank's pairs);
-        # not so for a continued SFT adapter with lora_dropout, whose B is not 0: the dropout draws noise into it
         # (measured again on an out-of-memory retry of the step: every rank retries it, with fresh sums)
-        drift = (self.ref is not None and session.progress.step == 0 and session.progress.resumed_from is None
-                 and (run.adapter_off_is_start or not run.cfg.lora_dropout))
-        stats = train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
-                           step_pairs=pairs, drift=drift)
-        self.drift_said = self.drift_said or drift  # step 1's line reads it, summed over the ranks (drift_signs)
-        return stats
+        return train_step(session.trainee, run.cfg, batches, self.ref, run.pad_id, run.resolved, self.shared,
+                          step_pairs=pairs, drift=session.progress.step == 0 and self.measures_drift(session))
+
+    def measures_drift(self, session: Session) -> bool:
+        """Whether a new run's step 1 measures the cache against its own forward (the drift line): the policy is
+        the reference there, so the cache should hold its forward's values; not so for a continued SFT adapter with
+        lora_dropout, whose B is not 0: the dropout draws noise into it."""
+        run = session.run
+        return (self.ref is not None and session.progress.resumed_from is None
+                and (run.adapter_off_is_start or not run.cfg.lora_dropout))
 
     def eval_stats(self, session: Session, pairs: list[data.TokenizedPair], micro_batch: int) -> StepStats:
         batches = loop.micro_batches(loop.rank_share(session, pairs), micro_batch)
@@ -221,20 +222,20 @@ class DPO:
         return {f"eval_{k}": v for k, v in stats.means().items()}  # TRL's names: eval_loss, eval_rewards/...
 
     def warning_signs(self, session: Session, stats: StepStats, held_out: bool = False) -> list[str]:
-        window, cfg = stats, session.run.cfg
-        if window.empty:
+        cfg = session.run.cfg
+        if stats.empty:
             return []
-        tokens, rejected_tokens = window.chosen_tokens / window.pairs, window.rejected_tokens / window.pairs
-        means = window.means()
-        if window.nll_weight is not None:  # the signs judge the preference loss: the NLL term has its own scale
-            means["loss"] -= window.nll_weight * means["nll_loss"]
+        tokens, rejected_tokens = stats.chosen_tokens / stats.pairs, stats.rejected_tokens / stats.pairs
+        means = stats.means()
+        if stats.nll_weight is not None:  # the signs judge the preference loss: the NLL term has its own scale
+            means["loss"] -= stats.nll_weight * means["nll_loss"]
         limits, weight, _ = judged_limits(cfg)
         thresholds = guards.thresholds(limits, cfg.beta, cfg.label_smoothing, tokens, weight)
         if not objectives.needs_reference(cfg.loss_type):
             tokens = rejected_tokens = 0.0  # the per-token signs read log-ratios to the reference: none here
         signs = guards.warning_signs(means, session.progress.step, session.run.steps, cfg.beta, tokens, thresholds,
                                      rejected_tokens, held_out)
-        if self.drift_said and session.progress.step == 1 and not held_out:  # the drift line, and its sign first
+        if session.progress.step == 1 and not held_out and self.measures_drift(session):  # the drift line, first
             context = guards.context_signs(means, 1, session.run.steps, cfg.beta, thresholds, rejected_tokens)
             signs = [guards.with_context(sign, context) for sign in self.drift_signs(session, stats)] + signs
         return signs

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model.logps import eval_mode
+from lowmem_dpo.objectives.metrics import EVAL_SHOWN, METRICS, eval_name
 from lowmem_dpo.runtime import distributed, files, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, guards, samples
@@ -84,7 +85,7 @@ def sample_metrics(session: Session, step: int) -> dict:
     base = samples.rouge_at(path, 0) if step > 0 else {}  # step 0's answers to the same prompts
     samples.append(path, step, written, scores)
     log(samples.log_line(step, written[0]))
-    stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written])
+    stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written], scores)
     se = guards.change_se([(s, base[w.prompt]) for s, w in zip(scores, written) if w.prompt in base])
     if se is not None:
         stats[guards.GEN_ROUGE_L_SE] = round(se, 6)
@@ -151,26 +152,26 @@ def collapse_sign(metrics_lines: list[str], line: dict) -> str | None:
     return guards.collapse_sign(baseline(metrics_lines), line)
 
 
-# The eval's log line: the preference metrics (context beside the warnings, guards.py), then the answers' measures
-SHOWN = (("eval_loss", "loss", "{:.4f}"), ("eval_rewards/accuracies", "accuracy", "{:.2f}"),
-         ("eval_rewards/margins", "margins", "{:.2f}"), ("eval_kl", "kl", "{:.4f}"))
+# The eval's log line: the summary's metrics (each row's label), the samples' measures apart, as "answers"
+SAMPLE_KEYS = {eval_name(m.name) for m in METRICS if m.kind == "sample"}
 
 
 def log_line(metrics_lines: list[str], line: dict) -> str:
-    """`eval at step 80: loss 0.1655, accuracy 1.00, margins 2.71; answers: ROUGE-L 0.66 (0.71 at step 0, ±0.057),
-    KL 0.38, length 7.0 (chosen 7.0), repetition 0.00`: what the eval measured, step 0's answers beside."""
-    parts = [", ".join(f"{label} {form.format(line[key])}" for key, label, form in SHOWN if line.get(key) is not None)]
-    rouge, length = line.get(guards.GEN_ROUGE_L), line.get(guards.GEN_LENGTH)
-    if length is not None:
-        base, se = baseline(metrics_lines) or {}, line.get(guards.GEN_ROUGE_L_SE)
-        then = [f"{base[guards.GEN_ROUGE_L]:.2f} at step 0"] if base.get(guards.GEN_ROUGE_L) is not None else []
-        then += [f"±{se:.3f}"] if se is not None else []
-        answers = [f"ROUGE-L {rouge:.2f}" + (f" ({', '.join(then)})" if then else "")] if rouge is not None else []
-        kl, chosen = line.get(guards.GEN_KL), line.get(guards.GEN_CHOSEN_LENGTH)
-        answers += [f"KL {kl:.2f}"] if kl is not None else []
-        answers += [f"length {length:.1f}" + (f" (chosen {chosen:.1f})" if chosen is not None else ""),
-                    f"repetition {line[guards.GEN_REPETITION]:.2f}"]
-        parts.append("answers: " + ", ".join(answers))
+    """`eval at step 80: loss 0.1655, accuracy 1, margin 2.712; answers: repetition 0, ROUGE-L 0.657 (0.714 at step
+    0, ±0.057), KL 0.38, length 7`: what the eval measured (objectives.metrics.EVAL_SHOWN), the context beside the
+    warnings (guards.py), with step 0's ROUGE-L and the noise of its change."""
+    base, se = baseline(metrics_lines) or {}, line.get(guards.GEN_ROUGE_L_SE)
+    preference, answers = [], []
+    for key, label in EVAL_SHOWN:
+        if line.get(key) is None:
+            continue
+        text = f"{label} {line[key]:.4g}"
+        if key == guards.GEN_ROUGE_L:
+            then = ([f"{base[key]:.4g} at step 0"] if base.get(key) is not None else []) + (
+                [f"±{se:.3f}"] if se is not None else [])
+            text += f" ({', '.join(then)})" if then else ""
+        (answers if key in SAMPLE_KEYS else preference).append(text)
+    parts = [", ".join(preference)] + (["answers: " + ", ".join(answers)] if answers else [])
     return f"eval at step {line['step']}: " + "; ".join(p for p in parts if p)
 
 

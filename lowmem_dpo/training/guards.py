@@ -212,15 +212,17 @@ def change_se(pairs: list[tuple[float, float]]) -> float | None:
     return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
 
 
-def generation_stats(seqs: list[list[int]], chosen: list[list[int]] | None = None) -> dict[str, float]:
+def generation_stats(seqs: list[list[int]], chosen: list[list[int]] | None = None,
+                     scores: list[float] | None = None) -> dict[str, float]:
     """The samples' measures: seq-rep-4, mean length in tokens, and the share of empty answers (EOS at once); with
     `chosen` (each sample's held-out chosen completion, without EOS) their mean token ROUGE-L against it and the
-    chosen completions' mean length."""
+    chosen completions' mean length. scores: each sample's rouge_l against its chosen where already computed."""
     out = {GEN_REPETITION: round(repetition(seqs), 6),
            GEN_LENGTH: round(sum(len(s) for s in seqs) / max(1, len(seqs)), 3),
            GEN_EMPTY: round(sum(not s for s in seqs) / max(1, len(seqs)), 6)}
     if chosen is not None:
-        out[GEN_ROUGE_L] = round(sum(map(rouge_l, seqs, chosen)) / max(1, len(seqs)), 6)
+        scores = scores if scores is not None else list(map(rouge_l, seqs, chosen))
+        out[GEN_ROUGE_L] = round(sum(scores) / max(1, len(seqs)), 6)
         out[GEN_CHOSEN_LENGTH] = round(sum(map(len, chosen)) / max(1, len(chosen)), 3)
     return out
 

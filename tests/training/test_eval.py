@@ -344,6 +344,6 @@ def test_the_eval_log_line_shows_the_context_and_the_answers_beside_step_0():
             guards.GEN_ROUGE_L: 0.657, guards.GEN_ROUGE_L_SE: 0.057, guards.GEN_KL: 0.38, guards.GEN_LENGTH: 7.0,
             guards.GEN_CHOSEN_LENGTH: 7.0, guards.GEN_REPETITION: 0.0}
     assert evaluation.log_line([base], line) == (
-        "eval at step 80: loss 0.1655, accuracy 1.00, margins 2.71; answers: ROUGE-L 0.66 (0.71 at step 0, ±0.057), "
-        "KL 0.38, length 7.0 (chosen 7.0), repetition 0.00")
-    assert evaluation.log_line([], {"step": 3, "eval_loss": 1.23}) == "eval at step 3: loss 1.2300"  # no samples
+        "eval at step 80: loss 0.1655, accuracy 1, margin 2.712; answers: repetition 0, ROUGE-L 0.657 (0.714 at step "
+        "0, ±0.057), KL 0.38, length 7")
+    assert evaluation.log_line([], {"step": 3, "eval_loss": 1.23}) == "eval at step 3: loss 1.23"  # no samples
