@@ -54,6 +54,7 @@ import torch  # noqa: E402
 from lowmem_dpo.model.tiny import BAD, GOOD, NOUNS  # noqa: E402
 from lowmem_dpo.runtime.errors import UserError  # noqa: E402
 from lowmem_dpo.runtime.units import fmt  # noqa: E402
+from lowmem_dpo.training.step import pair_stream  # noqa: E402
 
 RUNS = {"bf16": ("bfloat16", "none"), "4bit": ("bfloat16", "4bit")}  # name -> (dtype, quantization)
 PRECOMPUTE_ROWS = 4
@@ -95,7 +96,7 @@ METHOD = {
         "figure, its forwards only (ref_cache_dir/build.json, rounded to 3 decimals). Results from before the "
         "reference cache was keyed per sequence have rows_per_s and build_rows_per_s instead: pairs/s.",
     "median_step_s": "median over the --steps steps of metrics.jsonl step_time_s (train's own wall time of "
-        "loop.optimizer_step: forward, DPO loss against the cached reference, backward, clip, AdamW; "
+        "step.optimizer_step: forward, DPO loss against the cached reference, backward, clip, AdamW; "
         "logging_steps 1). Step 1 includes first-touch page faults of the weights.",
     "flops": "counted from the shapes, per step (the step's pair replayed from the seed as train draws it): "
         "forward = 2 x decoder Linear params x real tokens + LoRA (2 r (in + out) per adapted Linear per token) + "
@@ -459,14 +460,14 @@ def step_flops(model_dir: Path, seqs: list[tuple[int, int]], lora_r: int) -> dic
 
 def replayed_steps(recipe: Path, steps: int) -> list[list[tuple[int, int]]]:
     """The (tokens, completion tokens) of the chosen and rejected sequence of each train step, the pairs drawn as
-    train draws them (session.pair_stream from the seed)."""
+    train draws them (step.pair_stream from the seed)."""
     from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.model import models
-    from lowmem_dpo.training import inputs, session
+    from lowmem_dpo.training import inputs
 
     cfg = load_config(recipe)
     tok = inputs.tokenized(cfg, models.load_tokenizer(Path(cfg.model_name_or_path)), progress=False)
-    stream = session.pair_stream(tok.pairs, cfg.seed)
+    stream = pair_stream(tok.pairs, cfg.seed)
     out = []
     for _ in range(steps):
         p = next(stream)

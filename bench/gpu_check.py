@@ -297,8 +297,9 @@ def run_ours(args) -> dict:
 
 @contextlib.contextmanager
 def profiled_steps(profiler: StepProfiler | None):
-    """loop.optimizer_step, the step train runs, with `profiler` around its profiler.step-th call."""
-    from lowmem_dpo.training import loop
+    """step.optimizer_step, the step train runs, with `profiler` around its profiler.step-th call."""
+
+    from lowmem_dpo.training import loop  # train_step calls loop's optimizer_step (step.optimizer_step)
 
     if profiler is None:
         yield
@@ -439,7 +440,7 @@ def run_grads(args) -> dict:
 
     from lowmem_dpo import train
     from lowmem_dpo.model import activations
-    from lowmem_dpo.training.session import next_items
+    from lowmem_dpo.training.step import accumulate, next_items
 
     # ref_source=live: the reference from the same model (one load, no precompute; the gradients' question alike)
     cfg = child_config(args, activation_offloading="false", lora_dropout=0.0, memory_budget=None, ref_source="live")
@@ -453,7 +454,7 @@ def run_grads(args) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        session.run.objective.accumulate_gradients(session, items, session.progress.micro_batch)
+        accumulate(session, items, session.progress.micro_batch)
         if cuda:
             torch.cuda.synchronize()
         seen = {"s": round(time.perf_counter() - t0, 3),

@@ -10,7 +10,7 @@
    pays off: step_time.py --precompute-goal).
 2. `matmul_peak`: dense `torch.mm` FLOP/s of square matrices (and one matmul of the model's own MLP shape) in
    bfloat16 and float32 on the same threads, median over repeats.
-3. `train_step_flops`: the FLOPs of `loop.optimizer_step` counted by `torch.utils.flop_counter.FlopCounterMode`
+3. `train_step_flops`: the FLOPs of `step.optimizer_step` counted by `torch.utils.flop_counter.FlopCounterMode`
    (matmuls and attention, forward and backward as they run; no elementwise ops), which step_time.py turns into
    achieved FLOP/s and a ratio to the matmul peak in the step's dtype.
 """
@@ -195,26 +195,26 @@ def count_flops(fn):
 def _replay(session, warmup: int) -> None:
     """Rebuild the session's pair stream from the seed, as train.setup builds it, and skip the warm-up steps'
     pairs: the next steps see the batches of the first timed steps again."""
-    from lowmem_dpo.training.session import next_items, pair_stream
+    from lowmem_dpo.training.step import next_items, pair_stream
 
     session.progress.stream = pair_stream(session.run.items, session.run.cfg.seed)
     next_items(session.progress.stream, warmup * session.run.items_per_step)
 
 
 def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True) -> dict:
-    """FLOPs of `count` more `loop.optimizer_step` calls on `session`, replaying the batches of the first timed
+    """FLOPs of `count` more `step.optimizer_step` calls on `session`, replaying the batches of the first timed
     steps. Call after the timed steps (the counted steps train the adapter further; the counter slows them down).
 
     With `back_to_back`: the same `count` batches are replayed once more without the counter, each step timed
     and followed by one timing of the largest square matmul of `square_sizes` in the step's dtype, so each step's FLOP/s is set against
     matmul FLOP/s measured seconds apart (`back_to_back`: robust to load that changes over the run)."""
     from lowmem_dpo.runtime import devices
-    from lowmem_dpo.training import loop
+    from lowmem_dpo.training.step import optimizer_step
 
     _replay(session, warmup)
     flops, tokens, by_op = [], [], {}
     for _ in range(count):
-        step, n, ops = count_flops(lambda: loop.optimizer_step(session))
+        step, n, ops = count_flops(lambda: optimizer_step(session))
         flops.append(n)
         tokens.append(step.stats.tokens)
         for op, v in ops.items():
@@ -229,7 +229,7 @@ def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True
         for n in flops:
             _sync(device)
             t0 = time.perf_counter()
-            loop.optimizer_step(session)
+            optimizer_step(session)
             _sync(device)
             ratios.append(n / (time.perf_counter() - t0) / timer())
         paired = {"matmul": {"m": size, "k": size, "n": size, "dtype": devices.dtype_name(session.run.resolved.dtype)},
@@ -237,7 +237,7 @@ def train_step_flops(session, warmup: int, count: int, back_to_back: bool = True
                         "ratio_median": round(statistics.median(ratios), 4)}
     return {
         "counted_steps": count,
-        "method": "torch.utils.flop_counter.FlopCounterMode around loop.optimizer_step (forward, backward "
+        "method": "torch.utils.flop_counter.FlopCounterMode around step.optimizer_step (forward, backward "
                   "including recomputation, optimizer): matmuls (mm/addmm/bmm) and attention (SDPA forward and "
                   "backward, full T x T product) only; elementwise, norms, softmax of the loss and AdamW are "
                   "not counted",

@@ -60,7 +60,7 @@ def bench_precompute(cfg, device: str, reuse: bool) -> dict:
 def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str, flop_steps: int) -> dict:
     from lowmem_dpo import train
     from lowmem_dpo.runtime import devices
-    from lowmem_dpo.training import loop
+    from lowmem_dpo.training.step import optimizer_step
 
     total = warmup + steps
     with PeakMemory(device) as pm:
@@ -73,7 +73,7 @@ def bench_ours(cfg, device: str, steps: int, warmup: int, recipe: str, flop_step
             devices.synchronize(resolved.device)
             c0 = time.process_time()
             t0 = time.perf_counter()
-            stats = loop.optimizer_step(session).stats  # exactly the step `python -m lowmem_dpo.train` takes
+            stats = optimizer_step(session).stats  # exactly the step `python -m lowmem_dpo.train` takes
             devices.synchronize(resolved.device)
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)

@@ -3,7 +3,7 @@
     python bench/profile_step.py RECIPE.yaml [key=value ...] [--steps 5] [--warmup 2] [--profile 2]
 
 Sets up exactly as `python -m lowmem_dpo.train` does (`train.setup`, which needs the recipe's reference
-cache: run precompute first) and times `loop.optimizer_step`, the step train takes. `--profile K` profiles K more
+cache: run precompute first) and times `step.optimizer_step`, the step train takes. `--profile K` profiles K more
 steps and prints the ops by self CPU time.
 """
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from lowmem_dpo import train
     from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.runtime import devices
-    from lowmem_dpo.training import loop
+    from lowmem_dpo.training.step import optimizer_step
 
     cfg = load_config(args.recipe, args.overrides)
     total = args.warmup + args.steps + args.profile
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     def step() -> float:
         devices.synchronize(session.run.resolved.device)
         t0 = time.perf_counter()
-        loop.optimizer_step(session)
+        optimizer_step(session)
         devices.synchronize(session.run.resolved.device)
         return time.perf_counter() - t0
 

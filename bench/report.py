@@ -135,7 +135,7 @@ def limits_table(report: dict) -> list[str]:
     return lines + ["", "- precompute / bare: sequences/s of precompute.units_logps over precompute's batches "
                     "against a bare `model(input_ids, attention_mask).logits` of the same model on the same "
                     "sequences, one per row (medians of repeats, timed back to back)."] + old + [
-                    "- step GFLOP: FlopCounterMode over loop.optimizer_step (matmuls and attention only); "
+                    "- step GFLOP: FlopCounterMode over step.optimizer_step (matmuls and attention only); "
                     "step GFLOP/s = counted FLOPs per token x median tokens per step / median step s; matmul GFLOP/s: the "
                     "fastest median of torch.mm over square and model-shaped matrices; back to back: the "
                     "counted steps timed again, each followed by one square-matmul timing (median of the "

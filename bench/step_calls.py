@@ -1,5 +1,5 @@
 """How much code one optimizer step runs: the distinct lowmem_dpo functions a DPO step of the built-in tiny
-recipe calls (its update alone: loop.optimizer_step without outputs), the files they live in, and its deepest
+recipe calls (its update alone: optimizer_step without outputs), the files they live in, and its deepest
 chain of lowmem_dpo calls (how far a reader follows one call into the next), traced with sys.setprofile on the
 second step (the first builds the optimizer state).
 
@@ -21,15 +21,15 @@ def trace_step(work: Path) -> tuple[dict[tuple[str, str], int], list[tuple[str, 
     them into another function)."""
     from lowmem_dpo import precompute, train
     from lowmem_dpo.config.recipe import load_config
-    from lowmem_dpo.training import loop
+    from lowmem_dpo.training.step import optimizer_step
 
     cfg = load_config("lowmem_dpo:tiny-cpu", [f"output_dir={work / 'run'}", f"ref_cache_dir={work / 'cache'}",
                                               "max_steps=3", "save_steps=0", "eval_fraction=0",
                                               "load_best_model_at_end=false"])
     precompute.run(cfg, progress=False)
     session = train.setup(cfg, progress=False)
-    loop.optimizer_step(session)
-    root = str(Path(loop.__file__).parents[1])
+    optimizer_step(session)
+    root = str(Path(optimizer_step.__code__.co_filename).parents[1])
     calls: dict[tuple[str, str], int] = {}
     stack: list[tuple[str, str]] = []
     deepest: list[tuple[str, str]] = []
@@ -51,7 +51,7 @@ def trace_step(work: Path) -> tuple[dict[tuple[str, str], int], list[tuple[str, 
 
     sys.setprofile(profile)
     try:
-        loop.optimizer_step(session)
+        optimizer_step(session)
     finally:
         sys.setprofile(None)
     return calls, deepest
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="step-calls-") as tmp:
         calls, deepest = trace_step(Path(tmp))
     files = sorted({f for f, _ in calls})
-    print(f"one optimizer step: {len(calls)} distinct functions in {len(files)} files")
+    named = [key for key in calls if not key[1].startswith("<")]
+    print(f"one optimizer step: {len(named)} distinct functions in {len(files)} files (and "
+          f"{len(calls) - len(named)} comprehensions, lambdas and generator expressions: {len(calls)} code objects)")
     print(f"its deepest chain: {len(deepest)} calls in {len({f for f, _ in deepest})} files: "
           + " -> ".join(f"{Path(f).stem}.{name}" for f, name in deepest))
     if args.list:

@@ -7,7 +7,7 @@
 Run from the repository root (recipe paths are relative to it). Per device in --devices:
   1. precompute: `lowmem_dpo.precompute.run(cfg)` builds the reference cache (sequences/s; an existing cache for the
      device is removed first unless --reuse-cache);
-  2. ours: W warm-up + N timed optimizer steps of lowmem_dpo.train's step (train_step, clip_grad_norm_, AdamW
+  2. ours: W warm-up + N timed optimizer steps of lowmem_dpo.train's step (step.optimizer_step: forward and backward, clip_grad_norm_, AdamW
      step, scheduler step, zero_grad), each timed with perf_counter (torch.cuda.synchronize on CUDA);
   3. with --vs-trl: TRL's DPOTrainer on the same model folder, rows, batch size, max_length and LoRA settings,
      W + N steps, each timed by a TrainerCallback (on_step_begin..on_step_end), twice: with its DPOConfig

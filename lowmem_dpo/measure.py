@@ -30,7 +30,8 @@ from lowmem_dpo.model import headcheck, models
 from lowmem_dpo.model.tiny import BUILTIN_PREFIX, ensure_builtin
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import inputs, loop, policy
+from lowmem_dpo.training import inputs, policy
+from lowmem_dpo.training.step import item_tokens, micro_batches, optimizer_step
 
 
 class PeakMeter:
@@ -187,7 +188,7 @@ def _measure_precompute(mcfg: Config, prepared: inputs.Inputs, resolved: devices
 def _measure_train(mcfg: Config, steps: int, timed: int = 0):
     """(PeakMeter, [(T, completion tokens)] of each micro-batch, whether the batches were shared, [(seconds,
     tokens)] of `timed` more steps run without the meter (its profiler slows each op), whether the MLP ran in tiles)
-    of `steps` loop.optimizer_step calls after precompute.run and train.setup, as train runs them."""
+    of `steps` step.optimizer_step calls after precompute.run and train.setup, as train runs them."""
     precompute.run(mcfg, progress=False)
     session = train.setup(mcfg, progress=False)
     taken = []
@@ -200,17 +201,17 @@ def _measure_train(mcfg: Config, steps: int, timed: int = 0):
     session.progress.stream = recording(session.progress.stream)
     with PeakMeter(session.run.resolved.device) as meter:
         for _ in range(steps):
-            loop.optimizer_step(session)
+            optimizer_step(session)
     times = []
     for _ in range(timed):
         t0 = time.perf_counter()
-        stats = loop.optimizer_step(session).stats
+        stats = optimizer_step(session).stats
         devices.synchronize(session.run.resolved.device)
         times.append((time.perf_counter() - t0, stats.tokens))
     shared, mlp_tiles = session.run.objective.shared, session.run.resolved.mlp_tiles
-    taken_steps = loop.micro_batches(taken, session.run.items_per_step)
-    seen = [_pair_shape(pairs, shared) for step in taken_steps  # as DPO.accumulate_gradients splits each step
-            for pairs in loop.micro_batches(data.by_length(step, loop.item_tokens), session.progress.micro_batch)]
+    taken_steps = micro_batches(taken, session.run.items_per_step)
+    seen = [_pair_shape(pairs, shared) for step in taken_steps  # as step.accumulate splits each step
+            for pairs in micro_batches(data.by_length(step, item_tokens), session.progress.micro_batch)]
     del session
     gc.collect()
     if meter.device.type == "cuda":
@@ -224,7 +225,7 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
 
     precompute: the reference loaded as precompute loads it, then precompute.units_logps over one batch of
       precompute_batch_size pairs' worth of the longest sequences. train: precompute.run into a temporary cache, then
-      train.setup and `steps` loop.optimizer_step calls (the second step has the optimizer state)."""
+      train.setup and `steps` step.optimizer_step calls (the second step has the optimizer state)."""
     resolved = devices.resolve(cfg)
     rows = max(cfg.precompute_batch_size,
                cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * (steps + timed))

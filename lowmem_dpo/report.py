@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.objectives.metrics import EVAL_SHOWN, PANELS, TRAIN_SHOWN
+from lowmem_dpo.objectives.metrics import EVAL_SHOWN, LOSS, PANELS, TRAIN_SHOWN
 from lowmem_dpo.runtime import devices, files, folders
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.training import guards
@@ -88,7 +88,7 @@ def load_run(out_dir: Path) -> Run:
     lines = read_jsonl(metrics)
     if not lines:
         raise UserError(f"{metrics}: empty; the run has not logged a step yet")
-    run = Run(out_dir, train=[x for x in lines if "loss" in x],
+    run = Run(out_dir, train=[x for x in lines if LOSS.name in x],
               evals=[x for x in lines if any(k.startswith("eval_") for k in x)],
               warnings=[x for x in lines if "warnings" in x])
     state_path = out_dir / "trainer_state.json"
@@ -223,7 +223,7 @@ def summary_lines(run: Run, picture: Path | None) -> list[str]:
     lines = [f"run: {run.out_dir}", f"steps: {steps}" + (f" of {total}" if total else "")]
     if run.train:
         lines.append(f"train (step {run.train[-1]['step']}): {_shown(run.train[-1], TRAIN_SHOWN)}")
-    scored = [x for x in run.evals if "eval_loss" in x]  # the step-0 line holds only the samples' measures
+    scored = [x for x in run.evals if LOSS.eval in x]  # the step-0 line holds only the samples' measures
     if scored:
         e = scored[-1]
         pairs = f", {e['eval_pairs']} pairs" if e.get("eval_pairs") is not None else ""

@@ -13,114 +13,28 @@ tokens_per_s), and a standard PEFT adapter (adapter_config.json, adapter_model.s
 base_model_name_or_path names the base, so `model_name_or_path=OUTPUT_DIR` points a DPO recipe at base + adapter.
 """
 
-# Train's policy setup (policy.py) and loop (loop.py) run stage A too: this module supplies only what an SFT
-# item is and how a micro-batch becomes its loss and metrics (`SFT`).
+# Train's policy setup (policy.py), step and loop run stage A too, with SFT's entry (training/objective.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from lowmem_dpo import data
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model import adapters, headcheck, models
-from lowmem_dpo.model.logps import batch_logps
 from lowmem_dpo.model.tiny import BUILTIN_PREFIX
+from lowmem_dpo.objectives.metrics import GEN_REPETITION, GEN_ROUGE_L, LOSS
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import guards, inputs, loop, output, policy, resuming
+from lowmem_dpo.training import inputs, loop, output, policy, resuming
+from lowmem_dpo.training.objective import build
 from lowmem_dpo.training.session import RunSetup, Session
 from lowmem_dpo.training.session import start as start_session
 
 # the eval metrics an SFT run logs (metric_for_best_model)
-SFT_METRICS = ("eval_loss", guards.GEN_REPETITION, guards.GEN_ROUGE_L)
-
-
-@dataclass
-class SFTStats:
-    """Sums over the steps since the last log line; the loss is their mean over completion tokens."""
-
-    nll: float = 0.0  # summed -log p of the completion tokens
-    targets: int = 0  # completion tokens
-    tokens: int = 0  # all tokens in the forward (for tokens_per_s)
-
-    def add(self, other: "SFTStats") -> None:
-        self.nll += other.nll
-        self.targets += other.targets
-        self.tokens += other.tokens
-
-    def means(self) -> dict:
-        return {"loss": self.nll / max(1, self.targets)}
-
-    @property
-    def empty(self) -> bool:
-        return self.targets == 0
-
-
-def forward_rows(session: Session, batch: data.Batch) -> tuple[torch.Tensor, SFTStats]:
-    """A micro-batch's completion log-prob sums (B,) on the device, and their stats (detached)."""
-    batch = batch.to(session.run.resolved.device)
-    with devices.autocast(session.run.resolved.device, session.run.resolved.dtype):
-        out = batch_logps(session.trainee.model, batch)  # (B,) sums
-    stats = SFTStats(nll=-out.logps.detach().sum().item(), targets=int(out.n_tokens.sum()), tokens=batch.num_tokens)
-    return out.logps, stats
-
-
-class SFT:
-    """SFT's part of the loop (session.Objective): prompt/completion rows, the completion tokens' mean NLL."""
-
-    name = "sft"
-    unit = "row"
-
-    def new_stats(self) -> SFTStats:
-        return SFTStats()
-
-    def accumulate_gradients(self, session: Session, items: list[data.TokenizedCompletion], micro_batch: int
-                             ) -> SFTStats:
-        """Forward+backward of this rank's share of one optimizer step's rows (all of them in one process), by
-        micro-batches of `micro_batch` rows; gradients accumulate."""
-        batches = [data.collate_completions(chunk, session.run.pad_id)
-                   for chunk in loop.micro_batches(loop.rank_share(session, items), micro_batch)]
-        # The step's loss is the mean over all its completion tokens (as TRL), every rank's, so each micro-batch's
-        # sum is divided by the step's total, known before the first backward. Position t-1 predicts token t, so
-        # a completion at position 0 (no prompt) has one target fewer than tokens (completion_mask[:, 1:]).
-        n_targets = sum(len(row.completion_ids) - (not row.prompt_ids) for row in items)
-        stats = SFTStats()
-        for batch in batches:
-            logps, batch_stats = forward_rows(session, batch)
-            session.trainee.backward(-logps.sum() / max(1, n_targets))
-            stats.add(batch_stats)
-        return stats
-
-    @torch.no_grad()
-    def eval_stats(self, session: Session, items: list[data.TokenizedCompletion], micro_batch: int) -> SFTStats:
-        """The NLL sums over this rank's share of the held-out rows (training's loss, no gradients)."""
-        stats = SFTStats()
-        for chunk in loop.micro_batches(loop.rank_share(session, items), micro_batch):
-            stats.add(forward_rows(session, data.collate_completions(chunk, session.run.pad_id))[1])
-        return stats
-
-    def eval_metrics(self, stats: SFTStats) -> dict[str, float]:
-        return {"eval_loss": stats.means()["loss"]}  # the mean NLL per completion token
-
-    def warning_signs(self, session: Session, stats: SFTStats, held_out: bool = False) -> list[str]:
-        return []  # DPO's signs (guards.py) read rewards an SFT step has not
-
-    def bar_numbers(self, line: dict) -> dict[str, str]:
-        return {"loss": f"{line['loss']:.4f}"}
-
-    def opening_lines(self, session: Session) -> list[str]:
-        params = sum(p.numel() for p in session.trainee.params)
-        progress = session.progress
-        return [f"sft: training {params:,} LoRA parameters for {session.run.steps} steps of {progress.micro_batch} x "
-                f"{progress.grad_accum} rows ({len(session.run.items)} rows in the data), loss on completion tokens only"]
-
-    def closing_note(self, line: dict) -> str:
-        return f": loss {line['loss']:.4f}" if line.get("loss") is not None else ""
+SFT_METRICS = (LOSS.eval, GEN_REPETITION.eval, GEN_ROUGE_L.eval)
 
 
 def base_name(spec: str) -> str:
@@ -160,9 +74,15 @@ def setup(cfg: Config, progress: bool = True) -> Session:
     pad_id = data.pad_token_id(tokenizer)
     headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:2], train=True)  # completions: never shared
     # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
-    run = RunSetup(cfg, resolved, SFT(), dataset.train, pad_id, trains_on, dataset.eval, tokenizer,
-                   dataset.prompts, adapter_off_is_start=False)
-    return start_session(run, model, resume)
+    run = RunSetup(cfg, resolved, build(cfg, resolved, pad_id, "sft"), dataset.train, pad_id, trains_on,
+                   dataset.eval, tokenizer, dataset.prompts, adapter_off_is_start=False)
+    session = start_session(run, model, resume)
+    progress = session.progress
+    session.opening = [
+        f"sft: training {sum(p.numel() for p in session.trainee.params):,} LoRA parameters for {run.steps} steps of "
+        f"{progress.micro_batch} x {progress.grad_accum} rows ({len(run.items)} rows in the data), loss on "
+        "completion tokens only"]
+    return session
 
 
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:

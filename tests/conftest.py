@@ -200,3 +200,14 @@ def pytest_collection_finish(session):
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     gc.freeze()
+
+
+def backward_pairs(trainee, cfg, pairs: list, pad_id: int, resolved):
+    """One micro-batch of pairs through the run's objective entry (objective.pairs: live reference when no cache),
+    its loss backward'ed into the trainee's gradients; returns its sums (step.Sums)."""
+    from lowmem_dpo.training import objective
+
+    entry = objective.pairs(cfg, resolved, pad_id)
+    loss, sums = entry.loss(entry.forward(trainee.model, pairs, None, None), entry.size(pairs, False))
+    trainee.backward(loss)
+    return sums

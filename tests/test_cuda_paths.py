@@ -24,6 +24,7 @@ from lowmem_dpo.model import compute_copies
 from lowmem_dpo.runtime import devices, oom
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.training import checkpoint, loop
+from lowmem_dpo.training.step import optimizer_step
 
 RUN = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", max_length=64,
            per_device_train_batch_size=4, max_steps=6, save_steps=3, logging_steps=1, learning_rate=3e-3, seed=7,
@@ -83,7 +84,7 @@ def test_an_overflowing_scale_is_a_scaler_skip_not_divergence(fp16_cache, tmp_pa
     session.trainee.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
     before = [p.detach().clone() for p in session.trainee.params]
     while session.progress.step < 40 and all(torch.equal(b, p) for b, p in zip(before, session.trainee.params)):
-        loop.optimizer_step(session)
+        optimizer_step(session)
     progress = session.progress
     assert progress.scaler_skips > 2 and progress.skipped_steps == 0 and progress.step == progress.scaler_skips + 1
     assert session.trainee.scaler.get_scale() <= 2.0 ** (40 - progress.scaler_skips)
@@ -100,10 +101,11 @@ def test_gradients_that_overflow_unscaled_are_divergence(fp16_cache, tmp_path):
     session.trainee.scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
     # on the tensor the float16 forward reads: the weight's compute copy (model/compute_copies.py)
     compute_copies.read_by_forward(session.trainee.params[0]).register_hook(lambda g: g * float("inf"))
-    loop.optimizer_step(session)
+    optimizer_step(session)
     assert session.progress.skipped_steps == 1 and session.progress.scaler_skips == 0
+    optimizer_step(session)
     with pytest.raises(UserError, match="diverged: 2 steps in a row"):
-        loop.optimizer_step(session)
+        loop.stop_if_diverged(session)  # what the loop checks after each update
 
 
 # -- the planner's micro-batch, applied ---------------------------------------------------------------------------

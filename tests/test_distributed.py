@@ -17,8 +17,10 @@ from lowmem_dpo import precompute, sft, train
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.data import cache
+from lowmem_dpo.objectives.metrics import LOSS
 from lowmem_dpo.runtime import distributed, ranks
 from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.training.step import Sums
 
 # Small, exact and quick: float32 on the tiny model, 6 steps of 8 pairs, eval and checkpoints every 3 steps; a
 # constant learning rate.
@@ -101,18 +103,19 @@ import torch
 
 from lowmem_dpo import train
 from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.training import objective
 
-real, calls = train.forward_pairs, {"n": 0}
+real, calls = objective.pair_forward, {"n": 0}
 
 
-def forward_pairs(model, cfg, pairs, *args, **kwargs):
+def pair_forward(model, pairs, *args, **kwargs):
     calls["n"] += torch.is_grad_enabled()  # a training forward (the eval's run without gradients)
     if os.environ["RANK"] == "1" and calls["n"] == 3 and torch.is_grad_enabled():  # step 1 took 2 micro-batches
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-    return real(model, cfg, pairs, *args, **kwargs)
+    return real(model, pairs, *args, **kwargs)
 
 
-train.forward_pairs = forward_pairs
+objective.pair_forward = pair_forward  # before train builds the run's objective entry, which binds it
 sys.exit(run_cli(train.main, sys.argv[1:], "train", ""))
 '''
 
@@ -242,7 +245,7 @@ def test_on_a_gpu_the_group_sums_gpu_gradients_and_cpu_flags(tmp_path):
         distributed.sum_gradients([p])
         assert p.grad.tolist() == [2.0, 2.0, 2.0]
         assert distributed.any_rank(True) and not distributed.any_rank(False)
-        stats = train.StepStats(pairs=2, tokens=10, nll=1.5, nll_tokens=3, nll_weight=0.5)
+        stats = Sums({LOSS.name: 1.5}, {LOSS.name: 3}, items=2, tokens=10, nll_weight=0.5)
         assert distributed.sum_stats(stats) == stats
         assert distributed.broadcast({"a": 1}) == {"a": 1}
         distributed.barrier()

@@ -15,11 +15,12 @@ from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.model import adapters
 from lowmem_dpo.model.models import load_model, model_source
+from lowmem_dpo.objectives.metrics import LOSS
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import inputs, loop, policy
+from lowmem_dpo.training import inputs, policy
 from lowmem_dpo.training.checkpoint import read_state
-from lowmem_dpo.training.session import next_items, pair_stream
+from lowmem_dpo.training.step import accumulate, backward_with_backoff, next_items, pair_stream
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +159,9 @@ def test_continue_on_a_quantized_base_with_checkpointing(sft_dir, tmp_path, rows
                    gradient_checkpointing="true", max_steps=1)
     precompute.run(cfg, progress=False)
     session = train.setup(cfg, progress=False)
-    first = [next_items(session.progress.stream, session.progress.micro_batch)]
-    run = session.run
-    stats = train.train_step(session.trainee, cfg, first, run.objective.ref, run.pad_id, run.resolved)
-    assert stats.means()["loss"] == pytest.approx(math.log(2), abs=2e-3)
+    first = next_items(session.progress.stream, session.progress.micro_batch)
+    stats = accumulate(session, first, len(first))
+    assert stats.means()[LOSS.name] == pytest.approx(math.log(2), abs=2e-3)
     lora = {n: p for n, p in session.trainee.model.named_parameters() if p.requires_grad}
     assert len(lora) == 28 and all("lora_" in n for n in lora)  # 14 adapted layers x (A, B)
     assert [n for n, p in lora.items() if p.grad is None or not p.grad.abs().sum() > 0] == []
@@ -305,8 +305,8 @@ def test_sft_out_of_memory_halves_the_micro_batch(tmp_path, rows64, capsys):
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
             session.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
         items = next_items(session.progress.stream, session.run.items_per_step)
-        stats, micro_batch, grad_accum = loop.backward_with_backoff(session, items)
-        grads.append((micro_batch, grad_accum, stats.targets, [p.grad.clone() for p in session.trainee.params]))
+        stats, micro_batch, grad_accum = backward_with_backoff(session, items)
+        grads.append((micro_batch, grad_accum, stats.counts[LOSS.name], [p.grad.clone() for p in session.trainee.params]))
     (b1, a1, t1, g1), (b2, a2, t2, g2) = grads
     assert (b1, a1, b2, a2) == (8, 1, 4, 2) and t1 == t2 > 0
     assert "retrying with per_device_train_batch_size=4 gradient_accumulation_steps=2" in capsys.readouterr().err

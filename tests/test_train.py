@@ -14,9 +14,10 @@ from lowmem_dpo import data, precompute, train
 from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.model.logps import completion_logps
 from lowmem_dpo.model.models import load_model
+from lowmem_dpo.objectives.metrics import LOSS
 from lowmem_dpo.runtime import devices
-from lowmem_dpo.training import guards, loop, policy
-from lowmem_dpo.training.session import next_items, pair_stream
+from lowmem_dpo.training import guards, policy
+from lowmem_dpo.training.step import accumulate, micro_batches, next_items, optimizer_step, pair_stream
 
 
 def metrics(cfg):
@@ -229,7 +230,7 @@ def test_pair_stream_covers_each_epoch_once_and_splits_in_order():
     assert sorted(second) == list(range(10)) and second != epoch  # a fresh permutation each epoch
     again = pair_stream(pairs, seed=1)
     assert [p.row for p in next_items(again, 10)] == epoch  # a function of the seed
-    assert loop.micro_batches(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert micro_batches(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 def test_bfloat16_cache_and_policy_agree_at_step_1(make_cfg):
@@ -269,7 +270,8 @@ def test_step_1_measures_the_cache_against_the_policy_and_warns_past_the_bound(m
         assert float(per_token) <= guards.DRIFT_TOKEN_BOUND and abs(float(offset)) <= guards.DRIFT_LOSS_BOUND
     if not settings:
         assert float(per_token) == float(offset) == 0 and m["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert float(offset) == pytest.approx(m["loss"] - math.log(2), abs=1e-6)  # sigmoid's start is ln 2
+    # sigmoid's start is ln 2; the line prints 3 significant digits
+    assert float(offset) == pytest.approx(m["loss"] - math.log(2), rel=5e-3, abs=1e-6)
 
 
 def test_auto_checkpointing_comes_from_the_planner(make_cfg):
@@ -290,7 +292,7 @@ def test_auto_checkpointing_comes_from_the_planner(make_cfg):
     session = train.setup(tight, progress=False)
     assert session.run.resolved.gradient_checkpointing is True
     assert any("planner" in r for r in session.run.resolved.reasons)
-    step = loop.optimizer_step(session)
+    step = optimizer_step(session)
     assert step.stats.means()["loss"] == pytest.approx(math.log(2), abs=1e-5) and step.grad_norm > 0
 
 
@@ -310,9 +312,8 @@ def test_16bit_runs_skip_peft_s_float32_input_copy_with_the_same_numbers(make_cf
 
     def grads():
         session.trainee.zero_grad()
-        run = session.run
-        stats = train.train_step(session.trainee, cfg, [pairs], run.objective.ref, run.pad_id, run.resolved)
-        return stats.sums["loss"], [p.grad.clone() for p in session.trainee.params]
+        stats = accumulate(session, pairs, len(pairs))
+        return stats.totals[LOSS.name], [p.grad.clone() for p in session.trainee.params]
 
     loss_off, grads_off = grads()
     for m in lora_layers:

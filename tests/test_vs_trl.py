@@ -15,7 +15,7 @@ import torch
 from conftest import TINY_DATA, write_jsonl
 
 from lowmem_dpo import precompute, train
-from lowmem_dpo.training import evaluation
+from lowmem_dpo.training import evaluation, objective
 
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
         "logps/rejected")
@@ -43,7 +43,10 @@ def trained(tmp_path_factory, tiny_path):
 
 def ours(session, **changes) -> dict:
     cfg = dataclasses.replace(session.run.cfg, **changes)
-    session.run = dataclasses.replace(session.run, cfg=cfg)  # RunSetup is frozen
+    run = session.run  # RunSetup is frozen; its objective entry is built from the changed config
+    entry = objective.build(cfg, run.resolved, run.pad_id, "train", run.objective.ref, run.objective.eval_ref,
+                            run.objective.shared)
+    session.run = dataclasses.replace(run, cfg=cfg, objective=entry)
     return evaluation.evaluate(session)[0]
 
 

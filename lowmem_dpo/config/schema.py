@@ -25,7 +25,7 @@ from lowmem_dpo.config.sources import Source, repeated, yaml_form
 from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings, logs
 from lowmem_dpo.objectives import no_effect as objective_no_effect
 from lowmem_dpo.objectives import problems as objective_problems
-from lowmem_dpo.objectives.metrics import EVAL_METRICS
+from lowmem_dpo.objectives.metrics import EVAL_METRICS, LOSS, row_of
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import parse_size
 
@@ -157,7 +157,7 @@ class Config:
     eval_on_start: bool = key(False, "Evaluate once before the first step too (step 0, transformers' name): the baseline "
                              "later evals are read against (eval_loss ln 2 for sigmoid).", resumable=True)
     eval_max_pairs: Optional[int] = key(None, "Evaluate the first this many eval rows; null: all.", min=1)
-    metric_for_best_model: str = key("eval_loss", "The eval metric that picks the best checkpoint (its name in "
+    metric_for_best_model: str = key(LOSS.eval, "The eval metric that picks the best checkpoint (its name in "
                                     "metrics.jsonl; the eval_ prefix may be left out).")
     greater_is_better: Optional[bool] = key(None, "Whether a larger metric_for_best_model is better; null: known "
                                            "from its name (objectives/metrics.py).")
@@ -310,7 +310,8 @@ class Config:
                             f"{', '.join(close or EVAL_METRICS)}")
         elif not logs(self.best_metric_name.removeprefix("eval_"), self.loss_type):
             problems.append(f"metric_for_best_model={self.metric_for_best_model}: loss_type={self.loss_type} does not log it")
-        if self.best_metric_name.startswith("eval_gen/") and not self.eval_generations:
+        row = row_of(self.best_metric_name)
+        if row is not None and row.kind == "sample" and not self.eval_generations:
             problems.append(f"metric_for_best_model={self.best_metric_name} measures the samples: set "
                             "eval_generations above 0")
         if self.load_best_model_at_end:

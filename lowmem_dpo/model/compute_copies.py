@@ -2,8 +2,8 @@
 updates. No cast in any forward, recompute or backward.
 
     copies = ComputeCopies(model, torch.bfloat16)   # train in a 16-bit dtype (training/policy.trainee)
-    loss.backward(); copies.accumulate()            # each micro-batch (policy.Trainee.backward): into the .grad
-    copies.refresh()                                # after the optimizer changed the weights (update.py, a resume)
+    loss.backward(); copies.accumulate()            # each micro-batch (step.Trainee.backward): into the .grad
+    copies.refresh()                                # after the optimizer changed the weights (step.optimizer_step, a resume)
 
 Why. The 16-bit forward (devices.autocast) used to cast each float32 LoRA weight where it was used, and autocast
 keeps a cast only while its context lasts: every checkpointed layer's recompute cast its weights again, and each

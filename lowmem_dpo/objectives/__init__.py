@@ -95,11 +95,10 @@ def nll_prompt(loss_types) -> bool:
     return any(OBJECTIVES[t].nll_prompt for t in loss_types)
 
 
-def per_token_loss(x: PairLogps, terms: list[tuple[str, float]], nll_tokens: int):
-    """This micro-batch's share of the chosen tokens' NLL in the loss (nll_weight: sft, ORPO's own): the mean over
-    `nll_tokens`, the tokens it covers in the whole optimizer step (the chosen completions', and with
-    chosen_prompt their prompts'), however its pairs are split into micro-batches. 0 when there is none."""
-    weight = nll_weight(terms)
+def per_token_loss(x: PairLogps, weight: float | None, nll_tokens: int):
+    """This micro-batch's share of the chosen tokens' NLL in the loss at `weight` (nll_weight: sft, ORPO's own):
+    the mean over `nll_tokens`, the tokens it covers in the whole optimizer step (the chosen completions', and with
+    chosen_prompt their prompts'), however its pairs are split into micro-batches. 0 when there is none (None)."""
     if weight is None:
         return 0
     return weight * (-x.nll_logps()[0] / max(1, nll_tokens)).sum()
@@ -128,9 +127,15 @@ def logged_logps(x: PairLogps, loss_types) -> tuple[torch.Tensor, torch.Tensor]:
     return x.per_token(chosen, rejected) if primary(loss_types).average_logps else (chosen, rejected)
 
 
-def term_metrics(x: PairLogps, s: Settings, loss_types) -> dict[str, torch.Tensor]:
-    """The metrics of the run's terms' own (ORPO's log odds), (B,) each, detached."""
-    out = {}
+def pair_metrics(x: PairLogps, s: Settings, loss_types) -> dict[metrics.Metric, torch.Tensor]:
+    """What a micro-batch of pairs logs, by its metric rows (metrics.py), (B,) each, detached: TRL's rewards/*
+    (the primary objective's), their accuracy and margin, logps/* and the run's terms' own (ORPO's log odds); the
+    loss and the NLL are the step's."""
+    chosen, rejected = rewards(x, s, loss_types)
+    logps_chosen, logps_rejected = logged_logps(x, loss_types)
+    out = {metrics.REWARDS_CHOSEN: chosen, metrics.REWARDS_REJECTED: rejected,
+           metrics.ACCURACY: (chosen > rejected).float(), metrics.MARGIN: chosen - rejected,
+           metrics.LOGPS_CHOSEN: logps_chosen, metrics.LOGPS_REJECTED: logps_rejected}
     for t in loss_types:
         if OBJECTIVES[t].metrics is not None:
             out.update(OBJECTIVES[t].metrics(x, s))
@@ -234,4 +239,4 @@ def no_effect(loss_types, s: Settings) -> list[str]:
 
 __all__ = ["KEYS", "OBJECTIVES", "REFUSED", "Objective", "PairLogps", "Settings", "combine", "logged_logps", "logs",
            "needs_kl", "needs_reference", "nll_prompt", "nll_weight", "no_effect", "per_token_loss", "primary",
-           "problems", "rewards", "start_drift", "term_metrics", "unpaired", "wpo_weights"]
+           "pair_metrics", "problems", "rewards", "start_drift", "unpaired", "wpo_weights"]

@@ -1,6 +1,8 @@
-"""Every metric a run logs, one row each: its metrics.jsonl name (TRL's), whether larger is better (for
-metric_for_best_model), where it is logged, and the report panel that draws it. train's step statistics, eval,
-config's metric_for_best_model check and report's panels read these rows."""
+"""Every metric a run logs, one row each: its metrics.jsonl name (TRL's), how it sums, whether larger is better (for
+metric_for_best_model), where it is logged, its progress-bar label and the report panel that draws it. The loop's
+sums (training/step.py's Sums), the log, the progress bar, guards, evaluation, config's metric_for_best_model check and report's panels
+read these rows (step.Sums: the loop's sums); code names a metric by its row (LOSS.name, MARGIN.eval), never by spelling it
+(tests/objectives/test_metric_rows.py fails on a metric name spelled outside this module)."""
 
 from __future__ import annotations
 
@@ -9,68 +11,94 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Metric:
-    name: str  # a train line's key; an eval line has eval_NAME
+    name: str  # a train line's key; an eval line has eval_NAME (`eval`)
     greater_is_better: bool | None  # None: not a metric_for_best_model
-    kind: str  # pair: a mean over a step's pairs (train.StepStats); step: the optimizer step's; sample: eval's
-    # samples; term: a mean over the pairs, logged by the objectives that name it in logged_by; nll: logged when
-    # the loss has the chosen tokens' NLL (objectives.nll_weight)
+    # How it sums (`summed`): pair, nll and term metrics add their total and their count over micro-batches, the
+    # steps of a log line's window and the ranks (Sums); the mean is total / count, what is counted being the
+    # objective's unit (pairs; SFT's completion tokens; KTO's blocks). step: the optimizer step's own, not summed.
+    # sample: eval's answers (rank 0's), not summed. term: logged by the objectives in logged_by; nll: logged when
+    # the loss has the chosen tokens' NLL (objectives.nll_weight), which the loss adds at its weight (Sums.means)
+    kind: str
     panel: str | None = None  # the report's panel title; None: not drawn
-    label: str | None = None  # the report's summary label; None: not in the summary
+    label: str | None = None  # the report's summary label and the eval log line's; None: not in the summary
     doc: str = ""
     logged_by: tuple[str, ...] = ()  # kind term: the objectives (loss_type names) whose runs log it
     unpaired: bool = True  # an unpaired run (KTO) logs it too (its rows have no pair to be accurate about)
+    bar: tuple[str, int] | None = None  # the progress bar's label and decimals (and the closing line's); None: not shown
+
+    @property
+    def eval(self) -> str:  # its key in an eval line
+        return f"eval_{self.name}"
+
+    @property
+    def summed(self) -> bool:
+        return self.kind not in ("step", "sample")
 
 
-METRICS = (
-    Metric("loss", False, "pair", "loss", "loss", "the objective's loss, its terms weighted and summed"),
-    Metric("rewards/chosen", True, "pair", doc="beta * the chosen completion's log-ratio to the reference"),
-    Metric("rewards/rejected", False, "pair", doc="beta * the rejected completion's log-ratio"),
-    Metric("rewards/accuracies", True, "pair", "rewards/accuracies", "accuracy",
-           "the share of pairs whose chosen reward is above the rejected one", unpaired=False),
-    Metric("rewards/margins", True, "pair", "rewards/margins", "margin", "chosen minus rejected reward"),
-    Metric("logps/chosen", True, "pair", doc="the policy's log-prob sum of the chosen completion"),
-    Metric("logps/rejected", False, "pair", doc="the policy's log-prob sum of the rejected completion"),
-    Metric("nll_loss", False, "nll", doc="the chosen tokens' mean NLL, which the loss adds with its weight (the "
-           "sft term, ORPO's own): logged when the loss has it"),
-    Metric("log_odds_ratio", True, "term", doc="ORPO: the mean log s(log odds ratio), the term beta scales",
-           logged_by=("orpo",)),
-    Metric("log_odds_chosen", True, "term", doc="ORPO: the mean log odds ratio of chosen over rejected",
-           logged_by=("orpo",)),
-    Metric("kl", None, "term", "kl (KTO's z0)", doc="KTO: its reference point z0, the policy's KL estimate from the reference "
-           "on the mismatched pairs (TRL's kl)", logged_by=("kto",)),
-    Metric("grad_norm", None, "step", "grad_norm", doc="the gradients' norm before clipping"),
-    Metric("learning_rate", None, "step", "learning_rate", doc="the rate the step applied"),
-    Metric("gen/repetition", False, "sample", "eval_gen/repetition", "repetition",
-           "seq-rep-4 of the sample generations (guards.repetition)"),
-    Metric("gen/rouge_l", True, "sample", "eval_gen/rouge_l", "ROUGE-L",
-           "token ROUGE-L F1 of the samples against their held-out chosen completions (guards.rouge_l)"),
-    Metric("gen/rouge_l_se", None, "sample", doc="the standard error of eval_gen/rouge_l's change from step 0, over "
-           "the same prompts' answers (guards.change_se): the answers' drift sign's noise"),
-    Metric("gen/kl", False, "sample", "eval_gen/kl", "KL",
-           "per-token KL of the policy from the reference along its own samples (samples.kl_to_reference)"),
-    Metric("gen/length", None, "sample", label="length", doc="the samples' mean length in tokens"),
-    Metric("gen/chosen_length", None, "sample", doc="the sampled prompts' chosen completions' mean length"),
-    Metric("gen/empty", False, "sample", label="empty", doc="the share of samples that end at once"),
-)
-PAIR_METRICS = tuple(m.name for m in METRICS if m.kind == "pair")  # train.StepStats sums these
+LOSS = Metric("loss", False, "pair", "loss", "loss", "the objective's loss, its terms weighted and summed",
+              bar=("loss", 4))
+REWARDS_CHOSEN = Metric("rewards/chosen", True, "pair", doc="beta * the chosen completion's log-ratio to the reference")
+REWARDS_REJECTED = Metric("rewards/rejected", False, "pair", doc="beta * the rejected completion's log-ratio")
+ACCURACY = Metric("rewards/accuracies", True, "pair", "rewards/accuracies", "accuracy",
+                  "the share of pairs whose chosen reward is above the rejected one", unpaired=False, bar=("acc", 2))
+MARGIN = Metric("rewards/margins", True, "pair", "rewards/margins", "margin", "chosen minus rejected reward",
+                bar=("margin", 3))
+LOGPS_CHOSEN = Metric("logps/chosen", True, "pair", doc="the policy's log-prob sum of the chosen completion")
+LOGPS_REJECTED = Metric("logps/rejected", False, "pair", doc="the policy's log-prob sum of the rejected completion")
+NLL_LOSS = Metric("nll_loss", False, "nll", doc="the chosen tokens' mean NLL, which the loss adds with its weight (the "
+                  "sft term, ORPO's own): logged when the loss has it")
+LOG_ODDS_RATIO = Metric("log_odds_ratio", True, "term", doc="ORPO: the mean log s(log odds ratio), the term beta "
+                        "scales", logged_by=("orpo",))
+LOG_ODDS_CHOSEN = Metric("log_odds_chosen", True, "term", doc="ORPO: the mean log odds ratio of chosen over rejected",
+                         logged_by=("orpo",))
+KL = Metric("kl", None, "term", "kl (KTO's z0)", doc="KTO: its reference point z0, the policy's KL estimate from the "
+            "reference on the mismatched pairs (TRL's kl)", logged_by=("kto",), bar=("kl", 4))
+GRAD_NORM = Metric("grad_norm", None, "step", "grad_norm", doc="the gradients' norm before clipping")
+LEARNING_RATE = Metric("learning_rate", None, "step", "learning_rate", doc="the rate the step applied")
+GEN_REPETITION = Metric("gen/repetition", False, "sample", "eval_gen/repetition", "repetition",
+                        "seq-rep-4 of the sample generations (guards.repetition)")
+GEN_ROUGE_L = Metric("gen/rouge_l", True, "sample", "eval_gen/rouge_l", "ROUGE-L",
+                     "token ROUGE-L F1 of the samples against their held-out chosen completions (guards.rouge_l)")
+GEN_ROUGE_L_SE = Metric("gen/rouge_l_se", None, "sample", doc="the standard error of eval_gen/rouge_l's change from "
+                        "step 0, over the same prompts' answers (guards.change_se): the answers' drift sign's noise")
+GEN_KL = Metric("gen/kl", False, "sample", "eval_gen/kl", "KL",
+                "per-token KL of the policy from the reference along its own samples (samples.kl_to_reference)")
+GEN_LENGTH = Metric("gen/length", None, "sample", label="length", doc="the samples' mean length in tokens")
+GEN_CHOSEN_LENGTH = Metric("gen/chosen_length", None, "sample", doc="the sampled prompts' chosen completions' mean "
+                           "length")
+GEN_EMPTY = Metric("gen/empty", False, "sample", label="empty", doc="the share of samples that end at once")
+
+METRICS = (LOSS, REWARDS_CHOSEN, REWARDS_REJECTED, ACCURACY, MARGIN, LOGPS_CHOSEN, LOGPS_REJECTED, NLL_LOSS,
+           LOG_ODDS_RATIO, LOG_ODDS_CHOSEN, KL, GRAD_NORM, LEARNING_RATE, GEN_REPETITION, GEN_ROUGE_L, GEN_ROUGE_L_SE,
+           GEN_KL, GEN_LENGTH, GEN_CHOSEN_LENGTH, GEN_EMPTY)
+BY_NAME = {m.name: m for m in METRICS}
+PAIR_METRICS = tuple(m for m in METRICS if m.kind == "pair")  # a preference pair's, each run of pairs logs them
+# KTO's, in TRL's KTOTrainer order: each a mean over a step's blocks of the block's own mean
+BLOCK_METRICS = (LOSS, KL, REWARDS_CHOSEN, LOGPS_CHOSEN, REWARDS_REJECTED, LOGPS_REJECTED, MARGIN)
+SAMPLE_METRICS = tuple(m for m in METRICS if m.kind == "sample")
 
 
 def eval_name(name: str) -> str:
     return f"eval_{name}"
 
 
-def term_metric_names(loss_types) -> tuple[str, ...]:
+def row_of(key: str) -> Metric | None:
+    """The row of a metrics.jsonl key (a train line's, or an eval line's eval_ name); None for another key."""
+    return BY_NAME.get(key.removeprefix("eval_"))  # no row's own name starts with eval_
+
+
+def term_metrics(loss_types) -> tuple[Metric, ...]:
     """The metrics of kind term that a run of `loss_types` logs (its objectives' own)."""
-    return tuple(m.name for m in METRICS if m.kind == "term" and set(m.logged_by) & set(loss_types))
+    return tuple(m for m in METRICS if m.kind == "term" and set(m.logged_by) & set(loss_types))
 
 
 def logged(name: str, loss_types, nll: bool, unpaired: bool = False) -> bool:
     """Whether a run of `loss_types` logs metric `name` (nll: its loss has an NLL term, objectives.nll_weight;
     unpaired: it trains on unpaired rows, KTO)."""
-    m = next(m for m in METRICS if m.name == name)
-    if unpaired and not m.unpaired:
-        return False
-    return name in term_metric_names(loss_types) if m.kind == "term" else nll if m.kind == "nll" else True
+    m = BY_NAME[name]
+    if unpaired:
+        return m in BLOCK_METRICS or not m.summed
+    return m in term_metrics(loss_types) if m.kind == "term" else nll if m.kind == "nll" else True
 
 
 def train_key(m: Metric) -> str | None:
@@ -78,9 +106,21 @@ def train_key(m: Metric) -> str | None:
 
 
 # metric_for_best_model: an eval metric with a direction, by its eval name
-EVAL_METRICS = {eval_name(m.name): m.greater_is_better for m in METRICS
-                if m.greater_is_better is not None and m.kind != "step"}
+EVAL_METRICS = {m.eval: m.greater_is_better for m in METRICS if m.greater_is_better is not None and m.kind != "step"}
 # the report's panels: (title, train key or None, eval key or None)
-PANELS = tuple((m.panel, train_key(m), None if m.kind == "step" else eval_name(m.name)) for m in METRICS if m.panel)
+PANELS = tuple((m.panel, train_key(m), None if m.kind == "step" else m.eval) for m in METRICS if m.panel)
 TRAIN_SHOWN = tuple((m.name, m.label) for m in METRICS if m.label and m.kind == "pair")
-EVAL_SHOWN = tuple((eval_name(m.name), m.label) for m in METRICS if m.label)
+EVAL_SHOWN = tuple((m.eval, m.label) for m in METRICS if m.label)
+BAR = tuple(m for m in METRICS if m.bar)
+
+
+def bar_numbers(line: dict, prefix: str = "") -> dict[str, str]:
+    """The progress bar's numbers from a metrics line (prefix "eval_": an eval line's), by the rows' bar labels."""
+    return {prefix + m.bar[0]: f"{line[prefix + m.name]:.{m.bar[1]}f}" for m in BAR
+            if line.get(prefix + m.name) is not None}
+
+
+def closing_note(line: dict) -> str:
+    """The last train line as the closing log line shows it (': loss 0.6931, rewards/accuracies 0.50'), or ''."""
+    shown = [f"{m.name} {line[m.name]:.{m.bar[1]}f}" for m in BAR if line.get(m.name) is not None]
+    return ": " + ", ".join(shown) if line.get(LOSS.name) is not None else ""

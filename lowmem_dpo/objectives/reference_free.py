@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lowmem_dpo.objectives.metrics import LOG_ODDS_CHOSEN, LOG_ODDS_RATIO
 from lowmem_dpo.objectives.registry import Objective, PairLogps, Settings, smoothed_sigmoid
 
 
@@ -63,7 +64,7 @@ def orpo_rewards(x, s):  # b a_c, b a_r
 
 def orpo_metrics(x, s):  # TRL's log_odds_ratio (the mean of log s(.)) and log_odds_chosen (the mean log odds ratio)
     z = log_odds(x).detach()
-    return {"log_odds_ratio": F.logsigmoid(z), "log_odds_chosen": z}
+    return {LOG_ODDS_RATIO: F.logsigmoid(z), LOG_ODDS_CHOSEN: z}
 
 
 _SIMPO = dict(needs_reference=False, smoothing=True, keys=("simpo_gamma", "alpha"), rewards=simpo_rewards,

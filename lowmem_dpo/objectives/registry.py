@@ -116,8 +116,8 @@ class Objective:
     # Its implicit rewards (b * r_c, b * r_r), (B,) each, detached: TRL's rewards/*; None: b times the log-ratios
     rewards: Callable[[PairLogps, Settings], tuple[torch.Tensor, torch.Tensor]] | None = None
     average_logps: bool = False  # its logps/* metrics are per-token means (TRL's CPO simpo, ORPO), not sums
-    # Metrics of its own (metrics.py rows of kind "term"): name -> (B,) values, detached
-    metrics: Callable[[PairLogps, Settings], dict[str, torch.Tensor]] | None = None
+    # Metrics of its own (metrics.py rows of kind "term"): row -> (B,) values, detached
+    metrics: Callable[[PairLogps, Settings], dict] | None = None
     # Trains on unpaired rows (KTO): its formula takes kto.UnpairedLogps, one loss per row; it is a run's only term
     unpaired: bool = False
 

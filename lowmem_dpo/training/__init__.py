@@ -4,9 +4,13 @@
                     the inputs' digests and a run's cached reference values
     guards.py       DPO's warning signs from the logged metrics, the generations' repetition: pure
     policy.py       the trained model: base + one LoRA adapter, optimizer and schedule, the planner's choices
+    objective.py    the objectives as the loop runs them, entries of one kind built in one place (build): what
+                    each needs per batch, its loss and metric sums, its units
+    kto.py          KTO's entry's parts: unpaired rows in blocks, the KL reference point, each block's means
+    step.py         the update, top to bottom (optimizer_step): the micro-batches, the out-of-memory back-off and
+                    the sums it owns; what a step changes (Trainee) and sums (Sums)
     session.py      a run's state in three typed parts (its setup, the trainee, the progress); start or resume it
-    update.py       what a step's gradients become: unscaled (float16), clipped, the update or a skip, the schedule
-    loop.py         the one training loop: optimizer_step (one step, top to bottom), metrics, checkpoints
+    loop.py         the one training loop: the steps and the lines around each (metrics, eval, checkpoints)
     checkpoint.py   full-state checkpoints: atomic write, resume, pruning
     resuming.py     which checkpoint a stage continues, refused on changed settings
     evaluation.py   eval inside a run: when, the eval line and samples, the collapse sign, the best checkpoint
@@ -14,8 +18,7 @@
     output.py       what a run writes into output_dir: the folder check, config.yaml, metrics.jsonl, the adapter
     trackers.py     report_to: the metrics to TensorBoard, trackio and wandb
     provenance.py   which base and adapters a trained adapter belongs on, checked against the files (export)
-    kto.py          KTO's objective: unpaired rows in blocks, the KL reference point
 
-Its face: inputs.prepare and inputs.load_data (a stage's model folder, tokenizer and rows), session.start,
-loop.run.
+Its face: inputs.prepare and inputs.load_data (a stage's model folder, tokenizer and rows), objective.build,
+session.start, loop.run.
 """

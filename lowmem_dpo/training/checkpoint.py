@@ -37,7 +37,7 @@ from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGT
 from lowmem_dpo.model import adapters
 from lowmem_dpo.runtime import files, folders
 from lowmem_dpo.runtime.errors import ConfigError, UserError, log
-from lowmem_dpo.training import policy
+from lowmem_dpo.training.step import Trainee
 
 FOLDER = "checkpoints"
 STATE = "trainer_state.json"
@@ -123,7 +123,7 @@ def rng_state() -> dict:
     return rng
 
 
-def save(output_dir: str | Path, state: TrainerState, trainee: policy.Trainee, metrics_lines: list[str], keep: int,
+def save(output_dir: str | Path, state: TrainerState, trainee: Trainee, metrics_lines: list[str], keep: int,
          replaces: list[Path] = (), rng_states: list[dict] | None = None) -> Path:
     """Write checkpoint-{state.step} atomically (the trainee's adapter, optimizer, schedule and loss scaler, and
     the random states), then remove `replaces` (an earlier run's checkpoints, when this one started over) and
@@ -270,7 +270,7 @@ def load_adapter_weights(path: Path, model) -> None:
                         f"({len(result.unexpected_keys)} unexpected keys); {new_run(Path(path).parent.parent)}")
 
 
-def load_adapter(path: Path, trainee: policy.Trainee) -> None:
+def load_adapter(path: Path, trainee: Trainee) -> None:
     """Checkpoint `path`'s adapter weights into the trainee's model, its compute copies after them (a 16-bit
     forward reads those)."""
     load_adapter_weights(path, trainee.model)
@@ -278,7 +278,7 @@ def load_adapter(path: Path, trainee: policy.Trainee) -> None:
         trainee.copies.refresh()
 
 
-def restore(path: Path, trainee: policy.Trainee, rank: int = 0) -> None:
+def restore(path: Path, trainee: Trainee, rank: int = 0) -> None:
     """Load the adapter weights, optimizer, scheduler and loss scaler (float16) of checkpoint `path` into the
     trainee, and its RNG state into this process: process `rank`'s (a checkpoint of one process, or one written
     before each rank's was kept: its one state)."""

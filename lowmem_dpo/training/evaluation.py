@@ -22,11 +22,13 @@ from pathlib import Path
 
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model.logps import eval_mode
-from lowmem_dpo.objectives.metrics import EVAL_SHOWN, METRICS, eval_name
+from lowmem_dpo.objectives.metrics import EVAL_SHOWN, SAMPLE_METRICS, eval_name
 from lowmem_dpo.runtime import distributed, files, oom
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import checkpoint, guards, samples
+from lowmem_dpo.training import checkpoint, guards, samples, step
+from lowmem_dpo.training.policy import rows_of
 from lowmem_dpo.training.session import Session
+from lowmem_dpo.training.step import Sums
 
 
 def due(cfg: Config, step: int, steps: int) -> bool:
@@ -68,7 +70,7 @@ def sample_metrics(session: Session, step: int) -> dict:
     with `step`; one shown in the log. Returns their repetition, mean length, share of empty answers, ROUGE-L
     against the chosen completions (guards.generation_stats) and KL from the reference ({} without samples)."""
     run = session.run
-    pool = getattr(run.objective, "samples_from", lambda items: items)(run.eval_items)  # KTO: its desirable rows
+    pool = run.objective.samples_from(run.eval_items) if run.objective.samples_from else run.eval_items  # KTO
     items = sample_items(pool, run.cfg.eval_generations)
     if not items:
         return {}
@@ -124,15 +126,21 @@ def evaluate(session: Session) -> tuple[dict, list[str]]:
     And the objective's warning signs on those sums (held out: the same on every rank)."""
     t0 = time.perf_counter()
     with eval_mode(session.trainee.model):
-        local = with_backoff(session, lambda n: session.run.objective.eval_stats(session, session.run.eval_items, n),
+        local = with_backoff(session, lambda n: step.accumulate(session, session.run.eval_items, n, grad=False),
                              session.progress.micro_batch, "the eval", True)
         summed = distributed.sum_stats(local)
-        metrics = session.run.objective.eval_metrics(summed)
+        metrics = {eval_name(k): v for k, v in summed.means().items()}  # TRL's names: eval_loss, eval_rewards/...
         gen = sample_metrics(session, session.progress.step) if session.run.world.main else {}
     line = {"step": session.progress.step, **{k: None if v is None or not math.isfinite(v) else round(v, 6)
                                for k, v in metrics.items()}, **gen,
-            "eval_runtime": round(time.perf_counter() - t0, 3), "eval_pairs": len(session.run.eval_items)}
-    return line, session.run.objective.warning_signs(session, summed, held_out=True)
+            "eval_runtime": round(time.perf_counter() - t0, 3), "eval_pairs": rows_of(session.run.eval_items)}
+    return line, signs_of(session, summed, held_out=True)
+
+
+def signs_of(session: Session, sums: Sums, held_out: bool = False) -> list[str]:
+    """The objective's warning signs in a window's sums (held_out: an eval's): pairs' (guards.py); [] for others."""
+    signs = session.run.objective.signs
+    return [] if signs is None else signs(sums, session.progress.step, session.run.steps, held_out)
 
 
 def baseline(metrics_lines: list[str]) -> dict | None:
@@ -153,7 +161,7 @@ def collapse_sign(metrics_lines: list[str], line: dict) -> str | None:
 
 
 # The eval's log line: the summary's metrics (each row's label), the samples' measures apart, as "answers"
-SAMPLE_KEYS = {eval_name(m.name) for m in METRICS if m.kind == "sample"}
+SAMPLE_KEYS = {m.eval for m in SAMPLE_METRICS}
 
 
 def log_line(metrics_lines: list[str], line: dict) -> str:
@@ -173,12 +181,6 @@ def log_line(metrics_lines: list[str], line: dict) -> str:
         (answers if key in SAMPLE_KEYS else preference).append(text)
     parts = [", ".join(preference)] + (["answers: " + ", ".join(answers)] if answers else [])
     return f"eval at step {line['step']}: " + "; ".join(p for p in parts if p)
-
-
-def bar_numbers(line: dict) -> dict[str, str]:
-    """The progress bar's eval numbers."""
-    shown = {"eval_loss": line.get("eval_loss"), "eval_acc": line.get("eval_rewards/accuracies")}
-    return {k: f"{v:.4f}" if k == "eval_loss" else f"{v:.2f}" for k, v in shown.items() if v is not None}
 
 
 def better(value: float, best: float | None, greater: bool) -> bool:

@@ -20,6 +20,8 @@ import math
 import re
 from dataclasses import dataclass
 
+import lowmem_dpo.objectives.metrics as rows
+from lowmem_dpo.objectives.metrics import ACCURACY, LOSS, MARGIN, REWARDS_CHOSEN, REWARDS_REJECTED
 from lowmem_dpo.objectives.registry import Limits
 
 
@@ -83,14 +85,14 @@ def context_signs(means: dict, step: int, total_steps: int, beta: float, t: Thre
     `total_steps`: a reward margin far past separation, a loss near 0 early, the rejected log-probs far below the
     reference's. Never a warning alone (healthy runs that move far show them): warning_signs adds them to one."""
     notes = []
-    margin = means["rewards/margins"]
+    margin = means[MARGIN.name]
     if margin > t.margin:
         notes.append(f"reward margin exploding: rewards/margins {margin:.2f} > {t.margin:g} ({t.margin_why})")
-    if t.early_loss is not None and step <= t.early_fraction * total_steps and means["loss"] < t.early_loss:
-        notes.append(f"loss collapsing early: {means['loss']:.4f} < {t.early_loss:.4g} at step {step} of {total_steps} "
+    if t.early_loss is not None and step <= t.early_fraction * total_steps and means[LOSS.name] < t.early_loss:
+        notes.append(f"loss collapsing early: {means[LOSS.name]:.4f} < {t.early_loss:.4g} at step {step} of {total_steps} "
                      "(easy data)")
-    if beta > 0 and rejected_tokens_per_pair > 0 and means.get("rewards/accuracies", 0.0) >= t.saturated:
-        per_token = means["rewards/rejected"] / beta / rejected_tokens_per_pair
+    if beta > 0 and rejected_tokens_per_pair > 0 and means.get(ACCURACY.name, 0.0) >= t.saturated:
+        per_token = means[REWARDS_REJECTED.name] / beta / rejected_tokens_per_pair
         if per_token < -t.rejected_drop_per_token:
             notes.append(f"rejected log-probs {per_token:.2f} nats/token below the reference (beyond "
                          f"-{t.rejected_drop_per_token:g})")
@@ -115,8 +117,8 @@ def warning_signs(means: dict, step: int, total_steps: int, beta: float, chosen_
     Token counts of 0: the signs per token against the reference are off."""
     if not (beta > 0 and chosen_tokens_per_pair > 0):
         return []
-    per_token = means["rewards/chosen"] / beta / chosen_tokens_per_pair  # policy - reference, nats/token
-    accuracy = means.get("rewards/accuracies", 0.0)
+    per_token = means[REWARDS_CHOSEN.name] / beta / chosen_tokens_per_pair  # policy - reference, nats/token
+    accuracy = means.get(ACCURACY.name, 0.0)
     context = context_signs(means, step, total_steps, beta, t, rejected_tokens_per_pair)
     # (a NaN passes neither: the loop's non-finite note says it)
     backed = accuracy >= t.saturated and per_token < -t.displaced_per_token and bool(context)
@@ -167,9 +169,9 @@ DRIFT_SE = 2.0
 # ended at 0.85-1.48 (with [sigmoid, sft] at lr 5e-4); the damaged style run at 1.73; the demo 0.48.
 KL_LIMIT = 0.8
 # The samples' measures in metrics.jsonl (evaluation.sample_metrics), and what the collapse sign reads.
-GEN_REPETITION, GEN_LENGTH, GEN_EMPTY = "eval_gen/repetition", "eval_gen/length", "eval_gen/empty"
-GEN_ROUGE_L, GEN_CHOSEN_LENGTH, GEN_KL = "eval_gen/rouge_l", "eval_gen/chosen_length", "eval_gen/kl"
-GEN_ROUGE_L_SE = "eval_gen/rouge_l_se"
+GEN_REPETITION, GEN_LENGTH, GEN_EMPTY = rows.GEN_REPETITION.eval, rows.GEN_LENGTH.eval, rows.GEN_EMPTY.eval
+GEN_ROUGE_L, GEN_CHOSEN_LENGTH, GEN_KL = rows.GEN_ROUGE_L.eval, rows.GEN_CHOSEN_LENGTH.eval, rows.GEN_KL.eval
+GEN_ROUGE_L_SE = rows.GEN_ROUGE_L_SE.eval
 # What a warning asks the user to try, one line each (a warning names evidence of damage, then this).
 TRY_DISPLACEMENT = ("try loss_type [sigmoid, sft] (its sft term holds the chosen answers up), a lower learning_rate "
                     "or fewer steps")

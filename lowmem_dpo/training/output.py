@@ -21,6 +21,7 @@ from lowmem_dpo.config.schema import FIELDS
 from lowmem_dpo.config.sources import yaml_form
 from lowmem_dpo.model import adapters
 from lowmem_dpo.model.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TOKENIZER_FILES
+from lowmem_dpo.objectives.metrics import GRAD_NORM, LEARNING_RATE, REWARDS_CHOSEN
 from lowmem_dpo.runtime import devices, files, folders, oom
 from lowmem_dpo.runtime.builtins import PREFIX as BUILTIN_PREFIX
 from lowmem_dpo.runtime.errors import UserError, log
@@ -60,7 +61,7 @@ def earlier_run(folder: Path, kind: str) -> bool:
         lines = checkpoint.metrics_lines(found[-1][1] if found else folder)
     except (UserError, OSError):
         return False
-    dpo = any('"rewards/' in line for line in lines)
+    dpo = any(f'"{REWARDS_CHOSEN.name}"' in line for line in lines)  # DPO's and KTO's lines have it, SFT's not
     if lines and dpo != (kind == KIND["train"]):
         return False
     # ours: every one of RUN_KEYS, and most of the keys a Config has (an older version's lacks the newest)
@@ -210,8 +211,7 @@ def log_line(session: Session, stats, grad_norm: float, lr: float, dt: float) ->
     window = session.progress.window
     means = dict.fromkeys(window.means()) if window.empty else window.means()
     line = {"step": session.progress.step, **{k: None if v is None else round(v, 6) for k, v in means.items()},
-            "grad_norm": round(grad_norm, 6) if math.isfinite(grad_norm) else None,
-            "learning_rate": lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3),
+            GRAD_NORM.name: round(grad_norm, 6) if math.isfinite(grad_norm) else None, LEARNING_RATE.name: lr, "step_time_s": round(dt, 6), "tokens_per_s": round(stats.tokens / dt, 3),
             **devices.memory_window(session.run.resolved.device)}
     if session.trainee.scaler is not None:
         line.update(loss_scale=session.trainee.scaler.get_scale(), scaler_skips=session.progress.scaler_skips)

@@ -11,7 +11,6 @@ optimizer and schedule, and the memory plan's choices for them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from lowmem_dpo.model import activations, adapters, compute_copies, models, stre
 from lowmem_dpo.runtime import devices, rules
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
+from lowmem_dpo.training.step import Trainee
 
 
 def new_adapter(cfg: Config, base):
@@ -130,32 +130,6 @@ def setup_optimizer(cfg: Config, model, total_steps: int, resolved: devices.Reso
     params = [p for p in model.parameters() if p.requires_grad]
     opt = devices.make_optimizer(resolved.optimizer, params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     return opt, make_schedule(cfg, opt, total_steps), params
-
-
-@dataclass
-class Trainee:
-    """The model being trained and what updates it; a checkpoint saves it and a resume restores it as one thing
-    (checkpoint.save, checkpoint.restore)."""
-
-    model: object  # PeftModel
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    params: list  # the trainable LoRA parameters
-    scaler: object = None  # float16: torch.amp.GradScaler (devices.grad_scaler); None otherwise
-    copies: compute_copies.ComputeCopies | None = None  # 16-bit: the LoRA weights' copies the forward reads
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), the loss scaled first in float16 (the scaler's scale; update.unscale_and_clip
-        unscales)."""
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-        if self.copies is not None:  # 16-bit: the copies' gradients into the weights' .grad
-            self.copies.accumulate()
-
-    def zero_grad(self) -> None:
-        """No gradient anywhere: the weights' and, in a 16-bit dtype, their compute copies'."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.copies is not None:
-            self.copies.zero_grad()
 
 
 def trainee(cfg: Config, model, total_steps: int, resolved: devices.Resolved) -> Trainee:

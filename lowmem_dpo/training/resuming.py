@@ -13,9 +13,11 @@ import dataclasses
 from pathlib import Path
 
 from lowmem_dpo.config.schema import RUN_LENGTH, Config
+from lowmem_dpo.objectives.metrics import LOSS, NLL_LOSS
 from lowmem_dpo.runtime import distributed
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, policy
+from lowmem_dpo.training.step import Sums, Trainee
 
 
 def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | None]:
@@ -90,7 +92,7 @@ def check_run_length(cfg: Config, resume: tuple[Path | None, checkpoint.TrainerS
                         f"{checkpoint.new_run(cfg.output_dir)}")
 
 
-def follow_run_length(cfg: Config, n_items: int, steps: int, trainee: policy.Trainee,
+def follow_run_length(cfg: Config, n_items: int, steps: int, trainee: Trainee,
                       saved: checkpoint.TrainerState) -> None:
     """A run of `n_items` data items and `steps` steps in all, its trainee restored from a checkpoint (`saved`)
     that was written with another max_steps or num_train_epochs (check_run_length: not past the new total),
@@ -108,22 +110,34 @@ def follow_run_length(cfg: Config, n_items: int, steps: int, trainee: policy.Tra
         "schedule follows the new total")
 
 
-# StepStats fields a checkpoint of an earlier version saved under another name, or lacks: (name, what stands for it)
-RENAMED = {"sft_weight": "nll_weight"}
-MISSING = {"nll_tokens": "chosen_tokens", "rejected_tokens": "chosen_tokens"}  # the NLL was over chosen tokens
-
-
-def restored_window(fresh, saved: dict):
-    """The metric window (a stage's Stats dataclass) a checkpoint saved, onto the run's `fresh` one: renamed
-    fields under their new names, fields it lacks estimated from the ones it has (MISSING), its sums added to the
-    fresh keys (an objective's own metrics start from 0). A checkpoint's window written before a field was renamed
-    resumes instead of failing."""
-    saved = {RENAMED.get(k, k): v for k, v in saved.items()}
-    names = {f.name for f in dataclasses.fields(fresh)}
-    for name, stand_in in MISSING.items():
-        if name in names and name not in saved and stand_in in saved:
-            saved[name] = saved[stand_in]
-    window = dataclasses.replace(fresh, **{k: v for k, v in saved.items() if k in names and k != "sums"})
-    if isinstance(saved.get("sums"), dict):
-        window.sums = {**window.sums, **saved["sums"]}
+def restored_window(fresh: Sums, saved: dict) -> Sums:
+    """The metric window a checkpoint saved (dataclasses.asdict of its Sums), onto the run's `fresh` one: its totals
+    and counts added to the fresh keys (an objective's own metrics start from 0). A window that an earlier version
+    saved (earlier_window) resumes too."""
+    if "totals" not in saved:
+        saved = earlier_window(saved)
+    names = {f.name for f in dataclasses.fields(fresh)} - {"totals", "counts", "nll_weight"}
+    window = dataclasses.replace(fresh, **{k: v for k, v in saved.items() if k in names})
+    window.totals = {**fresh.totals, **saved["totals"]}
+    window.counts = {**fresh.counts, **saved["counts"]}
     return window
+
+
+def earlier_window(saved: dict) -> dict:
+    """A window an earlier version saved, as Sums' fields: DPO's StepStats (sums over `pairs`, the NLL's `nll` over
+    `nll_tokens`; before those were counted, over the chosen tokens), SFT's SFTStats (the NLL over `targets`) or
+    KTO's KtoStats (each metric's sum over `blocks`)."""
+    if "targets" in saved:  # SFT: its one metric; its rows were not counted, its tokens stand in (only "empty" reads)
+        return {"totals": {LOSS.name: saved["nll"]}, "counts": {LOSS.name: saved["targets"]},
+                "items": saved["targets"], "tokens": saved["tokens"]}
+    if "blocks" in saved:  # KTO
+        return {"totals": saved["sums"], "counts": saved["blocks"], "items": saved["rows"], "tokens": saved["tokens"]}
+    pairs, chosen = saved["pairs"], saved["chosen_tokens"]
+    out = {"totals": dict(saved["sums"]), "counts": dict.fromkeys(saved["sums"], pairs), "items": pairs,
+           "tokens": saved["tokens"], "chosen_tokens": chosen,
+           "rejected_tokens": saved.get("rejected_tokens", chosen), "ref_drift": saved.get("ref_drift", 0.0),
+           "ref_offset": saved.get("ref_offset", 0.0)}
+    if saved.get("nll_weight", saved.get("sft_weight")) is not None:  # the NLL was over the chosen tokens, then
+        out["totals"][NLL_LOSS.name] = saved["nll"]
+        out["counts"][NLL_LOSS.name] = saved.get("nll_tokens", chosen)
+    return out

@@ -1,7 +1,7 @@
 """A training run's state, in three typed parts by what changes when:
 
     RunSetup  what the run is, fixed from its setup to its end: the config, the device, the objective, the data
-    Trainee   the model and its optimizer, schedule and (float16) loss scaler: what a step updates (policy.py)
+    Trainee   the model and its optimizer, schedule and (float16) loss scaler: what a step updates (step.py)
     Progress  the step counters, the data stream's position, the micro-batch split and the metric window: what
               a checkpoint saves (checkpoint.TrainerState) and a resume restores as one thing
 
@@ -19,78 +19,13 @@ import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
-
-import torch
 
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.runtime import devices, distributed
 from lowmem_dpo.training import checkpoint, policy, resuming
-from lowmem_dpo.training.policy import Trainee
+from lowmem_dpo.training.objective import Objective
+from lowmem_dpo.training.step import Sums, Trainee, next_items, pair_stream
 from lowmem_dpo.training.trackers import Trackers
-
-
-class Stats(Protocol):
-    """Sums over the micro-batches of one step, or over the steps of a log line's window (a dataclass: a
-    checkpoint stores it with dataclasses.asdict)."""
-
-    tokens: int  # tokens in the forward passes (for tokens_per_s)
-
-    def add(self, other) -> None: ...
-    def means(self) -> dict[str, float]: ...  # the metric line's values; "loss" is the step's mean loss
-
-    @property
-    def empty(self) -> bool: ...  # nothing added (every step since the last line had a non-finite loss)
-
-
-class Objective(Protocol):
-    """What a training stage plugs into the loop: DPO (train.py), SFT (sft.py), KTO (training/kto.py)."""
-
-    name: str  # the stage: the progress bar's label
-    unit: str  # what a row of its data is, in messages: "pair" (DPO), "row" (SFT, KTO)
-
-    def new_stats(self) -> Stats: ...
-
-    def accumulate_gradients(self, session: "Session", items: list, micro_batch: int) -> Stats:
-        """Forward + backward of this rank's share (loop.rank_share) of one optimizer step's items, in
-        micro-batches of `micro_batch` items (loop.micro_batches); the gradients accumulate in the trainee's
-        params, scaled so that summed over the ranks the step's loss is its mean over all `items` whatever the
-        split. No collective call: the loop sums."""
-
-    def eval_stats(self, session: "Session", items: list, micro_batch: int) -> Stats:
-        """The eval sums over this rank's share of `items`, with no gradients, by micro-batches of `micro_batch`."""
-
-    def eval_metrics(self, stats: Stats) -> dict[str, float]:
-        """The eval metrics ("eval_" names) of eval sums (all ranks' summed)."""
-
-    def warning_signs(self, session: "Session", stats: Stats, held_out: bool = False) -> list[str]:
-        """Signs the run is going wrong (guards.py) in `stats`: the progress's window at its step, or (held_out)
-        the eval's sums; [] for none."""
-
-    def bar_numbers(self, line: dict) -> dict[str, str]:
-        """The progress bar's numbers from a metrics line."""
-
-    def opening_lines(self, session: "Session") -> list[str]:
-        """The log lines that open the run: what is trained, on what."""
-
-    def closing_note(self, line: dict) -> str:
-        """The last metrics line as the closing log line shows it (': loss ...'), or '' when it has none."""
-
-
-# -- the data stream ---------------------------------------------------------------------------------------------
-def pair_stream(items: list, seed: int):
-    """Endless stream of data items: each epoch a fresh seeded permutation. Each optimizer step takes its items
-    from here, so a step's items do not depend on how they are split into micro-batches, and a resumed run skips
-    exactly the items it consumed."""
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        for i in torch.randperm(len(items), generator=generator).tolist():
-            yield items[i]
-
-
-def next_items(stream, n: int) -> list:
-    return [next(stream) for _ in range(n)]
-
 
 # -- the three parts ---------------------------------------------------------------------------------------------
 # The best so far (evaluation.best_after), in transformers' TrainerState keys; its folder, best_model_checkpoint, is
@@ -121,10 +56,10 @@ class RunSetup:
         """Optimizer steps this run takes in all, a resumed run included (max_steps, or its epochs)."""
         return policy.total_steps(self.cfg, policy.rows_of(self.items), self.world.size)
 
-    @property
+    @functools.cached_property
     def items_per_step(self) -> int:  # data items, all ranks': pairs, SFT rows, or KTO's blocks (one a micro-batch)
         rows = policy.items_per_step(self.cfg, self.world.size)
-        return rows // self.cfg.per_device_train_batch_size if getattr(self.objective, "blocks", False) else rows
+        return rows // self.cfg.per_device_train_batch_size if self.objective.blocks else rows
 
 
 @dataclass
@@ -135,7 +70,7 @@ class Progress:
     stream: object  # pair_stream() generator, positioned after the items already trained on
     micro_batch: int  # items per forward; the out-of-memory back-off halves it
     grad_accum: int  # micro-batches per optimizer step; doubled with each halving
-    window: Stats  # stats since the last logged line
+    window: Sums  # sums since the last logged line
     step: int = 0  # optimizer steps finished
     skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient, in all
     nonfinite_in_a_row: int = 0  # skips for a non-finite loss or gradient since the last update
@@ -154,6 +89,7 @@ class Session:
     trainee: Trainee
     progress: Progress
     trackers: Trackers | None = None  # trackers.open_trackers's: None until run() opens them, or none asked
+    opening: list[str] = field(default_factory=list)  # the log lines that open the run: what is trained, on what
 
 
 # -- start or resume ---------------------------------------------------------------------------------------------
@@ -166,7 +102,7 @@ def start(run: RunSetup, model, resume: tuple[Path | None, checkpoint.TrainerSta
     micro_batch = run.resolved.micro_batch or cfg.per_device_train_batch_size  # the planner's split, or the recipe's
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     progress = Progress(pair_stream(run.items, cfg.seed), micro_batch, math.ceil(per_rank / micro_batch),
-                        run.objective.new_stats())
+                        run.objective.new_sums())
     resume_from, saved = resume
     if saved is None:  # a new run: the data from its start; an earlier run's checkpoints go at the first save
         progress.replaces = [p for _, p in checkpoint.complete(cfg.output_dir)]

@@ -9,6 +9,7 @@ from torch.profiler import profile
 from lowmem_dpo import precompute, train
 from lowmem_dpo.model import activations, compute_copies
 from lowmem_dpo.training import checkpoint, loop
+from lowmem_dpo.training.step import optimizer_step
 
 CASTS = "ToCopyBackward0"  # a cast's node in backward: one per LoRA weight per micro-batch under autocast alone
 DTYPES = compute_copies.COMPUTE_DTYPES
@@ -33,9 +34,9 @@ def test_the_copies_train_the_autocast_adapter_to_the_bit(make_cfg, tmp_path, mo
     for copies in (False, True):
         session = session_of(make_cfg, tmp_path, copies, monkeypatch, dtype)
         assert (session.trainee.copies is not None and len(session.trainee.copies.params) == 28) == copies
-        loop.optimizer_step(session)
+        optimizer_step(session)
         with profile() as prof:
-            loop.optimizer_step(session)
+            optimizer_step(session)
         casts.append(sum(e.count for e in prof.key_averages() if e.key == CASTS))
         assert all(p.dtype == torch.float32 for p in session.trainee.params)
         adapters.append([p.detach().clone() for p in session.trainee.params])
@@ -48,10 +49,10 @@ def test_a_restored_checkpoint_refreshes_the_copies(make_cfg, tmp_path, monkeypa
     adapter, not the one it had before. Offloading never takes a copy for an activation."""
     session = session_of(make_cfg, tmp_path, True, monkeypatch, max_steps=2, save_steps=1)
     copies = session.trainee.copies
-    loop.optimizer_step(session)
+    optimizer_step(session)
     loop.save_checkpoint(session, tmp_path / "out-True")
     saved = [p.detach().clone() for p in session.trainee.params]
-    loop.optimizer_step(session)
+    optimizer_step(session)
     assert not all(torch.equal(a, b) for a, b in zip(saved, session.trainee.params))
     checkpoint.restore(checkpoint.folder(tmp_path / "out-True", 1), session.trainee)
     assert all(torch.equal(a, b) for a, b in zip(saved, session.trainee.params))

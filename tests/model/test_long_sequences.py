@@ -22,7 +22,7 @@ from lowmem_dpo.model import activations, headcheck, logps
 from lowmem_dpo.model.models import load_model
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.units import GiB
-from lowmem_dpo.training import loop
+from lowmem_dpo.training.step import optimizer_step
 
 LLAMA_12GB = REPO / "recipes" / "llama3.1-8b-qlora-12gb.yaml"
 
@@ -175,7 +175,7 @@ def test_offloaded_activations_train_the_same_adapter(make_cfg, tmp_path):
             offloader = activations.offload_activations(session.trainee.model, torch.device("cpu"), force=True)
             offloader.min_bytes = 1  # every saved tensor of the tiny model
         for _ in range(3):
-            loop.optimizer_step(session)
+            optimizer_step(session)
         adapters.append([p.detach().clone() for p in session.trainee.params])
     assert offloader.packed >= 3 * 2 and offloader.saved == {}  # each step: at least the 2 layers' inputs
     assert all(torch.allclose(a, b, atol=1e-6, rtol=0) for a, b in zip(*adapters))

@@ -17,8 +17,8 @@ from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.model import models
 from lowmem_dpo.runtime import devices, rules
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import loop, policy
-from lowmem_dpo.training.session import next_items
+from lowmem_dpo.training import policy
+from lowmem_dpo.training.step import accumulate, next_items, optimizer_step
 
 LN2 = math.log(2)
 
@@ -63,9 +63,9 @@ def test_every_lora_parameter_gets_a_gradient(small, quantization, checkpointing
     checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in session.trainee.model.modules())
     assert checkpointed == (checkpointing == "true")
 
-    loop.optimizer_step(session)
+    optimizer_step(session)
     items = next_items(session.progress.stream, session.progress.micro_batch)
-    train.train_step(session.trainee, cfg, [items], None, session.run.pad_id, session.run.resolved)
+    accumulate(session, items, len(items))
     lora = {n: p for n, p in session.trainee.model.named_parameters() if p.requires_grad}
     assert len(lora) == 2 * len(adapted) and all("lora_A" in n or "lora_B" in n for n in lora)
     assert [n for n, p in lora.items() if p.grad is None] == []

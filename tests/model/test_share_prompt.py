@@ -15,7 +15,7 @@ from lowmem_dpo.model import headcheck
 from lowmem_dpo.model.logps import completion_logps, shared_prefix_mask
 from lowmem_dpo.runtime import devices, rules
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import loop
+from lowmem_dpo.training.step import item_tokens
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256, initializer_range=0.3)
@@ -171,12 +171,12 @@ def test_a_model_that_cannot_share_is_refused_or_falls_back(tokenizer, tmp_path,
 
 
 def test_by_length_sorts_a_step_longest_first_and_keeps_its_items(pairs):
-    ordered = data.by_length(pairs, loop.item_tokens)
+    ordered = data.by_length(pairs, item_tokens)
     sizes = [len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in ordered]
     assert sizes == sorted(sizes, reverse=True)
     assert sorted(p.row for p in ordered) == sorted(p.row for p in pairs)
     step = [data.TokenizedPair(5, [1], [2], [3])] + [data.TokenizedPair(row, [1], [2, 3], [4]) for row in (2, 0, 1)]
-    assert [p.row for p in data.by_length(step, loop.item_tokens)] == [2, 0, 1, 5]  # ties keep the step's order
+    assert [p.row for p in data.by_length(step, item_tokens)] == [2, 0, 1, 5]  # ties keep the step's order
 
 
 def test_auto_shares_only_when_the_prompts_are_a_large_share(tiny_path, pairs, capsys):

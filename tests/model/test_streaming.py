@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_DATA, build_tiny_model
+from conftest import TINY_DATA, backward_pairs, build_tiny_model
 
 from lowmem_dpo import data
 from lowmem_dpo.memory.arch import load_arch
@@ -21,6 +21,7 @@ from lowmem_dpo.memory.weights import layer_weight_bytes, linear_weight_bytes
 from lowmem_dpo.model import streaming
 from lowmem_dpo.model.logps import completion_logps
 from lowmem_dpo.model.models import load_model
+from lowmem_dpo.objectives.metrics import LOSS
 from lowmem_dpo.runtime import devices, rules
 from lowmem_dpo.runtime.units import GiB
 from lowmem_dpo.training import policy
@@ -141,10 +142,8 @@ def model_dir(tmp_path_factory, tokenizer):
 
 
 def test_train_steps_with_a_streamed_layer(make_cfg, tiny_path, tokenizer, capsys):
-    """policy.setup_model streaming layer 1, a real train_step (live reference: the adapter off) and optimizer
-    steps: finite loss, and every LoRA weight moves, the streamed layer's too."""
-    from lowmem_dpo import train
-
+    """policy.setup_model streaming layer 1, a real forward and backward (live reference: the adapter off) and
+    optimizer steps: finite loss, and every LoRA weight moves, the streamed layer's too."""
     cfg = make_cfg(gradient_checkpointing="true", learning_rate=1e-2, ref_source="live")
     resolved = devices.resolve(cfg)
     model = policy.setup_model(cfg, resolved, tiny_path, streaming.Plan(1, "model.layers"))
@@ -153,10 +152,10 @@ def test_train_steps_with_a_streamed_layer(make_cfg, tiny_path, tokenizer, capsy
     params = trainee.params
     before = [p.detach().clone() for p in params]
     for _ in range(2):  # B starts at zero, so A gets a gradient from the second step on
-        stats = train.train_step(trainee, cfg, [some_pairs(tokenizer, 4)], None, 0, resolved)
+        stats = backward_pairs(trainee, cfg, some_pairs(tokenizer, 4), 0, resolved)
         trainee.optimizer.step()
         trainee.optimizer.zero_grad()
-        assert stats.pairs == 4 and math.isfinite(stats.sums["loss"])
+        assert stats.items == 4 and math.isfinite(stats.means()[LOSS.name])
     assert len(params) == 2 * 7 * 2
     assert all(not torch.equal(b, p) for b, p in zip(before, params))
 

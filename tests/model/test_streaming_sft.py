@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_DATA, cached, write_jsonl
+from conftest import TINY_DATA, backward_pairs, cached, write_jsonl
 from safetensors.torch import load_file
 from test_streaming import some_batch, some_pairs
 
@@ -96,8 +96,8 @@ def logps_and_grads(cfg, resolved, model, tokenizer):
     batch = some_batch(tokenizer)
     with torch.no_grad():
         logps = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask).logps
-    train.train_step(policy.trainee(cfg, model, 1, resolved), cfg, [some_pairs(tokenizer)], None,
-                     data.pad_token_id(tokenizer), resolved)
+    backward_pairs(policy.trainee(cfg, model, 1, resolved), cfg, some_pairs(tokenizer), data.pad_token_id(tokenizer),
+                   resolved)
     return logps, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 

@@ -21,6 +21,7 @@ from lowmem_dpo.objectives import (
     PairLogps,
     Settings,
     combine,
+    nll_weight,
     per_token_loss,
     rewards,
     wpo_weights,
@@ -95,7 +96,7 @@ def trl_numbers(trainer, per_token, inputs, loss_type, s: Settings, log_sum_sq=N
 
 def our_numbers(x: PairLogps, loss_type: str, s: Settings) -> dict:
     o = OBJECTIVES[loss_type]
-    loss = (per_token_loss(x, [(loss_type, 1.0)], int(x.chosen_tokens.sum())) if o.per_token
+    loss = (per_token_loss(x, nll_weight([(loss_type, 1.0)]), int(x.chosen_tokens.sum())) if o.per_token
             else combine(x, s, [(loss_type, 1.0)]).mean())
     chosen, rejected = rewards(x, s, [loss_type])
     return {"loss": loss.item(), "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),

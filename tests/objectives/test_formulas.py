@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from lowmem_dpo.objectives import OBJECTIVES, PairLogps, Settings, combine, per_token_loss, rewards
+from lowmem_dpo.objectives import (
+    OBJECTIVES,
+    PairLogps,
+    Settings,
+    combine,
+    nll_weight,
+    per_token_loss,
+    rewards,
+)
 
 
 def dpo_loss(pc, pr, rc, rr, *, beta, loss_type="sigmoid", label_smoothing=0.0, chosen_lengths=None,
@@ -116,7 +124,9 @@ def test_per_token_loss_is_the_weighted_mean_nll_over_the_step_s_chosen_tokens_i
     chosen = torch.tensor([-6.0, -2.0])
     ones = torch.ones(2, dtype=torch.long)
     terms = [("sigmoid", 1.0), ("sft", 3.0)]
-    whole = per_token_loss(PairLogps(chosen, chosen, ones, ones), terms, nll_tokens=4)
-    parts = [per_token_loss(PairLogps(c, c, ones[:1], ones[:1]), terms, nll_tokens=4) for c in chosen.split(1)]
-    assert whole.item() == 6.0 and sum(p.item() for p in parts) == 6.0
-    assert per_token_loss(PairLogps(chosen, chosen, ones, ones), [("sigmoid", 1.0)], nll_tokens=4) == 0
+    weight = nll_weight(terms)
+    whole = per_token_loss(PairLogps(chosen, chosen, ones, ones), weight, nll_tokens=4)
+    parts = [per_token_loss(PairLogps(c, c, ones[:1], ones[:1]), weight, nll_tokens=4) for c in chosen.split(1)]
+    assert weight == 3.0 and whole.item() == 6.0 and sum(p.item() for p in parts) == 6.0
+    assert nll_weight([("sigmoid", 1.0)]) is None
+    assert per_token_loss(PairLogps(chosen, chosen, ones, ones), nll_weight([("sigmoid", 1.0)]), nll_tokens=4) == 0

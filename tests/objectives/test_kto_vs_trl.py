@@ -14,7 +14,8 @@ import torch
 from conftest import TINY_DATA, write_jsonl
 
 from lowmem_dpo import precompute, train
-from lowmem_dpo.training import evaluation, kto
+from lowmem_dpo.training import evaluation, objective
+from lowmem_dpo.training.step import accumulate
 
 BLOCK = 4
 KEYS = ("loss", "kl", "rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "rewards/margins")
@@ -84,17 +85,20 @@ def test_train_and_eval_metrics_equal_trls(trained, tiny_path, loss_type, weight
     root, train_rows, eval_rows, session = trained
     cfg = dataclasses.replace(session.run.cfg, loss_type=[loss_type], desirable_weight=weights[0],
                               undesirable_weight=weights[1])
-    session.run = dataclasses.replace(session.run, cfg=cfg)  # RunSetup is frozen
+    run = session.run
+    entry = objective.build(cfg, run.resolved, run.pad_id, "train", run.objective.ref, run.objective.eval_ref)
+    session.run = dataclasses.replace(run, cfg=cfg, objective=entry)  # RunSetup is frozen
     got_eval, _ = evaluation.evaluate(session)
-    with torch.no_grad():
-        got_train, objective = kto.KtoStats(), session.run.objective
-        for block in sorted(session.run.items, key=lambda block: block[0].row):  # data order: TRL's sequential batches
-            got_train.add(kto.block_step(session, block, objective.ref, objective.desirable, BLOCK, None))
+    # the training blocks' sums with no gradient, as an eval over them (their reference values) would sum them
+    session.run = dataclasses.replace(session.run, objective=dataclasses.replace(entry, eval_ref=entry.ref))
+    ordered = sorted(session.run.items, key=lambda block: block[0].row)  # data order: TRL's sequential batches
+    got_train = accumulate(session, ordered, BLOCK, grad=False)
+    session.run = run  # the next case starts from the trained run's own entry
     trainer = trl(root, tiny_path, train_rows, eval_rows, loss_type=loss_type, desirable_weight=weights[0],
                   undesirable_weight=weights[1])
     want_eval = trainer.evaluate()
     want_train = trl_train_metrics(trainer)
-    assert got_eval["eval_pairs"] == len(eval_rows) and got_train.rows == len(train_rows)
+    assert got_eval["eval_pairs"] == len(eval_rows) and got_train.items == len(train_rows)
     assert 0.01 < abs(got_eval["eval_rewards/margins"])  # a trained adapter: the classes apart
     assert loss_type != "kto" or min(got_eval["eval_kl"], got_train.means()["kl"]) > 1.0  # z0 not clamped to 0
     for key in KEYS:

@@ -15,7 +15,7 @@ from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.runtime.errors import ConfigError
 from lowmem_dpo.training import loop
-from lowmem_dpo.training.session import next_items
+from lowmem_dpo.training.step import next_items
 
 SIMPO = str(REPO / "recipes" / "tiny-simpo.yaml")
 

@@ -23,12 +23,12 @@ from lowmem_dpo.objectives import (
     PairLogps,
     Settings,
     combine,
-    logged_logps,
     nll_prompt,
+    nll_weight,
+    pair_metrics,
     per_token_loss,
-    rewards,
-    term_metrics,
 )
+from lowmem_dpo.objectives.metrics import LOG_ODDS_CHOSEN
 
 B, T, V = 5, 20, 32  # pairs, tokens per sequence, the given logits' vocabulary
 
@@ -100,20 +100,15 @@ def orpo_trainer(tmp_path_factory, tiny_path):
 
 
 def ours(x: PairLogps, terms: list[tuple[str, float]], s: Settings) -> dict:
-    """Our loss and metrics of one micro-batch that is the whole step, as train.forward_pairs logs them."""
+    """Our loss and metrics of one micro-batch that is the whole step, as objective.pair_loss logs them."""
     types = [t for t, _ in terms]
     if not nll_prompt(types):  # the prompts' log-probs are computed only for an NLL that covers them
         x = dataclasses.replace(x, chosen_prompt=None, chosen_prompt_tokens=None)
     nll_tokens = int(x.chosen_tokens.sum()) + (0 if x.chosen_prompt is None else int(x.chosen_prompt_tokens.sum()))
     nll = x.chosen if x.chosen_prompt is None else x.chosen + x.chosen_prompt
-    loss = combine(x, s, terms).mean() + per_token_loss(x, terms, nll_tokens)
-    chosen, rejected = rewards(x, s, types)
-    logps_c, logps_r = logged_logps(x, types)
-    out = {"loss": float(loss), "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
-           "rewards/accuracies": (chosen > rejected).float().mean().item(),
-           "rewards/margins": (chosen - rejected).mean().item(), "logps/chosen": logps_c.mean().item(),
-           "logps/rejected": logps_r.mean().item(), "nll_loss": (-nll.sum() / nll_tokens).item()}
-    return out | {k: v.mean().item() for k, v in term_metrics(x, s, types).items()}
+    loss = combine(x, s, terms).mean() + per_token_loss(x, nll_weight(terms), nll_tokens)
+    out = {"loss": float(loss), "nll_loss": (-nll.sum() / nll_tokens).item()}
+    return out | {metric.name: v.mean().item() for metric, v in pair_metrics(x, s, types).items()}
 
 
 def assert_equal(mine: dict, trls: dict, skip=("logits/chosen", "logits/rejected")):
@@ -159,6 +154,6 @@ def test_log_odds_stay_finite_where_a_completion_is_nearly_certain():
         return a - math.log(-math.expm1(a))
 
     want = [log_odds(-1e-6) - log_odds(-25.0), log_odds(-10.0) - log_odds(-1e-7)]  # ~ +38.8, ~ -25.6
-    got = term_metrics(x, Settings(beta=1.0), ["orpo"])["log_odds_chosen"]
+    got = pair_metrics(x, Settings(beta=1.0), ["orpo"])[LOG_ODDS_CHOSEN]
     assert got.tolist() == pytest.approx(want, rel=1e-4)
     assert loss.tolist() == pytest.approx([math.log1p(math.exp(-w)) for w in want], rel=1e-4)

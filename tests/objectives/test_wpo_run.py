@@ -13,7 +13,7 @@ import torch
 from lowmem_dpo import precompute, train
 from lowmem_dpo.runtime.errors import ConfigError
 from lowmem_dpo.training import loop
-from lowmem_dpo.training.session import next_items
+from lowmem_dpo.training.step import next_items
 
 
 def test_step_one_loss_is_ln2_times_the_mean_wpo_weight(make_cfg, tmp_path):

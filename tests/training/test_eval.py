@@ -293,8 +293,10 @@ def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
     base = next(m["eval_gen/repetition"] for m in evals if m["step"] == 0)
     final = [m for m in evals if m["step"] == 100 and "eval_gen/repetition" in m][0]["eval_gen/repetition"]
     assert final > base + 0.3 and not math.isnan(final)
-    # Evaluated at step 4, the samples show the collapse before the training metrics' signs (first logged at 10).
-    with pytest.raises(UserError, match="stopped at step 4 .*collapsing into repetition"):
+    # Evaluated at step 4, the samples show the collapse before the training metrics' signs (first logged at 10):
+    # repetition, or the drift from the chosen answers that comes with it (which one first depends on the
+    # matmuls' thread count at this learning rate)
+    with pytest.raises(UserError, match="stopped at step 4 .*(collapsing into repetition|answers drifting)"):
         train.run(cfg_for("stopped", *collapse, "eval_steps=4", "early_stop_on_divergence=true"), progress=False)
 
 

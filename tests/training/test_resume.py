@@ -24,10 +24,12 @@ from lowmem_dpo import precompute, train
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.data import cache
+from lowmem_dpo.objectives.metrics import BLOCK_METRICS, LOSS, MARGIN, NLL_LOSS
 from lowmem_dpo.runtime import devices, files
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import checkpoint, guards, inputs, loop, output
-from lowmem_dpo.training.session import checkpoint_state, next_items
+from lowmem_dpo.training import checkpoint, guards, inputs, loop, output, resuming
+from lowmem_dpo.training.session import checkpoint_state
+from lowmem_dpo.training.step import Sums, backward_with_backoff, next_items, optimizer_step
 
 # lora_dropout > 0: the resumed run must restore the RNG too, not only the weights and the optimizer.
 RUN = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", dtype="float32",
@@ -135,10 +137,10 @@ def test_an_interrupted_checkpoint_write_leaves_no_checkpoint(built, tmp_path, m
     session = train.setup(build_config({**RUN, "ref_cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "o")}),
                           progress=False)
     for _ in range(5):
-        loop.optimizer_step(session)
+        optimizer_step(session)
     checkpoint.save(session.run.cfg.output_dir, checkpoint_state(session), session.trainee, [], 2)
     for _ in range(5):
-        loop.optimizer_step(session)
+        optimizer_step(session)
     real_save = torch.save
 
     def crash(obj, path, *a, **k):
@@ -252,15 +254,16 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(built, tmp_path):
     before = [p.detach().clone() for p in session.trainee.params]
     session.run.objective.ref.chosen[:] = float("nan")
     for _ in range(2):
-        loop.optimizer_step(session)
+        optimizer_step(session)
     assert session.progress.skipped_steps == 2 and session.progress.step == 2
     assert all(torch.equal(b, p) for b, p in zip(before, session.trainee.params))
     checkpoint.save(cfg.output_dir, checkpoint_state(session), session.trainee, [], 2)
     session = train.setup(cfg, progress=False)  # resumes at step 2, 2 non-finite steps in a row
     assert (session.progress.step, session.progress.nonfinite_in_a_row) == (2, 2)
     session.run.objective.ref.chosen[:] = float("nan")
+    optimizer_step(session)
     with pytest.raises(UserError, match="diverged: 3 steps in a row with a non-finite loss or gradient"):
-        loop.optimizer_step(session)
+        loop.stop_if_diverged(session)  # what the loop checks after each update
     assert all(torch.equal(b, p) for b, p in zip(before, session.trainee.params))
 
 
@@ -281,16 +284,16 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_
         pairs = next_items(session.progress.stream, session.run.items_per_step)
         if limit == 1:
             with pytest.raises(UserError, match="out of memory at step 1 with 1 pair per micro-batch"):
-                loop.backward_with_backoff(session, pairs)
+                backward_with_backoff(session, pairs)
             continue
-        stats, micro_batch, grad_accum = loop.backward_with_backoff(session, pairs)
+        stats, micro_batch, grad_accum = backward_with_backoff(session, pairs)
         results.append(((micro_batch, grad_accum), stats, [p.grad.clone() for p in session.trainee.params]))
     (plain, plain_stats, plain_grads), (halved, halved_stats, halved_grads) = results
     assert plain == (4, 1) and halved == (2, 2)  # the split that fit
     assert "out of memory at step 1: retrying with per_device_train_batch_size=2 gradient_accumulation_steps=2" \
         in capsys.readouterr().err
-    assert halved_stats.pairs == plain_stats.pairs == 4
-    assert halved_stats.sums["loss"] == pytest.approx(plain_stats.sums["loss"], rel=1e-6)
+    assert halved_stats.items == plain_stats.items == 4
+    assert halved_stats.means() == pytest.approx(plain_stats.means(), rel=1e-6)
     assert any(g.abs().sum() > 0 for g in plain_grads)
     for a, b in zip(plain_grads, halved_grads):
         assert torch.allclose(a, b, atol=1e-7, rtol=1e-4)
@@ -529,3 +532,23 @@ def test_a_run_resumed_on_fewer_gpus_restores_the_states_of_the_gpus_it_has():
     three = checkpoint.cuda_states(saved, 3)
     assert [i for i, _ in three] == [0, 1] and torch.equal(three[1][1], saved[1])
     assert checkpoint.cuda_states(saved, 0) == []
+
+
+def test_windows_an_earlier_version_saved_resume_with_their_means():
+    """A checkpoint's metric window as the earlier Stats classes saved it (DPO's StepStats, with and without the
+    NLL's own token count; SFT's SFTStats; KTO's KtoStats) restores onto the run's Sums with the means those classes
+    gave: the loss with the NLL at its weight, SFT's NLL per completion token, KTO's per-block means."""
+    dpo = resuming.restored_window(Sums.of((LOSS, MARGIN, NLL_LOSS), nll_weight=0.5), {
+        "sums": {"loss": 2.0, "rewards/margins": 1.0}, "pairs": 4, "tokens": 100, "chosen_tokens": 20,
+        "rejected_tokens": 24, "nll": 6.0, "nll_tokens": 3, "nll_weight": 0.5, "ref_drift": 0.0, "ref_offset": 0.0})
+    assert dpo.means() == {"loss": 0.5 + 0.5 * 2.0, "rewards/margins": 0.25, "nll_loss": 2.0}
+    assert (dpo.items, dpo.tokens, dpo.chosen_tokens, dpo.rejected_tokens) == (4, 100, 20, 24)
+    oldest = resuming.restored_window(Sums.of((LOSS, NLL_LOSS), nll_weight=1.0), {
+        "sums": {"loss": 2.0}, "pairs": 4, "tokens": 100, "chosen_tokens": 20, "nll": 6.0, "sft_weight": 1.0})
+    assert oldest.means() == {"loss": 0.5 + 6.0 / 20, "nll_loss": 6.0 / 20}  # the NLL was over the chosen tokens
+    sft = resuming.restored_window(Sums.of((LOSS,)), {"nll": 9.0, "targets": 6, "tokens": 40})
+    assert sft.means() == {"loss": 1.5} and not sft.empty
+    kto = resuming.restored_window(Sums.of(BLOCK_METRICS), {
+        "sums": dict.fromkeys((m.name for m in BLOCK_METRICS), 1.0) | {"loss": 1.2}, "rows": 8, "tokens": 50,
+        "blocks": dict.fromkeys((m.name for m in BLOCK_METRICS), 2) | {"rewards/margins": 0}})
+    assert kto.means()["loss"] == 0.6 and kto.means()["rewards/margins"] is None and kto.items == 8
