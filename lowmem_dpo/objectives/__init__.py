@@ -109,30 +109,20 @@ def primary(loss_types) -> Objective:
     return next((OBJECTIVES[t] for t in loss_types if not OBJECTIVES[t].per_token), OBJECTIVES[loss_types[0]])
 
 
-def rewards(x: PairLogps, s: Settings, loss_types) -> tuple[torch.Tensor, torch.Tensor]:
-    """The primary objective's implicit rewards (B,) each, detached: TRL's rewards/* metrics; by default b * r_c
-    and b * r_r, which need the reference (without one, and no rewards of its own: zeros, as TRL's sft alone)."""
+def pair_metrics(x: PairLogps, s: Settings, loss_types) -> dict[metrics.Metric, torch.Tensor]:
+    """What a micro-batch of pairs logs, by its metric rows (metrics.py), (B,) each, detached: TRL's rewards/* (the
+    primary objective's implicit rewards: by default b * r_c and b * r_r, which need the reference; without one,
+    and no rewards of its own: zeros, as TRL's sft alone), their accuracy and margin, logps/* (sums, or per-token
+    means: SimPO, ORPO) and the run's terms' own (ORPO's log odds); the loss and the NLL are the step's."""
     o = primary(loss_types)
     if o.rewards is not None:
-        return o.rewards(x, s)
-    if x.ref_chosen is None:
-        return torch.zeros_like(x.chosen).detach(), torch.zeros_like(x.rejected).detach()
-    chosen, rejected = x.logratios()
-    return s.beta * chosen.detach(), s.beta * rejected.detach()
-
-
-def logged_logps(x: PairLogps, loss_types) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRL's logps/chosen and logps/rejected (B,) each, detached: sums, or per-token means (SimPO, ORPO)."""
-    chosen, rejected = x.chosen.detach(), x.rejected.detach()
-    return x.per_token(chosen, rejected) if primary(loss_types).average_logps else (chosen, rejected)
-
-
-def pair_metrics(x: PairLogps, s: Settings, loss_types) -> dict[metrics.Metric, torch.Tensor]:
-    """What a micro-batch of pairs logs, by its metric rows (metrics.py), (B,) each, detached: TRL's rewards/*
-    (the primary objective's), their accuracy and margin, logps/* and the run's terms' own (ORPO's log odds); the
-    loss and the NLL are the step's."""
-    chosen, rejected = rewards(x, s, loss_types)
-    logps_chosen, logps_rejected = logged_logps(x, loss_types)
+        chosen, rejected = o.rewards(x, s)
+    elif x.ref_chosen is None:
+        chosen, rejected = torch.zeros_like(x.chosen).detach(), torch.zeros_like(x.rejected).detach()
+    else:
+        chosen, rejected = (s.beta * r.detach() for r in x.logratios())
+    logps = x.chosen.detach(), x.rejected.detach()
+    logps_chosen, logps_rejected = x.per_token(*logps) if o.average_logps else logps
     out = {metrics.REWARDS_CHOSEN: chosen, metrics.REWARDS_REJECTED: rejected,
            metrics.ACCURACY: (chosen > rejected).float(), metrics.MARGIN: chosen - rejected,
            metrics.LOGPS_CHOSEN: logps_chosen, metrics.LOGPS_REJECTED: logps_rejected}
@@ -237,6 +227,6 @@ def no_effect(loss_types, s: Settings) -> list[str]:
     return out
 
 
-__all__ = ["KEYS", "OBJECTIVES", "REFUSED", "Objective", "PairLogps", "Settings", "combine", "logged_logps", "logs",
+__all__ = ["KEYS", "OBJECTIVES", "REFUSED", "Objective", "PairLogps", "Settings", "combine", "logs",
            "needs_kl", "needs_reference", "nll_prompt", "nll_weight", "no_effect", "per_token_loss", "primary",
-           "pair_metrics", "problems", "rewards", "start_drift", "unpaired", "wpo_weights"]
+           "pair_metrics", "problems", "start_drift", "unpaired", "wpo_weights"]

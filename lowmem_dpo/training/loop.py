@@ -12,7 +12,7 @@ warning signs, an eval and a checkpoint when due), then the final save.
 
 Under torchrun or `accelerate launch` (distributed.py) every rank runs this loop on the same data stream: a step
 takes per_device_train_batch_size x gradient_accumulation_steps items per rank, each rank computes its share
-(step.groups), and the LoRA gradients and the metric sums are summed across ranks before the update, so every rank
+(step.accumulate), and the LoRA gradients and the metric sums are summed across ranks before the update, so every rank
 takes the same update and the same decisions (non-finite skip, warning signs, out-of-memory halving). Rank 0
 alone writes: metrics, checkpoints, samples, the final adapter.
 """

@@ -137,15 +137,6 @@ def micro_batches(items: list, micro_batch: int) -> list[list]:
     return [items[i:i + micro_batch] for i in range(0, len(items), micro_batch)]
 
 
-def groups(objective, items: list, world: distributed.World) -> list[list]:
-    """This rank's items of a step, in the groups whose metrics the objective averages: one, every world-size-th
-    item sorted by length (so each rank gets items of every length, distributed.shard); KTO's whole blocks, every
-    world-size-th."""
-    if objective.blocks:
-        return distributed.shard(items, world)
-    return [distributed.shard(data.by_length(items, item_tokens), world)]
-
-
 # -- forward and backward -----------------------------------------------------------------------------------------
 def accumulate(session, items: list, micro_batch: int, grad: bool = True) -> Sums:
     """This rank's share of a step's `items` (every rank's) by micro-batches of `micro_batch` items: each one's
@@ -157,8 +148,13 @@ def accumulate(session, items: list, micro_batch: int, grad: bool = True) -> Sum
     first = grad and session.progress.step == 0 and session.progress.resumed_from is None
     size, ref = objective.size(items, first), objective.ref if grad else objective.eval_ref
     sums = objective.new_sums()
+    # This rank's items, in the groups whose metrics the objective averages: one, every world-size-th item sorted
+    # by length (so each rank gets items of every length, distributed.shard); KTO's whole blocks, every
+    # world-size-th.
+    groups = (distributed.shard(items, run.world) if objective.blocks
+              else [distributed.shard(data.by_length(items, item_tokens), run.world)])
     with torch.set_grad_enabled(grad):
-        for group in groups(objective, items, run.world):
+        for group in groups:
             block = objective.before(model, group, ref, micro_batch) if objective.before else None
             part = objective.new_sums() if objective.after else sums
             for batch in micro_batches(group, micro_batch):

@@ -22,8 +22,8 @@ from lowmem_dpo.objectives import (
     Settings,
     combine,
     nll_weight,
+    pair_metrics,
     per_token_loss,
-    rewards,
     wpo_weights,
 )
 
@@ -98,11 +98,8 @@ def our_numbers(x: PairLogps, loss_type: str, s: Settings) -> dict:
     o = OBJECTIVES[loss_type]
     loss = (per_token_loss(x, nll_weight([(loss_type, 1.0)]), int(x.chosen_tokens.sum())) if o.per_token
             else combine(x, s, [(loss_type, 1.0)]).mean())
-    chosen, rejected = rewards(x, s, [loss_type])
-    return {"loss": loss.item(), "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
-            "rewards/accuracies": (chosen > rejected).float().mean().item(),
-            "rewards/margins": (chosen - rejected).mean().item(), "logps/chosen": x.chosen.mean().item(),
-            "logps/rejected": x.rejected.mean().item()}
+    ours = {metric.name: values.mean().item() for metric, values in pair_metrics(x, s, [loss_type]).items()}
+    return {"loss": loss.item(), **ours}
 
 
 def assert_equal(ours: dict, trls: dict):

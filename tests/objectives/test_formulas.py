@@ -11,9 +11,10 @@ from lowmem_dpo.objectives import (
     Settings,
     combine,
     nll_weight,
+    pair_metrics,
     per_token_loss,
-    rewards,
 )
+from lowmem_dpo.objectives.metrics import REWARDS_CHOSEN, REWARDS_REJECTED
 
 
 def dpo_loss(pc, pr, rc, rr, *, beta, loss_type="sigmoid", label_smoothing=0.0, chosen_lengths=None,
@@ -24,6 +25,12 @@ def dpo_loss(pc, pr, rc, rr, *, beta, loss_type="sigmoid", label_smoothing=0.0, 
                   ones if rejected_lengths is None else rejected_lengths, rc, rr)
     s = Settings(beta=beta, label_smoothing=label_smoothing)
     return (OBJECTIVES[loss_type].formula(x, s), *rewards(x, s, [loss_type]))
+
+
+def rewards(x: PairLogps, s: Settings, loss_types) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen and rejected rewards a run of `loss_types` logs (objectives.pair_metrics)."""
+    logged = pair_metrics(x, s, loss_types)
+    return logged[REWARDS_CHOSEN], logged[REWARDS_REJECTED]
 
 
 def preference_losses(pc, pr, rc, rr, *, beta, terms):
