@@ -51,12 +51,6 @@ def key(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fa
     return field(default=default, metadata=meta)
 
 
-def objective_key(name: str):
-    """The field of an objective's own key, as objectives.KEYS declares it."""
-    k = KEYS[name]
-    return key(k.default, k.doc, **k.bounds())
-
-
 @dataclass
 class Config:
     # -- model and data ----------------------------------------------------------------------------------------
@@ -178,15 +172,12 @@ class Config:
     loss_weights: Optional[list[float]] = key(None, "One weight per loss_type entry; null: 1 each.", min=0.0)
     label_smoothing: float = key(0.0, "Assumed share of flipped labels, for the objectives it changes (cdpo, robust, "
                                 "exo_pair, aot); as in TRL 1.16 it does not change sigmoid.", min=0.0, max=0.5)
-    f_divergence_type: str = objective_key("f_divergence_type")
-    f_alpha_divergence_coef: float = objective_key("f_alpha_divergence_coef")
-    discopop_tau: float = objective_key("discopop_tau")
-    simpo_gamma: float = objective_key("simpo_gamma")
-    alpha: float = objective_key("alpha")
-    use_weighting: bool = objective_key("use_weighting")
-    ld_alpha: Optional[float] = objective_key("ld_alpha")
-    desirable_weight: float = objective_key("desirable_weight")
-    undesirable_weight: float = objective_key("undesirable_weight")
+    # The objectives' own keys, each a field as its entry's Key declares it (objectives.KEYS: a new objective's key
+    # is declared there alone); a recipe names them flat, as TRL's configs do.
+    for _key in KEYS.values():
+        __annotations__[_key.name] = _key.kind
+        vars()[_key.name] = key(_key.default, _key.doc, **_key.bounds())
+    del _key
     # -- optimizer and schedule ----------------------------------------------------------------------------------
     learning_rate: float = key(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
     lr_scheduler_type: str = key("linear", "transformers' schedule by its name (get_scheduler): the rate each step "

@@ -19,38 +19,22 @@ import dataclasses
 
 import torch
 
-from lowmem_dpo.objectives import dpo, kto, metrics, reference_free
-from lowmem_dpo.objectives.registry import F_DIVERGENCES, Key, Objective, PairLogps, Settings, wpo_weights
+from lowmem_dpo.objectives import dpo, kto, metrics, reference_free, registry
+from lowmem_dpo.objectives.registry import MODIFIERS, Key, Objective, PairLogps, wpo_weights
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (*dpo.OBJECTIVES, *reference_free.OBJECTIVES,
                                                            *kto.OBJECTIVES)}
 
-# The config keys objectives read beyond beta and label_smoothing (config/schema.py declares a field for each).
-KEYS = {
-    "f_divergence_type": Key("reverse_kl", "f-DPO's divergence (Wang et al. 2023): reverse_kl is DPO's; forward_kl, "
-                             "js_divergence or alpha_divergence (with f_alpha_divergence_coef) change the margin of "
-                             "the losses that allow it (docs/objectives.md).", choices=F_DIVERGENCES),
-    "f_alpha_divergence_coef": Key(1.0, "alpha of f_divergence_type=alpha_divergence (1.0: reverse KL).",
-                                   min=0.0, min_exclusive=True),
-    "discopop_tau": Key(0.05, "DiscoPOP's temperature: how sharply the margin blends the logistic loss into the "
-                        "exponential one (loss_type=discopop).", min=0.0, min_exclusive=True),
-    "simpo_gamma": Key(0.5, "SimPO's target reward margin (loss_type=simpo, alphapo): the loss pulls beta times the "
-                       "per-token margin past it.", min=0.0),
-    "alpha": Key(0.0, "AlphaPO's reward shape (loss_type=simpo, alphapo; TRL's CPOConfig.alpha): the reward is "
-                 "(1 - p^-alpha) / alpha of the per-token probability p; 0: SimPO's log p."),
-    "ld_alpha": Key(None, "LD-DPO (arXiv:2409.06411): each completion's log-prob counts its tokens beyond the "
-                    "pair's shorter completion at this weight, for the policy and the reference alike (its "
-                    "reference values are a cache side of their own); null: off (as TRL's DPOConfig).", min=0.0,
-                    max=1.0),
-    "desirable_weight": Key(1.0, "KTO: the weight of the desirable rows' losses (TRL's KTOConfig); with unequal "
-                            "classes keep desirable_weight * desirable rows / (undesirable_weight * undesirable "
-                            "rows) in [1, 4/3] (the KTO paper's advice, which preflight checks).", min=0.0,
-                            min_exclusive=True),
-    "undesirable_weight": Key(1.0, "KTO: the weight of the undesirable rows' losses (TRL's KTOConfig).", min=0.0,
-                              min_exclusive=True),
-    "use_weighting": Key(False, "WPO (Zhou et al. 2024): weight each pair's loss by how likely the policy finds its "
-                         "two completions, per token, against its own distribution (as TRL's DPOConfig)."),
-}
+# The config keys objectives read beyond beta and label_smoothing, by name: the modifiers' and each entry's own, as
+# their Key declares them (config/schema.py builds a field of each, Settings below a field of each).
+KEYS: dict[str, Key] = {k.name: k for k in (*MODIFIERS, *(k for o in OBJECTIVES.values() for k in o.keys))}
+assert len(KEYS) == len({id(k) for k in KEYS.values()}), "a key is declared once (entries share its Key)"
+
+# The run's loss settings that formulas read: beta, label_smoothing and each key above (Config.loss_settings)
+Settings = dataclasses.make_dataclass(
+    "Settings", [(k.name, k.kind, dataclasses.field(default=k.default)) for k in KEYS.values()],
+    bases=(registry.Settings,), frozen=True)
+Settings.__doc__ = registry.Settings.__doc__
 
 # TRL's keys whose objective this tool cannot compute, and why (config refuses a recipe that turns one on).
 REFUSED = {
@@ -148,7 +132,8 @@ def nll_weight(terms: list[tuple[str, float]]) -> float | None:
 
 
 def problems(loss_types, weights, s: Settings) -> list[str]:
-    """What is wrong with this combination of objectives and settings, as config errors."""
+    """What is wrong with this combination of objectives and settings, as config errors: the rules every
+    combination follows, then each entry's own refusals (Objective.refuse)."""
     out = []
     unknown = [t for t in loss_types if t not in OBJECTIVES]
     if unknown:
@@ -160,32 +145,32 @@ def problems(loss_types, weights, s: Settings) -> list[str]:
         out.append(f"loss_weights={weights} has {len(weights)} weights for loss_type={loss_types}: give one per "
                    "loss, in its order (or null: 1 each)")
     out += unpaired_problems(loss_types, s)
-    if nll_prompt(loss_types) and any(OBJECTIVES[t].per_token for t in loss_types):
-        out.append(f"loss_type={loss_types}: orpo has its own NLL of the chosen rows (over the prompt too, as TRL's "
-                   "ORPOTrainer); drop sft")
-    if s.ld_alpha is not None:
-        plain = [t for t in loss_types if not OBJECTIVES[t].needs_reference]
-        if plain:
-            out.append(f"ld_alpha={s.ld_alpha} with loss_type={plain[0]}: LD-DPO weights the log-probs of the DPO "
-                       "losses against the reference, not sft's NLL (TRL's is over the unweighted tokens) or the "
-                       "reference-free objectives; drop one")
-    if s.use_weighting:
-        unweighted = [t for t in loss_types if t in ("aot", "aot_unpaired") or not OBJECTIVES[t].needs_reference]
-        if unweighted:
-            out.append(f"use_weighting=true with loss_type={unweighted[0]}: WPO weights the DPO losses against the "
-                       "reference, not the reference-free ones or sft (TRL 1.16 fails on sft with it), nor aot and "
-                       "aot_unpaired (they sort the pairs, which would misalign the weights)")
-    if "robust" in loss_types and s.label_smoothing >= 0.5:
-        out.append(f"label_smoothing={s.label_smoothing}: loss_type=robust needs it below 0.5 (it divides by "
-                   "1 - 2*label_smoothing)")
-    if "exo_pair" in loss_types and s.label_smoothing == 0:
-        out.append("loss_type=exo_pair needs label_smoothing above 0 (it takes log(label_smoothing)); EXO's paper "
-                   "recommends 1e-3")
-    plain = [t for t in loss_types if not OBJECTIVES[t].f_divergence]
+    entries = [OBJECTIVES[t] for t in loss_types]
+    prompted = [o for o in entries if o.nll_prompt]
+    per_token = [o for o in entries if o.per_token]
+    if prompted and per_token:
+        out.append(f"loss_type={loss_types}: {prompted[0].name} has its own NLL of the chosen rows (over the prompt "
+                   f"too, as TRL's {prompted[0].trl}); drop {per_token[0].name}")
+    plain = [o.name for o in entries if not o.needs_reference]
+    if s.ld_alpha is not None and plain:
+        out.append(f"ld_alpha={s.ld_alpha} with loss_type={plain[0]}: LD-DPO weights the log-probs of the losses "
+                   "against the reference, not an NLL (TRL's is over the unweighted tokens) or a reference-free "
+                   "objective; drop one")
+    unweighted = [o.name for o in entries if not (o.needs_reference and o.weighs)]
+    if s.use_weighting and unweighted:
+        out.append(f"use_weighting=true with loss_type={unweighted[0]}: WPO weights the losses against the "
+                   "reference, not the reference-free ones or an NLL (TRL 1.16 fails on its sft with it), nor the "
+                   f"losses that sort the pairs ({', '.join(t for t, o in OBJECTIVES.items() if not o.weighs)}), "
+                   "which would misalign the weights")
+    plain = [o.name for o in entries if not o.f_divergence]
     if s.f_divergence_type != "reverse_kl" and plain:
         out.append(f"f_divergence_type={s.f_divergence_type} with loss_type={plain[0]}: f-DPO's reparameterisation "
                    "holds only for losses of the reward difference (" + ", ".join(
                        t for t, o in OBJECTIVES.items() if o.f_divergence) + "); use reverse_kl with it")
+    for o in entries:
+        refusal = o.refuse(s) if o.refuse is not None else None
+        if refusal:
+            out.append(f"loss_type={o.name} {refusal}")
     return out
 
 
@@ -213,15 +198,19 @@ def unpaired_problems(loss_types, s: Settings) -> list[str]:
 
 
 def no_effect(loss_types, s: Settings) -> list[str]:
-    """Settings that change none of `loss_types` (the warnings train logs)."""
+    """Settings that change none of `loss_types` (the warnings train logs): label_smoothing where no term reads it,
+    an entry's own key set for a run without that entry, and each entry's own notes (Objective.note)."""
     out = []
     if s.label_smoothing > 0 and not any(OBJECTIVES[t].smoothing for t in loss_types):
         out.append(f"label_smoothing={s.label_smoothing} does not change loss_type={list(loss_types)} (TRL 1.16's "
-                   "sigmoid ignores it too); for conservative DPO use loss_type=cdpo")
-    if "alphapo" in loss_types and s.alpha == 0:
-        out.append("loss_type=alphapo with alpha=0 is simpo: set alpha (TRL's CPOConfig.alpha) to shape the reward")
+                   "sigmoid ignores it too); the objectives it changes: "
+                   f"{', '.join(t for t, o in OBJECTIVES.items() if o.smoothing)}")
+    for o in (OBJECTIVES[t] for t in loss_types):
+        note = o.note(s) if o.note is not None else None
+        if note:
+            out.append(f"loss_type={o.name} {note}")
     for key in KEYS:
-        users = [t for t, o in OBJECTIVES.items() if key in o.keys]
+        users = [t for t, o in OBJECTIVES.items() if KEYS[key] in o.keys]
         if users and getattr(s, key) != KEYS[key].default and not set(users) & set(loss_types):
             out.append(f"{key}={getattr(s, key)} changes only loss_type={users[0]}, not {list(loss_types)}")
     return out

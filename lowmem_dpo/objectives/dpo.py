@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lowmem_dpo.objectives.registry import (
+    Key,
     Limits,
     Objective,
     PairLogps,
@@ -126,6 +127,10 @@ def sft(x, s):  # -log pi(y_c|x), summed per pair: averaged over the step's chos
 
 _SIGMOID_LIMITS = Limits(lambda beta, n: _SIGMOID_MARGIN, _SEPARATED_WHY, lambda e: 0.05)
 _TRL = "DPOTrainer"
+DISCOPOP_TAU = Key("discopop_tau", 0.05, "DiscoPOP's temperature: how sharply the margin blends the logistic loss into "
+                   "the exponential one (loss_type=discopop).", min=0.0, min_exclusive=True)
+# WPO's weights with AOT: it sorts the pairs' log-ratios, which would misalign the weights (TRL 1.16 does not mind)
+_SORTS = "it sorts the pairs, which would misalign the weights"
 
 OBJECTIVES = (
     Objective("sigmoid", sigmoid, "DPO: the Bradley-Terry preference against the reference", "Rafailov et al. 2023, "
@@ -147,12 +152,16 @@ OBJECTIVES = (
               limits=Limits(lambda beta, n: n, "twice IPO's optimum of 1/(2 beta) nats per token over {tokens:.0f} "
                             "chosen tokens: the loss is back above its value at the start", None)),
     Objective("exo_pair", exo_pair, "EXO: the reverse KL to [1 - e, e] over the pair; needs label_smoothing > 0 "
-              "(1e-3)", "Ji et al. 2024, arXiv:2402.00856", _TRL, smoothing=True, f_divergence=True),
+              "(1e-3)", "Ji et al. 2024, arXiv:2402.00856", _TRL, smoothing=True, f_divergence=True,
+              refuse=lambda s: None if s.label_smoothing > 0 else "needs label_smoothing above 0 (it takes "
+              "log(label_smoothing)); EXO's paper recommends 1e-3"),
     Objective("nca_pair", nca_pair, "NCA: absolute rewards, keeps the chosen likelihood up", "Chen et al. 2024, "
               "arXiv:2402.05369", _TRL),
     Objective("robust", robust, "rDPO: unbiased under a share label_smoothing of flipped labels", "Chowdhury et al. "
               "2024, arXiv:2403.00409", _TRL, smoothing=True, f_divergence=True,
-              limits=Limits(lambda beta, n: _SIGMOID_MARGIN, _SEPARATED_WHY, lambda e: robust_at(SEPARATED, e))),
+              limits=Limits(lambda beta, n: _SIGMOID_MARGIN, _SEPARATED_WHY, lambda e: robust_at(SEPARATED, e)),
+              refuse=lambda s: None if s.label_smoothing < 0.5 else "needs label_smoothing below 0.5 (it divides by 1 "
+              f"- 2*label_smoothing); it is {s.label_smoothing}"),
     Objective("bco_pair", bco_pair, "BCO on pairs: each completion classified as good or bad on its own",
               "Jung et al. 2024, arXiv:2404.04656", _TRL),
     Objective("sppo_hard", sppo_hard, "SPPO with hard win probabilities: rewards towards +-1/2", "Wu et al. 2024, "
@@ -160,15 +169,15 @@ OBJECTIVES = (
               limits=Limits(lambda beta, n: 2.0, "twice SPPO's optimum margin of 1 (rewards +1/2 and -1/2): the "
                             "log-ratios overshoot it", None)),
     Objective("aot", aot, "AOT: stochastic dominance of the policy's log-ratios over the reference's, paired",
-              "Melnyk et al. 2024, arXiv:2406.05882", _TRL, smoothing=True),
+              "Melnyk et al. 2024, arXiv:2406.05882", _TRL, smoothing=True, weighs=False),
     Objective("aot_unpaired", aot_unpaired, "AOT, unpaired: chosen log-ratios dominate rejected ones",
-              "Melnyk et al. 2024, arXiv:2406.05882", _TRL, smoothing=True),
+              "Melnyk et al. 2024, arXiv:2406.05882", _TRL, smoothing=True, weighs=False),
     Objective("apo_zero", apo_zero, "APO-zero: for chosen answers better than the model's own", "D'Oosterlinck et "
               "al. 2024, arXiv:2408.06266", _TRL),
     Objective("apo_down", apo_down, "APO-down: for chosen answers worse than the model's own", "D'Oosterlinck et "
               "al. 2024, arXiv:2408.06266", _TRL),
     Objective("discopop", discopop, "DiscoPOP: logistic and exponential losses, blended by the margin", "Chris Lu "
-              "et al. 2024, arXiv:2406.08414", _TRL, usual_beta="0.05", f_divergence=True, keys=("discopop_tau",),
+              "et al. 2024, arXiv:2406.08414", _TRL, usual_beta="0.05", f_divergence=True, keys=(DISCOPOP_TAU,),
               limits=_SIGMOID_LIMITS),  # its loss falls like the sigmoid's: e^-z beyond the blend
     Objective("sigmoid_norm", sigmoid_norm, "length-normalised DPO (Tulu 3's dpo_norm): the margin per token",
               "Lambert et al. 2024 (Tulu 3), arXiv:2411.15124", _TRL, usual_beta="5", f_divergence=True,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowmem_dpo.objectives.registry import Objective, Settings
+from lowmem_dpo.objectives.registry import Key, Objective, Settings
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,11 @@ def apo_zero_unpaired(x: UnpairedLogps, s: Settings) -> torch.Tensor:  # APO-zer
     return torch.where(x.desirable, s.desirable_weight * good, s.undesirable_weight * bad)  # (N,)
 
 
-KEYS = ("desirable_weight", "undesirable_weight")
+KEYS = (Key("desirable_weight", 1.0, "KTO: the weight of the desirable rows' losses (TRL's KTOConfig); with unequal "
+            "classes keep desirable_weight * desirable rows / (undesirable_weight * undesirable rows) in [1, 4/3] (the "
+            "KTO paper's advice, which preflight checks).", min=0.0, min_exclusive=True),
+        Key("undesirable_weight", 1.0, "KTO: the weight of the undesirable rows' losses (TRL's KTOConfig).", min=0.0,
+            min_exclusive=True))
 OBJECTIVES = (
     Objective("kto", kto, "unpaired thumbs-up/down rows against a KL reference point", "Ethayarajh et al. 2024, "
               "arXiv:2402.01306", "KTOTrainer `kto`", keys=KEYS, unpaired=True),

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lowmem_dpo.objectives.metrics import LOG_ODDS_CHOSEN, LOG_ODDS_RATIO
-from lowmem_dpo.objectives.registry import Objective, PairLogps, Settings, smoothed_sigmoid
+from lowmem_dpo.objectives.registry import Key, Objective, PairLogps, Settings, smoothed_sigmoid
 
 
 def _means(x: PairLogps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +67,11 @@ def orpo_metrics(x, s):  # TRL's log_odds_ratio (the mean of log s(.)) and log_o
     return {LOG_ODDS_RATIO: F.logsigmoid(z), LOG_ODDS_CHOSEN: z}
 
 
-_SIMPO = dict(needs_reference=False, smoothing=True, keys=("simpo_gamma", "alpha"), rewards=simpo_rewards,
+SIMPO_GAMMA = Key("simpo_gamma", 0.5, "SimPO's target reward margin (loss_type=simpo, alphapo): the loss pulls beta "
+                  "times the per-token margin past it.", min=0.0)
+ALPHA = Key("alpha", 0.0, "AlphaPO's reward shape (loss_type=simpo, alphapo; TRL's CPOConfig.alpha): the reward is "
+            "(1 - p^-alpha) / alpha of the per-token probability p; 0: SimPO's log p.")
+_SIMPO = dict(needs_reference=False, smoothing=True, keys=(SIMPO_GAMMA, ALPHA), rewards=simpo_rewards,
               average_logps=True, usual_beta="2-2.5 (simpo_gamma 0.5-1.5)")
 
 OBJECTIVES = (
@@ -76,7 +80,9 @@ OBJECTIVES = (
               **_SIMPO),
     Objective("alphapo", simpo, "AlphaPO: SimPO with the reward (1 - p^-alpha) / alpha of the per-token "
               "probability p (alpha 0: SimPO)", "AlphaPO, 2025, arXiv:2501.03884",
-              "CPOTrainer (loss_type=alphapo: simpo, cpo_alpha=0)", **_SIMPO),
+              "CPOTrainer (loss_type=alphapo: simpo, cpo_alpha=0)",
+              note=lambda s: None if s.alpha else "with alpha=0 is simpo: set alpha (TRL's CPOConfig.alpha) to "
+              "shape the reward", **_SIMPO),
     Objective("orpo", orpo, "ORPO: the chosen NLL plus beta (lambda) times the log odds ratio; no reference, "
               "no SFT stage", "Hong et al. 2024, arXiv:2403.07691", "ORPOTrainer", needs_reference=False, nll=1.0, nll_prompt=True,
               rewards=orpo_rewards, average_logps=True, metrics=orpo_metrics),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,32 +53,31 @@ class PairLogps:
 
 @dataclass(frozen=True)
 class Settings:
-    """The run's loss settings that formulas read (Config.loss_settings builds it): beta, label_smoothing and each
-    objective's own keys (KEYS)."""
+    """The run's loss settings that formulas read: beta and label_smoothing here, each objective's own keys (the
+    entries' Key declarations) on the Settings that objectives/__init__.py builds from them, which
+    Config.loss_settings fills."""
 
     beta: float = 0.1
     label_smoothing: float = 0.0
-    f_divergence_type: str = "reverse_kl"
-    f_alpha_divergence_coef: float = 1.0
-    discopop_tau: float = 0.05
-    simpo_gamma: float = 0.5
-    alpha: float = 0.0
-    use_weighting: bool = False
-    ld_alpha: float | None = None
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
 
 
 @dataclass(frozen=True)
 class Key:
-    """A config key an objective reads: its default, bounds and doc (config/schema.py builds the field from it)."""
+    """A config key an objective reads, declared in its entry (or, for the keys that modify several, MODIFIERS):
+    its name, default, doc, type and bounds. The config's field and the Settings' are built from it."""
 
+    name: str
     default: object
     doc: str
     min: float | None = None
     max: float | None = None
     min_exclusive: bool = False
     choices: tuple | None = None
+    type: object = None  # its type, where the default's is not it (a null default)
+
+    @property
+    def kind(self):
+        return self.type or type(self.default)
 
     def bounds(self) -> dict:
         """What config/schema.py's field takes beyond the default and the doc."""
@@ -107,7 +106,7 @@ class Objective:
     needs_reference: bool = True
     smoothing: bool = False  # label_smoothing changes it
     f_divergence: bool = False  # f_divergence_type changes it (its margin is the difference of two scores)
-    keys: tuple[str, ...] = ()  # its own config keys, in KEYS
+    keys: tuple[Key, ...] = ()  # its own config keys (several entries may share one Key)
     limits: Limits | None = None  # None: the margin and early-loss signs are off for it
     per_token: bool = False  # averaged over the step's chosen tokens (sft), not over its pairs
     # The chosen tokens' NLL it adds, at this weight times its own, averaged as sft's (ORPO: 1)
@@ -120,10 +119,29 @@ class Objective:
     metrics: Callable[[PairLogps, Settings], dict] | None = None
     # Trains on unpaired rows (KTO): its formula takes kto.UnpairedLogps, one loss per row; it is a run's only term
     unpaired: bool = False
+    weighs: bool = True  # use_weighting (WPO) may weight it, where it needs the reference
+    # What it cannot compute with these settings (a config error, naming the key), or None
+    refuse: Callable[[Settings], str | None] | None = None
+    # What it ignores or reduces to with these settings (a warning), or None
+    note: Callable[[Settings], str | None] | None = None
 
 
 # -- the f-divergences of f-DPO (Wang et al. 2023, arXiv:2309.16240), as TRL 1.16 computes them ---------------------
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+
+# The keys that modify several objectives' losses (which ones: the entries' f_divergence, needs_reference and weighs
+# flags), beyond beta and label_smoothing.
+F_DIVERGENCE_TYPE = Key("f_divergence_type", "reverse_kl", "f-DPO's divergence (Wang et al. 2023): reverse_kl is "
+                        "DPO's; forward_kl, js_divergence or alpha_divergence (with f_alpha_divergence_coef) change the "
+                        "margin of the losses that allow it (docs/objectives.md).", choices=F_DIVERGENCES)
+F_ALPHA_DIVERGENCE_COEF = Key("f_alpha_divergence_coef", 1.0, "alpha of f_divergence_type=alpha_divergence (1.0: "
+                              "reverse KL).", min=0.0, min_exclusive=True)
+LD_ALPHA = Key("ld_alpha", None, "LD-DPO (arXiv:2409.06411): each completion's log-prob counts its tokens beyond the "
+               "pair's shorter completion at this weight, for the policy and the reference alike (its reference values "
+               "are a cache side of their own); null: off (as TRL's DPOConfig).", min=0.0, max=1.0, type=Optional[float])
+USE_WEIGHTING = Key("use_weighting", False, "WPO (Zhou et al. 2024): weight each pair's loss by how likely the policy "
+                    "finds its two completions, per token, against its own distribution (as TRL's DPOConfig).")
+MODIFIERS = (F_DIVERGENCE_TYPE, F_ALPHA_DIVERGENCE_COEF, USE_WEIGHTING, LD_ALPHA)
 _EXP_MAX = {torch.float16: 11.0, torch.bfloat16: 80.0, torch.float32: 80.0, torch.float64: 80.0}  # exp in float32
 
 

@@ -51,7 +51,7 @@ def test_the_config_reads_the_registry():
     ({"loss_type": ["bco_pair"], "f_divergence_type": "js_divergence"}, "f_divergence_type=js_divergence with "
                                                                          "loss_type=bco_pair"),
     ({"loss_type": ["exo_pair"]}, "loss_type=exo_pair needs label_smoothing above 0"),
-    ({"loss_type": ["robust"], "label_smoothing": 0.5}, "loss_type=robust needs it below 0.5"),
+    ({"loss_type": ["robust"], "label_smoothing": 0.5}, "loss_type=robust needs label_smoothing below 0.5"),
     ({"loss_type": ["simpo_x"]}, "loss_type"),
     ({"sync_ref_model": True}, "a fixed cache computed once before training"),
 ])

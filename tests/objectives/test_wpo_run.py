@@ -41,5 +41,5 @@ def test_step_one_loss_is_ln2_times_the_mean_wpo_weight(make_cfg, tmp_path):
 
 @pytest.mark.parametrize("loss_type", ["aot", "sft", "simpo", "orpo"])
 def test_what_wpo_cannot_weight_is_refused(make_cfg, loss_type):
-    with pytest.raises(ConfigError, match=f"use_weighting=true with loss_type={loss_type}: WPO weights the DPO"):
+    with pytest.raises(ConfigError, match=f"use_weighting=true with loss_type={loss_type}: WPO weights the losses"):
         make_cfg(use_weighting=True, loss_type=[loss_type])
