@@ -149,10 +149,11 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     return batch, streaming.Plan(stream.layers, arch.layers_prefix) if streamed else None
 
 
-def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedCompletion]], store, side: int,
-                    batch: int, shard_rows: int, need: int, progress: bool) -> None:
+def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedCompletion]],
+                    run_cache: cache.RunCache, layout: bool | None, batch: int, shard_rows: int, need: int,
+                    progress: bool) -> None:
     """Compute the sequences of `todo` (forward units, longest first) by batches and commit each chunk to the
-    store, at most `shard_rows` sequences a commit (a killed run keeps what it committed; `need`: the bytes the
+    run's cache under `layout`, at most `shard_rows` sequences a commit (a killed run keeps what it committed; `need`: the bytes the
     free-space check asked for, which a full disk's message names). Several processes: each its every
     world-size-th chunk. Out of memory halves the batch (down to 1 pair) for that chunk and the ones after it."""
     from tqdm.auto import tqdm
@@ -172,17 +173,17 @@ def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedC
                                 "overflows above 65504), cannot score them; nothing was stored for them. Check the "
                                 "model, or set ref_dtype=float32")
             try:
-                store.put(side, {cache.sequence_key(seq.prompt_ids, seq.completion_ids): v for seq, v in got})
+                run_cache.put(layout, got)
             except Exception as e:
                 if files.is_disk_full(e) or "database or disk is full" in str(e):
-                    raise files.disk_full_error(store.path.parent, "the reference cache", need, "The sequences "
+                    raise files.disk_full_error(run_cache.store.path.parent, "the reference cache", need, "The sequences "
                                                 "committed so far are kept: the rerun computes only the rest."
                                                 ) from None
                 raise
             kept += len(got)
     except KeyboardInterrupt:  # Ctrl-C: what the rerun will not compute again
         raise KeyboardInterrupt(f"{kept} of the {total} sequences to compute are kept in the cache "
-                                f"({store.path.parent}); the same command computes only the other "
+                                f"({run_cache.store.path.parent}); the same command computes only the other "
                                 f"{total - kept}") from None
     finally:
         bar.close()  # before any error message, which then stands on its own line
@@ -259,8 +260,11 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
     cache.refuse_earlier_format(cache_dir, command)  # before anything is written there
     folders.mark(cache_dir, "reference cache")  # every rank before it creates the store: a rank checking late sees it
     log(f"reference cache: {place(cfg, 'ref_cache_dir')}")
-    with cache.open_store(cache_dir, create=True, command=command) as store:
-        lacking = missing(store, side, keys, reuse_twin=objectives.unpaired(cfg.loss_type))
+    with cache.for_run(cache_dir, side, create=True, command=command) as run_cache:
+        # as rank 0 reads them: every process then splits the same sequences (a read after another rank's first
+        # commit would not)
+        lacking = distributed.broadcast(run_cache.missing(keys, reuse_twin=objectives.unpaired(cfg.loss_type))
+                                        if distributed.is_main() else None)
         need = {layout: stored_bytes([sequences[keys[i]] for i in miss], side.per_token)
                 for layout, miss in lacking.items()}
         files.ensure_free_space(cache_dir, min(need.values()), "the reference cache",
@@ -278,10 +282,8 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
             todo = {keys[i] for i in lacking[layout]}
             units = forward_units(*dataset.all_pairs(), todo, shared)
             computed, t0 = len(todo), time.perf_counter()
-            components = side.layouts()[layout]
-            side_id = store.side(cache.side_digest(components), components)
             reference = ReferenceForward(model, pad_id, resolved, shared, per_token=side.per_token)
-            compute_missing(reference, longest_first(units), store, side_id, batch, cfg.cache_shard_rows,
+            compute_missing(reference, longest_first(units), run_cache, layout, batch, cfg.cache_shard_rows,
                             need[layout], progress)
             # the model's memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
             del model, reference
@@ -293,8 +295,8 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
         record_build(cache_dir, computed, len(keys) - computed, seconds if computed else 0.0,
                      side.preferring(layout).digest)
         if prune:
-            prune_store(store, side.layouts()[layout], set(keys))
-        report(cache_dir, store, side.preferring(layout), dataset, cfg)
+            prune_store(run_cache, layout, set(keys))
+        report(cache_dir, cache.RunCache(run_cache.store, side.preferring(layout)), dataset, cfg)
     return cache_dir
 
 
@@ -302,22 +304,6 @@ def stored_bytes(seqs: list[data.TokenizedCompletion], per_token: bool) -> int:
     """What storing `seqs` takes on disk, at most, for the free-space check (and 1 MiB for SQLite's own)."""
     tokens = sum(len(s.completion_ids) for s in seqs) if per_token else 0
     return len(seqs) * SEQUENCE_BYTES + tokens * TOKEN_BYTES + (1 << 20)
-
-
-def missing(store, side: cache.Side, keys: list[bytes], reuse_twin: bool = False) -> dict:
-    """layout (None in float32, else whether shared) -> the indices of `keys` the store lacks in it, as rank 0
-    reads them: every process then splits the same sequences (a read after another rank's first commit would
-    not). reuse_twin (KTO, which trains one sequence a row: a DPO build's values are mostly in the shared layout):
-    what neither layout holds, in both; train reads the other layout's values, ~1e-3 apart in 16 bits."""
-    if distributed.is_main():
-        lacking = {}
-        for layout, components in side.layouts().items():
-            have = store.get(store.side(cache.side_digest(components)), keys)
-            lacking[layout] = [i for i, k in enumerate(keys) if k not in have]
-        if reuse_twin and len(lacking) == 2:
-            both = sorted(set(lacking[True]) & set(lacking[False]))
-            lacking = {True: both, False: both}
-    return distributed.broadcast(lacking if distributed.is_main() else None)
 
 
 def record_build(cache_dir: Path, computed: int, reused: int, seconds: float, side: str) -> None:
@@ -332,14 +318,16 @@ def record_build(cache_dir: Path, computed: int, reused: int, seconds: float, si
                                                 "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
 
-def prune_store(store, components: dict, keep: set[bytes]) -> None:
-    """--prune: keep only this recipe's sequences (their keys) under this run's model side; say what went. SQLite
-    rewrites the file to shrink it (VACUUM), which needs room for a copy; a full disk leaves it as it was."""
+def prune_store(run_cache: cache.RunCache, layout: bool | None, keep: set[bytes]) -> None:
+    """--prune: keep only this recipe's sequences (their keys) under this run's model side in `layout`; say what
+    went. SQLite rewrites the file to shrink it (VACUUM), which needs room for a copy; a full disk leaves it as it
+    was."""
+    store = run_cache.store
     folder = store.path.parent
     files.ensure_free_space(folder, store.file_bytes(), "pruning the reference cache",
                             "Nothing was dropped; the cache there is untouched.")
     try:
-        dropped = store.prune(store.side(cache.side_digest(components)), keep)
+        dropped = run_cache.prune(layout, keep)
     except sqlite3.OperationalError as e:
         if "full" not in str(e):
             raise
@@ -348,7 +336,7 @@ def prune_store(store, components: dict, keep: set[bytes]) -> None:
     log(f"pruned {dropped} sequences this recipe does not use (other data, other model sides)")
 
 
-def report(cache_dir: Path, store, side, dataset: inputs.Data, cfg: Config) -> None:
+def report(cache_dir: Path, run_cache: cache.RunCache, dataset: inputs.Data, cfg: Config) -> None:
     """The preflight report of the recipe's rows, printed and saved (KTO's rows: their classes, printed); then
     what the cache holds, per model side."""
     if objectives.unpaired(cfg.loss_type):
@@ -356,15 +344,15 @@ def report(cache_dir: Path, store, side, dataset: inputs.Data, cfg: Config) -> N
         for line in preflight.unpaired_lines(rows, cfg.loss_settings, objectives.needs_kl(cfg.loss_type)):
             log(line)
     else:
-        ref, _ = cache.reference(store, side, dataset.tok, keys=dataset.keys("train"), ld_alpha=cfg.ld_alpha)
-        eval_ref = (cache.reference(store, side, dataset.eval_tok, keys=dataset.keys("eval"), ld_alpha=cfg.ld_alpha)[0]
+        ref, _ = run_cache.read(dataset.tok, keys=dataset.keys("train"), ld_alpha=cfg.ld_alpha)
+        eval_ref = (run_cache.read(dataset.eval_tok, keys=dataset.keys("eval"), ld_alpha=cfg.ld_alpha)[0]
                     if dataset.eval_tok is not None else None)
         lost = inputs.losses(cfg, dataset.tok)  # only past limits the run raised (max_*_share set higher)
         for line in preflight.summary_lines(preflight.save(cache_dir, preflight.report(ref, eval_ref, lost=lost))):
             log(line)
         log(f"preflight report: {cache_dir / preflight.REPORT}")
-    for u in store.usage():
-        mine = " (this run's)" if u.digest in {cache.side_digest(c) for c in side.layouts().values()} else ""
+    for u in run_cache.store.usage():
+        mine = " (this run's)" if run_cache.mine(u.digest) else ""
         log(f"  model side {u.digest[:12]}{mine}: {u.sequences} sequences, {fmt(u.bytes)} ({u.components.get('dtype')}, "
             f"quantization {u.components.get('quantization')}" + (f", {u.components['layout']}" if
                                                                   "layout" in u.components else "") + ")")

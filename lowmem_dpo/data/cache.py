@@ -16,6 +16,12 @@ max_train_samples and the eval split never change a sequence's key: precompute c
 store lacks, and train looks each of its rows' sequences up. Old values stay until
 `python -m lowmem_dpo.precompute RECIPE --prune` drops what the recipe does not use.
 
+This module alone builds and compares keys: a stage asks its run's cache (for_run: a RunCache) what the run's
+sequences lack, adds their values, reads a part's rows and prunes, and never keys a sequence or a side itself.
+
+    with cache.for_run(cfg.ref_cache_dir, side, create=True) as run_cache:   # side: inputs.run_side
+        lacking = run_cache.missing(keys); run_cache.put(layout, got); ref, lacks = run_cache.read(tok)
+
 A cache of an earlier format (pair-keyed, or manifest.json and shards) is refused with what to remove and the
 command that rebuilds it (open_store): its values cannot be split into sequences, and no release wrote one.
 """
@@ -259,6 +265,72 @@ def reference(store: stores.Store, side: Side, tok, name_row=str, keys: list | N
     return ref, [p for p, (kc, kr) in zip(tok.pairs, keys) if kc not in found or kr not in found]
 
 
+# -- a run's cache ------------------------------------------------------------------------------------------------
+@dataclass
+class RunCache:
+    """A run's reference cache (for_run): the store in ref_cache_dir under the run's model side. Stages ask it what
+    the run's sequences lack (missing), add their values (put), read a part's rows' values (read), keep only the
+    run's (prune), and which side it is (identity, mine); how a sequence or a side is keyed is this module's alone."""
+
+    store: stores.Store
+    side: Side
+    command: str = ""  # the precompute that fills it, for messages (rebuild_command)
+
+    def __enter__(self) -> "RunCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.store.close()
+
+    @property
+    def identity(self) -> str:
+        """The side whatever the layout: what a checkpoint records of the reference it trained against."""
+        return self.side.identity
+
+    def mine(self, digest: str) -> bool:
+        """Whether a stored model side (its digest, store.usage) is this run's, in either layout."""
+        return digest in {side_digest(c) for c in self.side.layouts().values()}
+
+    def missing(self, keys: list[bytes], reuse_twin: bool = False) -> dict:
+        """layout (None in float32, else whether shared) -> the indices of sequence `keys` the store lacks in it.
+        reuse_twin (KTO, which trains one sequence a row: a DPO build's values are mostly in the shared layout):
+        what neither layout holds, in both; train then reads the other layout's values, ~1e-3 apart in 16 bits."""
+        lacking = {}
+        for layout, components in self.side.layouts().items():
+            have = self.store.get(self.store.side(side_digest(components)), keys)
+            lacking[layout] = [i for i, k in enumerate(keys) if k not in have]
+        if reuse_twin and len(lacking) == 2:
+            both = sorted(set(lacking[True]) & set(lacking[False]))
+            lacking = {True: both, False: both}
+        return lacking
+
+    def put(self, layout: bool | None, got: list) -> None:
+        """Store the values `got` ((TokenizedCompletion, stores.Value) pairs) under this side's `layout`, one
+        commit."""
+        components = self.side.layouts()[layout]
+        side = self.store.side(side_digest(components), components)
+        self.store.put(side, {sequence_key(seq.prompt_ids, seq.completion_ids): v for seq, v in got})
+
+    def read(self, tok, name_row=str, keys: list | None = None, ld_alpha: float | None = None) -> tuple:
+        """reference(): the RefCache of one part's rows, and the pairs it lacks."""
+        return reference(self.store, self.side, tok, name_row, keys, ld_alpha)
+
+    def prune(self, layout: bool | None, keep: set[bytes]) -> int:
+        """Drop what the store holds beyond the sequence keys `keep` under this side's `layout`, and every other
+        side; the sequences dropped."""
+        return self.store.prune(self.store.side(side_digest(self.side.layouts()[layout])), keep)
+
+    def missing_message(self, rows: list, total: int, name_row) -> str:
+        return missing_message(self.store.path.parent, rows, total, name_row, self.command, self.store, self.side)
+
+
+def for_run(cache_dir: Path, side: Side, create: bool = False, command: str = "") -> RunCache | None:
+    """The run's cache in `cache_dir` under `side` (open_store: None when the folder has no store and `create` is
+    off; an earlier format refused)."""
+    store = open_store(cache_dir, create, command)
+    return None if store is None else RunCache(store, side, command)
+
+
 def missing_message(cache_dir: Path, rows: list, total: int, name_row, command: str, store=None,
                     side: Side | None = None) -> str:
     """What to say when `rows` (pairs) of a run's `total` have no value: which, in its file's lines, and the
@@ -305,47 +377,11 @@ WHAT = {"model": "the base model's weights or config", "adapter": "the SFT adapt
         "logps": "the log-prob rules"}
 
 
-def describe_change(key: str, old, new, cfg=None) -> str:
-    """One changed component (of a model side, or of the format-1 fingerprint) in words: which file's content,
-    which key's value."""
+def describe_change(key: str, old, new) -> str:
+    """One changed component of a model side in words: which files' content, which key's value."""
     if key in WHAT:
         return WHAT[key] + (" (added)" if old is None else " (removed)" if new is None else "")
-    if key == "dataset":
-        paths = [s.path for s in cfg.dataset] if cfg is not None else []
-        return _data_change("dataset", old, new, paths)
-    if key == "eval_dataset":
-        return _data_change("eval_dataset", old, new, [cfg.eval_dataset] if cfg is not None else [])
     return f"{key} {old} -> {new}"
-
-
-def _data_change(key: str, old, new, paths: list) -> str:
-    """What differs between two data components (inputs.dataset_component): a file's content, a split, a
-    mixture's fractions and rows, the cap, the seed."""
-    if not isinstance(old, dict) or not isinstance(new, dict):
-        return f"{key} ({'added' if old is None else 'removed' if new is None else 'its form'})"
-    if ("sources" in old) != ("sources" in new):
-        return f"{key}: its sources (one source taken whole, against a mixture or a selection)"
-    if "sources" not in old:
-        return _source_change(key, old, new, paths[0] if paths else key)
-    parts = []
-    if len(old["sources"]) != len(new["sources"]):
-        parts.append(f"{key}: {len(old['sources'])} -> {len(new['sources'])} sources")
-    for i, (a, b) in enumerate(zip(old["sources"], new["sources"])):
-        if a != b:
-            parts.append(_source_change(f"{key}[{i}]", a, b, paths[i] if i < len(paths) else f"{key}[{i}]"))
-    parts += [f"{key} {k} {old.get(k)} -> {new.get(k)}" for k in ("max_train_samples", "seed")
-              if old.get(k) != new.get(k)]
-    return "; ".join(parts)
-
-
-def _source_change(key: str, old: dict, new: dict, path: str) -> str:
-    parts = []
-    if old.get("files") != new.get("files") or old.get("fingerprint") != new.get("fingerprint"):
-        parts.append(f"the content of {path}")
-    parts += [f"{key}.{k} {old.get(k)} -> {new.get(k)}" for k in ("split", "fraction", "rows", "hub")
-              if old.get(k) != new.get(k)]
-    return ", ".join(parts) or key
-
 
 
 def earlier_cache(cache_dir: Path) -> bool:

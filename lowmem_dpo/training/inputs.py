@@ -126,17 +126,16 @@ def cached_reference(cfg: Config, prepared: Inputs, side: cache.Side, dataset: D
     computes them."""
     cache_dir = Path(cfg.ref_cache_dir)
     command = cache.rebuild_command(cfg, recipe)
-    store = cache.open_store(cache_dir, command=command)
-    if store is None:
+    run_cache = cache.for_run(cache_dir, side, command=command)
+    if run_cache is None:
         raise UserError(f"no reference cache in {str(cache_dir)!r}; build it with: {command}")
     refs = {}
-    with store:
+    with run_cache:
         for part, tok in dataset.cached_parts():
             name = lambda row, part=part: dataset.name_row(row, part)  # noqa: E731
-            refs[part], lacking = cache.reference(store, side, tok, name, dataset.keys(part), cfg.ld_alpha)
+            refs[part], lacking = run_cache.read(tok, name, dataset.keys(part), cfg.ld_alpha)
             if lacking:
-                raise UserError(cache.missing_message(cache_dir, lacking, len(tok.pairs), name, command, store,
-                                                      side))
+                raise UserError(run_cache.missing_message(lacking, len(tok.pairs), name))
     return refs["train"], refs.get("eval")
 
 

@@ -433,3 +433,28 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path, monkeypatch):
         files.atomic_write_json(target, {"new": 2})
     assert json.loads(target.read_text()) == {"ok": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # no temp file left behind
+
+
+def test_a_run_s_cache_keys_its_sequences_and_sides_itself(tmp_path):
+    """cache.for_run is the one owner of the keys: a pair's sequences put under one layout are missing from the
+    other, read back into the part's RefCache (the twin serves a layout that lacks them), and prune keeps only the
+    sequences asked for; the side is the run's in either layout, its identity the same."""
+    from lowmem_dpo.data import cache
+    from lowmem_dpo.data import store as stores
+
+    side = cache.run_side({"model": "m", "adapter": None}, "bfloat16", "none", shared=True)
+    pairs = [data.TokenizedPair(0, [1, 2], [3, 4], [5]), data.TokenizedPair(1, [1, 2], [6], [5])]  # one rejected
+    tok = data.TokenizedData(pairs=pairs, num_rows=2, dropped=[])
+    keys = [k for p in pairs for k in cache.pair_keys(p)]
+    with cache.for_run(tmp_path / "c", side, create=True) as run_cache:
+        assert run_cache.missing(keys) == {True: [0, 1, 2, 3], False: [0, 1, 2, 3]}
+        first = cache.pair_sequences(pairs[0])
+        run_cache.put(True, [(seq, stores.Value(-1.0 - i, cache.completion_tokens(seq.prompt_ids, seq.completion_ids)))
+                             for i, seq in enumerate(first)])
+        assert run_cache.missing(keys) == {True: [2], False: [0, 1, 2, 3]}  # row 1's rejected is row 0's
+        ref, lacking = run_cache.read(tok)
+        assert [p.row for p in lacking] == [1] and ref.chosen[0].item() == -1.0 and ref.rejected[0].item() == -2.0
+        twin = cache.RunCache(run_cache.store, side.preferring(False))
+        assert twin.identity == run_cache.identity and twin.read(tok)[0].shared is True  # read from the twin
+        assert {u.digest for u in run_cache.store.usage()} == {side.digest} and run_cache.mine(side.digest)
+        assert run_cache.prune(True, {keys[0]}) == 1 and run_cache.missing(keys)[True] == [1, 2, 3]
