@@ -170,8 +170,7 @@ def _measure_precompute(mcfg: Config, prepared: inputs.Inputs, resolved: devices
     """(PeakMeter, (padded T, completion tokens, forward rows), shared) of precompute.units_logps over one batch of
     the longest sequences, the reference loaded as precompute loads it."""
     tok = inputs.tokenized(mcfg, prepared.tokenizer, progress=False)
-    model = models.load_model(prepared.model_path, resolved.device, resolved.ref_dtype, resolved.ref_quantization)
-    policy.tile(model, prepared.model_path)
+    model = policy.setup_model(mcfg, resolved, prepared.model_path, source=prepared.source, reference=True)
     pad_id = data.pad_token_id(prepared.tokenizer)
     shared = headcheck.bring_up(model, mcfg, resolved, pad_id, tok.pairs[:1], tok.pairs)  # as precompute.run
     rows = mcfg.precompute_batch_size * (1 if shared else 2)  # a pair is one shared row, or two unshared ones

@@ -36,7 +36,7 @@ from lowmem_dpo.data.store import Value
 from lowmem_dpo.memory import search
 from lowmem_dpo.memory.host import host_ram
 from lowmem_dpo.memory.setup import run_budget
-from lowmem_dpo.model import adapters, headcheck, models, streaming
+from lowmem_dpo.model import headcheck, streaming
 from lowmem_dpo.model.logps import batch_logps
 from lowmem_dpo.runtime import devices, distributed, files, folders, oom
 from lowmem_dpo.runtime.errors import UserError, log
@@ -227,13 +227,7 @@ def load_model(cfg: Config, resolved: devices.Resolved, prepared: inputs.Inputs,
     quantized = "" if resolved.ref_quantization == "none" else f", quantized {resolved.ref_quantization}"
     log(f"precompute: {sequences} sequences on {resolved.device.type} in {devices.dtype_name(resolved.ref_dtype)}"
         f"{quantized}, batch {batch}, into {cfg.ref_cache_dir}")
-    model = models.load_model(prepared.model_path, models.load_device(resolved.device, resolved.ref_quantization,
-                                                                 stream.layers if stream else 0),
-                              resolved.ref_dtype, resolved.ref_quantization)
-    model = adapters.reference_model(model, prepared.source)  # base + the SFT adapter, when there is one
-    streaming.stream_layers(model, stream, resolved.device)
-    policy.tile(model, prepared.model_path)
-    policy.attention_path(model, resolved.device, resolved.ref_dtype, grad=False)
+    model = policy.setup_model(cfg, resolved, prepared.model_path, stream, prepared.source, reference=True)
     return model, batch
 
 
@@ -261,15 +255,14 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
     folders.mark(cache_dir, "reference cache")  # every rank before it creates the store: a rank checking late sees it
     log(f"reference cache: {place(cfg, 'ref_cache_dir')}")
     with cache.for_run(cache_dir, side, create=True, command=command) as run_cache:
-        # as rank 0 reads them: every process then splits the same sequences (a read after another rank's first
-        # commit would not)
+        # as rank 0 reads them: every process splits the same sequences (not so after another rank's first commit)
         lacking = distributed.broadcast(run_cache.missing(keys, reuse_twin=objectives.unpaired(cfg.loss_type))
                                         if distributed.is_main() else None)
         need = {layout: stored_bytes([sequences[keys[i]] for i in miss], side.per_token)
                 for layout, miss in lacking.items()}
         files.ensure_free_space(cache_dir, min(need.values()), "the reference cache",
                                 "Nothing was computed; the cache there is untouched.")
-        asked = None if side.twin is None or cfg.share_prompt == "auto" else cfg.share_prompt == "true"
+        asked = None if side.twin is None or cfg.share_prompt == "auto" else cfg.share_prompt is True
         complete_layouts = [layout for layout, miss in lacking.items() if not miss and asked in (None, layout)]
         if complete_layouts:  # every sequence is there: no model
             computed, layout, seconds = 0, complete_layouts[0], 0.0

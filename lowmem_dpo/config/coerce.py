@@ -15,10 +15,15 @@ from typing import Literal
 from lowmem_dpo.runtime.errors import ConfigError
 
 NULLS = {"null", "none", "~", ""}
+AUTO = "auto"
+# A tri-state key: true, false, or auto (the device rules and the planner decide): a bool where the recipe chose one.
+Switch = typing.Union[bool, Literal["auto"]]
 
 
 def describe(tp) -> str:
     """A declared type as --help and the messages name it."""
+    if tp == Switch:
+        return "auto|true|false"
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -109,7 +114,14 @@ CONVERTERS = {bool: _to_bool, int: _to_int, float: _to_float, list: _to_list, st
 
 
 def coerce(name: str, raw, tp, choices: tuple = ()):
-    """`raw` as the declared type `tp` of key `name` (Optional[...] included), or ConfigError."""
+    """`raw` as the declared type `tp` of key `name` (Optional[...] and Switch included), or ConfigError."""
+    if tp == Switch:  # auto, or a bool (an earlier version's config held the strings "true" and "false")
+        if isinstance(raw, str) and raw.strip().lower() == AUTO:
+            return AUTO
+        try:
+            return _to_bool(name, raw)
+        except ConfigError:
+            raise ConfigError(f"{name}={raw!r}: expected auto, true or false") from None
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         is_choice = isinstance(raw, str) and raw.strip() in choices  # ref_quantization=none: the choice, not null
         if raw is None or (not is_choice and isinstance(raw, str) and raw.strip().lower() in NULLS):

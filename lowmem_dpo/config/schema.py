@@ -20,6 +20,7 @@ from typing import ClassVar, Optional
 
 import yaml
 
+from lowmem_dpo.config.coerce import AUTO, Switch
 from lowmem_dpo.config.schedule import SCHEDULERS, schedule_problems
 from lowmem_dpo.config.sources import Source, repeated, yaml_form
 from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings, logs
@@ -100,23 +101,23 @@ class Config:
     ref_dtype: Optional[str] = key(None, "Dtype of the reference in precompute (auto|float32|bfloat16|float16); "
                                   "null: the same as dtype.", choices=("auto", "float32", "bfloat16", "float16"),
                                   reference="value")
-    gradient_checkpointing: str = key("auto", "Recompute activations in backward: saves activation memory, costs "
+    gradient_checkpointing: Switch = key(AUTO, "Recompute activations in backward: saves activation memory, costs "
                                      "~30% more compute. auto: on for a CUDA budget <= 24 GiB and mps, off for "
                                      "larger budgets and CPUs, and on wherever the planner says the run needs it "
-                                     "(docs/devices-and-memory.md).", choices=("auto", "true", "false"))
-    activation_offloading: str = key("auto", "Move what train's forward saves for backward (with checkpointing: each "
+                                     "(docs/devices-and-memory.md).")
+    activation_offloading: Switch = key(AUTO, "Move what train's forward saves for backward (with checkpointing: each "
                                     "layer's input) to pinned CPU RAM, back a layer ahead in backward (CUDA). auto: "
                                     "where the planner needs it to fit (docs/devices-and-memory.md, Long sequences).",
-                                    choices=("auto", "true", "false"), resumable=True)
+                                    resumable=True)
     memory_budget: Optional[str] = key(None, "Memory the run may use on its device, e.g. 11.25GiB (what torch gets of "
                                       "a 12 GB card): enforced on CUDA, it picks the device rule, and the planner "
                                       "fits train and precompute to it. null: what torch can get of the GPU now, or "
                                       "physical RAM on a CPU.", resumable=True)
     memory_snapshot_on_oom: bool = key(False, "CUDA: at the first out-of-memory error, write torch's memory snapshot "
                                       "(memory_snapshot.pickle) into output_dir.", resumable=True)
-    share_prompt: str = key("auto", "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
+    share_prompt: Switch = key(AUTO, "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
                            "mask hiding chosen and rejected from each other. auto: the device rule (docs/"
-                           "devices-and-memory.md), if the first batch agrees.", choices=("auto", "true", "false"))
+                           "devices-and-memory.md), if the first batch agrees.")
     # -- tokenization (these change the reference numbers) -----------------------------------------------------
     max_length: int = key(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
                          "prompt alone reaches it are dropped. Activation memory grows linearly with it.",

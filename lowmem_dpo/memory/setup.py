@@ -110,15 +110,15 @@ def setup_from_config(cfg, budget: int | None = None) -> Setup:
     dtype = rule.dtype if cfg.dtype == "auto" else cfg.dtype
     ref_dtype = cfg.reference_dtype
     ref_dtype = rule.dtype if ref_dtype == "auto" else ref_dtype
-    ckpt = rule.gradient_checkpointing if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing == "true"
+    ckpt = rule.gradient_checkpointing if cfg.gradient_checkpointing == "auto" else cfg.gradient_checkpointing is True
     return Setup(device=device, kind=kind, dtype=dtype, quantization=cfg.quantization, ref_dtype=ref_dtype,
                  ref_quantization=cfg.reference_quantization, gradient_checkpointing=ckpt, optimizer=rule.optimizer,
                  micro_batch=cfg.per_device_train_batch_size, grad_accum=cfg.gradient_accumulation_steps,
                  precompute_batch=cfg.precompute_batch_size, max_length=cfg.max_length, lora_r=cfg.lora_r,
                  lora_targets=lora_targets(cfg), lora_dropout=cfg.lora_dropout,
-                 share_prompt=rule.share_prompt if cfg.share_prompt == "auto" else cfg.share_prompt == "true",
-                 share_forced=cfg.share_prompt == "true",
-                 activation_offloading=device == "cuda" and cfg.activation_offloading == "true")
+                 share_prompt=rule.share_prompt if cfg.share_prompt == "auto" else cfg.share_prompt is True,
+                 share_forced=cfg.share_prompt is True,
+                 activation_offloading=device == "cuda" and cfg.activation_offloading is True)
 
 
 def with_prompts(setup: Setup, prompt_tokens: int) -> Setup:

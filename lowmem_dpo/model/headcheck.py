@@ -235,7 +235,7 @@ def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, 
                        f"{difference:.3g} nats per token (tolerance {tolerance:g} in {devices.dtype_name(dtype)})")
     if problem is None:
         return True
-    if setting == "true":
+    if setting is True:
         raise UserError(f"share_prompt=true: this model cannot share the prompt: {problem}; set share_prompt=auto "
                         "or false (the unshared forward: each prompt twice)")
     log(f"share_prompt: the unshared forward (each prompt twice): {problem}")

@@ -208,14 +208,14 @@ def resolve(cfg) -> Resolved:
                        "not underflow; a step whose scaled gradients overflow is skipped and the scale halved (a "
                        "scaler skip, logged as scaler_skips, not as divergence); the LoRA weights stay float32")
     auto = cfg.gradient_checkpointing == "auto"
-    ckpt = rule.gradient_checkpointing if auto else cfg.gradient_checkpointing == "true"
+    ckpt = rule.gradient_checkpointing if auto else cfg.gradient_checkpointing is True
     reasons.append(f"gradient_checkpointing={str(ckpt).lower()} ({'auto' if auto else 'from the recipe'})")
-    share = rule.share_prompt if cfg.share_prompt == "auto" else cfg.share_prompt == "true"
+    share = rule.share_prompt if cfg.share_prompt == "auto" else cfg.share_prompt is True
     reasons.append(f"share_prompt={str(share).lower()} ({'auto' if cfg.share_prompt == 'auto' else 'from the recipe'})"
                    f"{', where the model supports it' if share else ''}")
     reasons.append(f"optimizer={rule.optimizer}, offload={rule.offload} (rule for {kind})")
-    offload = cfg.activation_offloading == "true" and device.type == "cuda"
-    if cfg.activation_offloading == "true":
+    offload = cfg.activation_offloading is True and device.type == "cuda"
+    if cfg.activation_offloading is True:
         reasons.append("activation_offloading=true" + ("" if offload else f": nothing to move on {device.type}, "
                                                        "where activations are in host memory already"))
     return Resolved(device, kind, dtype, ckpt, rule.optimizer, reasons, quantization=cfg.quantization,

@@ -62,14 +62,27 @@ def enable_checkpointing(base) -> None:
 
 
 def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, stream: streaming.Plan | None = None,
-                source: models.ModelSource | None = None):
-    """Base model (frozen, dropout off, quantized if asked) + one LoRA adapter whose every parameter gets a
-    gradient, with or without a quantized base, gradient checkpointing and the decoder layers `stream` names
-    streamed from CPU RAM (apply_plan): the SFT adapter of `source` continued, or a fresh one (on the base with
-    the SFT adapter merged in, for adapter_mode=new_on_merged)."""
+                source: models.ModelSource | None = None, reference: bool = False):
+    """The one bring-up of a stage's model, precompute's reference and train's (and sft's) policy alike: the base
+    loaded on the device (frozen, dropout off, in the dtype and quantization of its role), the decoder layers
+    `stream` names streamed from CPU RAM (apply_plan), the MLP in tiles where the planner knows it, the attention
+    path of the card.
+
+    reference (precompute): the base in ref_dtype and ref_quantization, with the SFT adapter of `source` when there
+    is one (adapters.reference_model), no gradient. Else the policy: + one LoRA adapter whose every parameter gets a
+    gradient, with or without a quantized base and gradient checkpointing: the SFT adapter of `source` continued, or
+    a fresh one (on the base with the SFT adapter merged in, for adapter_mode=new_on_merged)."""
+    dtype, quantization = (resolved.ref_dtype, resolved.ref_quantization) if reference else (resolved.dtype,
+                                                                                            resolved.quantization)
     layers = stream.layers if stream else 0
-    base = models.load_model(model_path, models.load_device(resolved.device, resolved.quantization, layers),
-                             resolved.dtype, resolved.quantization)
+    base = models.load_model(model_path, models.load_device(resolved.device, quantization, layers), dtype,
+                             quantization)
+    if reference:
+        model = adapters.reference_model(base, source)  # base + the SFT adapter, when there is one
+        streaming.stream_layers(model, stream, resolved.device)
+        tile(model, model_path)
+        attention_path(model, resolved.device, dtype, grad=False)
+        return model
     model = adapters.sft_policy(base, cfg, source) if source is not None else None
     if model is None:
         model = new_adapter(cfg, base)

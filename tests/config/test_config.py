@@ -151,12 +151,16 @@ def test_cli_help_lists_every_key():
     assert "max_prompt_length (int or null, default null" in p.stdout
 
 
-def test_bare_yaml_bool_for_a_choice_key(tmp_path):
+def test_a_tri_state_key_is_auto_or_a_bool(tmp_path):
+    """gradient_checkpointing, activation_offloading, share_prompt: auto, or true/false as bools, from a bare YAML
+    bool, its string or an override; anything else is refused naming the three."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("gradient_checkpointing: true\n")
-    assert load_config(recipe).gradient_checkpointing == "true"
-    recipe.write_text("gradient_checkpointing: false\n")
-    assert load_config(recipe).gradient_checkpointing == "false"
+    recipe.write_text("gradient_checkpointing: true\nshare_prompt: 'false'\n")
+    cfg = load_config(recipe)
+    assert cfg.gradient_checkpointing is True and cfg.share_prompt is False and cfg.activation_offloading == "auto"
+    assert load_config(recipe, ["gradient_checkpointing=auto"]).gradient_checkpointing == "auto"
+    with pytest.raises(ConfigError, match="share_prompt='maybe': expected auto, true or false"):
+        load_config(recipe, ["share_prompt=maybe"])
 
 
 # One alternative value per key, each valid beside make_cfg's recipe with the reference's settings pinned: a new

@@ -162,7 +162,7 @@ def test_a_model_that_cannot_share_is_refused_or_falls_back(tokenizer, tmp_path,
     resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, False, rules.ADAMW_TORCH,
                                 share_prompt=True)
     with pytest.raises(UserError, match="sliding window"):
-        headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, "true", 64)
+        headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, True, 64)
     assert headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, "auto", 64) is False
     assert "share_prompt: the unshared forward" in capsys.readouterr().err
     wide = build_tiny_model("MistralConfig", dict(SMALL, sliding_window=4096), tmp_path / "w", tokenizer)
