@@ -109,8 +109,7 @@ def pair_loss(f: PairForward, size: StepSize, *, s: objectives.Settings, terms: 
     settings and (loss type, weight) terms."""
     x, types = f.logps, [t for t, _ in terms]
     losses = objectives.combine(x, s, terms)  # (B,)
-    loss = losses.sum() / size.items + objectives.per_token_loss(x, nll_weight, size.tokens)
-    nll, nll_tokens = x.nll_logps()  # (B,) each
+    loss = losses.sum() / size.items
     sums = Sums.of(metrics, nll_weight)
     sums.items, sums.tokens = f.pairs, f.tokens
     sums.chosen_tokens, sums.rejected_tokens = int(x.chosen_tokens.sum()), int(x.rejected_tokens.sum())
@@ -118,7 +117,9 @@ def pair_loss(f: PairForward, size: StepSize, *, s: objectives.Settings, terms: 
     sums.note(m.LOSS, losses.detach().sum().item(), n)
     for metric, values in objectives.pair_metrics(x, s, types).items():  # (B,) each
         sums.note(metric, values.sum().item(), n)
-    if nll_weight is not None:
+    if nll_weight is not None:  # the chosen tokens' NLL term (sft, ORPO's own)
+        loss = loss + objectives.per_token_loss(x, nll_weight, size.tokens)
+        nll, nll_tokens = x.nll_logps()  # (B,) each
         sums.note(m.NLL_LOSS, -nll.detach().sum().item(), int(nll_tokens.sum()))
     if size.drift:
         drift, offset = objectives.start_drift(x, s, terms, losses)  # (B,) each
