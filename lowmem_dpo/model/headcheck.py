@@ -211,10 +211,10 @@ def sharing_difference(model, pairs: list, pad_id: int, device: torch.device, dt
 
 
 def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, dtype: torch.dtype,
-                   setting: str, max_length: int) -> bool:
+                   setting: bool | str, max_length: int) -> bool:
     """Whether the stage shares each prompt (share_prompt): the device's answer (resolved.share_prompt), when the
-    model supports it and the first pairs (at most 2) give the unshared log-probs. share_prompt=true refuses a
-    model that cannot (exit 2); auto falls back to the unshared forward with a note."""
+    model supports it and the first pairs (at most 2) give the unshared log-probs. `setting` (share_prompt: auto or
+    a bool): true refuses a model that cannot (exit 2); auto falls back to the unshared forward with a note."""
     if not resolved.share_prompt:
         return False
     problem = sharing_problem(model, max_length)

@@ -203,8 +203,7 @@ def no_effect(loss_types, s: Settings) -> list[str]:
     out = []
     if s.label_smoothing > 0 and not any(OBJECTIVES[t].smoothing for t in loss_types):
         out.append(f"label_smoothing={s.label_smoothing} does not change loss_type={list(loss_types)} (TRL 1.16's "
-                   "sigmoid ignores it too); the objectives it changes: "
-                   f"{', '.join(t for t, o in OBJECTIVES.items() if o.smoothing)}")
+                   "sigmoid ignores it too); for conservative DPO use loss_type=cdpo")
     for o in (OBJECTIVES[t] for t in loss_types):
         note = o.note(s) if o.note is not None else None
         if note:

@@ -1,4 +1,4 @@
-"""KTO's part of a training run (objective.kto builds its entry): unpaired rows against the cached reference, as
+"""KTO's part of a training run (objective.unpaired builds its entry): unpaired rows against the cached reference, as
 TRL 1.16's KTOTrainer trains them.
 
 A data item of the loop is a block: per_device_train_batch_size rows whose KL sequences pair within it
@@ -17,7 +17,7 @@ averaged over the blocks of a logged line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,11 +42,13 @@ class Reference:
 
 @dataclass(frozen=True)
 class Block:
-    """What a block's forwards read, computed before them: z0, the KL forward's tokens, the block's rows."""
+    """What a block's forwards read, computed before them: z0, the KL forward's tokens, the block's rows; and what
+    its micro-batches' losses saw, in order (loss appends; block_means takes each block's means of the whole)."""
 
     z0: torch.Tensor
     tokens: int
     rows: int
+    seen: list = field(default_factory=list)  # (losses, logps, reference log-probs, labels) of each micro-batch
 
 
 def sequences(views: list[data.TokenizedPair], kl: bool) -> list[data.TokenizedCompletion]:
@@ -88,36 +90,34 @@ def forward(model, views: list, ref: Reference, block: Block, *, pad_id: int, re
 
 
 def loss(f, size, *, formula, s: objectives.Settings) -> tuple[torch.Tensor, Sums]:
-    """The micro-batch's share of the step's loss (the mean over the step's blocks of each block's mean), and its
-    sums within its block (block_means turns them into the block's means). formula: the unpaired objective's, s:
-    the run's loss settings."""
+    """The micro-batch's share of the step's loss (the mean over the step's blocks of each block's mean); what it
+    saw goes into its block (block_means takes the block's metrics of the whole, as TRL's means of a batch).
+    formula: the unpaired objective's, s: the run's loss settings."""
     x, ref_logps, label, tokens, block = f
     losses = formula(x, s)  # (n,)
+    block.seen.append((losses.detach().float().cpu(), x.logps.detach().float().cpu(), ref_logps, label))
     sums = Sums.of(m.BLOCK_METRICS)
     sums.items, sums.tokens = len(x.logps), tokens
-    logps = x.logps.detach().float().cpu()  # (n,)
-    rewards = kto.rewards(kto.UnpairedLogps(logps, ref_logps, label), s)  # (n,), against float64
-    sums.note(m.LOSS, losses.detach().float().sum().item(), len(logps))
-    for (reward, logp), mask in (((m.REWARDS_CHOSEN, m.LOGPS_CHOSEN), label), ((m.REWARDS_REJECTED, m.LOGPS_REJECTED),
-                                                                               ~label)):
-        sums.note(reward, rewards[mask].sum().item(), int(mask.sum()))
-        sums.note(logp, logps[mask].sum().item(), int(mask.sum()))
-    return losses.sum() / (block.rows * size.items), sums
+    return losses.sum() * (1.0 / (block.rows * size.items)), sums
 
 
-def block_means(part: Sums, block: Block) -> Sums:
-    """A block's sums as its means, each counted once (TRL averages its micro-batches' means): its loss, z0 (kl),
-    each side's rewards and logps where it has rows, and their margin where it has both."""
-    means = part.means()
+def block_means(part: Sums, block: Block, *, s: objectives.Settings) -> Sums:
+    """A block's metrics, each counted once (TRL averages its micro-batches' means): the mean of its rows' losses,
+    z0 (kl), each side's rewards and logps where it has rows, and their margin where it has both (s: the run's
+    loss settings)."""
+    lossed, logps, ref_logps, label = (torch.cat(t) for t in zip(*block.seen))  # (N,) each
+    rewards = kto.rewards(kto.UnpairedLogps(logps, ref_logps, label), s)  # (N,), against float64
     out = Sums.of(m.BLOCK_METRICS)
     out.items, out.tokens = part.items, part.tokens + block.tokens
-    for metric in (m.LOSS, m.REWARDS_CHOSEN, m.LOGPS_CHOSEN, m.REWARDS_REJECTED, m.LOGPS_REJECTED):
-        if means[metric.name] is not None:
-            out.note(metric, means[metric.name], 1)
+    out.note(m.LOSS, lossed.mean().item(), 1)
     out.note(m.KL, block.z0.item(), 1)
-    chosen, rejected = means[m.REWARDS_CHOSEN.name], means[m.REWARDS_REJECTED.name]
-    if chosen is not None and rejected is not None:
-        out.note(m.MARGIN, chosen - rejected, 1)
+    for (reward, logp), mask in (((m.REWARDS_CHOSEN, m.LOGPS_CHOSEN), label), ((m.REWARDS_REJECTED, m.LOGPS_REJECTED),
+                                                                               ~label)):
+        if mask.any():
+            out.note(reward, rewards[mask].mean().item(), 1)
+            out.note(logp, logps[mask].mean().item(), 1)
+    if label.any() and (~label).any():
+        out.note(m.MARGIN, rewards[label].mean().item() - rewards[~label].mean().item(), 1)
     return out
 
 

@@ -50,7 +50,8 @@ def train_step(session: Session, out: StepOutputs) -> StepResult:
     due."""
     run, progress = session.run, session.progress
     result = optimizer_step(session)
-    stop_if_diverged(session)
+    if result.nonfinite:
+        stop_if_diverged(session)
     out.bar.update(1)
     if logging_due(run.cfg, progress.step, run.steps):
         out.last = log_step(session, out.metrics, result, out.bar)

@@ -237,7 +237,7 @@ def unpaired(cfg: Config, resolved: devices.Resolved, pad_id: int, ref: kto.Refe
         size=lambda blocks, first: StepSize(len(blocks)),
         ref=ref, eval_ref=eval_ref, blocks=True,
         before=functools.partial(kto.reference_point, cfg=cfg, pad_id=pad_id, resolved=resolved),
-        after=kto.block_means,
+        after=functools.partial(kto.block_means, s=cfg.loss_settings),
         samples_from=None if eval_ref is None else functools.partial(kto.samples_from, desirable=eval_ref.desirable))
 
 

@@ -206,6 +206,7 @@ class StepResult:
     lr: float  # the learning rate it used
     seconds: float  # its wall time, the device synchronized before and after
     loss: float  # its mean loss (NaN when not finite)
+    nonfinite: bool = False  # its update skipped for a non-finite loss or gradient (not a float16 scaler skip)
 
 
 def optimizer_step(session) -> StepResult:
@@ -230,7 +231,8 @@ def optimizer_step(session) -> StepResult:
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     # In float16 an overflowing gradient with a finite loss is the loss scaler's business (the scale halves), not a
     # sign of divergence, unless the scale is already at 1 or below (the gradients overflow unscaled).
-    if trainee.scaler is not None and math.isfinite(loss) and not finite and trainee.scaler.get_scale() > 1:
+    scaler_skip = trainee.scaler is not None and math.isfinite(loss) and not finite and trainee.scaler.get_scale() > 1
+    if scaler_skip:
         progress.scaler_skips += 1
         log(f"note: step {progress.step}: the float16 gradients overflowed at loss scale "
             f"{trainee.scaler.get_scale():g}; update skipped and the scale halved (scaler skip {progress.scaler_skips}; "
@@ -252,7 +254,7 @@ def optimizer_step(session) -> StepResult:
     devices.synchronize(run.resolved.device)
     if math.isfinite(loss):
         progress.window.add(stats)
-    return StepResult(stats, grad_norm, lr, time.perf_counter() - started, loss)
+    return StepResult(stats, grad_norm, lr, time.perf_counter() - started, loss, not finite and not scaler_skip)
 
 
 def nonfinite(session, loss: float, grad_norm: float) -> None:

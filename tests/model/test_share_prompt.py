@@ -197,7 +197,7 @@ def test_auto_shares_only_when_the_prompts_are_a_large_share(tiny_path, pairs, c
         2 * len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in short) < 0.25
     assert headcheck.decide_sharing(model, short, 0, resolved, torch.float32, "auto", 64) is False
     assert "of the tokens, below the 25%" in capsys.readouterr().err
-    assert headcheck.decide_sharing(model, short, 0, resolved, torch.float32, "true", 64) is True
+    assert headcheck.decide_sharing(model, short, 0, resolved, torch.float32, True, 64) is True
     assert headcheck.prompt_share(pairs) >= 0.25
     assert headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, "auto", 64) is True
 
@@ -221,7 +221,7 @@ def test_the_sharing_check_sees_no_dropout_noise(tiny_path, pairs):
     resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, True, rules.ADAMW_TORCH,
                                 share_prompt=True)
     assert headcheck.sharing_difference(model, pairs[:2], 0, resolved.device, torch.float32) < 1e-4
-    assert headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, "true", 64) is True
+    assert headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, True, 64) is True
     assert model.training and all(m.training for m in model.modules())
 
 
