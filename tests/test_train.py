@@ -199,8 +199,8 @@ def test_the_schedules_built_without_arguments_are_the_ones_transformers_builds_
     built = []
     for name in SCHEDULERS:
         try:
-            make_schedule(SimpleNamespace(lr_scheduler_type=name, lr_scheduler_kwargs=None, warmup_steps=2,
-                                          warmup_ratio=0.0), throwaway_optimizer(), 10)
+            make_schedule(SimpleNamespace(lr_scheduler_type=name, lr_scheduler_kwargs=None, warmup_steps=2),
+                          throwaway_optimizer(), 10)
             built.append(name)
         except (TypeError, ValueError):
             pass

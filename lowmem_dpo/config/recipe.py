@@ -15,7 +15,7 @@ from typing import Optional
 import yaml
 
 from lowmem_dpo.config.coerce import check_bounds, coerce
-from lowmem_dpo.config.schema import FIELDS, HINTS, Config
+from lowmem_dpo.config.schema import FIELDS, HINTS, Config, folded
 from lowmem_dpo.objectives import REFUSED, needs_reference
 from lowmem_dpo.runtime import builtins
 from lowmem_dpo.runtime.errors import ConfigError
@@ -37,6 +37,13 @@ def build_config(values: dict, sources: dict | None = None) -> Config:
     `sources` maps a key to where its value came from (a recipe path or "override"), for the messages."""
     sources = sources or {}
     problems, kwargs = [], {}
+    if "warmup_ratio" in sources:  # folded into warmup_steps (schema.folded): its value comes from there
+        sources = {**sources, "warmup_steps": sources.get("warmup_steps", sources["warmup_ratio"])}
+    try:
+        values = folded(values)
+    except ConfigError as e:
+        problems.append(str(e))
+        values = {k: v for k, v in values.items() if k != "warmup_ratio"}
     for key, raw in values.items():
         where = f" (in {sources[key]})" if key in sources else ""
         if key in REFUSED:  # TRL's key, accepted only turned off

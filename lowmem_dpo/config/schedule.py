@@ -1,5 +1,5 @@
 """The learning-rate schedule of a run: transformers' own (get_scheduler), with its warmup read as transformers reads
-it. `cfg` is a config.Config (lr_scheduler_type, lr_scheduler_kwargs, warmup_steps, warmup_ratio); the config
+it. `cfg` is a config.Config (lr_scheduler_type, lr_scheduler_kwargs, warmup_steps); the config
 checks a schedule's arguments with make_schedule at load, policy.setup_optimizer builds the run's."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ NO_ARGUMENTS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "const
 
 
 def warmup(cfg, total_steps: int) -> int:
-    """Warmup steps of a run of `total_steps`, as transformers' TrainingArguments.get_warmup_steps: warmup_steps
-    (a ratio of the total when below 1), else ceil(warmup_ratio x total)."""
+    """Warmup steps of a run of `total_steps`, as transformers' TrainingArguments.get_warmup_steps: warmup_steps,
+    or ceil(warmup_steps x total) below 1 (a ratio)."""
     if cfg.warmup_steps >= 1:
         return int(cfg.warmup_steps)
-    return math.ceil(total_steps * (cfg.warmup_steps or cfg.warmup_ratio))
+    return math.ceil(total_steps * cfg.warmup_steps)
 
 
 def make_schedule(cfg, optimizer, total_steps: int):
@@ -49,8 +49,6 @@ def schedule_problems(cfg) -> list[str]:
     if cfg.warmup_steps >= 1 and cfg.warmup_steps != int(cfg.warmup_steps):
         problems.append(f"warmup_steps={cfg.warmup_steps}: a number of steps is whole; below 1 it is a ratio "
                         "of the run's steps")
-    if cfg.warmup_steps > 0 and cfg.warmup_ratio > 0:
-        problems.append(f"warmup_steps={cfg.warmup_steps} and warmup_ratio={cfg.warmup_ratio}: set one")
     if not cfg.lr_scheduler_kwargs and cfg.lr_scheduler_type in NO_ARGUMENTS:
         return problems
     try:

@@ -20,14 +20,14 @@ from typing import ClassVar, Optional
 
 import yaml
 
-from lowmem_dpo.config.coerce import AUTO, Switch
+from lowmem_dpo.config.coerce import AUTO, Switch, coerce
 from lowmem_dpo.config.schedule import SCHEDULERS, schedule_problems
 from lowmem_dpo.config.sources import Source, repeated, yaml_form
 from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings, logs
 from lowmem_dpo.objectives import no_effect as objective_no_effect
 from lowmem_dpo.objectives import problems as objective_problems
 from lowmem_dpo.objectives.metrics import EVAL_METRICS, LOSS, row_of
-from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.runtime.errors import ConfigError, UserError
 from lowmem_dpo.runtime.units import parse_size
 
 
@@ -189,9 +189,8 @@ class Config:
                                              "lr_scheduler_kwargs, e.g. {min_lr_rate: 0.1} for cosine_with_min_lr or "
                                              "{num_cycles: 2} for cosine_with_restarts.")
     warmup_steps: float = key(0, "Optimizer steps of linear warmup from 0; below 1, a ratio of the run's steps "
-                             "(ceil(ratio x steps)), as transformers 5 reads it. 0: warmup_ratio's.", min=0.0)
-    warmup_ratio: float = key(0.0, "The warmup as a share of the run's steps, ceil(ratio x steps), when "
-                             "warmup_steps is 0 (transformers 4's key).", min=0.0, max=1.0)
+                             "(ceil(ratio x steps)), as transformers 5 reads it (warmup_ratio, transformers 4's "
+                             "key, is read as this ratio). 0: none.", min=0.0)
     weight_decay: float = key(0.0, "AdamW weight decay on the LoRA parameters.", min=0.0)
     max_grad_norm: Optional[float] = key(1.0, "Clip the gradient norm to this; null disables clipping.", min=0.0,
                                         min_exclusive=True)
@@ -287,7 +286,7 @@ class Config:
         """Keys set to values that change nothing in this run (as in TRL and transformers, which ignore them too):
         the warnings train logs."""
         notes = objective_no_effect(self.loss_type, self.loss_settings)
-        if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
+        if self.lr_scheduler_type == "constant" and self.warmup_steps:
             notes.append("lr_scheduler_type=constant has no warmup (as transformers'); use constant_with_warmup")
         return notes
 
@@ -368,6 +367,25 @@ class Config:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def folded(values: dict) -> dict:
+    """A config mapping (raw or typed) with the keys folded into another read as that key: warmup_ratio r, transformers
+    4's key, is transformers 5's warmup_steps r (a ratio below 1). Recipes, overrides and the configs of checkpoints
+    written before the fold all go through here. ConfigError: a ratio not in [0, 1), or both keys set."""
+    if "warmup_ratio" not in values:
+        return values
+    out = dict(values)
+    ratio = coerce("warmup_ratio", out.pop("warmup_ratio"), float)
+    if not 0 <= ratio < 1:
+        raise ConfigError(f"warmup_ratio={ratio}: a share of the run's steps, at least 0 and below 1 (read as "
+                          "warmup_steps, which takes that ratio or whole steps)")
+    if ratio:
+        if out.get("warmup_steps") is not None and coerce("warmup_steps", out["warmup_steps"], float) > 0:
+            raise ConfigError(f"warmup_steps={out['warmup_steps']} and warmup_ratio={ratio}: set one (warmup_steps "
+                              "below 1 is the ratio)")
+        out["warmup_steps"] = ratio
+    return out
 FIELD_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
                   for f in dataclasses.fields(Config)}
 # A lora_target_modules entry with one of these is a regex ('.' alone is not: self_attn.q_proj is a name).

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo.config.coerce import coerce
-from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGTH
+from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGTH, folded
 from lowmem_dpo.model import adapters
 from lowmem_dpo.runtime import files, folders
 from lowmem_dpo.runtime.errors import ConfigError, UserError, log
@@ -216,6 +216,10 @@ def _json_or_empty(path: Path) -> dict:
 def config_changes(saved: dict, current: dict) -> list[str]:
     """Config keys whose values differ from the checkpoint's, except those declared resumable (config.py): those
     that change nothing the run computes, and those that set its length (RUN_LENGTH)."""
+    try:  # a key folded since (warmup_ratio) read as the key it folds into
+        saved = folded(saved)
+    except ConfigError:
+        pass
     keys = (set(saved) | set(current)) - RESUMABLE - RUN_LENGTH
     # a key the checkpoint lacks (added to lowmem_dpo since it was written) ran at its default
     saved = {**{k: FIELD_DEFAULTS[k] for k in keys if k in FIELD_DEFAULTS and k not in saved}, **saved}

@@ -45,8 +45,9 @@ def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | Non
 
 def check_older_semantics(cfg: Config, resume_from: Path, saved: checkpoint.TrainerState) -> None:
     """A checkpoint written before the schedules were transformers' and before sigmoid ignored label_smoothing (its
-    config has no warmup_ratio): a run whose numbers those changed is refused, or told what changes."""
-    if "warmup_ratio" in saved.config:
+    config has neither lr_scheduler_kwargs nor warmup_ratio, the keys added with them): a run whose numbers those
+    changed is refused, or told what changes."""
+    if "lr_scheduler_kwargs" in saved.config or "warmup_ratio" in saved.config:
         return
     old_types = saved.config.get("loss_type")
     old_types = [old_types] if isinstance(old_types, str) else list(old_types or [])

@@ -184,7 +184,7 @@ ALTERNATIVES = {
     "greater_is_better": True, "load_best_model_at_end": True, "eval_generations": 2, "max_new_tokens": 8,
     "report_to": "tensorboard", "run_name": "named", "share_prompt": "false", "activation_offloading": "true", "loss_weights": [2.0], "max_train_samples": 5,
     "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}", "memory_snapshot_on_oom": True,
-    "lr_scheduler_kwargs": {"num_cycles": 2}, "warmup_ratio": 0.1, "overwrite_output_dir": True,
+    "lr_scheduler_kwargs": {"num_cycles": 2}, "overwrite_output_dir": True,
     "prompt_column": "question", "chosen_column": "good", "rejected_column": "bad", "eval_on_start": True,
 }
 
@@ -225,3 +225,17 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
                                           "max_skipped_share", "max_truncated_share"}
     assert keys_where(resumable="length") == {"max_steps", "num_train_epochs"}  # the run continues to the new total
     assert keys_where(reference="files") == inputs.FILE_KEYS  # each has its digest in inputs.file_components
+
+
+def test_warmup_ratio_is_read_as_the_warmup_steps_ratio(tmp_path):
+    """warmup_ratio (transformers 4's key) folds into warmup_steps, transformers 5's ratio below 1: the same warmup,
+    config.yaml writing warmup_steps; both set, or a ratio of 1 or more, is refused naming them."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("warmup_ratio: 0.3\n")
+    cfg = load_config(recipe)
+    assert cfg.warmup_steps == 0.3 and "warmup_ratio" not in cfg.to_yaml() and "warmup_steps: 0.3" in cfg.to_yaml()
+    assert load_config(recipe, ["warmup_ratio=0"]).warmup_steps == 0
+    with pytest.raises(ConfigError, match="warmup_steps=2 and warmup_ratio=0.3: set one"):
+        load_config(recipe, ["warmup_steps=2"])
+    with pytest.raises(ConfigError, match="warmup_ratio=1.0: a share of the run's steps"):
+        load_config(recipe, ["warmup_ratio=1"])

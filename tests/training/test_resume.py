@@ -499,9 +499,9 @@ def test_a_reference_that_gives_nonfinite_logps_is_refused(built, tmp_path, caps
 
 
 def test_a_checkpoint_from_before_the_transformers_schedules(tmp_path):
-    """A checkpoint whose config has no warmup_ratio (written before keys were added and before sigmoid ignored
-    label_smoothing): keys it lacks ran at their defaults; its sigmoid with label_smoothing was conservative DPO,
-    so it continues as loss_type=cdpo and is refused as sigmoid."""
+    """A checkpoint whose config has neither lr_scheduler_kwargs nor warmup_ratio (written before keys were added and
+    before sigmoid ignored label_smoothing): keys it lacks ran at their defaults; its sigmoid with label_smoothing
+    was conservative DPO, so it continues as loss_type=cdpo and is refused as sigmoid."""
     import dataclasses
 
     from lowmem_dpo.config.schema import keys_where
@@ -510,8 +510,7 @@ def test_a_checkpoint_from_before_the_transformers_schedules(tmp_path):
     cfg = build_config({**RUN, "label_smoothing": 0.1, "ref_cache_dir": str(tmp_path / "c"),
                         "output_dir": str(tmp_path / "o")})
     old = dataclasses.asdict(cfg)
-    for key in ("warmup_ratio", "lr_scheduler_kwargs", "prompt_column", "overwrite_output_dir",
-                "memory_snapshot_on_oom"):
+    for key in ("lr_scheduler_kwargs", "prompt_column", "overwrite_output_dir", "memory_snapshot_on_oom"):
         del old[key]
     saved = checkpoint.TrainerState(step=5, pairs_seen=20, micro_batch=4, grad_accum=1, skipped_steps=0, window={},
                                     config=old)
@@ -520,7 +519,11 @@ def test_a_checkpoint_from_before_the_transformers_schedules(tmp_path):
     cdpo = dataclasses.replace(cfg, loss_type=["cdpo"])
     resuming.check_older_semantics(cdpo, tmp_path, saved)  # rewrites that run's sigmoid as today's cdpo
     assert checkpoint.config_changes(saved.config, dataclasses.asdict(cdpo)) == []
-    assert "warmup_ratio" in keys_where(resumable=False) - set(old)  # compared as its default, 0.0: no change
+    assert "lr_scheduler_kwargs" in keys_where(resumable=False) - set(old)  # compared as its default: no change
+    # a checkpoint of the keys as they were before warmup_ratio folded into warmup_steps: the same warmup resumes
+    between = {**dataclasses.asdict(cfg), "warmup_ratio": 0.1, "warmup_steps": 0}
+    assert checkpoint.config_changes(between, dataclasses.asdict(dataclasses.replace(cfg, warmup_steps=0.1))) == []
+    assert checkpoint.config_changes(between, dataclasses.asdict(cfg)) == ["warmup_steps"]
 
 
 def test_a_run_resumed_on_fewer_gpus_restores_the_states_of_the_gpus_it_has():
