@@ -15,7 +15,7 @@ from typing import Optional
 import yaml
 
 from lowmem_dpo.config.coerce import check_bounds, coerce
-from lowmem_dpo.config.schema import FIELDS, HINTS, Config, folded
+from lowmem_dpo.config.schema import FIELDS, HINTS, Config
 from lowmem_dpo.objectives import REFUSED, needs_reference
 from lowmem_dpo.runtime import builtins
 from lowmem_dpo.runtime.errors import ConfigError
@@ -31,13 +31,32 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
+def folded(values: dict) -> dict:
+    """A config mapping (raw or typed) with the keys folded into another read as that key: warmup_ratio r, transformers
+    4's key, is transformers 5's warmup_steps r (a ratio below 1). Recipes, overrides and the configs of checkpoints
+    written before the fold all go through here. ConfigError: a ratio not in [0, 1), or both keys set."""
+    if "warmup_ratio" not in values:
+        return values
+    out = dict(values)
+    ratio = coerce("warmup_ratio", out.pop("warmup_ratio"), float)
+    if not 0 <= ratio < 1:
+        raise ConfigError(f"warmup_ratio={ratio}: a share of the run's steps, at least 0 and below 1 (read as "
+                          "warmup_steps, which takes that ratio or whole steps)")
+    if ratio:
+        if out.get("warmup_steps") is not None and coerce("warmup_steps", out["warmup_steps"], float) > 0:
+            raise ConfigError(f"warmup_steps={out['warmup_steps']} and warmup_ratio={ratio}: set one (warmup_steps "
+                              "below 1 is the ratio)")
+        out["warmup_steps"] = ratio
+    return out
+
+
 def build_config(values: dict, sources: dict | None = None) -> Config:
     """Coerce and validate a mapping of raw values; collect every problem and raise once.
 
     `sources` maps a key to where its value came from (a recipe path or "override"), for the messages."""
     sources = sources or {}
     problems, kwargs = [], {}
-    if "warmup_ratio" in sources:  # folded into warmup_steps (schema.folded): its value comes from there
+    if "warmup_ratio" in sources:  # folded into warmup_steps (folded, above): its value comes from there
         sources = {**sources, "warmup_steps": sources.get("warmup_steps", sources["warmup_ratio"])}
     try:
         values = folded(values)

@@ -20,14 +20,14 @@ from typing import ClassVar, Optional
 
 import yaml
 
-from lowmem_dpo.config.coerce import AUTO, Switch, coerce
+from lowmem_dpo.config.coerce import AUTO, Switch
 from lowmem_dpo.config.schedule import SCHEDULERS, schedule_problems
 from lowmem_dpo.config.sources import Source, repeated, yaml_form
 from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings, logs
 from lowmem_dpo.objectives import no_effect as objective_no_effect
 from lowmem_dpo.objectives import problems as objective_problems
 from lowmem_dpo.objectives.metrics import EVAL_METRICS, LOSS, row_of
-from lowmem_dpo.runtime.errors import ConfigError, UserError
+from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import parse_size
 
 
@@ -368,24 +368,6 @@ class Config:
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
-
-def folded(values: dict) -> dict:
-    """A config mapping (raw or typed) with the keys folded into another read as that key: warmup_ratio r, transformers
-    4's key, is transformers 5's warmup_steps r (a ratio below 1). Recipes, overrides and the configs of checkpoints
-    written before the fold all go through here. ConfigError: a ratio not in [0, 1), or both keys set."""
-    if "warmup_ratio" not in values:
-        return values
-    out = dict(values)
-    ratio = coerce("warmup_ratio", out.pop("warmup_ratio"), float)
-    if not 0 <= ratio < 1:
-        raise ConfigError(f"warmup_ratio={ratio}: a share of the run's steps, at least 0 and below 1 (read as "
-                          "warmup_steps, which takes that ratio or whole steps)")
-    if ratio:
-        if out.get("warmup_steps") is not None and coerce("warmup_steps", out["warmup_steps"], float) > 0:
-            raise ConfigError(f"warmup_steps={out['warmup_steps']} and warmup_ratio={ratio}: set one (warmup_steps "
-                              "below 1 is the ratio)")
-        out["warmup_steps"] = ratio
-    return out
 FIELD_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
                   for f in dataclasses.fields(Config)}
 # A lora_target_modules entry with one of these is a regex ('.' alone is not: self_attn.q_proj is a name).

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from lowmem_dpo.config.coerce import coerce
-from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGTH, folded
+from lowmem_dpo.config.recipe import folded
+from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGTH
 from lowmem_dpo.model import adapters
 from lowmem_dpo.runtime import files, folders
 from lowmem_dpo.runtime.errors import ConfigError, UserError, log
