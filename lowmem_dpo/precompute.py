@@ -289,7 +289,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
                      side.preferring(layout).digest)
         if prune:
             prune_store(run_cache, layout, set(keys))
-        report(cache_dir, cache.RunCache(run_cache.store, side.preferring(layout)), dataset, cfg)
+        report(cache_dir, run_cache.preferring(layout), dataset, cfg)
     return cache_dir
 
 

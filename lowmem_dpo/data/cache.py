@@ -16,11 +16,8 @@ max_train_samples and the eval split never change a sequence's key: precompute c
 store lacks, and train looks each of its rows' sequences up. Old values stay until
 `python -m lowmem_dpo.precompute RECIPE --prune` drops what the recipe does not use.
 
-This module alone builds and compares keys: a stage asks its run's cache (for_run: a RunCache) what the run's
-sequences lack, adds their values, reads a part's rows and prunes, and never keys a sequence or a side itself.
-
-    with cache.for_run(cfg.ref_cache_dir, side, create=True) as run_cache:   # side: inputs.run_side
-        lacking = run_cache.missing(keys); run_cache.put(layout, got); ref, lacks = run_cache.read(tok)
+This module alone builds and compares keys: a stage asks its run's cache (for_run: a RunCache, below) and never
+keys a sequence or a side itself.
 
 A cache of an earlier format (pair-keyed, or manifest.json and shards) is refused with what to remove and the
 command that rebuilds it (open_store): its values cannot be split into sequences, and no release wrote one.
@@ -286,6 +283,10 @@ class RunCache:
     def identity(self) -> str:
         """The side whatever the layout: what a checkpoint records of the reference it trained against."""
         return self.side.identity
+
+    def preferring(self, layout: bool | None) -> "RunCache":
+        """This cache read in `layout` first (Side.preferring), its twin's values where that lacks them."""
+        return RunCache(self.store, self.side.preferring(layout), self.command)
 
     def mine(self, digest: str) -> bool:
         """Whether a stored model side (its digest, store.usage) is this run's, in either layout."""

@@ -129,8 +129,6 @@ _SIGMOID_LIMITS = Limits(lambda beta, n: _SIGMOID_MARGIN, _SEPARATED_WHY, lambda
 _TRL = "DPOTrainer"
 DISCOPOP_TAU = Key("discopop_tau", 0.05, "DiscoPOP's temperature: how sharply the margin blends the logistic loss into "
                    "the exponential one (loss_type=discopop).", min=0.0, min_exclusive=True)
-# WPO's weights with AOT: it sorts the pairs' log-ratios, which would misalign the weights (TRL 1.16 does not mind)
-_SORTS = "it sorts the pairs, which would misalign the weights"
 
 OBJECTIVES = (
     Objective("sigmoid", sigmoid, "DPO: the Bradley-Terry preference against the reference", "Rafailov et al. 2023, "

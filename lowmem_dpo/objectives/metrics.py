@@ -1,8 +1,8 @@
 """Every metric a run logs, one row each: its metrics.jsonl name (TRL's), how it sums, whether larger is better (for
 metric_for_best_model), where it is logged, its progress-bar label and the report panel that draws it. The loop's
-sums (training/step.py's Sums), the log, the progress bar, guards, evaluation, config's metric_for_best_model check and report's panels
-read these rows (step.Sums: the loop's sums); code names a metric by its row (LOSS.name, MARGIN.eval), never by spelling it
-(tests/objectives/test_metric_rows.py fails on a metric name spelled outside this module)."""
+sums (training/step.py's Sums), the log, the progress bar, guards, evaluation, config's metric_for_best_model
+check and report's panels read these rows; code names a metric by its row (LOSS.name, MARGIN.eval), never by
+spelling it (tests/objectives/test_metric_rows.py fails on a metric name spelled outside this module)."""
 
 from __future__ import annotations
 

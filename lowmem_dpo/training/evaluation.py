@@ -26,9 +26,8 @@ from lowmem_dpo.objectives.metrics import EVAL_SHOWN, SAMPLE_METRICS, eval_name
 from lowmem_dpo.runtime import distributed, files, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, guards, samples, step
-from lowmem_dpo.training.policy import rows_of
 from lowmem_dpo.training.session import Session
-from lowmem_dpo.training.step import Sums
+from lowmem_dpo.training.step import Sums, rows_of
 
 
 def due(cfg: Config, step: int, steps: int) -> bool:

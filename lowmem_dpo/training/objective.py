@@ -60,7 +60,6 @@ class Objective:
     signs: Callable | None = None  # (sums, step, steps, held_out) -> the warning signs (guards.py) of pairs
     samples_from: Callable[[list], list] | None = None  # eval items -> the rows the samples answer (KTO)
     shared: bool = False  # pairs: each prompt once per pair (headcheck.decide_sharing)
-    drift_at_start: bool = False  # pairs: a new run's step 1 measures the cache against its own forward
 
     def new_sums(self) -> Sums:
         return Sums.of(self.metrics, self.nll_weight)
@@ -193,7 +192,7 @@ def pairs(cfg: Config, resolved: devices.Resolved, pad_id: int, ref: cache.RefCa
         size=functools.partial(pair_size, nll_prompt=objectives.nll_prompt(types), drift_at_start=drift_at_start),
         ref=ref, eval_ref=eval_ref, nll_weight=nll_weight,
         signs=functools.partial(pair_signs, cfg=cfg, resolved=resolved, drift_at_start=drift_at_start),
-        shared=shared, drift_at_start=drift_at_start)
+        shared=shared)
 
 
 # -- SFT: prompt/completion rows ----------------------------------------------------------------------------------

@@ -25,9 +25,10 @@ from lowmem_dpo.objectives.metrics import GRAD_NORM, LEARNING_RATE, REWARDS_CHOS
 from lowmem_dpo.runtime import devices, files, folders, oom
 from lowmem_dpo.runtime.builtins import PREFIX as BUILTIN_PREFIX
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import checkpoint, policy
+from lowmem_dpo.training import checkpoint
 from lowmem_dpo.training.provenance import RUN_CONFIG
 from lowmem_dpo.training.session import RunSetup, Session
+from lowmem_dpo.training.step import rows_of
 from lowmem_dpo.training.trackers import EVENTS_DIR
 
 PICTURE = "curves.png"  # the report's picture of a run (report.py), into its output_dir
@@ -186,7 +187,7 @@ def model_card(session: Session, out_dir: Path) -> str:
         f"- {session.run.objective.name}", "---", "", f"# {out_dir.resolve().name}", "",
         f"A LoRA adapter on {base}, trained by lowmem_dpo {folders.tool_version()}.", "",
         f"- **Base model**: {base}",
-        f"- **Data**: {', '.join(src.path for src in cfg.dataset)} ({policy.rows_of(session.run.items)} training rows)",
+        f"- **Data**: {', '.join(src.path for src in cfg.dataset)} ({rows_of(session.run.items)} training rows)",
         f"- **Objective**: {objective}",
         f"- **Settings**: {session.run.steps} steps of {cfg.per_device_train_batch_size} x "
         f"{cfg.gradient_accumulation_steps} per device, learning_rate {cfg.learning_rate} ({cfg.lr_scheduler_type}), "

@@ -159,11 +159,6 @@ def items_per_step(cfg: Config, world_size: int = 1) -> int:
     return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size
 
 
-def rows_of(items: list) -> int:
-    """The rows of a stage's data items: a pair or SFT row is one, a KTO block (a list: training/kto.py) its rows."""
-    return sum(len(item) if isinstance(item, list) else 1 for item in items)
-
-
 def total_steps(cfg: Config, num_items: int, world_size: int = 1) -> int:
     if cfg.max_steps > 0:
         return cfg.max_steps

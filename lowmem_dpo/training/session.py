@@ -24,7 +24,7 @@ from lowmem_dpo.config.schema import Config
 from lowmem_dpo.runtime import devices, distributed
 from lowmem_dpo.training import checkpoint, policy, resuming
 from lowmem_dpo.training.objective import Objective
-from lowmem_dpo.training.step import Sums, Trainee, next_items, pair_stream
+from lowmem_dpo.training.step import Sums, Trainee, next_items, pair_stream, rows_of
 from lowmem_dpo.training.trackers import Trackers
 
 # -- the three parts ---------------------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ class RunSetup:
     @functools.cached_property
     def steps(self) -> int:
         """Optimizer steps this run takes in all, a resumed run included (max_steps, or its epochs)."""
-        return policy.total_steps(self.cfg, policy.rows_of(self.items), self.world.size)
+        return policy.total_steps(self.cfg, rows_of(self.items), self.world.size)
 
     @functools.cached_property
     def items_per_step(self) -> int:  # data items, all ranks': pairs, SFT rows, or KTO's blocks (one a micro-batch)
@@ -108,7 +108,7 @@ def start(run: RunSetup, model, resume: tuple[Path | None, checkpoint.TrainerSta
         progress.replaces = [p for _, p in checkpoint.complete(cfg.output_dir)]
     else:  # the trainee, then the progress, as the checkpoint left them
         checkpoint.restore(resume_from, trainee, rank=run.world.rank)
-        resuming.follow_run_length(cfg, policy.rows_of(run.items), run.steps, trainee, saved)
+        resuming.follow_run_length(cfg, rows_of(run.items), run.steps, trainee, saved)
         progress = restored_progress(progress, resume_from, saved)
     return Session(run, trainee, progress)
 

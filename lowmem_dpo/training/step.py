@@ -25,7 +25,7 @@ from lowmem_dpo import data
 from lowmem_dpo.model import compute_copies
 from lowmem_dpo.objectives import metrics
 from lowmem_dpo.runtime import devices, distributed, oom
-from lowmem_dpo.runtime.errors import UserError, log
+from lowmem_dpo.runtime.errors import log
 
 
 # -- what a step updates, and what it sums -------------------------------------------------------------------------
@@ -52,7 +52,6 @@ class Trainee:
         self.optimizer.zero_grad(set_to_none=True)
         if self.copies is not None:
             self.copies.zero_grad()
-
 
 
 @dataclass
@@ -132,9 +131,23 @@ def item_tokens(item) -> int:
     return sum(len(v) for v in vars(item).values() if isinstance(v, list))
 
 
+def rows_of(items: list) -> int:
+    """The rows of a stage's data items: a pair or SFT row is one, a KTO block (a list: training/kto.py) its rows."""
+    return sum(len(item) if isinstance(item, list) else 1 for item in items)
+
+
 def micro_batches(items: list, micro_batch: int) -> list[list]:
     """The micro-batches of one optimizer step, in order."""
     return [items[i:i + micro_batch] for i in range(0, len(items), micro_batch)]
+
+
+def groups(objective, items: list, world: distributed.World) -> list[list]:
+    """This rank's items of a step, in the groups whose metrics the objective averages: one, every world-size-th
+    item sorted by length (so each rank gets items of every length, distributed.shard); KTO's whole blocks, every
+    world-size-th."""
+    if objective.blocks:
+        return distributed.shard(items, world)
+    return [distributed.shard(data.by_length(items, item_tokens), world)]
 
 
 # -- forward and backward -----------------------------------------------------------------------------------------
@@ -148,13 +161,8 @@ def accumulate(session, items: list, micro_batch: int, grad: bool = True) -> Sum
     first = grad and session.progress.step == 0 and session.progress.resumed_from is None
     size, ref = objective.size(items, first), objective.ref if grad else objective.eval_ref
     sums = objective.new_sums()
-    # This rank's items, in the groups whose metrics the objective averages: one, every world-size-th item sorted
-    # by length (so each rank gets items of every length, distributed.shard); KTO's whole blocks, every
-    # world-size-th.
-    groups = (distributed.shard(items, run.world) if objective.blocks
-              else [distributed.shard(data.by_length(items, item_tokens), run.world)])
     with torch.set_grad_enabled(grad):
-        for group in groups:
+        for group in groups(objective, items, run.world):
             block = objective.before(model, group, ref, micro_batch) if objective.before else None
             part = objective.new_sums() if objective.after else sums
             for batch in micro_batches(group, micro_batch):
@@ -172,28 +180,17 @@ def backward_with_backoff(session, items: list) -> tuple[Sums, int, int]:
     accumulation doubles: the same items, the same update) and retry, down to 1 item. Returns the sums, and the
     micro-batch and accumulation that fit."""
     run, progress = session.run, session.progress
-    rows, unit = sum(len(i) if isinstance(i, list) else 1 for i in items), run.objective.unit
-    mine, size, step = math.ceil(rows / run.world.size), progress.micro_batch, progress.step + 1
-    while True:
-        sums = None
-        try:
-            sums = accumulate(session, items, size)
-        except Exception as e:
-            if not oom.is_out_of_memory(e):
-                raise
-            oom.seen_out_of_memory(e)
-            del e  # its traceback holds the failed attempt's tensors
-        if not distributed.any_rank(sums is None):  # every rank retries when one ran out
-            return sums, size, math.ceil(mine / size)
-        session.trainee.zero_grad()  # drop the partial step's gradients
-        oom.release_memory(run.resolved.device)
-        if size == 1:
-            raise UserError(f"out of memory at step {step} with 1 {unit} per micro-batch; lower max_length, or set "
-                            "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml "
-                            "shows what fits)") from None
-        size = max(1, size // 2)
-        log(f"out of memory at step {step}: retrying with per_device_train_batch_size={size} "
-            f"gradient_accumulation_steps={math.ceil(mine / size)} (the same {rows} {unit}s per step)")
+    rows, unit = rows_of(items), run.objective.unit
+    mine, step = math.ceil(rows / run.world.size), progress.step + 1
+    return oom.halving_on_oom(
+        lambda n: (accumulate(session, items, n), n, math.ceil(mine / n)), progress.micro_batch, run.resolved.device,
+        retrying=lambda n: f"out of memory at step {step}: retrying with per_device_train_batch_size={n} "
+                           f"gradient_accumulation_steps={math.ceil(mine / n)} (the same {rows} {unit}s per step)",
+        exhausted=f"out of memory at step {step} with 1 {unit} per micro-batch; lower max_length, or set "
+                  "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml shows what "
+                  "fits)",
+        cleanup=session.trainee.zero_grad,  # drop the partial step's gradients
+        any_rank=distributed.any_rank)  # every rank retries when one ran out
 
 
 # -- the update ---------------------------------------------------------------------------------------------------

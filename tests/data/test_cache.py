@@ -454,7 +454,7 @@ def test_a_run_s_cache_keys_its_sequences_and_sides_itself(tmp_path):
         assert run_cache.missing(keys) == {True: [2], False: [0, 1, 2, 3]}  # row 1's rejected is row 0's
         ref, lacking = run_cache.read(tok)
         assert [p.row for p in lacking] == [1] and ref.chosen[0].item() == -1.0 and ref.rejected[0].item() == -2.0
-        twin = cache.RunCache(run_cache.store, side.preferring(False))
+        twin = run_cache.preferring(False)
         assert twin.identity == run_cache.identity and twin.read(tok)[0].shared is True  # read from the twin
         assert {u.digest for u in run_cache.store.usage()} == {side.digest} and run_cache.mine(side.digest)
         assert run_cache.prune(True, {keys[0]}) == 1 and run_cache.missing(keys)[True] == [1, 2, 3]
