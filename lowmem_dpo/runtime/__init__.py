@@ -11,6 +11,7 @@
     devices.py      the rules applied to this machine: every torch.cuda call, bitsandbytes and other optional
                     packages (imported lazily), the optimizer, the float16 scaler, autocast, out-of-memory helpers
     heap.py         the C library's heap on a CPU run: freed tensors leave RAM, so that RSS is the plan
+    ram.py          the RAM a run may still take: MemAvailable, or less under a container's memory limit (cgroups)
 
 Its face: errors.UserError and errors.log, devices.resolve (a Config into a Resolved device, dtype and
 choices with their reasons), units.GiB / fmt / parse_size.

@@ -9,11 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from lowmem_dpo.runtime import distributed, heap, rules
+from lowmem_dpo.runtime import distributed, heap, ram, rules
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.ranks import local_size
 from lowmem_dpo.runtime.units import fmt, parse_size, size_note
@@ -83,19 +82,9 @@ def run_cuda_budget(device: torch.device, memory_budget: str | None):
     return budget
 
 
-def ram_available() -> tuple[int, str]:
-    """(bytes, where from) of the RAM new allocations get now without swapping, as the OS reports it: Linux's
-    MemAvailable (/proc/meminfo: free memory and the page cache it can drop); elsewhere the physical RAM."""
-    with contextlib.suppress(OSError, ValueError, IndexError):  # no /proc/meminfo (macOS), or not in its form
-        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "available (MemAvailable)"  # its unit is KiB ("kB")
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "in this machine (physical)"
-
-
 def run_cpu_budget(memory_budget: str):
     """rules.cpu_budget of this machine's RAM now; a warning when memory_budget asks for more than is there."""
-    available, source = ram_available()
+    available, source = ram.available()
     budget = rules.cpu_budget(available, local_size(), parse_size(memory_budget, "memory_budget"), source)
     if budget.short:
         log(f"warning: {budget.why}")

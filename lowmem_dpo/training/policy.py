@@ -21,7 +21,7 @@ from lowmem_dpo.memory import attention, search
 from lowmem_dpo.memory.host import HostRam, host_problem, host_ram
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 from lowmem_dpo.model import activations, adapters, compute_copies, models, streaming
-from lowmem_dpo.runtime import devices, rules
+from lowmem_dpo.runtime import devices, ram, rules
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training.step import Trainee
@@ -228,7 +228,7 @@ def check_host_ram(host: HostRam, stage: str) -> list[str]:
     the stage pins and pages nothing)."""
     if not host.total:
         return []
-    available, source = devices.ram_available()
+    available, source = ram.available()
     share = available // devices.local_size()
     problem = host_problem(host, share, stage, source if share == available else f"{source}, per process here")
     if problem:

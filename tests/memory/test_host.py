@@ -15,7 +15,7 @@ from lowmem_dpo.memory.arch import load_arch
 from lowmem_dpo.memory.host import checkpoint_bytes, host_problem, host_ram
 from lowmem_dpo.memory.search import choose
 from lowmem_dpo.memory.setup import setup_from_config
-from lowmem_dpo.runtime import devices
+from lowmem_dpo.runtime import ram
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import GiB, MiB
 from lowmem_dpo.training import policy
@@ -78,10 +78,10 @@ def test_the_check_refuses_before_loading_and_says_nothing_for_a_run_that_pins_n
     """policy.check_host_ram, which train and precompute call before loading the model, against a simulated 8 GiB
     of available RAM (monkeypatched: this machine's is what it is)."""
     arch, plan = plan_at(MISTRAL, 9984)
-    monkeypatch.setattr(devices, "ram_available", lambda: (8 * GiB, "available (MemAvailable)"))
+    monkeypatch.setattr(ram, "available", lambda: (8 * GiB, "available (MemAvailable)"))
     with pytest.raises(UserError, match=r"^train needs .* of host RAM .*activation_offloading=false"):
         policy.check_host_ram(host_ram(arch, plan, "train"), "train")
-    monkeypatch.setattr(devices, "ram_available", lambda: (64 * GiB, "available (MemAvailable)"))
+    monkeypatch.setattr(ram, "available", lambda: (64 * GiB, "available (MemAvailable)"))
     (line,) = policy.check_host_ram(host_ram(arch, plan, "train"), "train")
     assert line.startswith("host RAM: ") and "pinned activations" in line and "64.00 GiB available" in line
     assert policy.check_host_ram(host_ram(arch, plan, "precompute"), "precompute") == []

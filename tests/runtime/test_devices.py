@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lowmem_dpo.config.recipe import load_config
-from lowmem_dpo.runtime import devices, rules
+from lowmem_dpo.runtime import devices, ram, rules
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import MiB, fmt
 
@@ -36,7 +36,7 @@ def test_cuda_requested_without_gpu_is_a_user_error():
 def test_a_cpu_memory_budget_above_the_ram_there_is_planned_at_that_ram_and_said(capsys):
     """This machine's own MemAvailable (/proc/meminfo; its physical RAM where there is none): a budget a thousand
     times the RAM is planned at what is available, with one warning line; one within it is kept as given."""
-    available, source = devices.ram_available()
+    available, source = ram.available()
     assert 0 < available <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     r = devices.resolve(load_config(None, ["device=cpu", f"memory_budget={available * 1000}"]))
     assert 0 < r.budget <= available
