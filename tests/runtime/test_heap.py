@@ -2,6 +2,7 @@
 default, once its threshold has climbed, the same tensors stay resident. Real malloc, real RSS, in a fresh process
 each (the setting is for the whole process)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -60,3 +61,47 @@ def test_the_cpu_plan_is_rss_the_process_plus_the_tensors(make_cfg):
     for stage in (p.train, p.precompute):
         assert stage.peak_bytes - stage.tensor_peak_bytes == memory_model.CPU_PROCESS
         assert stage.breakdown["framework_overhead"] == memory_model.CPU_PROCESS
+
+
+HUGE = textwrap.dedent("""
+    import sys
+    if sys.argv[1] == "torch first":
+        import torch
+    import lowmem_dpo
+    import torch
+    from lowmem_dpo.runtime import heap
+    x = torch.ones(16 << 20)  # 64 MiB, every page written
+    rollup = open("/proc/self/smaps_rollup").read()
+    print(next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("AnonHugePages:")))
+    print(heap.configure())
+""")
+
+
+def huge_kib_and_line(order: str, env: dict) -> tuple[int, str]:
+    out = subprocess.run([sys.executable, "-c", HUGE, order], capture_output=True, text=True, check=True, env=env)
+    kib, line = out.stdout.strip().split("\n")
+    return int(kib), line
+
+
+@pytest.mark.skipif(heap.thp_mode() not in ("always", "madvise") or heap._libc() is None,
+                    reason="the kernel gives no transparent huge pages on request, or no glibc")
+def test_torch_s_large_blocks_are_on_huge_pages_when_the_package_is_imported_first():
+    """Real kernel, real allocator: AnonHugePages of a process holding a 64 MiB tensor. Imported before torch, the
+    package asks torch's allocator for huge pages and the log line says so; after torch, or against the user's
+    THP_MEM_ALLOC_ENABLE=0, it cannot, and the line says what the threshold then costs and why."""
+    env = {k: v for k, v in os.environ.items() if k != heap.THP_ENV}
+    kib, line = huge_kib_and_line("package first", env)
+    assert kib >= 32 << 10 and "on transparent huge pages (THP_MEM_ALLOC_ENABLE=1)" in line and "costs" not in line
+    kib, line = huge_kib_and_line("torch first", env)
+    assert "costs ~30% step time: torch was imported before lowmem_dpo" in line
+    if heap.thp_mode() == "madvise":  # "always" gives huge pages to every large mapping, asked or not
+        assert kib == 0
+    kib, line = huge_kib_and_line("package first", env | {heap.THP_ENV: "0"})
+    assert "costs ~30% step time: THP_MEM_ALLOC_ENABLE=0 from the environment" in line
+    assert kib == 0 or heap.thp_mode() == "always"
+
+
+def test_the_kernel_s_mode_is_the_bracketed_one(tmp_path):
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    assert heap.thp_mode(tmp_path / "enabled") == "madvise"
+    assert heap.thp_mode(tmp_path / "absent") is None
