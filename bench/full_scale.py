@@ -95,6 +95,8 @@ METHOD = {
         f"that many sequences, {PRECOMPUTE_ROWS} pairs per forward); build_sequences_per_s is the stage's own "
         "figure, its forwards only (ref_cache_dir/build.json, rounded to 3 decimals). Results from before the "
         "reference cache was keyed per sequence have rows_per_s and build_rows_per_s instead: pairs/s.",
+    "heap": "train's 'CPU heap:' log line (lowmem_dpo/runtime/heap.py): malloc's mmap threshold, and whether torch's "
+        "large blocks are on transparent huge pages; machine.allocator_env: the allocator variables set when it ran.",
     "median_step_s": "median over the --steps steps of metrics.jsonl step_time_s (train's own wall time of "
         "step.optimizer_step: forward, DPO loss against the cached reference, backward, clip, AdamW; "
         "logging_steps 1). Step 1 includes first-touch page faults of the weights.",
@@ -417,6 +419,13 @@ def precompute_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bo
     return out
 
 
+def heap_line(log_path: Path) -> str | None:
+    """The stage's "CPU heap: ..." line (runtime/heap.py: the mmap threshold, and huge pages or what the threshold
+    costs), which sets its step time and RSS."""
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    return next((line.split("CPU heap: ", 1)[1] for line in text.splitlines() if "CPU heap: " in line), None)
+
+
 def train_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bool) -> dict:
     meter_json = run_dir / "train-meter.json"
     shutil.rmtree(run_dir / "train-out", ignore_errors=True)
@@ -425,6 +434,7 @@ def train_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bool) -
                 lambda s: s.startswith("model: "), lambda s: s.startswith("resolved ")).run()
     add_planned(out, planned)
     add_tensor_peak(out, meter_json)
+    out["heap"] = heap_line(run_dir / "train.log")
     metrics = run_dir / "train-out" / "metrics.jsonl"
     if out["exit_code"] != 0 or not metrics.is_file():
         return out

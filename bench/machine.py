@@ -55,6 +55,9 @@ def machine_info() -> dict:
         "peft": peft.__version__,
         "lowmem_dpo_home": os.environ.get("LOWMEM_DPO_HOME"),
         "loadavg_at_start": loadavg(),
+        # the C heap and torch's CPU allocator (lowmem_dpo/runtime/heap.py): they set a CPU step's time and RSS
+        "allocator_env": {k: os.environ[k] for k in ("MALLOC_MMAP_THRESHOLD_", "THP_MEM_ALLOC_ENABLE", "LD_PRELOAD")
+                          if k in os.environ},
     }
     try:
         import trl
