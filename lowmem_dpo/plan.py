@@ -55,8 +55,8 @@ from lowmem_dpo.memory.search import KNOBS, LENGTH_STEP, Plan, choose, longest_m
 from lowmem_dpo.memory.setup import Setup, planned_device, run_budget, setup_from_config, with_prompts
 from lowmem_dpo.model import adapters, models
 from lowmem_dpo.objectives import needs_reference
-from lowmem_dpo.runtime.ram import available as ram_available
 from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.runtime.ram import available as ram_available
 from lowmem_dpo.runtime.units import fmt, parse_size, size_note
 
 EXIT_NO_FIT = 1

@@ -4,12 +4,11 @@ knobs a prediction depends on, and the memory budget it must fit."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 
-from lowmem_dpo.runtime import devices, rules
+from lowmem_dpo.runtime import devices, ram, rules
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.ranks import local_size
 from lowmem_dpo.runtime.units import parse_size
@@ -137,11 +136,11 @@ def run_budget(cfg, device: str) -> int:
 
 def default_budget(device: str) -> int:
     """What a run on `device` may use: on CUDA what torch can get of the card (rules.cuda_budget: free, plus what
-    this process holds, less what CUDA loads later); on a CPU the RAM, shared by the run's processes on this
-    machine, each with its own model."""
+    this process holds, less what CUDA loads later); on a CPU the RAM (in a container, its memory limit where that
+    is less: runtime/ram.py), shared by the run's processes on this machine, each with its own model."""
     if device == "cuda":
         if not torch.cuda.is_available():
             raise UserError("device=cuda but no GPU here to read its memory from: pass --budget, e.g. 11.25GiB "
                             "(what torch gets of a 12 GB card)")
         return rules.cuda_budget(*devices.cuda_memory(torch.device("cuda", torch.cuda.current_device())), None).budget
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_size()
+    return ram.total() // local_size()  # a container's memory limit where it is less than the machine's RAM

@@ -14,8 +14,11 @@ torch's CPU allocator puts its blocks of 2 MiB and more on transparent huge page
 is in the environment at its first allocation: then the same mappings fault 2 MiB at a time, and the step is
 as fast as the heap's (81 s) with RSS still the plan. torch reads the variable once, so the package sets it
 when it is imported before torch (`huge_pages_before_torch`, from lowmem_dpo/__init__.py), unless the
-environment already says. The kernel must allow huge pages on request (transparent_hugepage "madvise" or
-"always"; under "never" the threshold keeps its cost, and the log says so).
+environment already says. The kernel must allow huge pages on request (transparent_hugepage "madvise"; under
+"always" every large mapping gets them anyway; under "never" the threshold keeps its cost, and the log says so).
+The variable holds for the whole process and the processes it starts, whatever the device: a GPU run's host
+tensors of 2 MiB and more (few: its weights load to the card, its pinned buffers come from CUDA) and export's
+(each above glibc's 32 MiB, so in mappings of their own) get huge pages too.
 
 Only glibc; elsewhere (macOS, musl) the C library's own allocator is left as it is. Everything here is a no-op
 there."""
@@ -56,16 +59,18 @@ def thp_mode(path: Path = THP_MODE) -> str | None:
 
 
 def huge_pages() -> tuple[bool, str]:
-    """Whether torch's large blocks are on huge pages in this process, and why not when they are not."""
+    """Whether torch's large blocks are on huge pages in this process: (True, how) or (False, why not)."""
     mode = thp_mode()
+    if mode == "always":  # the kernel gives every large enough mapping huge pages, asked or not
+        return True, "the kernel's transparent huge pages are always on"
     if not _thp.get("asked"):
         if THP_ENV in os.environ:
             return False, f"{THP_ENV}={os.environ[THP_ENV]} from the environment"
         return False, f"torch was imported before lowmem_dpo, so its allocator did not see {THP_ENV}=1 (set it " \
                       "in the environment)"
-    if mode not in ("always", "madvise"):
+    if mode != "madvise":
         return False, f"this kernel's transparent huge pages are {mode or 'not there'}"
-    return True, ""
+    return True, f"{THP_ENV}=1"
 
 
 def _libc():
@@ -91,7 +96,8 @@ def configure() -> str:
             "RAM and RSS follows the plan")
     fast, why = huge_pages()
     if fast:
-        return line + f"; torch's blocks of 2 MiB and more on transparent huge pages ({THP_ENV}=1), as fast as a heap that keeps them"
+        return line + (f"; torch's blocks of 2 MiB and more on transparent huge pages ({why}), as fast as a heap "
+                       "that keeps them")
     return (line + f" (costs ~30% step time: {why}, and each fresh page is faulted 4 KiB at a time; for speed over "
             f"RAM set {ENV}={32 << 20} before starting Python)")
 

@@ -31,7 +31,7 @@ def test_no_cgroup_limit_leaves_mem_available(tmp_path):
     group(tmp_path / "sys/fs/cgroup/user.slice/session-1.scope",
           {"memory.max": "max\n", "memory.current": str(3 * GiB), "memory.stat": "anon 1\ninactive_file 5\n"})
     assert ram.available(tmp_path) == (40 * GiB, "available (MemAvailable)")
-    assert ram.cgroup_room(tmp_path) is None
+    assert ram.total(tmp_path) == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def test_a_v2_container_limit_is_the_room_left_under_it_inactive_file_pages_counted(tmp_path):
@@ -45,6 +45,7 @@ def test_a_v2_container_limit_is_the_room_left_under_it_inactive_file_pages_coun
     nbytes, source = ram.available(tmp_path)
     assert nbytes == 3 * GiB
     assert source == "left under the cgroup's memory limit (8.00 GiB, memory.max)"
+    assert ram.total(tmp_path) == min(8 * GiB, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def test_a_parent_s_tighter_limit_holds_and_mem_available_wins_when_it_is_less(tmp_path):
@@ -75,9 +76,38 @@ def test_a_v1_memory_limit_by_its_own_path_or_the_mount_s_root(tmp_path, exists)
     assert nbytes == 768 * MiB and source.endswith("(2.00 GiB, memory.limit_in_bytes)")
 
 
-def test_this_machine(tmp_path):
-    """The real files: at most MemAvailable, and positive."""
-    nbytes, source = ram.available()
-    assert 0 < nbytes <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    room = ram.cgroup_room()
-    assert room is None or nbytes <= room[0]
+def test_a_group_whose_files_cannot_be_read_is_skipped_not_the_others(tmp_path):
+    """The container's own group lost its memory.max (a permission, a race with its removal); its parent's limit
+    still holds. A group without memory.stat counts no inactive pages."""
+    machine(tmp_path, 40 * GiB, "0::/a/b")
+    root = tmp_path / "sys/fs/cgroup"
+    group(root, {"cgroup.controllers": "memory\n"})
+    group(root / "a", {"memory.max": f"{6 * GiB}", "memory.current": f"{2 * GiB}"})
+    group(root / "a/b", {"memory.max": "not a number\n", "memory.current": "0", "memory.stat": "inactive_file 0\n"})
+    assert ram.available(tmp_path) == (4 * GiB, "left under the cgroup's memory limit (6.00 GiB, memory.max)")
+
+
+def test_a_v1_parent_limit_the_container_cannot_see_is_in_its_memory_stat(tmp_path):
+    """cgroup v1 in a Kubernetes pod: the container's group is unlimited, the pod's 3 GiB shows only as
+    hierarchical_memory_limit."""
+    machine(tmp_path, 40 * GiB, "4:memory:/")
+    group(tmp_path / "sys/fs/cgroup/memory", {
+        "memory.limit_in_bytes": "9223372036854771712\n", "memory.usage_in_bytes": f"{GiB}\n",
+        "memory.stat": f"hierarchical_memory_limit {3 * GiB}\ntotal_inactive_file 0\n"})
+    assert ram.available(tmp_path)[0] == 2 * GiB
+    assert ram.total(tmp_path) == min(3 * GiB, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def test_a_cpu_run_without_memory_budget_plans_for_the_container_s_limit(tmp_path, monkeypatch):
+    """memory.setup.default_budget reads ram.total: the limit, not the host's RAM."""
+    from lowmem_dpo.memory import setup
+
+    monkeypatch.setattr(ram, "total", lambda root=None: 5 * GiB)
+    assert setup.default_budget("cpu") == 5 * GiB // setup.local_size()
+
+
+def test_this_machine():
+    """The real files: positive, at most the physical RAM."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    nbytes, _ = ram.available()
+    assert 0 < nbytes <= physical and 0 < ram.total() <= physical
