@@ -153,9 +153,10 @@ def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedC
                     run_cache: cache.RunCache, layout: bool | None, batch: int, shard_rows: int, need: int,
                     progress: bool) -> None:
     """Compute the sequences of `todo` (forward units, longest first) by batches and commit each chunk to the
-    run's cache under `layout`, at most `shard_rows` sequences a commit (a killed run keeps what it committed; `need`: the bytes the
-    free-space check asked for, which a full disk's message names). Several processes: each its every
-    world-size-th chunk. Out of memory halves the batch (down to 1 pair) for that chunk and the ones after it."""
+    run's cache under `layout`, at most `shard_rows` sequences a commit (a killed run keeps what it committed;
+    `need`: the bytes the free-space check asked for, which a full disk's message names). Several processes: each
+    its every world-size-th chunk. Out of memory halves the batch (down to 1 pair) for that chunk and the ones
+    after it."""
     from tqdm.auto import tqdm
 
     mine = distributed.shard(commits(todo, shard_rows))

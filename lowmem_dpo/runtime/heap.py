@@ -94,11 +94,11 @@ def configure() -> str:
         return "CPU heap: the C library's own allocator (not glibc): RSS can exceed the plan by what it keeps"
     line = (f"CPU heap: malloc's mmap threshold fixed at {MMAP_THRESHOLD >> 20} MiB, so that a freed tensor leaves "
             "RAM and RSS follows the plan")
-    fast, why = huge_pages()
-    if fast:
-        return line + (f"; torch's blocks of 2 MiB and more on transparent huge pages ({why}), as fast as a heap "
+    applies, reason = huge_pages()
+    if applies:
+        return line + (f"; torch's blocks of 2 MiB and more on transparent huge pages ({reason}), as fast as a heap "
                        "that keeps them")
-    return (line + f" (costs ~30% step time: {why}, and each fresh page is faulted 4 KiB at a time; for speed over "
+    return (line + f" (costs ~30% step time: {reason}, and each fresh page is faulted 4 KiB at a time; for speed over "
             f"RAM set {ENV}={32 << 20} before starting Python)")
 
 

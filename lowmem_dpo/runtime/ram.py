@@ -99,13 +99,14 @@ def _stat(path: Path) -> dict[str, int]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError:
         return {}
-    return {k: int(v) for k, v in (line.split() for line in lines if len(line.split()) == 2)}
+    fields = (line.split() for line in lines)
+    return {f[0]: int(f[1]) for f in fields if len(f) == 2}
 
 
 def _memory_groups(root: Path) -> list[tuple[int, Path, Path]]:
     """(cgroup version, folder, the hierarchy's mount) of this process's memory cgroup, from /proc/self/cgroup:
-    v2's "0::/path" under /sys/fs/cgroup, v1's "N:memory:/path" under /sys/fs/cgroup/memory. In a container whose cgroup namespace hides
-    the host's path, the mount's own root is the container's group."""
+    v2's "0::/path" under /sys/fs/cgroup, v1's "N:memory:/path" under /sys/fs/cgroup/memory. In a container whose
+    cgroup namespace hides the host's path, the mount's own root is the container's group."""
     out = []
     for line in (root / "proc/self/cgroup").read_text(encoding="utf-8").splitlines():
         _, controllers, path = line.split(":", 2)
