@@ -37,7 +37,7 @@ from lowmem_dpo.memory import search
 from lowmem_dpo.memory.host import host_ram
 from lowmem_dpo.memory.setup import run_budget
 from lowmem_dpo.model import headcheck, streaming
-from lowmem_dpo.model.logps import batch_logps
+from lowmem_dpo.model.logps import completion_logps, lm_of
 from lowmem_dpo.runtime import devices, distributed, files, folders, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
@@ -108,11 +108,12 @@ def units_logps(reference: ReferenceForward, units: list[list[data.TokenizedComp
     """(sequence, store Value) of every sequence of `units`, batch_size units per forward. `bar` (a progress bar)
     advances by the sequences of each batch."""
     out, resolved, per_token = [], reference.resolved, reference.per_token
+    lm = lm_of(reference.model)  # its parts, read once for the batches
     for i in range(0, len(units), batch_size):
         batch, seqs = collate_units(units[i:i + batch_size], reference.pad_id, reference.shared)
         # The same precision as train's forward at the same settings: step 1 shows ln 2.
         with devices.autocast(resolved.device, resolved.ref_dtype):
-            got = batch_logps(reference.model, batch.to(resolved.device), per_token=per_token)
+            got = completion_logps(lm, batch.to(resolved.device), per_token=per_token)
         logps, counts = got.logps.cpu().tolist(), got.n_tokens.cpu().tolist()
         for j, seq in enumerate(seqs):
             if seq is not None:

@@ -124,9 +124,9 @@ def test_adapter_round_trips_through_peft(make_cfg, tiny_path, tokenizer):
     b = data.collate(pairs, 0)
     with torch.no_grad():
         want = completion_logps(result.model, b.input_ids, b.attention_mask, b.completion_mask).logps
-        got = completion_logps(loaded, b.input_ids, b.attention_mask, b.completion_mask).logps
+        got = completion_logps(loaded, b).logps
         with loaded.disable_adapter():
-            base = completion_logps(loaded, b.input_ids, b.attention_mask, b.completion_mask).logps
+            base = completion_logps(loaded, b).logps
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(got, base, atol=1e-3)  # the adapter changes the model
 

@@ -21,20 +21,19 @@ class Batch:
     input_ids: torch.Tensor  # (2B, T); (B, T) shared
     attention_mask: torch.Tensor  # (2B, T) 1 on real tokens; (B, T) shared
     completion_mask: torch.Tensor  # (2B, T) 1 on completion tokens; shared (B, T): 1 chosen, 2 rejected
+    # the real tokens (attention_mask's sum), counted at collate on the host: read off a GPU batch, the count would
+    # wait for the device (a synchronization in every micro-batch)
+    num_tokens: int
     position_ids: torch.Tensor | None = None  # shared (B, T): rejected continues from the prompt, as chosen does
 
     def to(self, device) -> "Batch":
         return Batch(self.rows, self.input_ids.to(device), self.attention_mask.to(device),
-                     self.completion_mask.to(device),
+                     self.completion_mask.to(device), self.num_tokens,
                      None if self.position_ids is None else self.position_ids.to(device))
 
     @property
     def shared(self) -> bool:
         return self.position_ids is not None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
 
 
 def by_length(items: list, tokens: Callable[[object], int]) -> list:
@@ -86,7 +85,8 @@ def _padded(rows: list[int], seqs: list[list[int]], comp: list[int], pad_token_i
         input_ids[i, :len(s)] = torch.tensor(s)
         attention_mask[i, :len(s)] = 1
         completion_mask[i, len(s) - c:len(s)] = 1
-    return Batch(torch.tensor(rows, dtype=torch.long), input_ids, attention_mask, completion_mask)
+    return Batch(torch.tensor(rows, dtype=torch.long), input_ids, attention_mask, completion_mask,
+                 sum(len(s) for s in seqs))
 
 
 def pad_token_id(tokenizer) -> int:

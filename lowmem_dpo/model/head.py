@@ -1,7 +1,7 @@
 """The LM head of a frozen nn.Linear in (token, vocabulary) tiles: each row's log p(label) through an online
 logsumexp, with no (rows, V) logits and no float32 tile kept for backward. Pure: tensors in, tensors out.
 
-    logp, aligned = tiled_logps(h, lm_head.weight, lm_head.bias, labels, head, weighting)   # (M,), (M,) or None
+    logp, aligned = tiled_logps(h, lm_head.weight, lm_head.bias, labels, head, weighting, None, None)  # (M,), (M,)|None
 
 A tile is HEAD_TOKENS rows of hidden states against as many vocabulary entries as keep its float32 logits at
 HEAD_TILE_ELEMENTS (64 MiB). The forward keeps each row's logsumexp; the backward recomputes each tile, turns it
@@ -55,19 +55,13 @@ def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> 
     return acc.addmm_(a.float(), b.float())
 
 
-def tiled_logps(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, head,
-                weighting: bool = False, tokens: int | None = None, entries: int | None = None):
-    """log p(label) of each row of h (M, H) through the frozen head (weight (V, H), bias) and `head`'s transform
-    (logps.Head), in tiles of `tokens` x `entries` (head_tile's defaults): (M,) float32, and with weighting WPO's
-    aligned log-probs (M,), detached (else None)."""
-    return _TiledHead.apply(h, weight, bias, labels, head, weighting, tokens, entries)
-
-
-class _TiledHead(torch.autograd.Function):
-    """log p(label) of each row of h through a frozen nn.Linear LM head and `head`'s transform, in (token, vocabulary)
-    tiles with an online logsumexp: no (rows, V) logits, and none in float32 beyond one tile. The backward recomputes
-    each tile and accumulates the hidden states' gradient over the vocabulary in float32. The matmuls run in the
-    compute dtype (autocast's, else h's); the transform, the softmax and the sums in float32."""
+class TiledLogps(torch.autograd.Function):
+    """log p(label) of each row of h (M, H) through a frozen nn.Linear LM head (weight (V, H), bias) and `head`'s
+    transform (logps.Head), in tiles of `tokens` x `entries` (None: head_tile's defaults) with an online logsumexp:
+    (M,) float32, and with weighting WPO's aligned log-probs (M,), detached (else None). No (rows, V) logits, and none
+    in float32 beyond one tile. The backward recomputes each tile and accumulates the hidden states' gradient over the
+    vocabulary in float32. The matmuls run in the compute dtype (autocast's, else h's); the transform, the softmax
+    and the sums in float32."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
@@ -134,3 +128,6 @@ class _TiledHead(torch.autograd.Function):
                 del gy
             grad_h[a:a + c] = acc
         return grad_h, None, None, None, None, None, None, None
+
+
+tiled_logps = TiledLogps.apply  # (h, weight, bias, labels, head, weighting, tokens, entries): every argument, in order

@@ -151,7 +151,7 @@ def attention_kernel(model, batch: data.Batch, dtype: torch.dtype, max_length: i
         with activations.sdpa_calls(stop=True) as calls, logps.eval_mode(model), \
                 devices.autocast(batch.input_ids.device, dtype):
             try:
-                logps.batch_logps(model, batch)
+                logps.completion_logps(model, batch)
             except activations.FirstCall:  # the first attention call's arguments are all the probe needs
                 pass
     if not calls:
@@ -204,7 +204,7 @@ def sharing_difference(model, pairs: list, pad_id: int, device: torch.device, dt
     no different noise into the two forwards."""
     plain, shared = data.collate(pairs, pad_id).to(device), data.collate_shared(pairs, pad_id).to(device)
     with devices.autocast(device, dtype), logps.eval_mode(model):
-        a, b = logps.batch_logps(model, plain), logps.batch_logps(model, shared)
+        a, b = logps.completion_logps(model, plain), logps.completion_logps(model, shared)
     if not torch.equal(a.n_tokens, b.n_tokens):
         return float("inf")
     return float(((a.logps - b.logps).abs() / a.n_tokens.clamp(min=1)).max())

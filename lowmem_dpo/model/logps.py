@@ -154,6 +154,25 @@ def causal_lm(model):
     return model
 
 
+@dataclass(frozen=True)
+class LM:
+    """A model's parts as completion_logps runs them, read once (lm_of) by a stage that runs many forwards (train's
+    Trainee, precompute's batches) rather than at every forward. The LoRA layers live inside the backbone's modules,
+    so its forward is the adapted one (and the base one under model.disable_adapter())."""
+
+    model: torch.nn.Module  # as given: a PeftModel (its adapter switched off for a live reference) or a CausalLM
+    config: object  # the CausalLM's config: its attention implementation, read at each forward (a stage may set it)
+    backbone: torch.nn.Module  # the decoder stack: input ids to last hidden states
+    lm_head: torch.nn.Module  # its output embeddings
+    head: Head  # what its forward does to lm_head's output (head_of)
+
+
+def lm_of(model) -> LM:
+    """The parts of `model` (a PeftModel or a CausalLM) that completion_logps runs."""
+    lm = causal_lm(model)
+    return LM(model, lm.config, getattr(lm, lm.base_model_prefix), lm.get_output_embeddings(), head_of(lm.config)[0])
+
+
 def token_logps(lm_head, hidden: torch.Tensor, labels: torch.Tensor, head: Head, weighting: bool = False):
     """(c,) log p(label) of each row of `hidden`; weighting: also WPO's aligned log-prob, log p(label) - log
     sum_v p(v)^2, detached (c,), as TRL 1.16 computes it for use_weighting."""
@@ -286,27 +305,25 @@ def sequence_sums(out: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tens
     return table.index_put((out, place), values.to(dtype)).sum(1)  # (n,)
 
 
-def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
-                     chunk_tokens: int | None = None, position_ids: torch.Tensor | None = None,
-                     prompts: bool = False, weighting: bool = False,
+def completion_logps(model, batch, chunk_tokens: int | None = None, prompts: bool = False, weighting: bool = False,
                      ld_alpha: float | None = None, per_token: bool = False,
                      chunk_vocab: int | None = None) -> SequenceLogps:
-    """Sum of log p over each sequence's completion tokens, shifted by one (position t-1 predicts token t).
+    """Sum of log p over each sequence's completion tokens of a collated batch (data.Batch), shifted by one (position
+    t-1 predicts token t), through `model` (a PeftModel or a CausalLM, or its parts as lm_of read them once).
 
-    input_ids, attention_mask, completion_mask: (N, T). Returns (N,) float64 sums and (N,) token counts. With
-    position_ids (a shared-prefix batch, data.collate_shared: (B, T) rows [prompt, chosen, rejected] and
-    completion_mask 1 on chosen, 2 on rejected), returns (2B,) in the order [chosen; rejected], as for the
-    unshared batch of the same pairs: each prompt goes through the model once. prompts: also the chosen rows'
-    prompt tokens' sums and counts (prompt_logps, prompt_tokens), through the same chunked LM head. weighting:
-    also each sequence's sum of WPO's aligned log-probs (aligned), detached. ld_alpha (pairs): LD-DPO's sums,
-    each completion's tokens beyond its pair's shorter completion's count weighted by ld_alpha. per_token (not with
-    prompts): also each sequence's token log-probs, in order (tokens).
+    batch.input_ids, attention_mask, completion_mask: (N, T). Returns (N,) float64 sums and (N,) token counts. A
+    shared-prefix batch (data.collate_shared, with position_ids: (B, T) rows [prompt, chosen, rejected] and
+    completion_mask 1 on chosen, 2 on rejected) returns (2B,) in the order [chosen; rejected], as the unshared batch
+    of the same pairs: each prompt goes through the model once. prompts: also the chosen rows' prompt tokens' sums
+    and counts (prompt_logps, prompt_tokens), through the same chunked LM head. weighting: also each sequence's sum
+    of WPO's aligned log-probs (aligned), detached. ld_alpha (pairs): LD-DPO's sums, each completion's tokens beyond
+    its pair's shorter completion's count weighted by ld_alpha. per_token (not with prompts): also each sequence's
+    token log-probs, in order (tokens).
     """
-    lm = causal_lm(model)
-    backbone = getattr(lm, lm.base_model_prefix)
-    lm_head = lm.get_output_embeddings()
-    head, _ = head_of(lm.config)
-
+    lm = model if isinstance(model, LM) else lm_of(model)
+    backbone, lm_head, head = lm.backbone, lm.lm_head, lm.head
+    input_ids, attention_mask, completion_mask, position_ids = (batch.input_ids, batch.attention_mask,
+                                                                batch.completion_mask, batch.position_ids)
     shared = position_ids is not None
     if shared:
         kind = MASK_KINDS[lm.config._attn_implementation]  # headcheck.sharing_problem refused the others
@@ -345,12 +362,3 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
             n_tokens.tolist()))
         return SequenceLogps(logps, n_tokens, aligned=aligned, tokens=tokens)
     return SequenceLogps(logps[:n], n_tokens[:n], logps[n:], n_tokens[n:], aligned)
-
-
-def batch_logps(model, batch, chunk_tokens: int | None = None, prompts: bool = False,
-                weighting: bool = False, ld_alpha: float | None = None, per_token: bool = False) -> SequenceLogps:
-    """completion_logps of a collated batch (data.Batch: its input_ids, attention_mask, completion_mask and, for a
-    shared-prefix batch, position_ids): (2B,) [chosen; rejected] for pairs, (B,) for SFT rows."""
-    return completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens,
-                            position_ids=batch.position_ids, prompts=prompts, weighting=weighting, ld_alpha=ld_alpha,
-                            per_token=per_token)

@@ -93,12 +93,14 @@ def primary(loss_types) -> Objective:
     return next((OBJECTIVES[t] for t in loss_types if not OBJECTIVES[t].per_token), OBJECTIVES[loss_types[0]])
 
 
-def pair_metrics(x: PairLogps, s: Settings, loss_types) -> dict[metrics.Metric, torch.Tensor]:
+def pair_metrics(x: PairLogps, s: Settings, loss_types, logged: Objective | None = None
+                 ) -> dict[metrics.Metric, torch.Tensor]:
     """What a micro-batch of pairs logs, by its metric rows (metrics.py), (B,) each, detached: TRL's rewards/* (the
     primary objective's implicit rewards: by default b * r_c and b * r_r, which need the reference; without one,
     and no rewards of its own: zeros, as TRL's sft alone), their accuracy and margin, logps/* (sums, or per-token
-    means: SimPO, ORPO) and the run's terms' own (ORPO's log odds); the loss and the NLL are the step's."""
-    o = primary(loss_types)
+    means: SimPO, ORPO) and the run's terms' own (ORPO's log odds); the loss and the NLL are the step's. logged:
+    primary(loss_types), which a run resolves once."""
+    o = logged or primary(loss_types)
     if o.rewards is not None:
         chosen, rejected = o.rewards(x, s)
     elif x.ref_chosen is None:

@@ -286,7 +286,7 @@ def trl_head_kernel():
 
 
 def fused_head(device: torch.device):
-    """trl_head_kernel() on a CUDA device with Triton, else None (logps._TiledHead, the same tiles in torch ops,
+    """trl_head_kernel() on a CUDA device with Triton, else None (head.TiledLogps, the same tiles in torch ops,
     runs instead)."""
     if device.type != "cuda":
         return None

@@ -6,7 +6,8 @@
 The launchers set each process's rank and world size in its environment (ranks.py reads them: torchrun's RANK,
 WORLD_SIZE, LOCAL_RANK, or mpirun's under `accelerate launch --cpu`); `init` joins the process group they
 describe (NCCL for GPU tensors beside gloo for CPU ones on CUDA, gloo on a CPU). A single process needs nothing:
-every function here is then the identity or a no-op, so the stages call them unconditionally.
+every function here is then the identity or a no-op, so the stages call them unconditionally; the optimizer step
+(training/step.py), which runs thousands of times, calls them only with several ranks.
 
 Data parallelism only: every rank holds the whole (LoRA) policy and computes its part of each step; the LoRA
 gradients are summed across ranks (`sum_gradients`) before the update, which is then the same on every rank.

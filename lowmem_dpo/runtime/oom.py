@@ -49,12 +49,12 @@ def out_of_memory_means(message: str):
         raise UserError(message) from None
 
 
-def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: str, cleanup=None,
-                   any_rank=lambda failed: failed):
+def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: str, cleanup=None, any_rank=None):
     """run(size), retried at half the size on out-of-memory, down to 1: `cleanup()` (e.g. drop a partial step's
     gradients) and the cached blocks released before each retry, whose log line is retrying(new size). Out of
     memory at 1 raises UserError(exhausted). `any_rank(failed)` says whether any process failed
-    (distributed.any_rank; `run` makes no collective call): then every process retries at the same size."""
+    (distributed.any_rank; `run` makes no collective call): then every process retries at the same size. None: one
+    process, whose own failure decides."""
     while True:
         failed = False
         try:
@@ -65,7 +65,7 @@ def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: st
             seen_out_of_memory(e)
             del e  # its traceback holds the failed attempt's tensors
             failed = True
-        if any_rank(failed):
+        if (failed if any_rank is None else any_rank(failed)):
             if cleanup is not None:
                 cleanup()
             release_memory(device)

@@ -48,7 +48,7 @@ def with_backoff(session: Session, attempt, size: int, what: str, every_rank: bo
         retrying=lambda n: f"out of memory in {what} at step {session.progress.step}: retrying {n} at a time",
         exhausted=f"out of memory in {what} at step {session.progress.step}, one at a time; lower eval_max_pairs, "
                   "eval_generations or max_new_tokens (the last checkpoint is intact)",
-        any_rank=distributed.any_rank if every_rank else lambda failed: failed)
+        any_rank=distributed.any_rank if every_rank else None)
 
 
 def sample_items(items: list, n: int) -> list:

@@ -24,7 +24,7 @@ import torch
 from lowmem_dpo import data, objectives
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
-from lowmem_dpo.model.logps import batch_logps
+from lowmem_dpo.model.logps import completion_logps
 from lowmem_dpo.objectives import kto
 from lowmem_dpo.objectives import metrics as m
 from lowmem_dpo.runtime import devices
@@ -56,14 +56,14 @@ def sequences(views: list[data.TokenizedPair], kl: bool) -> list[data.TokenizedC
     return [data.TokenizedCompletion(v.row, v.prompt_ids, v.rejected_ids if kl else v.chosen_ids) for v in views]
 
 
-def policy_logps(model, items: list[data.TokenizedCompletion], pad_id: int, resolved: devices.Resolved):
-    """The policy's completion log-prob sums of `items` (N,) and the forward's tokens."""
+def policy_logps(lm, items: list[data.TokenizedCompletion], pad_id: int, resolved: devices.Resolved):
+    """The policy's completion log-prob sums of `items` (N,) and the forward's tokens; lm: its parts (logps.lm_of)."""
     batch = data.collate_completions(items, pad_id).to(resolved.device)
     with devices.autocast(resolved.device, resolved.dtype):
-        return batch_logps(model, batch).logps, batch.num_tokens
+        return completion_logps(lm, batch).logps, batch.num_tokens
 
 
-def reference_point(model, views: list, ref: Reference, micro_batch: int, *, cfg: Config, pad_id: int,
+def reference_point(lm, views: list, ref: Reference, micro_batch: int, *, cfg: Config, pad_id: int,
                     resolved: devices.Resolved) -> Block:
     """z0 of a block (module doc), by micro-batches, and the KL forward's tokens; 0 for apo_zero_unpaired. Over
     this process's block only: TRL averages the processes' block means at each micro-step, a collective call that
@@ -73,16 +73,16 @@ def reference_point(model, views: list, ref: Reference, micro_batch: int, *, cfg
     logps, tokens = [], 0
     with torch.no_grad():
         for i in range(0, len(views), micro_batch):
-            got, n = policy_logps(model, sequences(views[i:i + micro_batch], kl=True), pad_id, resolved)
+            got, n = policy_logps(lm, sequences(views[i:i + micro_batch], kl=True), pad_id, resolved)
             logps.append(got)
             tokens += n
     share = kto.kl_share(torch.cat(logps).cpu(), ref.cache.rejected[[v.row for v in views]])
     return Block(kto.reference_point(share), tokens, len(views))
 
 
-def forward(model, views: list, ref: Reference, block: Block, *, pad_id: int, resolved: devices.Resolved):
+def forward(lm, views: list, ref: Reference, block: Block, *, pad_id: int, resolved: devices.Resolved):
     """A micro-batch of a block's rows as its loss reads them (kto.UnpairedLogps) and the forward's tokens."""
-    got, tokens = policy_logps(model, sequences(views, kl=False), pad_id, resolved)
+    got, tokens = policy_logps(lm, sequences(views, kl=False), pad_id, resolved)
     rows = torch.tensor([v.row for v in views])
     ref_logps, label = ref.cache.chosen[rows], ref.desirable[rows]  # (n,) float64 and bool, on the CPU
     x = kto.UnpairedLogps(got, ref_logps.to(got.device, got.dtype), label.to(got.device), block.z0.to(got.device))

@@ -6,7 +6,8 @@ units (`size`: what a step's loss is a mean over, counted over every rank's item
 items into micro-batches, backs off on out-of-memory, backward()s each micro-batch's loss and sums the metrics.
 
     objective = build(cfg, resolved, pad_id, stage="train", ref=ref, eval_ref=eval_ref, shared=shared)
-    loss, sums = objective.loss(objective.forward(model, pairs, objective.ref, None), objective.size(pairs, False))
+    f = objective.forward(trainee.lm, pairs, objective.ref, None)   # lm: the policy's parts (logps.lm_of)
+    loss, sums = objective.loss(f, objective.size(pairs, False))
 
 DPO and the reference-free objectives (pairs), SFT (rows) and KTO (blocks of unpaired rows: training/kto.py) are
 entries of this kind.
@@ -23,7 +24,7 @@ import torch
 from lowmem_dpo import data, objectives
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
-from lowmem_dpo.model.logps import batch_logps
+from lowmem_dpo.model.logps import LM, completion_logps
 from lowmem_dpo.objectives import metrics as m
 from lowmem_dpo.objectives.metrics import Metric
 from lowmem_dpo.runtime import devices
@@ -48,14 +49,14 @@ class Objective:
     name: str  # the stage, the progress bar's label: "train" (DPO, KTO) or "sft"
     unit: str  # what a data row is, in messages: "pair", "row"
     metrics: tuple[Metric, ...]  # the summed metrics it logs, in the line's order (metrics.py rows)
-    forward: Callable  # (model, items, reference, block) -> a micro-batch's log-probs: what it needs per batch
+    forward: Callable  # (lm, items, reference, block) -> a micro-batch's log-probs: what it needs per batch
     loss: Callable  # (log-probs, StepSize) -> (the micro-batch's share of the step's loss, its Sums)
     size: Callable[[list, bool], StepSize]  # (every rank's items of a step, a new run's first step) -> its units
     ref: object = None  # the reference values of the training items (a cache; KTO: with its labels); None: none
     eval_ref: object = None  # the eval items'
     nll_weight: float | None = None  # the chosen tokens' NLL in the loss (Sums.nll_weight)
     blocks: bool = False  # its items are blocks of rows whose metrics average per block (KTO)
-    before: Callable | None = None  # (model, block, reference, micro_batch) -> what a block's forwards read (KTO: z0)
+    before: Callable | None = None  # (lm, block, reference, micro_batch) -> what a block's forwards read (KTO: z0)
     after: Callable | None = None  # (a block's sums, what `before` gave) -> the block's means (KTO)
     signs: Callable | None = None  # (sums, step, steps, held_out) -> the warning signs (guards.py) of pairs
     samples_from: Callable[[list], list] | None = None  # eval items -> the rows the samples answer (KTO)
@@ -75,7 +76,7 @@ class PairForward:
     tokens: int
 
 
-def pair_forward(model, pairs: list[data.TokenizedPair], ref: cache.RefCache | None, block, *, pad_id: int,
+def pair_forward(lm: LM, pairs: list[data.TokenizedPair], ref: cache.RefCache | None, block, *, pad_id: int,
                  resolved: devices.Resolved, shared: bool, reference: bool, prompts: bool, weighting: bool,
                  ld_alpha: float | None) -> PairForward:
     """The policy's log-probs of a micro-batch of pairs, and the reference's (cached; live: the adapter off).
@@ -87,10 +88,10 @@ def pair_forward(model, pairs: list[data.TokenizedPair], ref: cache.RefCache | N
         if reference and ref is not None:
             ref_chosen, ref_rejected = ref.chosen[batch.rows], ref.rejected[batch.rows]
         elif reference:  # ref_source=live: the same model with the adapter off, a forward more; for verification
-            with torch.no_grad(), model.disable_adapter():
-                live = batch_logps(model, batch, ld_alpha=ld_alpha).split()
+            with torch.no_grad(), lm.model.disable_adapter():
+                live = completion_logps(lm, batch, ld_alpha=ld_alpha).split()
             ref_chosen, ref_rejected = (side.logps.cpu() for side in live)
-        out = batch_logps(model, batch, prompts=prompts, weighting=weighting, ld_alpha=ld_alpha)
+        out = completion_logps(lm, batch, prompts=prompts, weighting=weighting, ld_alpha=ld_alpha)
     chosen, rejected = out.split()  # (B,) each
     if reference:  # the cache's float64 values, in the policy's sums' dtype (float32 on mps) on its device
         ref_chosen, ref_rejected = (r.to(device, chosen.logps.dtype) for r in (ref_chosen, ref_rejected))
@@ -102,10 +103,11 @@ def pair_forward(model, pairs: list[data.TokenizedPair], ref: cache.RefCache | N
 
 
 def pair_loss(f: PairForward, size: StepSize, *, s: objectives.Settings, terms: list[tuple[str, float]],
-              metrics: tuple[Metric, ...], nll_weight: float | None) -> tuple[torch.Tensor, Sums]:
+              logged: objectives.Objective, metrics: tuple[Metric, ...], nll_weight: float | None
+              ) -> tuple[torch.Tensor, Sums]:
     """A micro-batch's share of the step's loss: its per-pair terms' sum over the step's pairs, plus the NLL term's
     share of the mean over the step's NLL tokens; and its metrics (TRL's), detached. s, terms: the run's loss
-    settings and (loss type, weight) terms."""
+    settings and (loss type, weight) terms; logged: the objective whose rewards it logs (objectives.primary)."""
     x, types = f.logps, [t for t, _ in terms]
     losses = objectives.combine(x, s, terms)  # (B,)
     loss = losses.sum() / size.items
@@ -114,7 +116,7 @@ def pair_loss(f: PairForward, size: StepSize, *, s: objectives.Settings, terms: 
     sums.chosen_tokens, sums.rejected_tokens = int(x.chosen_tokens.sum()), int(x.rejected_tokens.sum())
     n = f.pairs
     sums.note(m.LOSS, losses.detach().sum().item(), n)
-    for metric, values in objectives.pair_metrics(x, s, types).items():  # (B,) each
+    for metric, values in objectives.pair_metrics(x, s, types, logged).items():  # (B,) each
         sums.note(metric, values.sum().item(), n)
     if nll_weight is not None:  # the chosen tokens' NLL term (sft, ORPO's own)
         loss = loss + objectives.per_token_loss(x, nll_weight, size.tokens)
@@ -188,7 +190,8 @@ def pairs(cfg: Config, resolved: devices.Resolved, pad_id: int, ref: cache.RefCa
         forward=functools.partial(pair_forward, pad_id=pad_id, resolved=resolved, shared=shared,
                                   reference=objectives.needs_reference(types), prompts=objectives.nll_prompt(types),
                                   weighting=cfg.use_weighting, ld_alpha=cfg.ld_alpha),
-        loss=functools.partial(pair_loss, s=cfg.loss_settings, terms=terms, metrics=metrics, nll_weight=nll_weight),
+        loss=functools.partial(pair_loss, s=cfg.loss_settings, terms=terms, logged=objectives.primary(types),
+                               metrics=metrics, nll_weight=nll_weight),
         size=functools.partial(pair_size, nll_prompt=objectives.nll_prompt(types), drift_at_start=drift_at_start),
         ref=ref, eval_ref=eval_ref, nll_weight=nll_weight,
         signs=functools.partial(pair_signs, cfg=cfg, resolved=resolved, drift_at_start=drift_at_start),
@@ -196,12 +199,12 @@ def pairs(cfg: Config, resolved: devices.Resolved, pad_id: int, ref: cache.RefCa
 
 
 # -- SFT: prompt/completion rows ----------------------------------------------------------------------------------
-def row_forward(model, rows: list[data.TokenizedCompletion], ref, block, *, pad_id: int,
+def row_forward(lm: LM, rows: list[data.TokenizedCompletion], ref, block, *, pad_id: int,
                 resolved: devices.Resolved):
     """A micro-batch's completion log-prob sums (B,) and its forward's tokens."""
     batch = data.collate_completions(rows, pad_id).to(resolved.device)
     with devices.autocast(resolved.device, resolved.dtype):
-        return batch_logps(model, batch), batch.num_tokens
+        return completion_logps(lm, batch), batch.num_tokens
 
 
 def row_loss(f, size: StepSize) -> tuple[torch.Tensor, Sums]:

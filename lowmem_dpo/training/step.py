@@ -23,6 +23,7 @@ import torch
 
 from lowmem_dpo import data
 from lowmem_dpo.model import compute_copies
+from lowmem_dpo.model.logps import LM, lm_of
 from lowmem_dpo.objectives import metrics
 from lowmem_dpo.runtime import devices, distributed, oom
 from lowmem_dpo.runtime.errors import log
@@ -40,6 +41,10 @@ class Trainee:
     params: list  # the trainable LoRA parameters
     scaler: object = None  # float16: torch.amp.GradScaler (devices.grad_scaler); None otherwise
     copies: compute_copies.ComputeCopies | None = None  # 16-bit: the LoRA weights' copies the forward reads
+    lm: LM = field(init=False)  # the model's parts its forwards run (logps.lm_of), read once, not at each forward
+
+    def __post_init__(self):
+        self.lm = lm_of(self.model)
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), the loss scaled first in float16 (the scaler's scale; optimizer_step unscales)."""
@@ -145,9 +150,11 @@ def groups(objective, items: list, world: distributed.World) -> list[list]:
     """This rank's items of a step, in the groups whose metrics the objective averages: one, every world-size-th
     item sorted by length (so each rank gets items of every length, distributed.shard); KTO's whole blocks, every
     world-size-th."""
+    several = world.size > 1  # one process: its share is every item, and no collective module is called
     if objective.blocks:
-        return distributed.shard(items, world)
-    return [distributed.shard(data.by_length(items, item_tokens), world)]
+        return distributed.shard(items, world) if several else items
+    ordered = data.by_length(items, item_tokens)
+    return [distributed.shard(ordered, world) if several else ordered]
 
 
 # -- forward and backward -----------------------------------------------------------------------------------------
@@ -156,7 +163,7 @@ def accumulate(session, items: list, micro_batch: int, grad: bool = True) -> Sum
     forward, its loss backward'ed (scaled so that summed over the ranks the step's loss is its mean over all `items`
     whatever the split: the objective's size), its metrics summed; grad=False: the sums alone (the eval's, over the
     eval part's reference). No collective call: the caller sums."""
-    run, model = session.run, session.trainee.model
+    run, model = session.run, session.trainee.lm
     objective = run.objective
     first = grad and session.progress.step == 0 and session.progress.resumed_from is None
     size, ref = objective.size(items, first), objective.ref if grad else objective.eval_ref
@@ -190,7 +197,7 @@ def backward_with_backoff(session, items: list) -> tuple[Sums, int, int]:
                   "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml shows what "
                   "fits)",
         cleanup=session.trainee.zero_grad,  # drop the partial step's gradients
-        any_rank=distributed.any_rank)  # every rank retries when one ran out
+        any_rank=distributed.any_rank if run.world.size > 1 else None)  # every rank retries when one ran out
 
 
 # -- the update ---------------------------------------------------------------------------------------------------
@@ -216,8 +223,9 @@ def optimizer_step(session) -> StepResult:
     items = next_items(progress.stream, run.items_per_step)  # every rank's: the stream is the same on each
     lr = trainee.scheduler.get_last_lr()[0]  # the rate this update uses: the schedule advances at the step's end
     stats, progress.micro_batch, progress.grad_accum = backward_with_backoff(session, items)
-    distributed.sum_gradients(trainee.params)  # the step's gradient, the same on every rank
-    stats = distributed.sum_stats(stats)  # the step's sums: the loss, the guards and the log see all ranks
+    if run.world.size > 1:  # several ranks: the step's gradient, the same on every rank; its sums, which the
+        distributed.sum_gradients(trainee.params)  # loss, the guards and the log read: every rank's
+        stats = distributed.sum_stats(stats)
     loss = stats.means()[metrics.LOSS.name]
     loss = math.nan if loss is None else loss
     if trainee.scaler is not None:

@@ -85,7 +85,7 @@ def test_cache_equals_independent_forward_in_row_order(make_cfg, tiny_path, toke
                                None, progress=False).pairs[0]
         b = data.collate([p], 0)
         with torch.no_grad():
-            c, r = completion_logps(model, b.input_ids, b.attention_mask, b.completion_mask).split()
+            c, r = completion_logps(model, b).split()
         assert ref.chosen[i].item() == pytest.approx(c.logps.item(), abs=1e-4)
         assert ref.rejected[i].item() == pytest.approx(r.logps.item(), abs=1e-4)
         assert int(ref.chosen_tokens[i]) == int(c.n_tokens) and int(ref.rejected_tokens[i]) == int(r.n_tokens)

@@ -86,7 +86,7 @@ def test_load_data_holds_out_by_eval_fraction(make_cfg, tokenizer, tmp_path):
 def one_forward_logps(model, pair) -> tuple[float, float]:
     b = data.collate([pair], 0)
     with torch.no_grad():
-        c, r = completion_logps(model, b.input_ids, b.attention_mask, b.completion_mask).split()
+        c, r = completion_logps(model, b).split()
     return c.logps.item(), r.logps.item()
 
 

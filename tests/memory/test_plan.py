@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lowmem_dpo.config.recipe import build_config, load_config
+from lowmem_dpo.data import Batch
 from lowmem_dpo.measure import PeakMeter, at_measured_shapes, measure, measure_slice
 from lowmem_dpo.memory.arch import (
     ARCH_PREFIX,
@@ -164,8 +165,9 @@ def test_chunked_lm_head_is_bounded_at_7b_vocabularies(vocab, n_seq, seq_len):
     attention[0, -8:] = 0  # padding: the mask transformers builds, as in real batches
     completion = attention.clone()
     completion[:, :prompt] = 0
+    batch = Batch(torch.arange(n_seq), ids, attention, completion, int(attention.sum()))
     with PeakMeter("cpu") as meter:
-        completion_logps(model, ids, attention, completion).logps.sum().backward()
+        completion_logps(model, batch).logps.sum().backward()
     measured = meter.peak_bytes - meter.entry_bytes
 
     setup = Setup(device="cpu", kind="cpu", dtype="float32", quantization="none", ref_dtype="float32",

@@ -80,12 +80,12 @@ def test_logps_equal_the_models_own_forward(name, arch_dir, tokenizer, monkeypat
     batch = data.collate(pairs, data.pad_token_id(tokenizer))
     with torch.no_grad():
         want = own_logps(model, batch)
-        got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=7,
+        got = completion_logps(model, batch, chunk_tokens=7,
                                chunk_vocab=100)  # the head's tiles: 7 tokens x 100 entries of the 461
         assert torch.allclose(got.logps, want, atol=1e-4, rtol=0), (got.logps - want).abs().max()
         if name in TRANSFORMED:  # the transform matters: a plain head would be off by far more than 1e-4
             monkeypatch.setitem(logps.HEADS, name, logps._plain)
-            plain = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+            plain = completion_logps(model, batch)
             assert (plain.logps - want).abs().max() > 0.1
 
 
@@ -204,7 +204,8 @@ def test_every_type_in_the_table_matches_its_own_forward(model_type):
     ids = torch.randint(3, 128, (2, 12))  # (2, 12); row 1 right-padded after 9 tokens, completions from token 4
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
-    batch = data.Batch(torch.arange(1), ids, mask, torch.cat([torch.zeros(2, 4), torch.ones(2, 8)], 1).long() * mask)
+    batch = data.Batch(torch.arange(1), ids, mask, torch.cat([torch.zeros(2, 4), torch.ones(2, 8)], 1).long() * mask,
+                       int(mask.sum()))
     with torch.no_grad():
-        got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        got = completion_logps(model, batch)
         assert torch.allclose(got.logps, own_logps(model, batch), atol=1e-4, rtol=0)

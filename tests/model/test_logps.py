@@ -35,7 +35,7 @@ def test_chunked_equals_full_log_softmax(model, tokenizer, chunk, entries):
     """Tiles of `chunk` rows x `entries` vocabulary entries (the tiny vocabulary is 461: 100 makes 5 tiles, the
     online logsumexp across them): the full log-softmax's sums, in float64."""
     batch = data.collate(some_pairs(tokenizer), 0)
-    got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=chunk,
+    got = completion_logps(model, batch, chunk_tokens=chunk,
                            chunk_vocab=entries)
     want = naive_logps(model, batch)
     assert got.logps.dtype == torch.float64
@@ -53,7 +53,7 @@ def test_gradients_match_unchunked(tiny_path, tokenizer, chunk, entries):
     m = get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     batch = data.collate(some_pairs(tokenizer, 4), 0)
     params = [p for p in m.parameters() if p.requires_grad]
-    got = completion_logps(m, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=chunk,
+    got = completion_logps(m, batch, chunk_tokens=chunk,
                            chunk_vocab=entries)
     g1 = torch.autograd.grad(got.logps.sum(), params)
     want = naive_logps(m, batch)
@@ -109,8 +109,8 @@ def test_row_alone_equals_row_in_padded_batch(model, tokenizer):
     alone = data.collate([short], 0)
     mixed = data.collate([long, short] + pairs[:2], 0)
     assert mixed.input_ids.shape[1] > alone.input_ids.shape[1]
-    a_c, a_r = completion_logps(model, alone.input_ids, alone.attention_mask, alone.completion_mask).split()
-    m_c, m_r = completion_logps(model, mixed.input_ids, mixed.attention_mask, mixed.completion_mask).split()
+    a_c, a_r = completion_logps(model, alone).split()
+    m_c, m_r = completion_logps(model, mixed).split()
     assert torch.allclose(a_c.logps[0], m_c.logps[1], atol=1e-5)
     assert torch.allclose(a_r.logps[0], m_r.logps[1], atol=1e-5)
     assert a_c.n_tokens[0] == m_c.n_tokens[1]
@@ -127,8 +127,7 @@ def test_wpo_aligned_sums_equal_the_full_distribution_s(model, tokenizer, shared
     tok = logp.gather(-1, plain.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (N, T-1)
     want = ((tok - torch.logsumexp(2 * logp, dim=-1)) * plain.completion_mask[:, 1:]).sum(-1)  # (N,)
     batch = data.collate_shared(pairs, 0) if shared else plain
-    got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=7,
-                           position_ids=batch.position_ids, weighting=True)
+    got = completion_logps(model, batch, chunk_tokens=7, weighting=True)
     assert torch.allclose(got.aligned, want.double(), atol=1e-4, rtol=1e-5) and not got.aligned.requires_grad
     assert torch.allclose(got.logps, naive_logps(model, plain).double(), atol=1e-4, rtol=1e-5)
 
@@ -154,8 +153,7 @@ def test_ld_alpha_weights_the_tokens_beyond_the_shorter_completion(model, tokeni
     want = (tok * (on - beyond)).sum(1) + 0.25 * (tok * beyond).sum(1)  # (N,)
     assert beyond.sum() > 0 and not torch.allclose(want, (tok * on).sum(1))
     batch = data.collate_shared(pairs, 0) if shared else plain
-    got = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk_tokens=7,
-                           position_ids=batch.position_ids, ld_alpha=0.25)
+    got = completion_logps(model, batch, chunk_tokens=7, ld_alpha=0.25)
     assert torch.allclose(got.logps, want.double(), atol=1e-4, rtol=1e-5)
     assert got.n_tokens.tolist() == counts.long().tolist()
 
@@ -168,8 +166,7 @@ def test_ld_alpha_shared_equals_unshared_with_empty_prompts(model, tokenizer):
     pairs = [dataclasses.replace(p, prompt_ids=[], rejected_ids=p.rejected_ids[:-1 - i])
              for i, p in enumerate(some_pairs(tokenizer, 3))]
     plain, shared = data.collate(pairs, 0), data.collate_shared(pairs, 0)
-    a = completion_logps(model, plain.input_ids, plain.attention_mask, plain.completion_mask, ld_alpha=0.25)
-    b = completion_logps(model, shared.input_ids, shared.attention_mask, shared.completion_mask,
-                         position_ids=shared.position_ids, ld_alpha=0.25)
+    a = completion_logps(model, plain, ld_alpha=0.25)
+    b = completion_logps(model, shared, ld_alpha=0.25)
     assert a.n_tokens.tolist() == b.n_tokens.tolist()
     assert torch.allclose(a.logps, b.logps, atol=1e-4, rtol=1e-5)

@@ -27,11 +27,16 @@ from lowmem_dpo.training.step import optimizer_step
 LLAMA_12GB = REPO / "recipes" / "llama3.1-8b-qlora-12gb.yaml"
 
 
+def as_batch(ids, mask, completion) -> data.Batch:
+    """The tensors as a collated batch (completion_logps reads its input_ids, masks and position_ids)."""
+    return data.Batch(torch.arange(ids.shape[0]), ids, mask, completion, int(mask.sum()))
+
+
 def logps_and_grads(model, ids, mask, completion):
     """(the completion log-probs (N,), every parameter's gradient) of one forward and backward."""
     for p in model.parameters():
         p.grad = None
-    out = logps.completion_logps(model, ids, mask, completion)
+    out = logps.completion_logps(model, as_batch(ids, mask, completion))
     out.logps.sum().backward()
     return out.logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -101,7 +106,7 @@ def test_tiled_mlp_runs_twice_per_step_and_equals_the_whole_one(arch, stops, tin
             model.train()
             rows = counted(mlps)
         with torch.no_grad():
-            plain = logps.completion_logps(model, ids, mask, completion).logps
+            plain = logps.completion_logps(model, as_batch(ids, mask, completion)).logps
         if tiled:
             assert rows[0] == spec.layers * ids.numel()  # without gradients: once
             rows[0] = 0
@@ -145,7 +150,7 @@ def test_no_padding_mask_and_the_kernel_said(tiny_path, tokenizer):
     model = load_model(tiny_path, torch.device("cpu"), torch.float32)
     ids, mask, completion = batch(len(tokenizer))
     with activations.sdpa_calls() as calls, torch.no_grad():
-        ours = logps.completion_logps(model, ids, mask, completion).logps
+        ours = logps.completion_logps(model, as_batch(ids, mask, completion)).logps
         logits = model(input_ids=ids, attention_mask=mask).logits.float()  # the model's own, with its padding mask
     assert calls[0]["attn_mask"] is None and calls[0]["is_causal"]
     token = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (2, T-1)

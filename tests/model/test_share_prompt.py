@@ -42,9 +42,8 @@ def pairs(tokenizer):
 
 def both(model, pairs):
     plain, shared = data.collate(pairs, 0), data.collate_shared(pairs, 0)
-    a = completion_logps(model, plain.input_ids, plain.attention_mask, plain.completion_mask)
-    b = completion_logps(model, shared.input_ids, shared.attention_mask, shared.completion_mask,
-                         position_ids=shared.position_ids)
+    a = completion_logps(model, plain)
+    b = completion_logps(model, shared)
     return a, b
 
 
@@ -226,4 +225,4 @@ def test_the_sharing_check_sees_no_dropout_noise(tiny_path, pairs):
 
 
 def logps_of(model, batch):
-    return completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask).logps
+    return completion_logps(model, batch).logps

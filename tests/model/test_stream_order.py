@@ -116,7 +116,7 @@ def steps(model, tokenizer, n: int = 2) -> None:
     ds = data.load_rows(str(TINY_DATA)).select(range(4))
     batch = data.collate(data.tokenize_rows(ds, tokenizer, 64, None, progress=False).pairs, 0)
     for _ in range(n):
-        completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask).logps.sum().backward()
+        completion_logps(model, batch).logps.sum().backward()
 
 
 def offloading_order(monkeypatch, rec: Streams, tiny_path, tokenizer) -> None:

@@ -54,7 +54,7 @@ def lora_policy(path, quantization="none", streamed=0, checkpointing=False, pref
 
 
 def logps_and_grads(model, batch):
-    out = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    out = completion_logps(model, batch)
     out.logps.sum().backward()
     return out.logps.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
@@ -109,8 +109,8 @@ def test_inference_frees_each_layer_after_its_forward(tiny_path, tokenizer):
     streamed = load_model(tiny_path, CPU, torch.float32)
     streamer = streaming.stream_layers(streamed, streaming.Plan(2, "model.layers"), CPU)
     with torch.inference_mode():
-        want = completion_logps(resident, batch.input_ids, batch.attention_mask, batch.completion_mask).logps
-        got = completion_logps(streamed, batch.input_ids, batch.attention_mask, batch.completion_mask).logps
+        want = completion_logps(resident, batch).logps
+        got = completion_logps(streamed, batch).logps
     assert torch.equal(got, want)
     assert list(streamer.slots) == [0, 1] and allocated(streamer, 0) == allocated(streamer, 1) == 0
 

@@ -95,7 +95,7 @@ def logps_and_grads(cfg, resolved, model, tokenizer):
     """The policy's log-probs of a batch, then the LoRA gradients of one train step (live reference)."""
     batch = some_batch(tokenizer)
     with torch.no_grad():
-        logps = completion_logps(model, batch.input_ids, batch.attention_mask, batch.completion_mask).logps
+        logps = completion_logps(model, batch).logps
     backward_pairs(policy.trainee(cfg, model, 1, resolved), cfg, some_pairs(tokenizer), data.pad_token_id(tokenizer),
                    resolved)
     return logps, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -140,8 +140,8 @@ def test_new_on_merged_with_a_streamed_layer(make_cfg, tiny_path, tokenizer, sft
                                                                                        str(sft_adapter)))
     batch = some_batch(tokenizer)
     with torch.no_grad():
-        want = completion_logps(reference, batch.input_ids, batch.attention_mask, batch.completion_mask).logps
-        got = completion_logps(runs["off"][2], batch.input_ids, batch.attention_mask, batch.completion_mask).logps
+        want = completion_logps(reference, batch).logps
+        got = completion_logps(runs["off"][2], batch).logps
     assert torch.allclose(got, want, atol=1e-4, rtol=0)  # merged vs unmerged: rounding only
     grads = assert_same_steps(runs, tokenizer)
     assert all(grads[n].abs().sum() > 0 for n in fresh if ".lora_B." in n)  # (B = 0: A gets none at step 1)
