@@ -208,6 +208,6 @@ def backward_pairs(trainee, cfg, pairs: list, pad_id: int, resolved):
     from lowmem_dpo.training import objective
 
     entry = objective.pairs(cfg, resolved, pad_id)
-    loss, sums = entry.loss(entry.forward(trainee.model, pairs, None, None), entry.size(pairs, False))
+    loss, sums = entry.loss(entry.forward(trainee.lm, pairs, None, None), entry.size(pairs, False))
     trainee.backward(loss)
     return sums

@@ -123,7 +123,7 @@ def test_adapter_round_trips_through_peft(make_cfg, tiny_path, tokenizer):
                                progress=False).pairs
     b = data.collate(pairs, 0)
     with torch.no_grad():
-        want = completion_logps(result.model, b.input_ids, b.attention_mask, b.completion_mask).logps
+        want = completion_logps(result.model, b).logps
         got = completion_logps(loaded, b).logps
         with loaded.disable_adapter():
             base = completion_logps(loaded, b).logps

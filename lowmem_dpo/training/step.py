@@ -163,17 +163,17 @@ def accumulate(session, items: list, micro_batch: int, grad: bool = True) -> Sum
     forward, its loss backward'ed (scaled so that summed over the ranks the step's loss is its mean over all `items`
     whatever the split: the objective's size), its metrics summed; grad=False: the sums alone (the eval's, over the
     eval part's reference). No collective call: the caller sums."""
-    run, model = session.run, session.trainee.lm
+    run, lm = session.run, session.trainee.lm
     objective = run.objective
     first = grad and session.progress.step == 0 and session.progress.resumed_from is None
     size, ref = objective.size(items, first), objective.ref if grad else objective.eval_ref
     sums = objective.new_sums()
     with torch.set_grad_enabled(grad):
         for group in groups(objective, items, run.world):
-            block = objective.before(model, group, ref, micro_batch) if objective.before else None
+            block = objective.before(lm, group, ref, micro_batch) if objective.before else None
             part = objective.new_sums() if objective.after else sums
             for batch in micro_batches(group, micro_batch):
-                loss, got = objective.loss(objective.forward(model, batch, ref, block), size)
+                loss, got = objective.loss(objective.forward(lm, batch, ref, block), size)
                 if grad:
                     session.trainee.backward(loss)
                 part.add(got)

@@ -35,8 +35,7 @@ def test_chunked_equals_full_log_softmax(model, tokenizer, chunk, entries):
     """Tiles of `chunk` rows x `entries` vocabulary entries (the tiny vocabulary is 461: 100 makes 5 tiles, the
     online logsumexp across them): the full log-softmax's sums, in float64."""
     batch = data.collate(some_pairs(tokenizer), 0)
-    got = completion_logps(model, batch, chunk_tokens=chunk,
-                           chunk_vocab=entries)
+    got = completion_logps(model, batch, chunk_tokens=chunk, chunk_vocab=entries)
     want = naive_logps(model, batch)
     assert got.logps.dtype == torch.float64
     assert torch.allclose(got.logps, want.double(), atol=1e-4, rtol=1e-5)
@@ -53,8 +52,7 @@ def test_gradients_match_unchunked(tiny_path, tokenizer, chunk, entries):
     m = get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     batch = data.collate(some_pairs(tokenizer, 4), 0)
     params = [p for p in m.parameters() if p.requires_grad]
-    got = completion_logps(m, batch, chunk_tokens=chunk,
-                           chunk_vocab=entries)
+    got = completion_logps(m, batch, chunk_tokens=chunk, chunk_vocab=entries)
     g1 = torch.autograd.grad(got.logps.sum(), params)
     want = naive_logps(m, batch)
     g2 = torch.autograd.grad(want.sum(), params)
