@@ -1,7 +1,7 @@
 """A 7B model through the whole pipeline on this machine: plan, precompute and train, unquantized and 4bit.
 
     python bench/full_scale.py --arch mistral-7b-v0.1 --max-length 512 --steps 3 --json OUT
-        [--layers N] [--runs bf16,4bit] [--plain]
+        [--layers N] [--runs bf16,4bit] [--plain] [--gradient-checkpointing true|false|auto]
 
 1. Model: a deterministic random-weight model of the shipped architecture (bench/random_weights.py), bf16
    safetensors under $LOWMEM_DPO_HOME/full_scale/, built once and reused. --layers N cuts it to its first N
@@ -10,7 +10,7 @@
    chosen and prompt + rejected each as long as whole sentences allow, never cut), a jsonl under
    bench/out/full_scale/MODEL/.
 3. Per run (bf16: dtype bfloat16; 4bit: NF4 base computing in bfloat16), a generated recipe (device cpu,
-   gradient checkpointing on, 1 pair per micro-batch, LoRA r 8 on all linear layers, the reference as the cache)
+   gradient checkpointing on unless --gradient-checkpointing says otherwise, 1 pair per micro-batch, LoRA r 8 on all linear layers, the reference as the cache)
    and, each stage in a fresh process so that its peaks are its own:
      plan        python -m lowmem_dpo.plan RECIPE --json: the planner's predicted peaks;
      precompute  lowmem_dpo.precompute's CLI (from an empty cache): sequences/s, load time, peaks;
@@ -106,8 +106,9 @@ METHOD = {
         "(2 x vocab x hidden per completion position: logps.py runs the head on those only). useful = forward + "
         "backward through the frozen base (activation gradients: the same as the forward's Linear and LM head "
         "FLOPs, 2x its attention, 2x its LoRA with LoRA's weight gradients); padding, elementwise ops and AdamW "
-        "not counted. Recomputation under gradient checkpointing (every decoder layer's forward again, and the "
-        "checkpointed LM head chunks) is NOT counted in useful_flops; with_recompute adds it.",
+        "not counted. Recomputation (the tiled LM head's forward again in its backward, always; every decoder "
+        "layer's forward again under gradient checkpointing, as the train log's resolved line says: "
+        "train.gradient_checkpointing) is NOT counted in useful_flops; with_recompute adds it.",
     "step_vs_matmul_peak": "median over the steps of useful FLOPs / step_time_s, divided by matmul_flop_per_s: "
         "the largest median FLOP/s of torch.mm in the run's compute dtype (squares 512, 1024, 2048 and the "
         "model's MLP up-projection at the step's token count; bench/limits.py matmul_timer, 5 timings of ~0.15 s "
@@ -192,12 +193,13 @@ def data_shapes(model_dir: Path, data: Path, max_length: int) -> dict:
 
 # -- recipe --------------------------------------------------------------------------------------------------------
 def write_recipe(path: Path, model_dir: Path, data: Path, run_dir: Path, dtype: str, quantization: str,
-                 max_length: int, steps: int) -> Path:
+                 max_length: int, steps: int, checkpointing: str = "true") -> Path:
     values = {
         "model_name_or_path": str(model_dir), "dataset": str(data),
         "output_dir": str(run_dir / "train-out"), "ref_cache_dir": str(run_dir / "ref-cache"),
         "device": "cpu", "dtype": dtype, "quantization": quantization,
-        "gradient_checkpointing": "true",  # 7B at T=512 without it keeps ~7.7 GB of activations: over 23 GB
+        # true by default, as the committed series ran; auto: the planner's choice (off where the activations fit)
+        "gradient_checkpointing": checkpointing,
         "max_length": max_length, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
         "max_steps": steps, "logging_steps": 1, "save_steps": 0, "resume": "never",
         "precompute_batch_size": PRECOMPUTE_ROWS, "lora_r": LORA_R, "lora_alpha": 16, "lora_dropout": 0.0,
@@ -426,6 +428,15 @@ def heap_line(log_path: Path) -> str | None:
     return next((line.split("CPU heap: ", 1)[1] for line in text.splitlines() if "CPU heap: " in line), None)
 
 
+def resolved_checkpointing(log_path: Path) -> bool | None:
+    """The gradient checkpointing the stage ran with: its last "resolved gradient_checkpointing=..." line (the
+    device rule's, or the policy's later one), None without one."""
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    said = [line.split("gradient_checkpointing=", 1)[1].split()[0] for line in text.splitlines()
+            if line.startswith("resolved gradient_checkpointing=")]
+    return said[-1] == "true" if said else None
+
+
 def train_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bool) -> dict:
     meter_json = run_dir / "train-meter.json"
     shutil.rmtree(run_dir / "train-out", ignore_errors=True)
@@ -435,6 +446,7 @@ def train_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bool) -
     add_planned(out, planned)
     add_tensor_peak(out, meter_json)
     out["heap"] = heap_line(run_dir / "train.log")
+    out["gradient_checkpointing"] = resolved_checkpointing(run_dir / "train.log")
     metrics = run_dir / "train-out" / "metrics.jsonl"
     if out["exit_code"] != 0 or not metrics.is_file():
         return out
@@ -464,8 +476,13 @@ def step_flops(model_dir: Path, seqs: list[tuple[int, int]], lora_r: int) -> dic
            "attention": config.num_hidden_layers * sum(2 * q_dim * t * t for t, _ in seqs),
            "lm_head": 2 * vocab * hidden * m}
     useful = 2 * fwd["linears"] + 3 * fwd["lora"] + 3 * fwd["attention"] + 2 * fwd["lm_head"]
-    return {"tokens": n, "completion_tokens": m, "forward": fwd, "useful_flops": useful,
-            "with_recompute": useful + sum(fwd.values())}
+    return {"tokens": n, "completion_tokens": m, "forward": fwd, "useful_flops": useful}
+
+
+def recomputed(forward: dict, checkpointing: bool) -> int:
+    """FLOPs a step computes again: the tiled LM head's forward in its backward, always (head.TiledLogps); under
+    gradient checkpointing every decoder layer's forward too."""
+    return sum(forward.values()) if checkpointing else forward["lm_head"]
 
 
 def replayed_steps(recipe: Path, steps: int) -> list[list[tuple[int, int]]]:
@@ -506,9 +523,12 @@ def model_matmul_shape(model_dir: Path, per_step: list[dict]) -> tuple[int, int,
 
 def add_flops(train: dict, per_step: list[dict], matmul: list[dict]) -> None:
     """The steps' FLOPs against the matmul rate: the best of the measurements in `matmul` (before precompute and
-    after train: a measurement taken while other processes share the cores reads low)."""
+    after train: a measurement taken while other processes share the cores reads low). The recomputation is the
+    one of the checkpointing the train stage resolved (its log's line)."""
     peak = max(mm["peak_flop_per_s"] for mm in matmul)
     times = train["step_s"]
+    for f in per_step:
+        f["with_recompute"] = f["useful_flops"] + recomputed(f["forward"], train["gradient_checkpointing"])
     train["tokens_per_step"] = [f["tokens"] for f in per_step]
     train["useful_flops_per_step"] = [f["useful_flops"] for f in per_step]
     train["flops_with_recompute_per_step"] = [f["with_recompute"] for f in per_step]
@@ -526,7 +546,7 @@ def bench_run(name: str, model_dir: Path, data: Path, work: Path, args, params: 
     dtype, quantization = RUNS[name]
     run_dir = work / name
     recipe = write_recipe(run_dir / "recipe.yaml", model_dir, data, run_dir, dtype, quantization, args.max_length,
-                          args.steps)
+                          args.steps, args.gradient_checkpointing)
     run: dict = {"run": name, "params": params, "dtype": dtype, "quantization": quantization,
                  "recipe": str(recipe), "load_s": None}
     try:
@@ -601,6 +621,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=None, help="cut the model to its first N decoder layers "
                     "(a separate folder; for smoke tests). Default: all")
     ap.add_argument("--runs", default="bf16,4bit", help="comma-separated: " + ", ".join(RUNS))
+    ap.add_argument("--gradient-checkpointing", choices=("true", "false", "auto"), default="true",
+                    help="the recipe's gradient_checkpointing (default true, as the committed series; auto: the "
+                    "planner's choice for this machine's RAM)")
     ap.add_argument("--plain", action="store_true", help="run the stages as `python -m lowmem_dpo.STAGE` "
                     "without the tensor meter (RSS peaks only; no torch profiler in the stage)")
     args = ap.parse_args(argv)

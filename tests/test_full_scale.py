@@ -76,3 +76,27 @@ def test_rows_fill_max_length_uncut(bench_modules, tiny_path, tokenizer, tmp_pat
         assert max_length - 16 < longest <= max_length  # within about a sentence of max_length
         assert max_length // 8 <= prompt <= max_length // 4 + 16
     assert data.read_text() == fs.write_data(tiny_path, max_length, 4, tmp_path / "again.jsonl").read_text()
+
+
+@pytest.mark.parametrize("checkpointing", ["true", "false"])
+def test_recomputation_follows_the_checkpointing_train_resolved(bench_modules, tiny_path, checkpointing, tmp_path):
+    """The FLOPs a step computes again are the ones of the checkpointing the train stage ran with, read off its
+    log's "resolved" lines as the package writes them (devices.resolve's reasons): every layer's forward and the
+    tiled head's when checkpointed, the head's alone when not."""
+    from lowmem_dpo.config.recipe import build_config
+    from lowmem_dpo.runtime import devices
+
+    _, fs = bench_modules
+    cfg = build_config({"model_name_or_path": str(tiny_path), "dataset": "lowmem_dpo:tiny-prefs", "device": "cpu",
+                        "gradient_checkpointing": checkpointing})
+    log = tmp_path / "train.log"
+    log.write_text("".join(f"resolved {reason}\n" for reason in devices.resolve(cfg).reasons))
+    assert fs.resolved_checkpointing(log) is (checkpointing == "true")
+    flops = fs.step_flops(tiny_path, [(100, 60), (90, 50)], lora_r=8)
+    train = {"step_s": [1.0], "gradient_checkpointing": fs.resolved_checkpointing(log)}
+    fs.add_flops(train, [flops], [{"peak_flop_per_s": 1e12}])
+    fwd = flops["forward"]
+    again = sum(fwd.values()) if checkpointing == "true" else fwd["lm_head"]
+    assert fwd["lm_head"] > 0 and fwd["linears"] > fwd["lm_head"] / 100
+    assert train["flops_with_recompute_per_step"] == [flops["useful_flops"] + again]
+    assert train["step_vs_matmul_peak_with_recompute"] == round((flops["useful_flops"] + again) / 1e12, 4)
