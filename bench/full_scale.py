@@ -421,18 +421,21 @@ def precompute_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bo
     return out
 
 
-def heap_line(log_path: Path) -> str | None:
+def log_lines(log_path: Path) -> list[str]:
+    """A stage's log, line by line ([] when it wrote none)."""
+    return log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
+
+
+def heap_line(lines: list[str]) -> str | None:
     """The stage's "CPU heap: ..." line (runtime/heap.py: the mmap threshold, and huge pages or what the threshold
     costs), which sets its step time and RSS."""
-    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-    return next((line.split("CPU heap: ", 1)[1] for line in text.splitlines() if "CPU heap: " in line), None)
+    return next((line.split("CPU heap: ", 1)[1] for line in lines if "CPU heap: " in line), None)
 
 
-def resolved_checkpointing(log_path: Path) -> bool | None:
+def resolved_checkpointing(lines: list[str]) -> bool | None:
     """The gradient checkpointing the stage ran with: its last "resolved gradient_checkpointing=..." line (the
     device rule's, or the policy's later one), None without one."""
-    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
-    said = [line.split("gradient_checkpointing=", 1)[1].split()[0] for line in text.splitlines()
+    said = [line.split("gradient_checkpointing=", 1)[1].split()[0] for line in lines
             if line.startswith("resolved gradient_checkpointing=")]
     return said[-1] == "true" if said else None
 
@@ -445,8 +448,8 @@ def train_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bool) -
                 lambda s: s.startswith("model: "), lambda s: s.startswith("resolved ")).run()
     add_planned(out, planned)
     add_tensor_peak(out, meter_json)
-    out["heap"] = heap_line(run_dir / "train.log")
-    out["gradient_checkpointing"] = resolved_checkpointing(run_dir / "train.log")
+    lines = log_lines(run_dir / "train.log")
+    out["heap"], out["gradient_checkpointing"] = heap_line(lines), resolved_checkpointing(lines)
     metrics = run_dir / "train-out" / "metrics.jsonl"
     if out["exit_code"] != 0 or not metrics.is_file():
         return out
@@ -527,18 +530,17 @@ def add_flops(train: dict, per_step: list[dict], matmul: list[dict]) -> None:
     one of the checkpointing the train stage resolved (its log's line)."""
     peak = max(mm["peak_flop_per_s"] for mm in matmul)
     times = train["step_s"]
-    for f in per_step:
-        f["with_recompute"] = f["useful_flops"] + recomputed(f["forward"], train["gradient_checkpointing"])
+    with_recompute = [f["useful_flops"] + recomputed(f["forward"], train["gradient_checkpointing"]) for f in per_step]
     train["tokens_per_step"] = [f["tokens"] for f in per_step]
     train["useful_flops_per_step"] = [f["useful_flops"] for f in per_step]
-    train["flops_with_recompute_per_step"] = [f["with_recompute"] for f in per_step]
+    train["flops_with_recompute_per_step"] = with_recompute
     train["forward_flops_by_part"] = per_step[0]["forward"]
     train["matmul_flop_per_s"] = peak
     train["matmul"] = matmul
     train["step_vs_matmul_peak"] = round(statistics.median(f["useful_flops"] / t / peak
                                                            for f, t in zip(per_step, times)), 4)
-    train["step_vs_matmul_peak_with_recompute"] = round(statistics.median(f["with_recompute"] / t / peak
-                                                                          for f, t in zip(per_step, times)), 4)
+    train["step_vs_matmul_peak_with_recompute"] = round(statistics.median(f / t / peak
+                                                                          for f, t in zip(with_recompute, times)), 4)
 
 
 # -- a run -----------------------------------------------------------------------------------------------------------

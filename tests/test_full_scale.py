@@ -91,9 +91,9 @@ def test_recomputation_follows_the_checkpointing_train_resolved(bench_modules, t
                         "gradient_checkpointing": checkpointing})
     log = tmp_path / "train.log"
     log.write_text("".join(f"resolved {reason}\n" for reason in devices.resolve(cfg).reasons))
-    assert fs.resolved_checkpointing(log) is (checkpointing == "true")
+    assert fs.resolved_checkpointing(fs.log_lines(log)) is (checkpointing == "true")
     flops = fs.step_flops(tiny_path, [(100, 60), (90, 50)], lora_r=8)
-    train = {"step_s": [1.0], "gradient_checkpointing": fs.resolved_checkpointing(log)}
+    train = {"step_s": [1.0], "gradient_checkpointing": fs.resolved_checkpointing(fs.log_lines(log))}
     fs.add_flops(train, [flops], [{"peak_flop_per_s": 1e12}])
     fwd = flops["forward"]
     again = sum(fwd.values()) if checkpointing == "true" else fwd["lm_head"]
