@@ -232,6 +232,41 @@ def test_world_comes_from_the_launchers_environment(monkeypatch):
     assert distributed.shard(list(range(7)), distributed.World(1, 3)) == [1, 4]
 
 
+LEAVE = """
+import glob, json, torch
+import torch.distributed
+from lowmem_dpo.runtime import distributed
+
+def threads():  # this process's native threads, by name
+    return sorted(open(p).read().strip() for p in glob.glob("/proc/self/task/*/comm"))
+
+distributed.init(torch.device("cpu"))
+import torch.distributed.fsdp  # as transformers' model loading imports it: after the group exists
+distributed.barrier()
+before = threads()
+distributed.leave()
+print(json.dumps({"before": before, "after": threads()}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads' names from Linux's /proc")
+def test_leaving_the_group_ends_its_threads_whatever_was_imported_after_it(tmp_path):
+    """The group's gloo threads end in distributed.leave (at exit), before the interpreter's teardown, where a
+    finished rank sometimes aborted with exit -6. A module imported after init that captured the group as a
+    default argument (torch.distributed.nn's, through fsdp) used to keep the group and its threads alive."""
+    script = tmp_path / "leave.py"
+    script.write_text(LEAVE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script)], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks_seen = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(ranks_seen) == 2
+    for seen in ranks_seen:
+        assert any("gloo" in name for name in seen["before"]), seen  # the group had its threads
+        assert not any("gloo" in name for name in seen["after"]), seen
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL); none here")
 def test_on_a_gpu_the_group_sums_gpu_gradients_and_cpu_flags(tmp_path):
     """One rank in the backend distributed.init picks on CUDA: the LoRA gradients (GPU tensors, NCCL) and the

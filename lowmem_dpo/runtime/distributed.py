@@ -62,17 +62,23 @@ def init(device: torch.device) -> torch.device:
         device = torch.device("cuda", w.local_rank)
         torch.cuda.set_device(device)
     if not active():
+        # torch.distributed.nn's functions take `group=group.WORLD` as a default argument, evaluated when the
+        # module is first imported; transformers' model loading imports it (through torch.distributed.fsdp). Were
+        # that after the group exists, ten defaults would hold the group for good: destroy_process_group could not
+        # free it, and its gloo threads would end in the interpreter's teardown, where a finished rank sometimes
+        # aborts ("terminate called without an active exception", exit -6; twice in the suite). Imported first,
+        # the defaults are None, which means the default group.
+        import torch.distributed.nn as _defaults  # noqa: F401
         # Other ranks wait in a collective while rank 0 alone writes samples or a checkpoint, or while the last
         # precompute shards finish: longer than the 10 minutes NCCL allows by default.
         torch.distributed.init_process_group(backend(device), rank=w.rank, world_size=w.size, timeout=WAIT,
                                              device_id=device if device.type == "cuda" else None)
-        # Left to the interpreter's exit, gloo's threads can outlive the group ("terminate called without an active
-        # exception", exit -6, after a finished run: seen once in the suite); destroyed first, they end in order.
-        atexit.register(_leave)
+        atexit.register(leave)  # the group and its threads end before the interpreter's teardown
     return device
 
 
-def _leave() -> None:
+def leave() -> None:
+    """Destroy the process group (at exit: init registers it): its threads end here, while Python still runs."""
     if active():
         torch.distributed.destroy_process_group()
 
