@@ -96,6 +96,7 @@ def test_precompute_on_two_processes_equals_one_and_computes_only_what_is_missin
 
 
 OOM_SCRIPT = '''"""Rank 1 runs out of memory (simulated: CUDA OOM cannot happen on this CPU) in its first forward of step 2."""
+import glob
 import os
 import sys
 
@@ -103,6 +104,7 @@ import torch
 
 from lowmem_dpo import train
 from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.runtime import distributed
 from lowmem_dpo.training import objective
 
 real, calls = objective.pair_forward, {"n": 0}
@@ -116,7 +118,12 @@ def pair_forward(model, pairs, *args, **kwargs):
 
 
 objective.pair_forward = pair_forward  # before train builds the run's objective entry, which binds it
-sys.exit(run_cli(train.main, sys.argv[1:], "train", ""))
+code = run_cli(train.main, sys.argv[1:], "train", "")
+distributed.leave()  # as at exit: the group's threads end here, whatever the run imported after init
+names = sorted(open(p).read().strip() for p in glob.glob("/proc/self/task/*/comm"))
+sys.stdout.flush()
+os.write(1, f"threads after leave: {names}\\n".encode())  # one write: the ranks share the pipe
+sys.exit(code)
 '''
 
 
@@ -143,6 +150,8 @@ def test_train_on_two_processes_equals_one_at_twice_the_batch_through_an_out_of_
         for k in ("loss", "rewards/margins", "grad_norm", "eval_loss", "eval_rewards/accuracies"):
             assert (a.get(k) is None) == (b.get(k) is None) and (a.get(k) is None or abs(a[k] - b[k]) < 1e-4), k
     assert p.stderr.count("saved adapter to") == 1 and "process 0 of 2" in p.stderr
+    left = [line for line in p.stdout.splitlines() if line.startswith("threads after leave:")]
+    assert len(left) == 2 and not any("gloo" in line for line in left), left  # a whole train's imports
     assert len(list((out / "checkpoints").iterdir())) == 2 and (out / "samples.jsonl").is_file()
     assert json.loads((out / "checkpoints/checkpoint-6/trainer_state.json").read_text())["world_size"] == 2
 
@@ -233,7 +242,7 @@ def test_world_comes_from_the_launchers_environment(monkeypatch):
 
 
 LEAVE = """
-import glob, json, torch
+import glob, json, os, sys, torch
 import torch.distributed
 from lowmem_dpo.runtime import distributed
 
@@ -245,7 +254,8 @@ import torch.distributed.fsdp  # as transformers' model loading imports it: afte
 distributed.barrier()
 before = threads()
 distributed.leave()
-print(json.dumps({"before": before, "after": threads()}))
+sys.stdout.flush()
+os.write(1, (json.dumps({"before": before, "after": threads()}) + "\\n").encode())  # one write: the ranks share the pipe
 """
 
 
