@@ -10,8 +10,8 @@
    chosen and prompt + rejected each as long as whole sentences allow, never cut), a jsonl under
    bench/out/full_scale/MODEL/.
 3. Per run (bf16: dtype bfloat16; 4bit: NF4 base computing in bfloat16), a generated recipe (device cpu,
-   gradient checkpointing on unless --gradient-checkpointing says otherwise, 1 pair per micro-batch, LoRA r 8 on all linear layers, the reference as the cache)
-   and, each stage in a fresh process so that its peaks are its own:
+   gradient checkpointing on unless --gradient-checkpointing says otherwise, 1 pair per micro-batch, LoRA r 8 on
+   all linear layers, the reference as the cache) and, each stage in a fresh process so that its peaks are its own:
      plan        python -m lowmem_dpo.plan RECIPE --json: the planner's predicted peaks;
      precompute  lowmem_dpo.precompute's CLI (from an empty cache): sequences/s, load time, peaks;
      train       lowmem_dpo.train's CLI (max_steps --steps, one pair each): step times, load time, peaks;
