@@ -49,7 +49,8 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
     pad_id = data.pad_token_id(prepared.tokenizer)
     device = resolved.device
     # As precompute decides it: each prompt once where the device rule and the model allow (share_prompt).
-    shared = headcheck.bring_up(model, cfg, resolved, pad_id, pairs[:1], pairs)
+    layout = headcheck.bring_up(model, cfg, resolved, pad_id, pairs[:1], pairs)
+    shared = layout.shared
     # precompute's batches: forward units longest first, cut into batches within each commit's units; a pair is
     # one shared unit or two unshared ones (precompute.chunk_with_backoff)
     per_batch = bs * (1 if shared else 2)
@@ -58,7 +59,7 @@ def precompute_vs_bare_forward(cfg, repeats: int, goal: float = 0.9) -> dict:
     batches = [units[i:i + per_batch] for units in commits for i in range(0, len(units), per_batch)]
     # the bare forward: the same sequences of each batch, one per row (the prompt in every row)
     collated = [data.collate_completions([s for u in b for s in u], pad_id).to(device) for b in batches]
-    reference = precompute.ReferenceForward(model, pad_id, resolved, shared)
+    reference = precompute.ReferenceForward(model, pad_id, resolved, layout)
 
     def ours(k: int) -> None:
         precompute.units_logps(reference, batches[k], per_batch)

@@ -94,16 +94,19 @@ def step_timer(device: str):
 
 
 def counting_trainer():
-    """DPOTrainer that notes each micro-batch's non-padding token count (a lazy tensor sum, no sync) and times its
-    reference precompute (precompute_ref_log_probs: in __init__, before any step)."""
+    """DPOTrainer that notes each micro-batch's non-padding token count (a lazy tensor sum, no sync) and the
+    positions it computes (its padded input's size), and times its reference precompute (precompute_ref_log_probs:
+    in __init__, before any step)."""
     from trl import DPOTrainer
 
     class CountingDPOTrainer(DPOTrainer):
         bench_tokens: list = []
+        bench_computed: list = []
         bench_precompute: list = []  # (name, rows, seconds) per precomputed dataset
 
         def training_step(self, model, inputs, *args, **kwargs):
             self.bench_tokens.append(inputs["attention_mask"].sum())
+            self.bench_computed.append(inputs["input_ids"].numel())
             return super().training_step(model, inputs, *args, **kwargs)
 
         def _precompute_ref_logps(self, dataset, name, batch_size):
@@ -165,8 +168,9 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict, setup: 
         setup_s = time.perf_counter() - t_setup
         result = trainer.train()
     tokens = [int(t) for t in trainer_class.bench_tokens]
-    per_step = [sum(tokens[i:i + cfg.gradient_accumulation_steps])
-                for i in range(0, len(tokens), cfg.gradient_accumulation_steps)]
+    per_step, computed = ([sum(counts[i:i + cfg.gradient_accumulation_steps])
+                           for i in range(0, len(counts), cfg.gradient_accumulation_steps)]
+                          for counts in (tokens, trainer_class.bench_computed))
     out = {
         "setup": setup,
         "description": SETUPS[setup],
@@ -177,6 +181,9 @@ def bench_trl(cfg, device: str, steps: int, warmup: int, trl_sets: dict, setup: 
                                  for name, n, sec in trainer_class.bench_precompute],
         "warmup_s": [round(t, 4) for t in timer.times[:warmup]],
         **summarize(timer.times[warmup:], per_step[warmup:len(timer.times)], timer.cpu_times[warmup:]),
+        # every timed step's seconds, real tokens and computed positions (padding included), in order
+        "step_times_s": timer.times[warmup:], "tokens_per_step": per_step[warmup:len(timer.times)],
+        "computed_per_step": computed[warmup:len(timer.times)],
         "train_loss": round(float(result.training_loss), 6),
         "peak_memory": pm.result, "peak_mem_bytes": pm.result.get("peak_bytes"),
     }

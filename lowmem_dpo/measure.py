@@ -172,12 +172,13 @@ def _measure_precompute(mcfg: Config, prepared: inputs.Inputs, resolved: devices
     tok = inputs.tokenized(mcfg, prepared.tokenizer, progress=False)
     model = policy.setup_model(mcfg, resolved, prepared.model_path, source=prepared.source, reference=True)
     pad_id = data.pad_token_id(prepared.tokenizer)
-    shared = headcheck.bring_up(model, mcfg, resolved, pad_id, tok.pairs[:1], tok.pairs)  # as precompute.run
+    layout = headcheck.bring_up(model, mcfg, resolved, pad_id, tok.pairs[:1], tok.pairs)  # as precompute.run
+    shared = layout.shared
     rows = mcfg.precompute_batch_size * (1 if shared else 2)  # a pair is one shared row, or two unshared ones
     units = precompute.forward_units(tok.pairs, [cache.pair_keys(p) for p in tok.pairs], None, shared)
     units = precompute.longest_first(units)[:rows]
     with PeakMeter(resolved.device) as meter:
-        precompute.units_logps(precompute.ReferenceForward(model, pad_id, resolved, shared), units, rows)
+        precompute.units_logps(precompute.ReferenceForward(model, pad_id, resolved, layout), units, rows)
     del model
     gc.collect()
     lengths = [len(u[0].prompt_ids) + sum(len(seq.completion_ids) for seq in u) for u in units]

@@ -38,7 +38,7 @@ from lowmem_dpo.memory.host import host_ram
 from lowmem_dpo.memory.setup import run_budget
 from lowmem_dpo.model import headcheck, streaming
 from lowmem_dpo.model.logps import completion_logps, lm_of
-from lowmem_dpo.runtime import devices, distributed, files, folders, oom
+from lowmem_dpo.runtime import devices, distributed, files, folders, heap, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training import inputs, policy
@@ -81,14 +81,16 @@ def longest_first(units: list[list[data.TokenizedCompletion]]) -> list[list[data
     return data.by_length(sorted(units, key=lambda unit: unit[0].row), unit_tokens)
 
 
-def collate_units(units: list[list[data.TokenizedCompletion]], pad_id: int, shared: bool
+def collate_units(units: list[list[data.TokenizedCompletion]], pad_id: int, layout: data.Layout
                   ) -> tuple[data.Batch, list]:
-    """One forward of `units` (forward_units), and the sequence each of its outputs is (None: an empty slot)."""
-    if not shared:
-        return data.collate_completions([u[0] for u in units], pad_id), [u[0] for u in units]
+    """One forward of `units` (forward_units) in `layout`, and the sequence each of its outputs is (None: an empty
+    slot)."""
+    if not layout.shared:
+        return data.collate_completions([u[0] for u in units], pad_id, layout.packed), [u[0] for u in units]
     rows = [data.TokenizedPair(u[0].row, u[0].prompt_ids, u[0].completion_ids, u[1].completion_ids if len(u) > 1
                                else []) for u in units]
-    return data.collate_shared(rows, pad_id), [u[0] for u in units] + [u[1] if len(u) > 1 else None for u in units]
+    return data.collate_shared(rows, pad_id, layout.packed), [u[0] for u in units] + [
+        u[1] if len(u) > 1 else None for u in units]
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class ReferenceForward:
     model: object  # the reference: base, or base + the SFT adapter (load_model)
     pad_id: int
     resolved: devices.Resolved  # its device and ref_dtype
-    shared: bool = False  # a pair's prompt once per row (headcheck.bring_up decides)
+    layout: data.Layout = data.Layout()  # a pair's prompt once per row, packed rows (headcheck.bring_up decides)
     per_token: bool = False  # each token's log-prob kept too (a per_token side: ld_alpha)
 
 
@@ -110,7 +112,7 @@ def units_logps(reference: ReferenceForward, units: list[list[data.TokenizedComp
     out, resolved, per_token = [], reference.resolved, reference.per_token
     lm = lm_of(reference.model)  # its parts, read once for the batches
     for i in range(0, len(units), batch_size):
-        batch, seqs = collate_units(units[i:i + batch_size], reference.pad_id, reference.shared)
+        batch, seqs = collate_units(units[i:i + batch_size], reference.pad_id, reference.layout)
         # The same precision as train's forward at the same settings: step 1 shows ln 2.
         with devices.autocast(resolved.device, resolved.ref_dtype):
             got = completion_logps(lm, batch.to(resolved.device), per_token=per_token)
@@ -145,6 +147,10 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
         log(f"warning: the planner predicts precompute does not fit {fmt(budget)} even so (python -m "
             "lowmem_dpo.plan shows the terms); an out-of-memory error halves the batch again")
     streamed = bool(stream) and plan.fits
+    kept = resolved.device.type == "cpu" and plan.fits and heap.keep_freed_blocks(
+        plan.prediction.precompute.peak_bytes, policy.transient(plan.prediction.precompute), budget)
+    if kept:
+        log(kept)
     for line in policy.check_host_ram(host_ram(arch, plan, "precompute", streamed), "precompute"):
         log(line)
     return batch, streaming.Plan(stream.layers, arch.layers_prefix) if streamed else None
@@ -209,7 +215,7 @@ def chunk_with_backoff(reference: ReferenceForward, chunk: list[list[data.Tokeni
     values, and the batch that worked, where the next chunks start. `batch` is in pairs: a pair is one shared
     row, or two unshared ones."""
     start = bar.n
-    rows_per_pair = 1 if reference.shared else 2
+    rows_per_pair = 1 if reference.layout.shared else 2
 
     def attempt(size: int):
         bar.n = start  # a retry computes the chunk from its start
@@ -272,12 +278,12 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
             model, batch = load_model(cfg, resolved, prepared, len(keys))
             pad_id = data.pad_token_id(prepared.tokenizer)
             # decided on the dataset's pairs, as train decides: the two agree on the layout
-            shared = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.tok.pairs[:1], dataset.tok.pairs)
-            layout = shared if side.twin is not None else None
+            forward = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.tok.pairs[:1], dataset.tok.pairs)
+            layout = forward.shared if side.twin is not None else None
             todo = {keys[i] for i in lacking[layout]}
-            units = forward_units(*dataset.all_pairs(), todo, shared)
+            units = forward_units(*dataset.all_pairs(), todo, forward.shared)
             computed, t0 = len(todo), time.perf_counter()
-            reference = ReferenceForward(model, pad_id, resolved, shared, per_token=side.per_token)
+            reference = ReferenceForward(model, pad_id, resolved, forward, per_token=side.per_token)
             compute_missing(reference, longest_first(units), run_cache, layout, batch, cfg.cache_shard_rows,
                             need[layout], progress)
             # the model's memory goes now (bitsandbytes' weights hold a reference cycle): train may follow

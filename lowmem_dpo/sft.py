@@ -72,10 +72,10 @@ def setup(cfg: Config, progress: bool = True) -> Session:
     if source.adapter_path is None:  # a fresh adapter on the base: name the base portably
         model.peft_config["default"].base_model_name_or_path = base_name(cfg.model_name_or_path)
     pad_id = data.pad_token_id(tokenizer)
-    headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:2], train=True)  # completions: never shared
+    layout = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:2], train=True)  # never shared
     # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
-    run = RunSetup(cfg, resolved, build(cfg, resolved, pad_id, "sft"), dataset.train, pad_id, trains_on,
-                   dataset.eval, tokenizer, dataset.prompts, adapter_off_is_start=False)
+    run = RunSetup(cfg, resolved, build(cfg, resolved, pad_id, "sft", layout=layout), dataset.train, pad_id,
+                   trains_on, dataset.eval, tokenizer, dataset.prompts, adapter_off_is_start=False)
     session = start_session(run, model, resume)
     progress = session.progress
     session.opening = [

@@ -78,7 +78,8 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     model = policy.setup_model(cfg, resolved, prepared.model_path, stream, source=prepared.source)
     pad_id = data.pad_token_id(prepared.tokenizer)
     # sharing decided on the same rows as precompute's (every row of dataset): the two agree on the layout
-    shared = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:1], dataset.tok.pairs, train=True)
+    layout = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:1], dataset.tok.pairs, train=True)
+    shared = layout.shared
     if ref is not None and side.twin is not None:  # 16-bit: the values of this run's layout first
         ref, eval_ref = reference_caches(cfg, prepared, side.preferring(shared), dataset, recipe)
         if ref.shared != shared:
@@ -97,7 +98,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     # A new run's step 1 measures the cache against its own forward (the drift line): the policy is the reference
     # there, so the cache should hold its forward's values; not so for a continued SFT adapter with lora_dropout,
     # whose B is not 0: the dropout draws noise into it.
-    objective = build(cfg, resolved, pad_id, "train", ref, eval_ref, shared,
+    objective = build(cfg, resolved, pad_id, "train", ref, eval_ref, layout,
                       drift_at_start=off_is_start or not cfg.lora_dropout)
     run = RunSetup(cfg, resolved, objective, items, pad_id, trains_on, eval_items, prepared.tokenizer,
                    dataset.prompts, adapter_off_is_start=off_is_start)

@@ -49,6 +49,20 @@ def tokenizer(tiny_path):
     return load_tokenizer(tiny_path)
 
 
+@pytest.fixture(scope="module")
+def pairs(tokenizer):
+    """Six pairs of the demo's rows made unequal in length: a prompt cut to 2 tokens, a one-token chosen, a long
+    rejected (the layouts' tests: test_share_prompt, test_packing)."""
+    from lowmem_dpo import data
+
+    got = data.tokenize_rows(data.load_rows(str(TINY_DATA)).select(range(6)), tokenizer, 64, None,
+                             progress=False).pairs
+    got[1].prompt_ids = got[1].prompt_ids[:2]
+    got[2].chosen_ids = got[2].chosen_ids[:1]
+    got[3].rejected_ids = got[3].rejected_ids + got[0].chosen_ids
+    return got
+
+
 @pytest.fixture
 def make_cfg(tmp_path):
     """Config for the tiny model and shipped data, writing under tmp_path; keyword args override."""
@@ -145,6 +159,14 @@ def import_bench(*names: str) -> tuple:
         return tuple(importlib.import_module(name) for name in names)
     finally:
         sys.path.remove(str(REPO / "bench"))
+
+
+def forward_sequences(kwargs: dict) -> int:
+    """The sequences a backbone forward runs (its keyword arguments, as a forward pre-hook with_kwargs sees them):
+    a packed row's (padding_free: its bounds), else the padded batch's rows. The simulated out-of-memory errors
+    (CUDA's, which cannot happen on this CPU) count these."""
+    bounds = kwargs.get("sequence_bounds")
+    return len(bounds) - 1 if bounds is not None else kwargs["input_ids"].shape[0]
 
 
 def cached(cfg):

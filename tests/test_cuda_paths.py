@@ -28,7 +28,9 @@ from lowmem_dpo.training.step import optimizer_step
 
 RUN = dict(model_name_or_path="lowmem_dpo:tiny-llama", dataset=str(TINY_DATA), device="cpu", max_length=64,
            per_device_train_batch_size=4, max_steps=6, save_steps=3, logging_steps=1, learning_rate=3e-3, seed=7,
-           precompute_batch_size=32, eval_generations=0, share_prompt="false")
+           precompute_batch_size=32, eval_generations=0, share_prompt="false", padding_free="false")
+# padding_free=false: the simulated out-of-memory errors (_too_big) count a forward's sequences by its rows, which a
+# packed forward (one row) does not show; the back-off itself is the same for either layout
 
 
 TIMING = {"step_time_s": 0, "tokens_per_s": 0}
@@ -182,7 +184,8 @@ def test_precompute_out_of_memory_at_one_pair_exits_2_and_resumes(tmp_path, caps
     """Out of memory even at 1 pair after a few batches: exit 2 naming what to lower, the committed sequences kept;
     the rerun (memory back) computes only the rest."""
     args = [str(TINY_RECIPE), f"dataset={TINY_DATA}", f"ref_cache_dir={tmp_path / 'c'}",
-            "cache_shard_rows=64", "precompute_batch_size=64", "dtype=float32", "share_prompt=false"]
+            "cache_shard_rows=64", "precompute_batch_size=64", "dtype=float32", "share_prompt=false",
+            "padding_free=false"]  # the calls counted below: bring_up's probe, then the batches
     handle = _too_big(10_000, after_calls=4)  # the attention-kernel probe's forward (it stops early), 3 batches
     try:
         assert run_cli(precompute.main, args, "precompute", precompute.__doc__) == 2

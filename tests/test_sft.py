@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_DATA, cached, stored_sides, write_jsonl
+from conftest import TINY_DATA, cached, forward_sequences, stored_sides, write_jsonl
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
@@ -301,7 +301,7 @@ def test_sft_out_of_memory_halves_the_micro_batch(tmp_path, rows64, capsys):
         session = sft.setup(cfg, progress=False)
         if limit is not None:
             def too_big(module, args, kwargs):
-                if kwargs["input_ids"].shape[0] > limit:
+                if forward_sequences(kwargs) > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
             session.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
         items = next_items(session.progress.stream, session.run.items_per_step)

@@ -118,6 +118,10 @@ class Config:
     share_prompt: Switch = key(AUTO, "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "
                            "mask hiding chosen and rejected from each other. auto: the device rule (docs/"
                            "devices-and-memory.md), if the first batch agrees.")
+    padding_free: Switch = key(AUTO, "A micro-batch's sequences in one row, without padding, each attending only to "
+                               "itself (SDPA per sequence; TRL's name): the same numbers, no work on padding. auto: "
+                               "where the model supports it and its first rows agree; true refuses a model that "
+                               "cannot (docs/performance.md).")
     # -- tokenization (these change the reference numbers) -----------------------------------------------------
     max_length: int = key(512, "Each prompt+completion sequence keeps its first max_length tokens; rows whose "
                          "prompt alone reaches it are dropped. Activation memory grows linearly with it.",

@@ -3,7 +3,8 @@
     rows.py    load rows through `datasets`, after checking a local file's structure (file:line errors)
     encode.py  tokenize as TRL 1.16 does; skip (and count) the rows DPO cannot use
     lengths.py what tokenization kept and cut, the max_length that keeps rows whole (pure)
-    batch.py   collate chosen and rejected of a micro-batch into one right-padded forward; items longest first
+    batch.py   collate chosen and rejected of a micro-batch into one right-padded forward, or one packed row
+               (padding_free); items longest first
     split.py   the eval hold-out of a dataset (eval_fraction), by a hash of each row's prompt
     mix.py     a mixture of sources: the rows each gives (fraction, rows, max_train_samples), tokenized per source
     implicit.py  a row's prompt from the shared start of chosen and rejected
@@ -14,25 +15,36 @@ The stages use the names below; each lives in the module that says so. The cache
 data.store's, imported by name.
 """
 
-from lowmem_dpo.data.batch import Batch, by_length, collate, collate_completions, collate_shared, pad_token_id
+from lowmem_dpo.data.batch import (
+                                   PACK_MIN_PADDING,
+                                   Batch,
+                                   Layout,
+                                   Packed,
+                                   by_length,
+                                   collate,
+                                   collate_completions,
+                                   collate_shared,
+                                   pack,
+                                   pad_token_id,
+)
 from lowmem_dpo.data.encode import (
-                                    SKIPS,
-                                    TRUNCATIONS,
-                                    TokenizedCompletion,
-                                    TokenizedData,
-                                    TokenizedPair,
-                                    check_skips,
-                                    kept,
-                                    skip_reasons,
-                                    tokenize_completions,
-                                    tokenize_rows,
+                                   SKIPS,
+                                   TRUNCATIONS,
+                                   TokenizedCompletion,
+                                   TokenizedData,
+                                   TokenizedPair,
+                                   check_skips,
+                                   kept,
+                                   skip_reasons,
+                                   tokenize_completions,
+                                   tokenize_rows,
 )
 from lowmem_dpo.data.lengths import Kept, losses_over, nearest_rank
 from lowmem_dpo.data.mix import Mixture, load_mixture, tokenize_mixture
 from lowmem_dpo.data.rows import REQUIRED, data_files, load_rows
 from lowmem_dpo.data.split import held_out, holdout_rows, prompt_keys, shown_prompt
 
-__all__ = ["Batch", "by_length", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
+__all__ = ["Batch", "Layout", "PACK_MIN_PADDING", "Packed", "pack", "by_length", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
            "TokenizedData", "TokenizedPair", "check_skips", "kept", "skip_reasons", "Kept", "losses_over", "nearest_rank", "tokenize_completions", "tokenize_rows",
            "REQUIRED", "data_files", "load_rows", "held_out", "holdout_rows",
            "prompt_keys", "shown_prompt", "Mixture", "load_mixture", "tokenize_mixture"]

@@ -26,6 +26,9 @@ from lowmem_dpo.runtime.units import fmt
 CHECKPOINT_BYTES = 2  # bytes a parameter in the checkpoint read at load: the 16-bit shards 7B models ship
 
 # What frees each term, for the refusal's line.
+# What the process itself takes from host RAM after the check, beyond the planned terms: the CUDA runtime's host side
+# and the load's staging buffers (an estimate: bench/gpu_check.py records peak_rss_gib beside host_planned_gib).
+HOST_MARGIN = 1 << 30
 KNOBS = {
     "pinned activations": "activation_offloading=false, with a lower max_length so the card holds the activations",
     "streamed layers": "a lower max_length (fewer layers streamed)",
@@ -74,13 +77,14 @@ def host_ram(arch: Arch, plan, stage: str, streamed: bool = True) -> HostRam:
 
 
 def host_problem(host: HostRam, available: int, stage: str, source: str = "available") -> str | None:
-    """The refusal's line when `stage`'s host RAM is more than `available` (as `source` names it), naming the
-    largest term and the knob that frees it; None when it fits."""
-    if host.total <= available:
+    """The refusal's line when `stage`'s host RAM and HOST_MARGIN are more than `available` (as `source` names
+    it), naming the largest term and the knob that frees it; None when it fits."""
+    if host.total + HOST_MARGIN <= available:
         return None
     name, largest = max(host.terms.items(), key=lambda kv: kv[1])
     return (f"{stage} needs {fmt(host.total)} of host RAM it cannot give back ("
             + ", ".join(f"{n} {fmt(b)}" for n, b in host.terms.items() if b)
-            + f") and this machine has {fmt(available)} {source}: pinned or paged memory past that fails in "
+            + f") and {fmt(HOST_MARGIN)} for the process itself, and this machine has {fmt(available)} {source}: "
+            "pinned or paged memory past that fails in "
             f"cudaHostAlloc or ends in the kernel's out-of-memory killer. The largest, {name} ({fmt(largest)}), is "
             f"freed by {KNOBS[name]}")

@@ -11,15 +11,10 @@ from dataclasses import dataclass
 from lowmem_dpo.memory import attention
 from lowmem_dpo.memory.arch import Arch, adapted
 from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup, setup_from_config
-from lowmem_dpo.memory.weights import (
-    base_weight_bytes,
-    dequant_bytes,
-    lora_shapes,
-    optimizer_state_bytes,
-)
+from lowmem_dpo.memory.weights import base_weight_bytes, dequant_bytes, lora_shapes, optimizer_state_bytes
 from lowmem_dpo.model.activations import MLP_TILE_TOKENS
 from lowmem_dpo.model.head import HEAD_TILE_ELEMENTS, head_tile
-from lowmem_dpo.runtime.devices import FUSED_HEAD_TILE
+from lowmem_dpo.runtime.kernels import FUSED_HEAD_TILE
 from lowmem_dpo.runtime.rules import ADAMW_TORCH
 
 # CUDA's caching allocator holds more than its live tensors (reserved - allocated): an estimate of that share of
@@ -209,7 +204,7 @@ def head_tile_bytes(arch: Arch, m: int, s: int, device: str) -> int:
     measured on the CPU): its float32 logits, transformed and turned into the softmax's gradient in place, and the
     larger of its s-byte product before the float32 copy (s = 2) and, with a softcapped head (Gemma2), a second
     float32 tile (the softmax beside the capped logits its derivative reads): (4 + max(s | 0, 4 | 0))*c*v. On CUDA
-    the larger of that and TRL's fused kernel's s-byte (4096, 32768) tile (devices.fused_head, where installed)."""
+    the larger of that and TRL's fused kernel's s-byte (4096, 32768) tile (kernels.fused_head, where installed)."""
     c, v = head_tile(m, arch.vocab)
     ours = (4 + max(s if s != 4 else 0, 4 * arch.softcapped_head)) * c * v
     tokens, entries = FUSED_HEAD_TILE
@@ -218,9 +213,10 @@ def head_tile_bytes(arch: Arch, m: int, s: int, device: str) -> int:
 
 def logits_train_bytes(arch: Arch, completion_positions: int, lora_head: bool = False, s: int = 4,
                        device: str = "cpu") -> int:
-    """The LM head in train (logps.py), over the M completion positions only, nothing (M, V)-sized. A frozen head,
-    at a tile's backward: the tile (head_tile_bytes), its c rows' float32 gradient over the vocabulary (c*H*4), the
-    hidden states' gradient (M*H*s), and 16-bit off CUDA a float32 copy of the weight's tile. LoRA on the LM head:
+    """The LM head in train (logps.py) over the M completion positions, nothing (M, V)-sized. A frozen head at a
+    tile's backward: the tile (head_tile_bytes), its rows' float32 gradient (c*H*4), the hidden states' gradient
+    (M*H*s; twice on CUDA, where TRL's fused kernel takes h in 4096-row parts: their gradients and the split's
+    concatenation exist together), and 16-bit off CUDA a float32 copy of the weight's tile. LoRA on the LM head:
     checkpointed chunks of 2^24 // V rows, the whole vocabulary each: four float32 (c, V) tensors at a chunk's
     backward (logits, minus logsumexp, exp, gradient), its B output one more, a softcap one more."""
     m = completion_positions
@@ -228,7 +224,8 @@ def logits_train_bytes(arch: Arch, completion_positions: int, lora_head: bool = 
         return (4 + 1 + arch.softcapped_head) * chunk_tokens(arch, m) * arch.vocab * 4
     c, v = head_tile(m, arch.vocab)
     upcast = v * arch.hidden * 4 if s != 4 and device != "cuda" and v < arch.vocab else 0  # off CUDA, W's tile
-    return head_tile_bytes(arch, m, s, device) + c * arch.hidden * 4 + m * arch.hidden * s + upcast
+    return head_tile_bytes(arch, m, s, device) + c * arch.hidden * 4 + m * arch.hidden * s * (1 + (device == "cuda")) \
+        + upcast
 
 
 def precompute_layer_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> int:

@@ -9,7 +9,7 @@ into the logits' gradient in place, and accumulates the hidden states' gradient 
 The matmuls run in the compute dtype (autocast's, else h's), the head's transform (logps.Head: scale, softcap),
 the softmax and the sums in float32. TRL 1.16's DPOTrainer computes the same tiles (its fused LM head);
 `FUSED` holds a kernel that does it in one pass per tile on a device, which a stage sets at model bring-up
-(headcheck.bring_up: TRL's Triton kernel on CUDA, runtime.devices.fused_head), where it is installed.
+(headcheck.bring_up: TRL's Triton kernel on CUDA, runtime.kernels.fused_head), where it is installed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 # A fused kernel per device type, f(h, weight, bias, labels, scale, softcap, weighting) -> (log-probs, aligned);
-# set by headcheck.bring_up (runtime.devices.fused_head). None for a device type: tiled_logps in torch ops.
+# set by headcheck.bring_up (runtime.kernels.fused_head). None for a device type: tiled_logps in torch ops.
 FUSED: dict[str, Callable] = {}
 
 # The LM head's tiles: HEAD_TOKENS rows of hidden states at a time, against as many vocabulary entries as keep one
@@ -42,15 +42,26 @@ def _logit_tile(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.mm(h, w.t()) if bias is None else torch.addmm(bias[start:end].to(dtype), h, w.t())
 
 
+def out_dtype_matmuls(version: str) -> bool:
+    """Whether this torch (its version string) has torch.addmm's out_dtype (from 2.8): a 16-bit product summed in
+    float32 on CUDA."""
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    return (major, minor) >= (2, 8)
+
+
+OUT_DTYPE = out_dtype_matmuls(torch.__version__)
+
+
 def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """acc + a @ b, (c, v) @ (v, H), accumulated in float32 over the vocabulary tiles: from the second tile on, no
-    16-bit product is rounded before the sum (on CUDA, addmm with a float32 output; elsewhere in float32). The first
-    tile's product as it comes, in the compute dtype (with one tile, as a plain lm_head backward)."""
+    16-bit product is rounded before the sum (on CUDA with torch >= 2.8, addmm with a float32 output; elsewhere in
+    float32). The first tile's product as it comes, in the compute dtype (with one tile, as a plain lm_head
+    backward)."""
     if acc is None:
         return a @ b
     if acc.dtype != torch.float32:
         acc = acc.float()
-    if a.is_cuda and a.dtype != torch.float32:
+    if a.is_cuda and a.dtype != torch.float32 and OUT_DTYPE:
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     return acc.addmm_(a.float(), b.float())
 

@@ -5,22 +5,25 @@
   For a known architecture it costs nothing;
 - share_prompt (decide_sharing): precompute and train compare the shared-prefix forward with the unshared one on
   the first pairs, and share only when they agree;
+- padding_free (decide_packing): precompute, train and sft compare a packed row's log-probs with the padded
+  batch's on the first rows, and pack only when they agree;
 - the attention kernel (attention_kernel): which of SDPA's kernels the first pair's forward runs, said in one line,
   with a warning where a long sequence would build its (T, T) scores.
 
-`bring_up` runs the three, as every stage (and the benches) brings its model up."""
+`bring_up` runs the four, as every stage (and the benches) brings its model up."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from lowmem_dpo import data, objectives
 from lowmem_dpo.config.schema import Config
-from lowmem_dpo.model import activations, logps
-from lowmem_dpo.model.head import FUSED, HEAD_TOKENS
-from lowmem_dpo.runtime import devices, oom
+from lowmem_dpo.model import activations, logps, packing
+from lowmem_dpo.model.head import FUSED
+from lowmem_dpo.runtime import devices, kernels, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.rules import SHARE_MIN_PROMPT_SHARE
 
@@ -147,7 +150,7 @@ def attention_kernel(model, batch: data.Batch, dtype: torch.dtype, max_length: i
     lm = logps.causal_lm(model)
     impl = getattr(lm.config, "_attn_implementation", None)
     calls = []
-    if impl in (None, "sdpa"):  # another implementation does not call SDPA: nothing to probe
+    if impl in (None, "sdpa", logps.PACKED_ATTENTION):  # another implementation does not call SDPA: nothing to probe
         with activations.sdpa_calls(stop=True) as calls, logps.eval_mode(model), \
                 devices.autocast(batch.input_ids.device, dtype):
             try:
@@ -166,7 +169,8 @@ def attention_kernel(model, batch: data.Batch, dtype: torch.dtype, max_length: i
         mask = c["attn_mask"]
         line = (f"attention: SDPA's {kernel} kernel" + (
             f", with the {'shared rows' if batch.shared else 'padding'} mask {tuple(mask.shape)} as a bias"
-            if mask is not None else ", causal, no mask"))
+            if mask is not None else ", causal, no mask") + (
+            ", once per sequence of a packed row (padding_free: no padding)" if batch.packed is not None else ""))
     if kernel in ("flash", "memory-efficient", "cuDNN"):
         return line + " (never the (T, T) scores)"
     if kernel == "unknown":
@@ -198,16 +202,30 @@ def sharing_problem(model, max_length: int) -> str | None:
 
 
 @torch.no_grad()
-def sharing_difference(model, pairs: list, pad_id: int, device: torch.device, dtype: torch.dtype) -> float:
-    """The largest difference of a completion's mean log-prob per token between the shared-prefix forward and
-    the unshared one, on `pairs`; in eval mode, so that LoRA dropout (a continued SFT adapter's B is not 0) draws
-    no different noise into the two forwards."""
-    plain, shared = data.collate(pairs, pad_id).to(device), data.collate_shared(pairs, pad_id).to(device)
-    with devices.autocast(device, dtype), logps.eval_mode(model):
-        a, b = logps.completion_logps(model, plain), logps.completion_logps(model, shared)
+def layout_difference(model, plain: data.Batch, other: data.Batch, dtype: torch.dtype) -> float:
+    """The largest difference of a completion's mean log-prob per token between two layouts of the same sequences
+    (padded, shared, packed), both on the model's device; in eval mode, so that LoRA dropout (a continued SFT
+    adapter's B is not 0) draws no different noise into the two forwards."""
+    with devices.autocast(plain.input_ids.device, dtype), logps.eval_mode(model):
+        a, b = logps.completion_logps(model, plain), logps.completion_logps(model, other)
     if not torch.equal(a.n_tokens, b.n_tokens):
         return float("inf")
     return float(((a.logps - b.logps).abs() / a.n_tokens.clamp(min=1)).max())
+
+
+def checked(model, plain: data.Batch, other: data.Batch, dtype: torch.dtype, what: str) -> str | None:
+    """Why the layout `other` cannot stand in for `plain` on this model (what: its name in the message), or None:
+    its forward fails, or its log-probs differ from the padded ones by more than SHARE_TOLERANCE."""
+    try:
+        with oom.out_of_memory_means(OOM_CHECK):
+            difference = layout_difference(model, plain, other, dtype)
+    except (TypeError, ValueError, RuntimeError) as e:  # a forward that takes no 4D mask, position_ids or bounds
+        return f"its forward fails on a {what} batch ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    tolerance = SHARE_TOLERANCE.get(dtype, SHARE_TOLERANCE[torch.bfloat16])
+    if difference > tolerance:
+        return (f"on the first rows its {what} log-probs differ from the padded ones by up to {difference:.3g} "
+                f"nats per token (tolerance {tolerance:g} in {devices.dtype_name(dtype)})")
+    return None
 
 
 def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, dtype: torch.dtype,
@@ -223,16 +241,9 @@ def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, 
         problem = (f"the repeated prompts are {share:.0%} of the tokens, below the "
                    f"{SHARE_MIN_PROMPT_SHARE:.0%} where sharing pays on this device (share_prompt=true forces it)")
     if problem is None:
-        try:
-            with oom.out_of_memory_means(OOM_CHECK):
-                difference = sharing_difference(model, pairs[:CHECK_ROWS], pad_id, resolved.device, dtype)
-        except (TypeError, ValueError, RuntimeError) as e:  # a forward that takes no 4D mask or position_ids
-            difference, problem = float("inf"), f"its forward fails on a shared-prefix batch ({type(e).__name__}: " \
-                                                 f"{str(e).splitlines()[0][:200]})"
-        tolerance = SHARE_TOLERANCE.get(dtype, SHARE_TOLERANCE[torch.bfloat16])
-        if problem is None and difference > tolerance:
-            problem = (f"on the first pairs its shared-prefix log-probs differ from the unshared ones by up to "
-                       f"{difference:.3g} nats per token (tolerance {tolerance:g} in {devices.dtype_name(dtype)})")
+        first = pairs[:CHECK_ROWS]
+        problem = checked(model, data.collate(first, pad_id).to(resolved.device),
+                          data.collate_shared(first, pad_id).to(resolved.device), dtype, "shared-prefix")
     if problem is None:
         return True
     if setting is True:
@@ -242,27 +253,54 @@ def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, 
     return False
 
 
+def decide_packing(model, items: list, collate, pad_id: int, device: torch.device, dtype: torch.dtype,
+                   setting: bool | str, max_length: int, shared: bool) -> bool:
+    """Whether the stage runs each micro-batch as one packed row (padding_free: packing.py): when the model
+    qualifies (packing.problem) and, with its attention switched to the packed one, the first rows (at most 2
+    items, laid out by `collate`: data.collate, collate_shared or collate_completions) give the padded
+    log-probs. `setting` (padding_free: auto or a bool): false keeps the padded batches; true refuses a model that
+    cannot (exit 2); auto falls back to padding with a note. The attention stays switched when packed."""
+    if setting is False:
+        return False
+    lm = logps.causal_lm(model)
+    problem = packing.problem(lm, max_length, shared)
+    if problem is None:
+        packing.enable(lm)
+        plain = collate(items[:CHECK_ROWS], pad_id)
+        problem = checked(model, plain.to(device), dataclasses.replace(plain, packed=data.pack(plain)).to(device),
+                          dtype, "packed")
+        if problem is not None:
+            packing.disable(lm)
+    if problem is None:
+        log(f"padding_free: a micro-batch whose padding is {data.PACK_MIN_PADDING:.0%} of its positions or more runs "
+            "as one packed row, each sequence attending only to itself (the first rows gave the padded log-probs)")
+        return True
+    if setting is True:
+        raise UserError(f"padding_free=true: this model cannot run packed rows: {problem}; set padding_free=auto or "
+                        "false (padded micro-batches)")
+    log(f"padding_free: padded micro-batches: {problem}")
+    return False
+
+
 def use_fused_head(device: torch.device) -> str | None:
-    """Set the LM head's fused kernel for `device` (devices.fused_head: TRL's Triton kernel on CUDA, where it is
-    installed), or none; on CUDA, the line that says which head runs."""
-    kernel = devices.fused_head(device)
+    """Set the LM head's fused kernel for `device` (kernels.fused_head: TRL's Triton kernel on CUDA, where it is
+    installed and its probe passes on this card), or none; on CUDA, the line that says which head runs."""
+    kernel, line = kernels.fused_head(device)
     if kernel is None:
         FUSED.pop(device.type, None)
-        return None if device.type != "cuda" else (
-            f"LM head: {HEAD_TOKENS}-token tiles, online logsumexp, in torch ops (TRL's fused Triton kernel "
-            "folds each tile in one pass: pip install 'lowmem_dpo[kernels]')")
-    FUSED[device.type] = kernel
-    return "LM head: TRL 1.16's fused Triton kernel (4096-token x 32,768-entry tiles, online logsumexp)"
+    else:
+        FUSED[device.type] = kernel
+    return line
 
 
 def bring_up(model, cfg: Config, resolved: devices.Resolved, pad_id: int, first: list, pairs: list | None = None,
-             train: bool = False) -> bool:
+             train: bool = False) -> data.Layout:
     """A stage's model, checked before its first real batch (precompute, train, sft, measure, the benches): its LM
     head against its own forward on the `first` rows (verify: an architecture logps.HEADS does not know); whether
     each prompt is shared, decided on `pairs` (decide_sharing; None: SFT's completions, never shared; KTO trains one
-    sequence a row); the attention kernel of the first rows in that layout, logged. train: the policy's dtype, else
-    the reference's. The LM head's fused kernel, where the device has one (head.FUSED), is set and logged. Returns
-    whether prompts are shared."""
+    sequence a row); whether micro-batches run packed (decide_packing); the attention kernel of the first rows in
+    that layout, logged. train: the policy's dtype, else the reference's. The LM head's fused kernel, where the
+    device has one (head.FUSED), is set and logged. Returns the layout."""
     dtype = resolved.dtype if train else resolved.ref_dtype
     fused = use_fused_head(resolved.device)
     if fused:
@@ -271,6 +309,9 @@ def bring_up(model, cfg: Config, resolved: devices.Resolved, pad_id: int, first:
     verify(model, collate(first, pad_id).to(resolved.device), resolved.device, dtype)
     shared = pairs is not None and not objectives.unpaired(cfg.loss_type) and decide_sharing(
         model, pairs, pad_id, resolved, dtype, cfg.share_prompt, cfg.max_length)
-    batch = (data.collate_shared if shared else collate)(first, pad_id).to(resolved.device)
-    log(attention_kernel(model, batch, dtype, cfg.max_length, train=train))
-    return shared
+    collate = data.collate_shared if shared else collate
+    packed = decide_packing(model, pairs or first, collate, pad_id, resolved.device, dtype, cfg.padding_free,
+                            cfg.max_length, shared)
+    log(attention_kernel(model, collate(first, pad_id, packed=packed).to(resolved.device), dtype, cfg.max_length,
+                         train=train))
+    return data.Layout(shared, packed)

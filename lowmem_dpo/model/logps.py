@@ -186,8 +186,10 @@ def token_logps(lm_head, hidden: torch.Tensor, labels: torch.Tensor, head: Head,
         return logp, logp.detach() - torch.logsumexp(2 * torch.log_softmax(logits, dim=-1), dim=-1)
 
 
+# The packed rows' attention implementation (packing.py), which runs any other batch as transformers' SDPA.
+PACKED_ATTENTION = "lowmem_dpo_packed"
 # Attention implementations that take the custom 4D mask of a shared-prefix batch, and the mask each takes.
-MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
+MASK_KINDS = {"sdpa": "bool", PACKED_ATTENTION: "bool", "eager": "additive"}
 
 
 def shared_prefix_mask(attention_mask: torch.Tensor, completion_mask: torch.Tensor, kind: str) -> torch.Tensor:
@@ -305,6 +307,25 @@ def sequence_sums(out: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tens
     return table.index_put((out, place), values.to(dtype)).sum(1)  # (n,)
 
 
+def last_hidden(lm: LM, batch) -> torch.Tensor:
+    """The backbone's last hidden states of a collated batch, in its layout: its packed row's (1, S, H), through the
+    packed attention (packing.py); a shared-prefix batch's (B, T, H), with its mask; else (N, T, H)."""
+    if batch.packed is not None:  # padding_free: the sequences in one row, attention within each
+        return lm.backbone(**batch.packed.kwargs(), use_cache=False).last_hidden_state  # (1, S, H)
+    if batch.position_ids is not None:
+        kind = MASK_KINDS[lm.config._attn_implementation]  # headcheck.sharing_problem refused the others
+        mask = shared_prefix_mask(batch.attention_mask, batch.completion_mask, kind)  # (B, 1, T, T)
+        return lm.backbone(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
+                           use_cache=False).last_hidden_state  # (B, T, H)
+    # Saves memory: no padding mask. The batch is right-padded (data.collate), so under causal attention no real
+    # token sees a pad: without a mask transformers runs SDPA causal, whose flash and memory-efficient kernels never
+    # build the (N, 1, T, T) mask nor its additive copy (1.5 GiB for a pair at 16k tokens). The pads' own hidden
+    # states are garbage and never read (the targets are real tokens).
+    mask = batch.attention_mask
+    return lm.backbone(input_ids=batch.input_ids, attention_mask=None if right_padded(mask) else mask,
+                       use_cache=False).last_hidden_state  # (N, T, H)
+
+
 def completion_logps(model, batch, chunk_tokens: int | None = None, prompts: bool = False, weighting: bool = False,
                      ld_alpha: float | None = None, per_token: bool = False,
                      chunk_vocab: int | None = None) -> SequenceLogps:
@@ -314,29 +335,19 @@ def completion_logps(model, batch, chunk_tokens: int | None = None, prompts: boo
     batch.input_ids, attention_mask, completion_mask: (N, T). Returns (N,) float64 sums and (N,) token counts. A
     shared-prefix batch (data.collate_shared, with position_ids: (B, T) rows [prompt, chosen, rejected] and
     completion_mask 1 on chosen, 2 on rejected) returns (2B,) in the order [chosen; rejected], as the unshared batch
-    of the same pairs: each prompt goes through the model once. prompts: also the chosen rows' prompt tokens' sums
-    and counts (prompt_logps, prompt_tokens), through the same chunked LM head. weighting: also each sequence's sum
+    of the same pairs: each prompt goes through the model once. A batch with its packed row (batch.packed:
+    padding_free) runs that row instead of the padded ones (last_hidden), and gives the same values; the padded rows
+    still say where each target is. prompts: also the chosen rows' prompt tokens' sums and counts (prompt_logps,
+    prompt_tokens), through the same chunked LM head. weighting: also each sequence's sum
     of WPO's aligned log-probs (aligned), detached. ld_alpha (pairs): LD-DPO's sums, each completion's tokens beyond
     its pair's shorter completion's count weighted by ld_alpha. per_token (not with prompts): also each sequence's
     token log-probs, in order (tokens).
     """
     lm = model if isinstance(model, LM) else lm_of(model)
-    backbone, lm_head, head = lm.backbone, lm.lm_head, lm.head
-    input_ids, attention_mask, completion_mask, position_ids = (batch.input_ids, batch.attention_mask,
-                                                                batch.completion_mask, batch.position_ids)
-    shared = position_ids is not None
-    if shared:
-        kind = MASK_KINDS[lm.config._attn_implementation]  # headcheck.sharing_problem refused the others
-        mask = shared_prefix_mask(attention_mask, completion_mask, kind)  # (B, 1, T, T)
-        hidden = backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state  # (B, T, H)
-    else:
-        # Saves memory: no padding mask. The batch is right-padded (data.collate), so under causal attention no
-        # real token sees a pad: without a mask transformers runs SDPA causal, whose flash and memory-efficient
-        # kernels never build the (N, 1, T, T) mask nor its additive copy (1.5 GiB for a pair at 16k tokens).
-        # The pads' own hidden states are garbage and never read (the targets are real tokens).
-        hidden = backbone(input_ids=input_ids, attention_mask=None if right_padded(attention_mask) else attention_mask,
-                          use_cache=False).last_hidden_state  # (N, T, H)
+    lm_head, head = lm.lm_head, lm.head
+    input_ids, attention_mask, completion_mask = batch.input_ids, batch.attention_mask, batch.completion_mask
+    shared, packed = batch.position_ids is not None, batch.packed
+    hidden = last_hidden(lm, batch)  # (N, T, H); packed (1, S, H)
     seq_idx, pred, label, out, n = _targets(attention_mask, completion_mask, shared)  # (M,) each
     weight = None if ld_alpha is None else ld_weights(out, n, ld_alpha)  # (M,)
     pairs = 0
@@ -344,7 +355,10 @@ def completion_logps(model, batch, chunk_tokens: int | None = None, prompts: boo
         p_seq, p_pred, p_label, p_out, pairs = _prompt_targets(attention_mask, completion_mask, shared, n)  # (P,)
         seq_idx, pred, label, out = (torch.cat(t) for t in ((seq_idx, p_seq), (pred, p_pred), (label, p_label),
                                                              (out, p_out)))
-    h = hidden[seq_idx.to(hidden.device), pred.to(hidden.device)]  # (M, H)
+    if packed is not None:  # padded row seq's position pred is packed position starts[seq] + pred
+        h = hidden[0, packed.starts[seq_idx.to(hidden.device)] + pred.to(hidden.device)]  # (M, H)
+    else:
+        h = hidden[seq_idx.to(hidden.device), pred.to(hidden.device)]  # (M, H)
     labels = input_ids[seq_idx, label]  # (M,)
     tok, aligned_tok = chunked_head(lm_head, head, h.to(lm_head.weight.device), labels.to(lm_head.weight.device),
                                     chunk_tokens, weighting, chunk_vocab)

@@ -10,7 +10,8 @@
     distributed.py  several processes: the process group, the gradient and metric sums (one process: no-ops)
     devices.py      the rules applied to this machine: every torch.cuda call, bitsandbytes and other optional
                     packages (imported lazily), the optimizer, the float16 scaler, autocast, out-of-memory helpers
-    heap.py         the C library's heap on a CPU run: freed tensors leave RAM, so that RSS is the plan
+    kernels.py      optional fused kernels (TRL's LM head on CUDA): imported lazily, probed before the first step
+    heap.py         the C library's heap on a CPU run: freed tensors leave RAM (or, with room, stay for reuse)
     ram.py          the RAM a run may still take: MemAvailable, or less under a container's memory limit (cgroups)
 
 Its face: errors.UserError and errors.log, devices.resolve (a Config into a Resolved device, dtype and

@@ -252,51 +252,6 @@ def make_optimizer(name: str, params: list, lr: float, weight_decay: float) -> t
     raise AssertionError(f"unknown optimizer {name!r} in rules.RULES")
 
 
-# -- a fused LM head on CUDA (TRL's Triton kernel, optional: pip install 'lowmem_dpo[kernels]') ---------------------
-_FUSED_HEAD: dict = {}
-FUSED_HEAD_TILE = (4096, 32768)  # its tile: trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE x the chunk_size passed
-
-
-def trl_head_kernel():
-    """TRL 1.16's chunked log-prob function (trl.kernels.chunked_logprob: 4096-token x 32,768-entry tiles, an online
-    logsumexp folded by a Triton kernel on CUDA, by torch ops elsewhere), as
-    f(h, weight, bias, labels, scale, softcap, weighting) -> ((M,) float32 log-probs, (M,) WPO's aligned log-probs
-    or None); None where TRL is not installed at that version."""
-    try:
-        import trl
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-    except Exception:  # not installed, or a build that does not import here
-        return None
-    if not trl.__version__.startswith("1.16."):  # its signature is TRL's own: the one read here
-        return None
-
-    def head(h, weight, bias, labels, scale: float, softcap: float | None, weighting: bool):
-        tokens, entries = FUSED_HEAD_TILE
-        outputs = ("log_sum_sq_probs",) if weighting else ()
-        # Saves memory: a call per 4096 rows, so its float32 gradient accumulator is (4096, H), not (M, H); split,
-        # so that one concatenation builds h's gradient (slices would each make an (M, H) one)
-        parts = [ChunkedLogProbFunction.apply(hc, weight, bias, lc, 1.0, entries, softcap, scale, outputs)
-                 for hc, lc in zip(h.split(tokens), labels.split(tokens))]
-        if not parts:
-            return h.new_zeros(0, dtype=torch.float32), (h.new_zeros(0, dtype=torch.float32) if weighting else None)
-        logp = torch.cat([p[0] for p in parts])  # (M,)
-        return logp, (logp - torch.cat([p[2] for p in parts])).detach() if weighting else None
-
-    return head
-
-
-def fused_head(device: torch.device):
-    """trl_head_kernel() on a CUDA device with Triton, else None (head.TiledLogps, the same tiles in torch ops,
-    runs instead)."""
-    if device.type != "cuda":
-        return None
-    if "head" not in _FUSED_HEAD:
-        from transformers.utils import is_triton_available
-
-        _FUSED_HEAD["head"] = trl_head_kernel() if is_triton_available() else None
-    return _FUSED_HEAD["head"]
-
-
 # -- forward-pass helpers ---------------------------------------------------------------------------------------
 def autocast(device: torch.device, dtype: torch.dtype):
     """Forward-pass context: with 16-bit base weights, autocast to the same dtype so peft's float32 LoRA path

@@ -48,6 +48,7 @@ class Block:
     z0: torch.Tensor
     tokens: int
     rows: int
+    computed: int = 0  # the KL forward's positions, padding included
     seen: list = field(default_factory=list)  # (losses, logps, reference log-probs, labels) of each micro-batch
 
 
@@ -56,48 +57,51 @@ def sequences(views: list[data.TokenizedPair], kl: bool) -> list[data.TokenizedC
     return [data.TokenizedCompletion(v.row, v.prompt_ids, v.rejected_ids if kl else v.chosen_ids) for v in views]
 
 
-def policy_logps(lm, items: list[data.TokenizedCompletion], pad_id: int, resolved: devices.Resolved):
-    """The policy's completion log-prob sums of `items` (N,) and the forward's tokens; lm: its parts (logps.lm_of)."""
-    batch = data.collate_completions(items, pad_id).to(resolved.device)
+def policy_logps(lm, items: list[data.TokenizedCompletion], pad_id: int, resolved: devices.Resolved,
+                 packed: bool = False):
+    """The policy's completion log-prob sums of `items` (N,), the forward's tokens and the positions it computed
+    (padding included); lm: its parts (logps.lm_of); packed: as one packed row (padding_free)."""
+    batch = data.collate_completions(items, pad_id, packed).to(resolved.device)
     with devices.autocast(resolved.device, resolved.dtype):
-        return completion_logps(lm, batch).logps, batch.num_tokens
+        return completion_logps(lm, batch).logps, batch.num_tokens, batch.computed_tokens
 
 
 def reference_point(lm, views: list, ref: Reference, micro_batch: int, *, cfg: Config, pad_id: int,
-                    resolved: devices.Resolved) -> Block:
+                    resolved: devices.Resolved, packed: bool = False) -> Block:
     """z0 of a block (module doc), by micro-batches, and the KL forward's tokens; 0 for apo_zero_unpaired. Over
     this process's block only: TRL averages the processes' block means at each micro-step, a collective call that
     would pair wrongly here when one process retries after running out of memory or holds one eval block more."""
     if not objectives.needs_kl(cfg.loss_type):
         return Block(torch.zeros(()), 0, len(views))
-    logps, tokens = [], 0
+    logps, tokens, computed = [], 0, 0
     with torch.no_grad():
         for i in range(0, len(views), micro_batch):
-            got, n = policy_logps(lm, sequences(views[i:i + micro_batch], kl=True), pad_id, resolved)
+            got, n, c = policy_logps(lm, sequences(views[i:i + micro_batch], kl=True), pad_id, resolved, packed)
             logps.append(got)
-            tokens += n
+            tokens, computed = tokens + n, computed + c
     share = kto.kl_share(torch.cat(logps).cpu(), ref.cache.rejected[[v.row for v in views]])
-    return Block(kto.reference_point(share), tokens, len(views))
+    return Block(kto.reference_point(share), tokens, len(views), computed)
 
 
-def forward(lm, views: list, ref: Reference, block: Block, *, pad_id: int, resolved: devices.Resolved):
+def forward(lm, views: list, ref: Reference, block: Block, *, pad_id: int, resolved: devices.Resolved,
+            packed: bool = False):
     """A micro-batch of a block's rows as its loss reads them (kto.UnpairedLogps) and the forward's tokens."""
-    got, tokens = policy_logps(lm, sequences(views, kl=False), pad_id, resolved)
+    got, tokens, computed = policy_logps(lm, sequences(views, kl=False), pad_id, resolved, packed)
     rows = torch.tensor([v.row for v in views])
     ref_logps, label = ref.cache.chosen[rows], ref.desirable[rows]  # (n,) float64 and bool, on the CPU
     x = kto.UnpairedLogps(got, ref_logps.to(got.device, got.dtype), label.to(got.device), block.z0.to(got.device))
-    return x, ref_logps, label, tokens, block
+    return x, ref_logps, label, (tokens, computed), block
 
 
 def loss(f, size, *, formula, s: objectives.Settings) -> tuple[torch.Tensor, Sums]:
     """The micro-batch's share of the step's loss (the mean over the step's blocks of each block's mean); what it
     saw goes into its block (block_means takes the block's metrics of the whole, as TRL's means of a batch).
     formula: the unpaired objective's, s: the run's loss settings."""
-    x, ref_logps, label, tokens, block = f
+    x, ref_logps, label, (tokens, computed), block = f
     losses = formula(x, s)  # (n,)
     block.seen.append((losses.detach().float().cpu(), x.logps.detach().float().cpu(), ref_logps, label))
     sums = Sums.of(m.BLOCK_METRICS)
-    sums.items, sums.tokens = len(x.logps), tokens
+    sums.items, sums.tokens, sums.computed = len(x.logps), tokens, computed
     return losses.sum() * (1.0 / (block.rows * size.items)), sums
 
 
@@ -108,7 +112,7 @@ def block_means(part: Sums, block: Block, *, s: objectives.Settings) -> Sums:
     lossed, logps, ref_logps, label = (torch.cat(t) for t in zip(*block.seen))  # (N,) each
     rewards = kto.rewards(kto.UnpairedLogps(logps, ref_logps, label), s)  # (N,), against float64
     out = Sums.of(m.BLOCK_METRICS)
-    out.items, out.tokens = part.items, part.tokens + block.tokens
+    out.items, out.tokens, out.computed = part.items, part.tokens + block.tokens, part.computed + block.computed
     out.note(m.LOSS, lossed.mean().item(), 1)
     out.note(m.KL, block.z0.item(), 1)
     for (reward, logp), mask in (((m.REWARDS_CHOSEN, m.LOGPS_CHOSEN), label), ((m.REWARDS_REJECTED, m.LOGPS_REJECTED),

@@ -5,7 +5,7 @@ reference's where it reads one), a function from those log-probs to the loss and
 units (`size`: what a step's loss is a mean over, counted over every rank's items). The loop (step.py) splits the
 items into micro-batches, backs off on out-of-memory, backward()s each micro-batch's loss and sums the metrics.
 
-    objective = build(cfg, resolved, pad_id, stage="train", ref=ref, eval_ref=eval_ref, shared=shared)
+    objective = build(cfg, resolved, pad_id, stage="train", ref=ref, eval_ref=eval_ref, layout=layout)
     f = objective.forward(trainee.lm, pairs, objective.ref, None)   # lm: the policy's parts (logps.lm_of)
     loss, sums = objective.loss(f, objective.size(pairs, False))
 
@@ -61,6 +61,7 @@ class Objective:
     signs: Callable | None = None  # (sums, step, steps, held_out) -> the warning signs (guards.py) of pairs
     samples_from: Callable[[list], list] | None = None  # eval items -> the rows the samples answer (KTO)
     shared: bool = False  # pairs: each prompt once per pair (headcheck.decide_sharing)
+    packed: bool = False  # each micro-batch as one packed row, no padding (padding_free: headcheck.decide_packing)
 
     def new_sums(self) -> Sums:
         return Sums.of(self.metrics, self.nll_weight)
@@ -74,15 +75,16 @@ class PairForward:
     logps: objectives.PairLogps
     pairs: int
     tokens: int
+    computed: int  # the positions it computed, padding included
 
 
 def pair_forward(lm: LM, pairs: list[data.TokenizedPair], ref: cache.RefCache | None, block, *, pad_id: int,
-                 resolved: devices.Resolved, shared: bool, reference: bool, prompts: bool, weighting: bool,
-                 ld_alpha: float | None) -> PairForward:
+                 resolved: devices.Resolved, shared: bool, packed: bool, reference: bool, prompts: bool,
+                 weighting: bool, ld_alpha: float | None) -> PairForward:
     """The policy's log-probs of a micro-batch of pairs, and the reference's (cached; live: the adapter off).
     prompts: the chosen rows' prompts' too (ORPO's NLL); weighting: WPO's weights; ld_alpha: LD-DPO's sums."""
     device = resolved.device
-    batch = (data.collate_shared if shared else data.collate)(pairs, pad_id).to(device)
+    batch = (data.collate_shared if shared else data.collate)(pairs, pad_id, packed).to(device)
     ref_chosen = ref_rejected = None
     with devices.autocast(device, resolved.dtype):
         if reference and ref is not None:
@@ -99,7 +101,7 @@ def pair_forward(lm: LM, pairs: list[data.TokenizedPair], ref: cache.RefCache | 
                                                                          rejected.aligned, rejected.n_tokens)
     logps = objectives.PairLogps(chosen.logps, rejected.logps, chosen.n_tokens, rejected.n_tokens, ref_chosen,
                                  ref_rejected, chosen.prompt_logps, chosen.prompt_tokens, weights)
-    return PairForward(logps, len(pairs), batch.num_tokens)
+    return PairForward(logps, len(pairs), batch.num_tokens, batch.computed_tokens)
 
 
 def pair_loss(f: PairForward, size: StepSize, *, s: objectives.Settings, terms: list[tuple[str, float]],
@@ -112,7 +114,7 @@ def pair_loss(f: PairForward, size: StepSize, *, s: objectives.Settings, terms: 
     losses = objectives.combine(x, s, terms)  # (B,)
     loss = losses.sum() / size.items
     sums = Sums.of(metrics, nll_weight)
-    sums.items, sums.tokens = f.pairs, f.tokens
+    sums.items, sums.tokens, sums.computed = f.pairs, f.tokens, f.computed
     sums.chosen_tokens, sums.rejected_tokens = int(x.chosen_tokens.sum()), int(x.rejected_tokens.sum())
     n = f.pairs
     sums.note(m.LOSS, losses.detach().sum().item(), n)
@@ -180,14 +182,16 @@ def drift_signs(window: Sums, r: devices.Resolved) -> list[str]:
 
 
 def pairs(cfg: Config, resolved: devices.Resolved, pad_id: int, ref: cache.RefCache | None = None,
-          eval_ref: cache.RefCache | None = None, shared: bool = False, drift_at_start: bool = False) -> Objective:
+          eval_ref: cache.RefCache | None = None, layout: data.Layout = data.Layout(),
+          drift_at_start: bool = False) -> Objective:
     """DPO's entry, and the reference-free objectives' (SimPO, ORPO: no reference): the terms of cfg.loss_type."""
     types, terms, nll_weight = cfg.loss_type, cfg.loss_terms, objectives.nll_weight(cfg.loss_terms)
     metrics = (*m.PAIR_METRICS, *m.term_metrics(types), *([m.NLL_LOSS] if nll_weight is not None else []))
     drift_at_start = drift_at_start and ref is not None
     return Objective(
         "train", "pair", metrics,
-        forward=functools.partial(pair_forward, pad_id=pad_id, resolved=resolved, shared=shared,
+        forward=functools.partial(pair_forward, pad_id=pad_id, resolved=resolved, shared=layout.shared,
+                                  packed=layout.packed,
                                   reference=objectives.needs_reference(types), prompts=objectives.nll_prompt(types),
                                   weighting=cfg.use_weighting, ld_alpha=cfg.ld_alpha),
         loss=functools.partial(pair_loss, s=cfg.loss_settings, terms=terms, logged=objectives.primary(types),
@@ -195,23 +199,23 @@ def pairs(cfg: Config, resolved: devices.Resolved, pad_id: int, ref: cache.RefCa
         size=functools.partial(pair_size, nll_prompt=objectives.nll_prompt(types), drift_at_start=drift_at_start),
         ref=ref, eval_ref=eval_ref, nll_weight=nll_weight,
         signs=functools.partial(pair_signs, cfg=cfg, resolved=resolved, drift_at_start=drift_at_start),
-        shared=shared)
+        shared=layout.shared, packed=layout.packed)
 
 
 # -- SFT: prompt/completion rows ----------------------------------------------------------------------------------
 def row_forward(lm: LM, rows: list[data.TokenizedCompletion], ref, block, *, pad_id: int,
-                resolved: devices.Resolved):
-    """A micro-batch's completion log-prob sums (B,) and its forward's tokens."""
-    batch = data.collate_completions(rows, pad_id).to(resolved.device)
+                resolved: devices.Resolved, packed: bool = False):
+    """A micro-batch's completion log-prob sums (B,), its forward's tokens and the positions it computed."""
+    batch = data.collate_completions(rows, pad_id, packed).to(resolved.device)
     with devices.autocast(resolved.device, resolved.dtype):
-        return completion_logps(lm, batch), batch.num_tokens
+        return completion_logps(lm, batch), batch.num_tokens, batch.computed_tokens
 
 
 def row_loss(f, size: StepSize) -> tuple[torch.Tensor, Sums]:
     """The micro-batch's share of the mean NLL over the step's completion tokens, and its sums."""
-    out, tokens = f
+    out, tokens, computed = f
     sums = Sums.of((m.LOSS,))
-    sums.items, sums.tokens = len(out.logps), tokens
+    sums.items, sums.tokens, sums.computed = len(out.logps), tokens, computed
     sums.note(m.LOSS, -out.logps.detach().sum().item(), int(out.n_tokens.sum()))
     return -out.logps.sum() / max(1, size.tokens), sums
 
@@ -222,33 +226,34 @@ def row_size(rows: list[data.TokenizedCompletion], first: bool) -> StepSize:
     return StepSize(len(rows), sum(len(row.completion_ids) - (not row.prompt_ids) for row in rows))
 
 
-def sft(resolved: devices.Resolved, pad_id: int) -> Objective:
+def sft(resolved: devices.Resolved, pad_id: int, packed: bool = False) -> Objective:
     """SFT's entry: the completion tokens' mean NLL (TRL's SFTTrainer with completion_only_loss)."""
-    return Objective("sft", "row", (m.LOSS,), functools.partial(row_forward, pad_id=pad_id, resolved=resolved),
-                     row_loss, row_size)
+    return Objective("sft", "row", (m.LOSS,), functools.partial(row_forward, pad_id=pad_id, resolved=resolved,
+                                                                 packed=packed), row_loss, row_size, packed=packed)
 
 
 # -- KTO: blocks of unpaired rows (training/kto.py) ---------------------------------------------------------------
 def unpaired(cfg: Config, resolved: devices.Resolved, pad_id: int, ref: kto.Reference,
-             eval_ref: kto.Reference | None = None) -> Objective:
+             eval_ref: kto.Reference | None = None, packed: bool = False) -> Objective:
     """KTO's entry (and apo_zero_unpaired's): its items are blocks, its metrics each block's means."""
     return Objective(
         "train", "row", m.BLOCK_METRICS,
-        forward=functools.partial(kto.forward, pad_id=pad_id, resolved=resolved),
+        forward=functools.partial(kto.forward, pad_id=pad_id, resolved=resolved, packed=packed),
         loss=functools.partial(kto.loss, formula=objectives.OBJECTIVES[cfg.loss_type[0]].formula, s=cfg.loss_settings),
         size=lambda blocks, first: StepSize(len(blocks)),
         ref=ref, eval_ref=eval_ref, blocks=True,
-        before=functools.partial(kto.reference_point, cfg=cfg, pad_id=pad_id, resolved=resolved),
+        before=functools.partial(kto.reference_point, cfg=cfg, pad_id=pad_id, resolved=resolved, packed=packed),
         after=functools.partial(kto.block_means, s=cfg.loss_settings),
         samples_from=None if eval_ref is None else functools.partial(kto.samples_from, desirable=eval_ref.desirable))
 
 
 def build(cfg: Config, resolved: devices.Resolved, pad_id: int, stage: str, ref=None, eval_ref=None,
-          shared: bool = False, drift_at_start: bool = False) -> Objective:
+          layout: data.Layout = data.Layout(), drift_at_start: bool = False) -> Objective:
     """The run's objective: SFT's (stage "sft"), KTO's (an unpaired loss_type; ref and eval_ref: kto.Reference),
-    or the pairs' (DPO, the reference-free ones; ref and eval_ref: caches or None)."""
+    or the pairs' (DPO, the reference-free ones; ref and eval_ref: caches or None); its batches laid out as
+    `layout` says (headcheck.bring_up)."""
     if stage == "sft":
-        return sft(resolved, pad_id)
+        return sft(resolved, pad_id, layout.packed)
     if objectives.unpaired(cfg.loss_type):
-        return unpaired(cfg, resolved, pad_id, ref, eval_ref)
-    return pairs(cfg, resolved, pad_id, ref, eval_ref, shared, drift_at_start)
+        return unpaired(cfg, resolved, pad_id, ref, eval_ref, layout.packed)
+    return pairs(cfg, resolved, pad_id, ref, eval_ref, layout, drift_at_start)

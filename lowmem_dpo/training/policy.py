@@ -21,7 +21,7 @@ from lowmem_dpo.memory import attention, search
 from lowmem_dpo.memory.host import HostRam, host_problem, host_ram
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 from lowmem_dpo.model import activations, adapters, compute_copies, models, streaming
-from lowmem_dpo.runtime import devices, ram, rules
+from lowmem_dpo.runtime import devices, heap, ram, rules
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training.step import Trainee
@@ -216,10 +216,20 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
             + " (python -m lowmem_dpo.plan shows the terms)")
     else:
         resolved.reasons.append(f"planner: train peak {fmt(peak)} of a {fmt(budget)} budget")
+        kept = resolved.device.type == "cpu" and heap.keep_freed_blocks(peak, transient(applied.prediction.train),
+                                                                         budget)
+        if kept:  # the heap's line from devices.resolve, replaced
+            resolved.reasons = [kept if line.startswith(heap.LINE) else line for line in resolved.reasons]
     # Streaming that does not make the run fit would only make it slower: the out-of-memory back-off has the last word
     resolved.streamed_layers = stream.layers if stream and applied.fits else 0
     resolved.reasons.extend(check_host_ram(host_ram(arch, applied, "train", bool(resolved.streamed_layers)), "train"))
     return streaming.Plan(stream.layers, arch.layers_prefix) if resolved.streamed_layers else None
+
+
+def transient(stage) -> int:
+    """What a heap that keeps its freed blocks may hold beyond a stage's plan (memory/model.py's StagePrediction):
+    the tensors freed within a step, its activations and its peak phase (heap.keep_freed_blocks)."""
+    return stage.breakdown["activations"] + stage.breakdown["peak_phase"]
 
 
 def check_host_ram(host: HostRam, stage: str) -> list[str]:

@@ -69,6 +69,7 @@ class Sums:
     counts: dict = field(default_factory=dict)  # metric name -> what its total is over (pairs, tokens, blocks)
     items: int = 0  # data rows summed: pairs, SFT rows, KTO rows (0: nothing added)
     tokens: int = 0  # tokens in the forward passes (for tokens_per_s)
+    computed: int = 0  # positions the forwards computed, padding included (= tokens when packed: padding_free)
     chosen_tokens: int = 0  # completion tokens of the chosen sides (the per-token guards)
     rejected_tokens: int = 0  # and of the rejected sides
     # The reference values against this forward, at step 1 only (objectives.start_drift; else 0): summed |policy -
@@ -95,6 +96,7 @@ class Sums:
             self.counts[k] = self.counts.get(k, 0) + other.counts[k]
         self.items += other.items
         self.tokens += other.tokens
+        self.computed += other.computed
         self.chosen_tokens += other.chosen_tokens
         self.rejected_tokens += other.rejected_tokens
         self.ref_drift += other.ref_drift

@@ -74,6 +74,18 @@ def test_a_desktop_without_the_ram_is_refused_naming_the_term_and_its_knob(avail
         assert f"{available / GiB:.2f} GiB available (MemAvailable)" in problem
 
 
+def test_the_process_itself_keeps_a_margin():
+    """RAM for the planned terms alone is refused: the process's own growth after the check (HOST_MARGIN) must fit
+    too; with it, the same run passes."""
+    from lowmem_dpo.memory.host import HOST_MARGIN
+
+    arch, plan = plan_at(LLAMA, 32256)
+    host = host_ram(arch, plan, "train")
+    problem = host_problem(host, host.total, "train")
+    assert problem is not None and f"and {HOST_MARGIN / GiB:.2f} GiB for the process itself" in problem
+    assert host_problem(host, host.total + HOST_MARGIN, "train") is None
+
+
 def test_the_check_refuses_before_loading_and_says_nothing_for_a_run_that_pins_nothing(monkeypatch):
     """policy.check_host_ram, which train and precompute call before loading the model, against a simulated 8 GiB
     of available RAM (monkeypatched: this machine's is what it is)."""

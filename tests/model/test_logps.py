@@ -62,13 +62,13 @@ def test_gradients_match_unchunked(tiny_path, tokenizer, chunk, entries):
 
 @pytest.mark.parametrize("weighting", [False, True])
 def test_trl_fused_head_equals_ours(model, tokenizer, weighting):
-    """TRL 1.16's chunked log-prob function (the CUDA path where Triton is: devices.fused_head; here its torch
+    """TRL 1.16's chunked log-prob function (the CUDA path where Triton is: kernels.fused_head; here its torch
     fold, the same tiles and arguments) gives our tiled head's log-probs, WPO's aligned ones and the hidden
     states' gradient, through a scaled and softcapped head."""
     from lowmem_dpo.model.logps import Head, chunked_head
-    from lowmem_dpo.runtime import devices
+    from lowmem_dpo.runtime import kernels
 
-    kernel = devices.trl_head_kernel()
+    kernel = kernels.trl_head_kernel()
     assert kernel is not None  # trl==1.16.0 is in the test extra
     head, lm_head = Head(scale=0.5, softcap=3.0), model.get_output_embeddings()
     h = torch.randn(300, lm_head.in_features, generator=torch.Generator().manual_seed(0), requires_grad=True)
@@ -168,3 +168,35 @@ def test_ld_alpha_shared_equals_unshared_with_empty_prompts(model, tokenizer):
     b = completion_logps(model, shared, ld_alpha=0.25)
     assert a.n_tokens.tolist() == b.n_tokens.tolist()
     assert torch.allclose(a.logps, b.logps, atol=1e-4, rtol=1e-5)
+
+
+def test_the_fused_heads_probe_passes_a_right_kernel_and_names_a_wrong_one():
+    """The probe run before the first step (kernels.probe): TRL's kernel (its torch fold on this CPU) gives torch's
+    log-probs and gradient; a kernel off by a constant, or one that raises, is refused with the reason."""
+    from lowmem_dpo.runtime import kernels
+
+    kernel = kernels.trl_head_kernel()
+    cpu = torch.device("cpu")
+    assert kernels.probe(kernel, cpu) is None
+
+    def shifted(h, weight, bias, labels, scale, softcap, weighting):
+        logp, aligned = kernel(h, weight, bias, labels, scale, softcap, weighting)
+        return logp + 0.01, aligned
+
+    def failing(*args):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    assert kernels.probe(shifted, cpu).startswith("its probe is 0.01 off torch's log-probs")
+    assert kernels.probe(failing, cpu) == "it fails here (RuntimeError: no kernel image is available for " \
+                                          "execution on the device)"
+    assert kernels.fused_head(cpu) == (None, None)  # off CUDA: the torch tiles, nothing said
+
+
+def test_the_float32_product_needs_torch_2_8_on_cuda():
+    """torch.addmm's out_dtype came with torch 2.8 (setup.cfg allows 2.4): before it the head's backward sums its
+    16-bit products in float32 copies instead of raising TypeError."""
+    from lowmem_dpo.model import head
+
+    assert [head.out_dtype_matmuls(v) for v in ("2.4.1", "2.7.1+cu126", "2.8.0", "2.13.0+cpu", "3.0.0")] == [
+        False, False, True, True, True]
+    assert head.OUT_DTYPE is head.out_dtype_matmuls(torch.__version__)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_DATA, build_tiny_model
+from conftest import build_tiny_model
 
 from lowmem_dpo import data, precompute, train
 from lowmem_dpo.model import headcheck
@@ -27,17 +27,6 @@ ARCHS = {
     "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, initializer_range=0.3)),
     "gpt_neox": ("GPTNeoXConfig", dict(SMALL, rotary_pct=0.5)),
 }
-
-
-@pytest.fixture(scope="module")
-def pairs(tokenizer):
-    """Six pairs of unequal lengths: a prompt cut to 2 tokens, a one-token chosen, a long rejected."""
-    got = data.tokenize_rows(data.load_rows(str(TINY_DATA)).select(range(6)), tokenizer, 64, None,
-                             progress=False).pairs
-    got[1].prompt_ids = got[1].prompt_ids[:2]
-    got[2].chosen_ids = got[2].chosen_ids[:1]
-    got[3].rejected_ids = got[3].rejected_ids + got[0].chosen_ids
-    return got
 
 
 def both(model, pairs):
@@ -219,7 +208,8 @@ def test_the_sharing_check_sees_no_dropout_noise(tiny_path, pairs):
     assert train_mode.abs().max() > 1e-2
     resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, True, rules.ADAMW_TORCH,
                                 share_prompt=True)
-    assert headcheck.sharing_difference(model, pairs[:2], 0, resolved.device, torch.float32) < 1e-4
+    assert headcheck.layout_difference(model, data.collate(pairs[:2], 0), data.collate_shared(pairs[:2], 0),
+                                       torch.float32) < 1e-4
     assert headcheck.decide_sharing(model, pairs, 0, resolved, torch.float32, True, 64) is True
     assert model.training and all(m.training for m in model.modules())
 

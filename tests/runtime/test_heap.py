@@ -19,8 +19,11 @@ FRAGMENTS = textwrap.dedent("""
     from lowmem_dpo.runtime import heap
     def rss():
         return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
-    if sys.argv[1] == "configured":
+    if sys.argv[1] in ("configured", "room", "no room"):
         heap.configure()
+    if sys.argv[1] in ("room", "no room"):  # a plan of 1 GiB with 0.5 GiB of freed tensors, a 2 GiB or 1 GiB budget
+        line = heap.keep_freed_blocks(1 << 30, 1 << 29, (2 if sys.argv[1] == "room" else 1) << 30)
+        assert (line is None) == (sys.argv[1] == "no room"), line
     torch.ones(4 << 20).sum()  # a 16 MiB block, freed: glibc's default threshold climbs to 16 MiB
     before = rss()
     big, small = [], []
@@ -45,6 +48,23 @@ def test_with_the_threshold_fixed_freed_tensors_leave_ram_and_without_they_stay(
     assert 250 <= grown <= 270 and kept <= 8  # MiB: the 256 MiB came and went
     grown, kept = freed_and_kept("default")
     assert 250 <= grown <= 270 and kept >= 240  # glibc's default: still resident after del
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or heap._libc() is None, reason="glibc's malloc only")
+def test_with_room_to_spare_the_heap_keeps_its_freed_blocks():
+    """The plan and what a heap may keep of a step's freed tensors fit the budget: the threshold rises and the
+    freed 4 MiB blocks stay resident, for the next step to use without a page fault; without room it stays fixed."""
+    grown, kept = freed_and_kept("room")
+    assert 240 <= grown <= 270 and kept >= 230  # the first 16 MiB block, freed and kept, serves some of them
+    grown, kept = freed_and_kept("no room")
+    assert 250 <= grown <= 270 and kept <= 8
+
+
+def test_keeping_blocks_is_said_and_a_threshold_from_the_environment_stands(monkeypatch):
+    line = heap.keep_freed_blocks(1 << 30, 1 << 29, 2 << 30)
+    assert line.startswith("CPU heap: freed blocks kept (malloc's mmap threshold 32 MiB") and "1.00 GiB" in line
+    monkeypatch.setenv(heap.ENV, str(heap.MMAP_THRESHOLD))
+    assert heap.keep_freed_blocks(1 << 30, 1 << 29, 2 << 30) is None
 
 
 def test_the_users_own_threshold_stands_and_the_log_says_what_it_means(monkeypatch):

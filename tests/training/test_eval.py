@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_DATA, TINY_RECIPE, write_jsonl
+from conftest import TINY_DATA, TINY_RECIPE, forward_sequences, write_jsonl
 from safetensors.torch import load_file
 
 from lowmem_dpo import data, precompute, sft, train
@@ -239,7 +239,7 @@ def test_out_of_memory_in_the_eval_halves_its_batches(make_cfg, tmp_path, capsys
     session = train.setup(limited, progress=False)
 
     def too_big(module, args, kwargs):
-        if not module.training and kwargs["input_ids"].shape[0] > 2:
+        if not module.training and forward_sequences(kwargs) > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
 
     session.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, TINY_DATA, write_jsonl
+from conftest import REPO, TINY_DATA, forward_sequences, write_jsonl
 from safetensors.torch import load_file
 
 from lowmem_dpo import precompute, train
@@ -278,7 +278,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_
         session = train.setup(cfg, progress=False)
         if limit is not None:
             def too_big(module, args, kwargs, limit=limit):
-                if kwargs["input_ids"].shape[0] > limit:
+                if forward_sequences(kwargs) > limit:
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
             session.trainee.model.get_base_model().model.register_forward_pre_hook(too_big, with_kwargs=True)
         pairs = next_items(session.progress.stream, session.run.items_per_step)
