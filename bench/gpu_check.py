@@ -124,17 +124,18 @@ def data_file(model: str, max_length: int, rows: int) -> Path:
 
 
 def run_overrides(name: str, recipe_cfg, model: str, max_length: int, steps: int, cap_gib: float, device: str,
-                  work: Path) -> dict:
-    """The recipe's keys a check run changes: the model and rows, where it writes, its length and run length,
-    no eval, no checkpoints, one step's pairs at a time, the cap."""
+                  work: Path, rows_file: str | None = None) -> dict:
+    """The recipe's keys a check run changes: the model and rows (rows_file's, else data_file's), where it writes,
+    its length and run length, no eval, no checkpoints, one step's pairs at a time, the cap. No prompt is cut
+    (max_prompt_length null), as TRL 1.16 cuts none: both tools train sequences of the same length (the last loan's
+    runs cut ours to the recipe's 512 and not TRL's)."""
     rows = steps * recipe_cfg.per_device_train_batch_size
-    prompt_cap = recipe_cfg.max_prompt_length
-    return {"model_name_or_path": model, "dataset": str(data_file(model, max_length, rows)),
+    return {"model_name_or_path": model, "dataset": rows_file or str(data_file(model, max_length, rows)),
             "output_dir": str(work / "out"), "ref_cache_dir": str(work / "cache"), "device": device,
-            "max_length": max_length, "max_prompt_length": prompt_cap if prompt_cap and prompt_cap < max_length // 2
-            else None, "max_steps": steps, "gradient_accumulation_steps": 1, "logging_steps": 1, "save_steps": 0,
-            "eval_fraction": 0.0, "eval_steps": None, "load_best_model_at_end": False, "resume": "never",
-            "memory_budget": f"{cap_gib}GiB"}
+            "max_length": max_length, "max_prompt_length": None, "max_steps": steps, "gradient_accumulation_steps": 1,
+            "logging_steps": 1, "save_steps": 0, "eval_fraction": 0.0, "eval_steps": None,
+            "load_best_model_at_end": False, "resume": "never", "memory_budget": f"{cap_gib}GiB",
+            "max_skipped_share": 1.0, "max_truncated_share": 1.0}
 
 
 def planned_train(cfg, budget: int | None = None) -> dict:
@@ -183,6 +184,15 @@ def ran_with(session) -> dict:
             "streamed_layers": resolved.streamed_layers, "activation_offloading": resolved.activation_offloading,
             "gradient_checkpointing": resolved.gradient_checkpointing, "mlp_tiles": resolved.mlp_tiles,
             "share_prompt": run.objective.shared}
+
+
+def counted(steps: list[tuple], sequences_per_step: int) -> dict:
+    """The run's steps as counted where they ran, every step (the first included): (seconds, real tokens, computed
+    positions, pairs) each. Their sums (an epoch's), and the real tokens per sequence (what ran, after any cut)."""
+    seconds, tokens, computed, pairs = (list(x) for x in zip(*steps)) if steps else ([], [], [], [])
+    return {"step_s_all": [round(s, 4) for s in seconds], "epoch_s": round(sum(seconds), 3), "pairs_done": sum(pairs),
+            "real_tokens": sum(tokens), "computed_tokens": sum(computed),
+            "tokens_per_sequence": round(sum(tokens) / (sequences_per_step * len(steps)), 1) if steps else None}
 
 
 def summarize(lines: list[dict], tokens_key: str = "tokens_per_s", profiled: int = 0) -> dict:
@@ -277,12 +287,13 @@ def run_ours(args) -> dict:
         free, total = torch.cuda.mem_get_info()
         out["context_gib"] = _gib(total - free)
     profiler = StepProfiler(args.profile_step, args.device == "cuda") if args.profile_step else None
+    steps: list[tuple] = []
     try:
         precompute.run(cfg, progress=False)
         session = train.setup(cfg, progress=False)
         out.update(ran_with(session))
         out.update(planned_train(cfg, session.run.resolved.budget))
-        with profiled_steps(profiler):
+        with profiled_steps(profiler, steps):
             loop.run(session, progress=False)
         out.update(ran_with(session))  # again: an out-of-memory back-off changes the micro-batch
         out.update(host_measured(args.device == "cuda"))
@@ -292,27 +303,30 @@ def run_ours(args) -> dict:
         out["profile"] = profiler.result
     lines = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()] \
         if (Path(cfg.output_dir) / "metrics.jsonl").is_file() else []
-    return {**out, **summarize(lines, profiled=args.profile_step)}
+    sequences = out.get("micro_batch", cfg.per_device_train_batch_size) * (1 if out.get("share_prompt") else 2)
+    return {**out, **summarize(lines, profiled=args.profile_step), **counted(steps, sequences * out.get("grad_accum", 1))}
 
 
 @contextlib.contextmanager
-def profiled_steps(profiler: StepProfiler | None):
-    """step.optimizer_step, the step train runs, with `profiler` around its profiler.step-th call."""
+def profiled_steps(profiler: StepProfiler | None, steps: list):
+    """step.optimizer_step, the step train runs: each call's (seconds, real tokens, computed positions, pairs)
+    appended to `steps`, and `profiler` around its profiler.step-th call."""
 
     from lowmem_dpo.training import loop  # train_step calls loop's optimizer_step (step.optimizer_step)
 
-    if profiler is None:
-        yield
-        return
     real, calls = loop.optimizer_step, [0]
 
     def step(*a, **k):
         calls[0] += 1
-        profiler.start(calls[0])
+        if profiler is not None:
+            profiler.start(calls[0])
         try:
-            return real(*a, **k)
+            result = real(*a, **k)
         finally:
-            profiler.stop(calls[0])
+            if profiler is not None:
+                profiler.stop(calls[0])
+        steps.append((result.seconds, result.stats.tokens, result.stats.computed, result.stats.items))
+        return result
 
     loop.optimizer_step = step
     try:
@@ -327,7 +341,7 @@ def child_config(args, **changes):
 
     recipe_cfg = load_config(args.recipe, args.set)
     overrides = run_overrides(args.name, recipe_cfg, args.model, args.max_length, args.steps, args.cap_gib,
-                              args.device, Path(args.work))
+                              args.device, Path(args.work), args.rows_file)
     return build_config({**_values(recipe_cfg), **overrides, **changes})
 
 
@@ -345,7 +359,8 @@ def run_trl(args) -> dict:
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig
+    from trl_step import counting_trainer
 
     from lowmem_dpo.config.recipe import load_config
     from lowmem_dpo.model import models
@@ -364,8 +379,9 @@ def run_trl(args) -> dict:
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     path = models.resolve_model_path(args.model)
     work = Path(args.work)
-    rows = [json.loads(x) for x in data_file(args.model, args.max_length, args.steps * cfg.per_device_train_batch_size)
-            .read_text().splitlines()]
+    source = Path(args.rows_file) if args.rows_file else data_file(args.model, args.max_length,
+                                                                   args.steps * cfg.per_device_train_batch_size)
+    rows = [json.loads(x) for x in source.read_text().splitlines()]
     quant = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                 bnb_4bit_compute_dtype=dtype) if cfg.quantization == "4bit" else None)
     lines: list[dict] = []
@@ -386,13 +402,14 @@ def run_trl(args) -> dict:
                 torch.cuda.synchronize()
                 line.update(devices.memory_window(torch.device("cuda")))
             line["step_time_s"] = time.perf_counter() - self.t0
+            line["pairs"] = cfg.per_device_train_batch_size  # one micro-batch a step (gradient_accumulation_steps=1)
             if profiler is not None:
                 profiler.stop(state.global_step)
             lines.append(line)
 
     out: dict = {"planned_gib": None, "micro_batch": cfg.per_device_train_batch_size, "grad_accum": 1,
                  "streamed_layers": 0}
-    trainer = None
+    trainer, trainer_class = None, counting_trainer()  # each micro-batch's real tokens and computed positions
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quant,
                                                      device_map={"": 0} if cuda else None)
@@ -409,7 +426,7 @@ def run_trl(args) -> dict:
             optim="paged_adamw_8bit" if cuda else "adamw_torch")
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=cfg.peft_target_modules, task_type="CAUSAL_LM")
-        trainer = DPOTrainer(model=model, args=targs, train_dataset=datasets.Dataset.from_list(rows),
+        trainer = trainer_class(model=model, args=targs, train_dataset=datasets.Dataset.from_list(rows),
                              processing_class=tokenizer, peft_config=lora, callbacks=[Meter()])
         trainer.train()
     except Exception as e:
@@ -420,13 +437,12 @@ def run_trl(args) -> dict:
     for line in lines:
         line["loss"] = history.get(line["step"], {}).get("loss")
     summary = summarize(lines, tokens_key="step_time_s", profiled=args.profile_step)
-    if summary["median_step_s"]:  # TRL logs no token count: the pairs' real tokens, which ours count alike
-        from lowmem_dpo.model.models import load_tokenizer
-
-        tok = load_tokenizer(path)
-        per_pair = statistics.mean(2 * len(tok(r["prompt"])["input_ids"]) + len(tok(r["chosen"])["input_ids"])
-                                   + len(tok(r["rejected"])["input_ids"]) for r in rows[:DISTINCT_ROWS])
-        summary["tokens_per_s"] = round(per_pair * cfg.per_device_train_batch_size / summary["median_step_s"], 1)
+    tokens = [int(t) for t in trainer_class.bench_tokens]  # TRL logs no token count: its collated micro-batches'
+    steps = [(line["step_time_s"], n, c, line["pairs"]) for line, n, c in zip(lines, tokens, trainer_class.bench_computed)]
+    summary.update(counted(steps, 2 * cfg.per_device_train_batch_size))
+    if summary["median_step_s"]:  # the timed steps' median real tokens, as ours are counted
+        timed = [n for line, n in zip(lines, tokens) if line["step"] >= 2] or tokens
+        summary["tokens_per_s"] = round(statistics.median(timed) / summary["median_step_s"], 1)
     if profiler is not None:
         out["profile"] = profiler.result
     return {**out, **summary}
@@ -522,24 +538,32 @@ def longest_length(recipe: str, model: str, cap_gib: float, device: str, limit: 
     return best
 
 
-def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, device: str, variant) -> dict:
-    """One run in a process of its own; its result with what it was."""
+def spawn(tool: str, name: str, recipe: str, model: str, length: int, args, device: str, variant,
+          steps: int | None = None, sets: tuple = (), rows_file: str | None = None, timeout: float | None = None) -> dict:
+    """One run in a process of its own; its result with what it was. steps, sets (more recipe keys) and rows_file
+    (the rows, else data_file's) for this run; timeout: seconds before it is killed (an error in its result)."""
     from lowmem_dpo.training.guards import DRIFT_LINE
 
-    work = WORK / "runs" / f"{name}-{tool}-{length}-{device}"
+    suffix = "-" + "-".join(variant.split()) if variant else ""
+    work = WORK / "runs" / f"{name}-{tool}-{length}-{device}{suffix}"
     out = work / "result.json"
     shutil.rmtree(work, ignore_errors=True)  # a rerun that fails before train writes reports nothing of the last
     work.mkdir(parents=True)
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", tool, "--name", name, "--recipe", recipe,
             "--model", model, "--max-length", str(length), "--cap-gib", str(args.cap_gib), "--steps",
-            str(args.steps), "--device", device, "--work", str(work), "--out", str(out)]
+            str(steps or args.steps), "--device", device, "--work", str(work), "--out", str(out)]
     if args.profile and tool != "grads":
         argv += ["--profile-step", str(args.profile)]
-    if args.set:
-        argv += ["--set", *args.set]
+    if rows_file:
+        argv += ["--rows-file", rows_file]
+    if args.set or sets:
+        argv += ["--set", *args.set, *sets]
     log(f"{tool} {name} max_length={length} on {device}: {shlex.join(argv[2:])}")
     with open(work / "log.txt", "w") as logfile:
-        rc = subprocess.run(argv, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT).returncode
+        try:
+            rc = subprocess.run(argv, cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"killed after its {timeout:.0f} s"
     result = json.loads(out.read_text()) if out.is_file() else {"error": f"the run died (exit {rc})"}
     text = (work / "log.txt").read_text(errors="replace")
     if result.get("error"):
@@ -664,6 +688,7 @@ def parse_args(argv):
     for name in ("--name", "--recipe", "--model", "--device", "--work", "--out"):
         ap.add_argument(name)
     ap.add_argument("--max-length", type=int)
+    ap.add_argument("--rows-file", help="the rows of a child run (default: data_file's synthetic rows)")
     ap.add_argument("--profile-step", type=int, default=0)
     ap.add_argument("--set", nargs="*", default=[], help="recipe keys for every run, e.g. dtype=bfloat16")
     return ap.parse_args(argv)

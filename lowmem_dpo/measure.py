@@ -187,8 +187,9 @@ def _measure_precompute(mcfg: Config, prepared: inputs.Inputs, resolved: devices
 
 def _measure_train(mcfg: Config, steps: int, timed: int = 0):
     """(PeakMeter, [(T, completion tokens)] of each micro-batch, whether the batches were shared, [(seconds,
-    tokens)] of `timed` more steps run without the meter (its profiler slows each op), whether the MLP ran in tiles)
-    of `steps` step.optimizer_step calls after precompute.run and train.setup, as train runs them."""
+    tokens)] of `timed` more steps run without the meter (its profiler slows each op), (whether the MLP ran in
+    tiles, their size)) of `steps` step.optimizer_step calls after precompute.run and train.setup, as train runs
+    them."""
     precompute.run(mcfg, progress=False)
     session = train.setup(mcfg, progress=False)
     taken = []
@@ -208,7 +209,8 @@ def _measure_train(mcfg: Config, steps: int, timed: int = 0):
         stats = optimizer_step(session).stats
         devices.synchronize(session.run.resolved.device)
         times.append((time.perf_counter() - t0, stats.tokens))
-    shared, mlp_tiles = session.run.objective.shared, session.run.resolved.mlp_tiles
+    resolved = session.run.resolved
+    shared, mlp_tiles = session.run.objective.shared, (resolved.mlp_tiles, resolved.mlp_tile_tokens)
     taken_steps = micro_batches(taken, session.run.items_per_step)
     seen = [_pair_shape(pairs, shared) for step in taken_steps  # as step.accumulate splits each step
             for group in groups(session.run.objective, step, session.run.world)
@@ -248,7 +250,7 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
         "dtype": devices.dtype_name(resolved.dtype),
         "train": {"measured_peak_bytes": tr.peak_bytes, "entry_bytes": tr.entry_bytes, "steps": steps,
                   "seq_len": t, "completion_tokens": math.ceil(m / n_train), "share_prompt": shared,
-                  "mlp_tiles": mlp_tiles,
+                  "mlp_tiles": mlp_tiles[0], "mlp_tile_tokens": mlp_tiles[1],
                   "step_s": [round(s, 3) for s, _ in times], "step_tokens": [n for _, n in times]},
         "precompute": {"measured_peak_bytes": pre.peak_bytes, "entry_bytes": pre.entry_bytes,
                        "seq_len": pre_t, "completion_tokens": math.ceil(pre_m / n_pre)},
@@ -259,6 +261,7 @@ def at_measured_shapes(setup: Setup, measured: dict) -> Setup:
     """The setup at the sequence shapes --measure ran (the data's longest rows may be shorter than max_length)."""
     return dataclasses.replace(setup, share_prompt=measured["train"].get("share_prompt", False),
                                mlp_tiles=measured["train"].get("mlp_tiles", True),
+                               mlp_tile_tokens=measured["train"].get("mlp_tile_tokens") or setup.mlp_tile_tokens,
                                seq_len=measured["train"]["seq_len"],
                                completion_tokens=measured["train"]["completion_tokens"],
                                precompute_seq_len=measured["precompute"]["seq_len"],

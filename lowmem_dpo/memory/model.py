@@ -31,11 +31,12 @@ OFFLOAD_WINDOW = 2
 
 # -- formulas: activations ---------------------------------------------------------------------------------------
 def mlp_tokens(arch: Arch, setup: Setup, n_seq: int, seq_len: int, stage: str = "train") -> int:
-    """Tokens the MLP works on at once: tiles of MLP_TILE_TOKENS of the n_seq*T (activations.tile_mlps) where the
-    layers have an MLP block, in precompute and in train with checkpointing when the plan tiles (setup.mlp_tiles:
-    the backward recomputes one tile at a time); else the whole n_seq*T."""
-    tiled = arch.mlp_block and (stage == "precompute" or (setup.gradient_checkpointing and setup.mlp_tiles))
-    return min(n_seq * seq_len, MLP_TILE_TOKENS) if tiled else n_seq * seq_len
+    """Tokens the MLP works on at once: tiles of the n_seq*T (activations.tile_mlps) where the layers have an MLP
+    block, in precompute (MLP_TILE_TOKENS) and in train with checkpointing when the plan tiles (setup.mlp_tiles, of
+    setup.mlp_tile_tokens: the backward recomputes one tile at a time); else the whole n_seq*T."""
+    if not arch.mlp_block or (stage != "precompute" and not (setup.gradient_checkpointing and setup.mlp_tiles)):
+        return n_seq * seq_len
+    return min(n_seq * seq_len, MLP_TILE_TOKENS if stage == "precompute" else setup.mlp_tile_tokens)
 
 
 def attention_masks(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> tuple[int, int]:

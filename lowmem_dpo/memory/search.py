@@ -18,7 +18,8 @@ The knobs, cheapest first, each tried only while a stage is over the budget:
                       forward (streaming.py; train and precompute apply it on CUDA): last, every forward pays the copy.
                       16-bit and 4-bit bases only.
 Once a heavier knob is on, the micro-batch is again the largest that fits with it. Last, train's MLP runs whole
-where that still fits (Setup.mlp_tiles off): its tiles only for the memory they save.
+where that still fits (Setup.mlp_tiles off), else in the largest tiles that fit (Setup.mlp_tile_tokens): its tiles
+only for the memory they save.
 """
 
 from __future__ import annotations
@@ -221,12 +222,29 @@ def stream_step(stage: str, s: Stream, layers: int, budget: int) -> str:
             "CUDA)")
 
 
+def _largest_mlp_tiles(arch: Arch, s: Setup, budget: int) -> Setup:
+    """The MLP's tiles only for the memory they save: whole where train fits so, else in the largest tiles (the
+    default, doubled while train fits and a tile is below a micro-batch's tokens), each tile being one more pass
+    over a 4-bit base's dequantized weights."""
+    whole = dataclasses.replace(s, mlp_tiles=False)
+    if _fits(arch, whole, "train", budget):
+        return whole
+    tokens = s.sequences("train") * s.shapes("train")[0]  # a micro-batch's
+    while 2 * s.mlp_tile_tokens < tokens:
+        bigger = dataclasses.replace(s, mlp_tile_tokens=2 * s.mlp_tile_tokens)
+        if not _fits(arch, bigger, "train", budget):
+            break
+        s = bigger
+    return s
+
+
 def choose(arch: Arch, cfg_like, budget: int, knobs=KNOBS, stages=STAGES) -> Plan:
     """The recipe's own setup if it fits `budget`, else the first that does along `knobs` (the module doc's
     order; a stage turns only those it can apply, and asks for its own `stages`). `cfg_like`: a Setup, or a
     Config (resolved as in predict)."""
     start = cfg_like if isinstance(cfg_like, Setup) else setup_from_config(cfg_like, budget)
-    start = dataclasses.replace(start, mlp_tiles=True)  # the knobs are found tiled; untiled last, where it fits
+    # the knobs are found in the default tiles; untiled or in larger tiles last, where that fits
+    start = dataclasses.replace(start, mlp_tiles=True, mlp_tile_tokens=Setup.mlp_tile_tokens)
     for changes in _levels(start, knobs):
         cur = dataclasses.replace(start, **changes)
         if "micro_batch" in knobs:
@@ -236,9 +254,7 @@ def choose(arch: Arch, cfg_like, budget: int, knobs=KNOBS, stages=STAGES) -> Pla
         if all(_fits(arch, cur, stage, budget) for stage in stages):
             break
     if "train" in stages and cur.gradient_checkpointing and cur.mlp_tiles and arch.mlp_block:
-        whole = dataclasses.replace(cur, mlp_tiles=False)  # the MLP's tiles only for the memory they save
-        if _fits(arch, whole, "train", budget):
-            cur = whole
+        cur = _largest_mlp_tiles(arch, cur, budget)
     steps, overrides = _steps(arch, start, cur, budget)
     pred, streams, fits = predict(arch, cur), {}, True
     for stage in stages:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowmem_dpo.model.activations import MLP_TILE_TOKENS
 from lowmem_dpo.runtime import devices, ram, rules
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.ranks import local_size
@@ -44,8 +45,10 @@ class Setup:
     prompt_tokens: int | None = None  # the data's prompts, when known (plan --prompt-tokens); None: the worst case
     share_forced: bool = False  # share_prompt=true: shared whatever the prompts' share of the tokens
     # train's MLP in tiles with checkpointing (activations.TiledMLP): the recompute's peak one tile's, the same two
-    # passes per step; search.choose runs it whole where that fits (fewer, larger kernels)
+    # passes per step; search.choose runs it whole where that fits (fewer, larger kernels), else in the largest
+    # tiles that fit (each tile dequantizes a 4-bit base's weights again)
     mlp_tiles: bool = True
+    mlp_tile_tokens: int = MLP_TILE_TOKENS
 
     @property
     def autocast(self) -> bool:

@@ -37,6 +37,7 @@ class Resolved:
     micro_batch: int | None = None  # pairs per micro-batch the planner fits (policy.apply_plan); None: the recipe's
     activation_offloading: bool = False  # train's saved tensors to pinned host memory (activations.py; CUDA only)
     mlp_tiles: bool = True  # train's MLP in tiles under checkpointing (activations.TiledMLP); the plan may run it whole
+    mlp_tile_tokens: int | None = None  # their size, where the plan makes them larger than activations' default
     streamed_layers: int = 0  # train's decoder layers streamed from CPU RAM (policy.apply_plan)
 
     def __post_init__(self):

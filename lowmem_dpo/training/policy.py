@@ -102,12 +102,14 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, strea
     return model
 
 
-def tile(model, model_path: Path, grad_tiles: bool = True) -> list[activations.TiledMLP]:
-    """The MLP in tiles (activations.tile_mlps) where the planner knows the layers' MLP block: a long sequence's
-    MLP peak is one tile's (with gradients, only when grad_tiles). Returns the tiled MLPs."""
+def tile(model, model_path: Path, grad_tiles: bool = True, tokens: int | None = None) -> list[activations.TiledMLP]:
+    """The MLP in tiles (activations.tile_mlps) of `tokens` (None: its default) where the planner knows the layers'
+    MLP block: a long sequence's MLP peak is one tile's (with gradients, only when grad_tiles). Returns the tiled
+    MLPs."""
     arch = search.quiet_arch(model_path)
     if arch is not None and arch.mlp_block:
-        return activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix, grad_tiles)
+        return activations.tile_mlps(model, arch.mlp_block, arch.layers_prefix, grad_tiles,
+                                     tokens or activations.MLP_TILE_TOKENS)
     return []
 
 
@@ -127,7 +129,7 @@ def long_sequences(model, resolved: devices.Resolved, model_path: Path) -> None:
     checkpointing, where the plan tiles it: their recompute skipped in each layer's recompute where the
     architecture allows), and the saved tensors offloaded when resolved says so."""
     grad_tiles = resolved.gradient_checkpointing and resolved.mlp_tiles
-    tiled = tile(model, model_path, grad_tiles)
+    tiled = tile(model, model_path, grad_tiles, resolved.mlp_tile_tokens)
     attention_path(model, resolved.device, resolved.dtype, grad=True)
     if resolved.activation_offloading:
         activations.offload_activations(model, resolved.device)
@@ -195,9 +197,9 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
         resolved.share_prompt = False
         resolved.reasons.append(f"share_prompt=false (auto; the planner: a shared row's (T, T) mask does not fit "
                                 f"{fmt(budget)}, each prompt twice does)")
-    resolved.mlp_tiles = s.mlp_tiles
+    resolved.mlp_tiles, resolved.mlp_tile_tokens = s.mlp_tiles, s.mlp_tile_tokens
     if s.gradient_checkpointing and arch.mlp_block:
-        tiles = f"in tiles of {activations.MLP_TILE_TOKENS} tokens" if s.mlp_tiles else "whole"
+        tiles = f"in tiles of {s.mlp_tile_tokens} tokens" if s.mlp_tiles else "whole"
         resolved.reasons.append(f"the MLP {tiles} (the planner: {'needed to fit' if s.mlp_tiles else 'fits'} "
                                 f"{fmt(budget)})")
     if s.activation_offloading and not resolved.activation_offloading:

@@ -272,6 +272,21 @@ def test_fitting_recipe_is_left_alone():
     assert chosen.fits and chosen.overrides == {} and chosen.setup == dataclasses.replace(setup, mlp_tiles=False)
 
 
+def test_the_mlp_runs_in_the_largest_tiles_that_fit():
+    """Where the MLP cannot run whole, its tiles are as large as the budget allows (each tile dequantizes the 4-bit
+    weights again): a budget that holds 8192-token tiles but neither 16,384-token ones nor the whole MLP gets 8192."""
+    arch = load_arch("lowmem_dpo:arch/mistral-7b-v0.1")
+    setup = mistral_setup(quantization="4bit", ref_quantization="4bit", gradient_checkpointing=True, micro_batch=1,
+                          max_length=16384)
+    peak = {n: predict(arch, dataclasses.replace(setup, mlp_tile_tokens=n)).train.peak_bytes
+            for n in (4096, 8192, 16384)}
+    whole = predict(arch, dataclasses.replace(setup, mlp_tiles=False)).train.peak_bytes
+    assert peak[4096] < peak[8192] < peak[16384] < whole
+    chosen = choose(arch, setup, peak[8192], stages=("train",))
+    assert chosen.fits and chosen.setup.mlp_tiles and chosen.setup.mlp_tile_tokens == 8192
+    assert choose(arch, setup, whole, stages=("train",)).setup.mlp_tiles is False
+
+
 @pytest.mark.parametrize("recipe", ["mistral-7b-qlora-12gb.yaml", "llama3.1-8b-qlora-12gb.yaml"])
 def test_12gb_recipes_plan_at_most_10_gib(recipe):
     """What torch gets of a 12 GB card (11.25 GiB): the 12 GB rule, and room to spare at the recipe's length."""
