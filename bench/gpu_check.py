@@ -174,7 +174,7 @@ def host_measured(cuda: bool) -> dict:
 def ran_with(session) -> dict:
     """What the run applied, read from the session train set up (not from a plan made beside it): the budget it
     planned and torch enforces, the micro-batch and accumulation, streamed layers, offloading, checkpointing, the
-    MLP in tiles, the prompt shared or not."""
+    MLP in tiles and their size, the prompt shared or not, the micro-batches packed or not."""
     from lowmem_dpo.memory.setup import run_budget
 
     run, progress = session.run, session.progress
@@ -183,7 +183,8 @@ def ran_with(session) -> dict:
     return {"budget_gib": _gib(budget), "micro_batch": progress.micro_batch, "grad_accum": progress.grad_accum,
             "streamed_layers": resolved.streamed_layers, "activation_offloading": resolved.activation_offloading,
             "gradient_checkpointing": resolved.gradient_checkpointing, "mlp_tiles": resolved.mlp_tiles,
-            "share_prompt": run.objective.shared}
+            "mlp_tile_tokens": resolved.mlp_tile_tokens, "share_prompt": run.objective.shared,
+            "padding_free": run.objective.packed}
 
 
 def counted(steps: list[tuple], sequences_per_step: int) -> dict:

@@ -17,11 +17,14 @@ ours as `python -m lowmem_dpo.train` runs it, TRL 1.16 at its best for the same 
      steps), one step each, the two recipes' runs side by side on the card (each under its own cap: memory and
      step 1 are what they show, not time);
   4. bench/real_lengths.py's rows (Llama 2 Table 6's means) at 2048 on Llama, one epoch of REAL_PAIRS pairs, ours
-     and TRL: time and tokens computed per pair.
+     (as a user's run: share_prompt as the card's rule says, padding_free) and TRL: time and tokens computed per
+     pair.
 Each run reads what it ran from itself (tokens per sequence after any cut, pairs per micro-batch, shared or not,
 packed or not). A run starts only while the time left covers its estimate (ESTIMATE_S, from the last loan's
 runs: ../shared/GPU.md), and is killed at the budget's end: what did not fit is in the JSON as skipped, and the
-JSON is rewritten after every run, so a cut-off loan still brings back what it measured. --smoke: the tiny built-in
+JSON is rewritten after every run, so a cut-off loan still brings back what it measured. By those estimates the
+whole list is ~9.5 minutes of work: the budget cuts Mistral's comparisons, which come last and which a second
+call picks up (`--recipes mistral --parts compare`). --smoke: the tiny built-in
 model on this CPU, the lengths scaled down (gpu_check.SMOKE_LENGTHS), no budget.
 """
 
@@ -44,12 +47,15 @@ for p in (str(ROOT), str(BENCH)):
 import gpu_check  # noqa: E402
 
 STEPS = 4  # per comparison run: step 1 (its drift line) and 3 timed
+PARTS = ("compare", "longest", "real")
 PAIRS = {2048: 2, 4096: 1}  # pairs per micro-batch of the comparisons, both tools: at 4096 TRL's 2 ran out of memory
 REAL_PAIRS = 24  # the real-lengths epoch at 2048: 12 steps of 2 pairs
 REAL_ROWS = 40  # drawn, of which those kept at max_length, in whole steps, up to REAL_PAIRS
 # Seconds a run takes on an H200, from the loans so far (../shared/GPU.md): a load, precompute and 6 steps at 2048
-# 45-60 s; Llama's 32,256 tokens, 3 steps, 130 s; a random-weight 8B built in 66 s.
-ESTIMATE_S = {"build": 90, "compare": 45, "longest": 110, "real": 60}
+# 45-60 s (4 steps here); Llama's 32,256 tokens, 3 steps of 21 s, 130 s (1 step here, the two recipes at once); a
+# random-weight 8B built in 66 s. All of it comes to ~9.5 minutes: the budget cuts Mistral's comparisons, last,
+# which a second call picks up (--recipes mistral --parts compare).
+ESTIMATE_S = {"build": 90, "compare": 40, "longest": 80, "real": 45}
 # The comparisons and the longest runs: each prompt twice, as TRL runs it, so that both tools' sequences are the
 # data's and tokens_per_sequence is theirs (a shared row holds two completions); the real-lengths epoch runs as
 # a user's would (share_prompt auto)
@@ -143,14 +149,15 @@ def run(args) -> dict:
     # 2. like for like at 2048 and 4096, Llama first
     for name in sorted(names, key=lambda n: n != "llama"):
         recipe = gpu_check.RECIPES[name][0]
-        for n, pairs in ((n, PAIRS[n]) for n in args.lengths):
+        for n, pairs in ((n, PAIRS[n]) for n in args.lengths if "compare" in args.parts):
             for tool in ("ours", "trl"):
                 if not skip(f"{tool} {name} {n}", "compare"):
                     add(gpu_check.spawn(tool, name, recipe, model_of(name), length(n), args, device,
                                         f"max_length={n} pairs={pairs}", steps=STEPS,
                                         sets=(f"per_device_train_batch_size={pairs}", *LIKE_TRL), timeout=clock.left()))
-        if name == "llama":  # 3. the longest runs, both recipes side by side; 4. real lengths, after Llama's
+        if name == "llama" and "longest" in args.parts:  # 3. the longest runs, both recipes side by side
             longest(names, model_of, args, device, clock, add, skip)
+        if name == "llama" and "real" in args.parts:  # 4. real lengths, after Llama's other runs
             real(model_of("llama"), length(2048), args, device, clock, add, skip, report)
     log(f"wrote {out} in {clock.elapsed():.0f} s")
     return report
@@ -187,9 +194,14 @@ def parse_args(argv):
     ap.add_argument("--recipes", default="llama,mistral")
     ap.add_argument("--longest-limit", type=int, default=32768)
     ap.add_argument("--lengths", default="2048,4096", help="the comparisons' lengths (of 2048, 4096)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)} (a second call after a "
+                    "cut-off one: the parts it skipped)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.parts = args.parts.split(",")
+    if not set(args.parts) <= set(PARTS):
+        ap.error(f"--parts: of {', '.join(PARTS)}")
     if not set(args.lengths) <= set(PAIRS):
         ap.error(f"--lengths: of {', '.join(map(str, PAIRS))}")
     args.set, args.profile, args.steps = [], 0, STEPS  # what gpu_check.spawn reads of a check's arguments

@@ -2,7 +2,7 @@
 
     python bench/real_lengths.py --json bench/results/real_lengths_cpu.json           # CPU, max_length 512
     python bench/real_lengths.py --max-length 2048 --device cuda --json OUT            # on a card
-    python bench/real_lengths.py --smoke --json OUT                                     # the flow in ~1 minute
+    python bench/real_lengths.py --smoke --json OUT                                     # the flow in ~20 s
     python bench/real_lengths.py --rows-only OUT.jsonl [--max-length 512]               # the rows and their lengths
 
 The rows. Each row's prompt, chosen and rejected lengths (in the bench model's tokens) are drawn from lognormal
@@ -22,7 +22,7 @@ truncation (prompt + completion cut at max_length, keep the start: both tools' d
 micro-batch and per step, one whole epoch in the order each tool's own sampler gives. TRL pads each micro-batch to its
 longest sequence, its own collator; ours runs as `python -m lowmem_dpo.train` does (padding_free where the model
 supports it, the heap's rule, the device's rules). Each tool runs in a process of its own (`--side`), so neither
-inherits the other's allocator settings. TRL at its best: bench/trl_step.py's best_settings (reference log-probs
+inherits the other's allocator settings (--smoke runs both in one: the flow, not the timing). TRL at its best: bench/trl_step.py's best_settings (reference log-probs
 precomputed, no checkpointing where memory allows, bf16 where native).
 
 Reported per tool, read from the runs: the epoch's step seconds (every step, the first included: a user's epoch),
@@ -36,7 +36,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -160,15 +162,21 @@ def side_ours(cfg, recipe: str, steps: int) -> dict:
     session = train.setup(cfg, recipe, progress=False)
     run = session.run
     times, tokens, computed, pairs = [], [], [], []
+    before = resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(steps):
         result = optimizer_step(session)  # the step `python -m lowmem_dpo.train` takes, timed with the device synced
         times.append(result.seconds)
         tokens.append(result.stats.tokens)
         computed.append(result.stats.computed)
         pairs.append(result.stats.items)
+    after = resource.getrusage(resource.RUSAGE_SELF)
     resolved = run.resolved
     return {"step_s": times, "tokens": tokens, "computed": computed, "pairs": pairs,
             "precompute_s": round(precompute_s, 3),
+            # the steps' kernel time and page faults (the heap's cost, where it returns its blocks)
+            "steps_rusage": {"system_s": round(after.ru_stime - before.ru_stime, 2),
+                             "user_s": round(after.ru_utime - before.ru_utime, 2),
+                             "minor_faults": after.ru_minflt - before.ru_minflt},
             "ran_with": {"padding_free": run.objective.packed, "share_prompt": run.objective.shared,
                          "micro_batch": session.progress.micro_batch, "grad_accum": session.progress.grad_accum,
                          "dtype": devices.dtype_name(resolved.dtype),
@@ -214,14 +222,24 @@ def summary(side: dict) -> dict:
             "computed_tokens_per_pair": round(sum(side["computed"]) / pairs, 1)}
 
 
-def spawn(side: str, recipe: str, overrides: list[str], steps: int) -> dict:
+def spawn(side: str, recipe: str, overrides: list[str], steps: int, env: dict | None = None) -> dict:
+    """One side's epoch in a process of its own, `env` added to its environment."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--recipe", recipe, "--steps", str(steps),
            *[f"--set={o}" for o in overrides]]
-    log(f"{side}: {steps} steps (one epoch) in a process of its own")
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    log(f"{side}: {steps} steps (one epoch) in a process of its own" + (f", with {env}" if env else ""))
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})})
     if done.returncode != 0:
         raise SystemExit(f"real_lengths: the {side} side failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def in_process(side: str, recipe: str, overrides: list[str], steps: int) -> dict:
+    """--smoke: a side in this process (the flow, not the timing: the two sides share its allocator)."""
+    from lowmem_dpo.config.recipe import load_config
+
+    cfg = load_config(recipe, overrides)
+    log(f"{side}: {steps} steps (one epoch) in this process (--smoke)")
+    return side_ours(cfg, recipe, steps) if side == "ours" else side_trl(cfg, steps)
 
 
 def run(args) -> dict:
@@ -242,15 +260,18 @@ def run(args) -> dict:
                  "eval_fraction=0", "save_steps=0", "resume=never", "overwrite_output_dir=true", "logging_steps=1",
                  "max_skipped_share=1", "max_truncated_share=1"]  # rows are cut on purpose: the report counts them
     steps = len(rows) // per_step
-    sides = {side: spawn(side, args.recipe, overrides, steps) for side in ("ours", "trl")}
-    out = {"recipe": args.recipe, "overrides": overrides, "device": args.device, "max_length": args.max_length,
+    ours_env = dict(item.split("=", 1) for item in args.ours_env)
+    sides = {side: in_process(side, args.recipe, overrides, steps) if args.smoke else
+             spawn(side, args.recipe, overrides, steps, ours_env if side == "ours" else None)
+             for side in ("ours", "trl")}
+    out = {"recipe": args.recipe, "overrides": overrides, "ours_env": ours_env, "device": args.device,
+           "max_length": args.max_length,
            "source": {"name": args.source, "means": SOURCES[args.source], "prompt_sigma": PROMPT_SIGMA,
                       "response_sigma": RESPONSE_SIGMA, "seed": args.seed,
                       "cited": "Llama 2 (arXiv 2307.09288), Table 6"},
            "rows": lengths, "pairs_per_micro_batch": base.per_device_train_batch_size,
            "pairs_per_step": per_step, **{side: {**summary(v), "ran_with": v["ran_with"]} for side, v in sides.items()}}
-    if "precompute_s" in sides["ours"]:
-        out["ours"]["precompute_s"] = sides["ours"]["precompute_s"]
+    out["ours"].update(precompute_s=sides["ours"]["precompute_s"], steps_rusage=sides["ours"]["steps_rusage"])
     out["ratio_epoch"] = round(out["ours"]["epoch_s"] / out["trl"]["epoch_s"], 4)
     out["ratio_computed_tokens"] = round(out["ours"]["computed_tokens_per_pair"]
                                          / out["trl"]["computed_tokens_per_pair"], 4)
@@ -263,13 +284,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default=RECIPE, help=f"the run's recipe (default {RECIPE})")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe key changed")
+    ap.add_argument("--ours-env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable "
+                    "of ours' process alone (MALLOC_MMAP_THRESHOLD_=1048576: the heap's threshold fixed, as before)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--rows", type=int, default=128, help="rows drawn (those kept, in whole steps, are the epoch)")
     ap.add_argument("--source", default="total", choices=sorted(SOURCES), help="the Table 6 row of the means")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the report here")
-    ap.add_argument("--smoke", action="store_true", help="the tiny built-in model, 24 rows at max_length 256")
+    ap.add_argument("--smoke", action="store_true", help="the tiny built-in model, 24 rows at max_length 256, both "
+                    "sides in this process")
     ap.add_argument("--rows-only", metavar="OUT", help="write the kept rows to OUT and print their lengths")
     ap.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)

@@ -236,10 +236,12 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
         tmp = Path(tmp)
         prepared = inputs.prepare(cfg, resolved)
         subset = _longest_rows(cfg, prepared.tokenizer, rows, tmp)
-        # the longest rows, cut at max_length on purpose (the peak is at full length): past any share limit
+        # the longest rows, cut at max_length on purpose (the peak is at full length): past any share limit;
+        # padded, as the plan counts them (a packed row of rows of unequal length would measure less)
         mcfg = dataclasses.replace(cfg, dataset=subset, dataset_split="train", max_train_samples=None,
                                    ref_cache_dir=str(tmp / "cache"), max_skipped_share=1.0, max_truncated_share=1.0,
-                                   output_dir=str(tmp / "out"), max_steps=steps + timed, save_steps=0)
+                                   output_dir=str(tmp / "out"), max_steps=steps + timed, save_steps=0,
+                                   padding_free=False)
         pre, (pre_t, pre_m, n_pre), _ = _measure_precompute(mcfg, prepared, resolved)
         tr, seen, shared, times, mlp_tiles = _measure_train(mcfg, steps, timed)
     t = max(s[0] for s in seen)

@@ -148,7 +148,7 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
             "lowmem_dpo.plan shows the terms); an out-of-memory error halves the batch again")
     streamed = bool(stream) and plan.fits
     kept = resolved.device.type == "cpu" and plan.fits and heap.keep_freed_blocks(
-        plan.prediction.precompute.peak_bytes, policy.transient(plan.prediction.precompute), budget)
+        plan.prediction.precompute.peak_bytes, plan.prediction.precompute.transient, budget)
     if kept:
         log(kept)
     for line in policy.check_host_ram(host_ram(arch, plan, "precompute", streamed), "precompute"):
@@ -278,12 +278,12 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
             model, batch = load_model(cfg, resolved, prepared, len(keys))
             pad_id = data.pad_token_id(prepared.tokenizer)
             # decided on the dataset's pairs, as train decides: the two agree on the layout
-            forward = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.tok.pairs[:1], dataset.tok.pairs)
-            layout = forward.shared if side.twin is not None else None
+            forward_layout = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.tok.pairs[:1], dataset.tok.pairs)
+            layout = forward_layout.shared if side.twin is not None else None  # the cache's 16-bit layout
             todo = {keys[i] for i in lacking[layout]}
-            units = forward_units(*dataset.all_pairs(), todo, forward.shared)
+            units = forward_units(*dataset.all_pairs(), todo, forward_layout.shared)
             computed, t0 = len(todo), time.perf_counter()
-            reference = ReferenceForward(model, pad_id, resolved, forward, per_token=side.per_token)
+            reference = ReferenceForward(model, pad_id, resolved, forward_layout, per_token=side.per_token)
             compute_missing(reference, longest_first(units), run_cache, layout, batch, cfg.cache_shard_rows,
                             need[layout], progress)
             # the model's memory goes now (bitsandbytes' weights hold a reference cycle): train may follow

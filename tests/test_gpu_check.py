@@ -56,6 +56,10 @@ def test_the_gpu_check_runs_end_to_end_on_the_tiny_model(tmp_path, lowmem_home):
     assert 0 <= ours["step1_drift_per_token"] <= DRIFT_TOKEN_BOUND
     assert abs(ours["step1_drift_loss_offset"]) <= DRIFT_LOSS_BOUND
     assert math.isclose(runs[1]["max_length"], ours["max_length"])
+    # like for like (what bench/loan.py's comparisons are): no prompt cut by either tool, the same rows, so the same
+    # real tokens per sequence, read from each tool's own steps; every step counted
+    assert ours["tokens_per_sequence"] == runs[1]["tokens_per_sequence"] > 0.9 * 96
+    assert ours["padding_free"] in (True, False) and ours["pairs_done"] == runs[1]["pairs_done"] == 3 * 2
     # --profile 2: each tool's second step, counted, its op table beside the JSON; ours does no more work than TRL
     profiled = {r["tool"]: r["profile"] for r in runs[:2]}
     for tool, prof in profiled.items():

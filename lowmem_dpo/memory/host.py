@@ -25,10 +25,10 @@ from lowmem_dpo.runtime.units import fmt
 
 CHECKPOINT_BYTES = 2  # bytes a parameter in the checkpoint read at load: the 16-bit shards 7B models ship
 
-# What frees each term, for the refusal's line.
 # What the process itself takes from host RAM after the check, beyond the planned terms: the CUDA runtime's host side
 # and the load's staging buffers (an estimate: bench/gpu_check.py records peak_rss_gib beside host_planned_gib).
 HOST_MARGIN = 1 << 30
+# What frees each term, for the refusal's line.
 KNOBS = {
     "pinned activations": "activation_offloading=false, with a lower max_length so the card holds the activations",
     "streamed layers": "a lower max_length (fewer layers streamed)",

@@ -13,7 +13,7 @@ from lowmem_dpo.memory.arch import Arch, adapted
 from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup, setup_from_config
 from lowmem_dpo.memory.weights import base_weight_bytes, dequant_bytes, lora_shapes, optimizer_state_bytes
 from lowmem_dpo.model.activations import MLP_TILE_TOKENS
-from lowmem_dpo.model.head import HEAD_TILE_ELEMENTS, head_tile
+from lowmem_dpo.model.head import HEAD_TILE_ELEMENTS, OUT_DTYPE, head_tile
 from lowmem_dpo.runtime.kernels import FUSED_HEAD_TILE
 from lowmem_dpo.runtime.rules import ADAMW_TORCH
 
@@ -21,19 +21,16 @@ from lowmem_dpo.runtime.rules import ADAMW_TORCH
 # the tensor peak, with expandable segments (devices.configure_allocator). The budget is what torch may allocate
 # (devices.run_cuda_budget), so the CUDA context is outside it and not counted here.
 CUDA_FRAGMENTATION = 0.05
-# A CPU run's RSS before its model loads: Python, torch, transformers, peft and bitsandbytes imported, the recipe
-# and the tokenizer read (bench/full_scale.py's rss_before_load_bytes: 0.42-0.48 GiB with torch 2.13).
+# A CPU run's RSS before its model loads: Python and the packages imported, the recipe and the tokenizer read
+# (bench/full_scale.py's rss_before_load_bytes: 0.42-0.48 GiB with torch 2.13).
 CPU_PROCESS = 480 * 2**20
-# With activation_offloading, the offloaded tensors on the device at once in backward: the layer computing and the
-# one prefetched below it (activations.Offloader).
-OFFLOAD_WINDOW = 2
+OFFLOAD_WINDOW = 2  # offloaded layers on the device at once in backward: one computing, one prefetched below
 
 
 # -- formulas: activations ---------------------------------------------------------------------------------------
 def mlp_tokens(arch: Arch, setup: Setup, n_seq: int, seq_len: int, stage: str = "train") -> int:
-    """Tokens the MLP works on at once: tiles of the n_seq*T (activations.tile_mlps) where the layers have an MLP
-    block, in precompute (MLP_TILE_TOKENS) and in train with checkpointing when the plan tiles (setup.mlp_tiles, of
-    setup.mlp_tile_tokens: the backward recomputes one tile at a time); else the whole n_seq*T."""
+    """Tokens the MLP works on at once (activations.tile_mlps) where the layers have an MLP block: in precompute
+    tiles of MLP_TILE_TOKENS, in train with checkpointing setup.mlp_tile_tokens where the plan tiles; else n_seq*T."""
     if not arch.mlp_block or (stage != "precompute" and not (setup.gradient_checkpointing and setup.mlp_tiles)):
         return n_seq * seq_len
     return min(n_seq * seq_len, MLP_TILE_TOKENS if stage == "precompute" else setup.mlp_tile_tokens)
@@ -216,15 +213,16 @@ def logits_train_bytes(arch: Arch, completion_positions: int, lora_head: bool = 
                        device: str = "cpu") -> int:
     """The LM head in train (logps.py) over the M completion positions, nothing (M, V)-sized. A frozen head at a
     tile's backward: the tile (head_tile_bytes), its rows' float32 gradient (c*H*4), the hidden states' gradient
-    (M*H*s; twice on CUDA, where TRL's fused kernel takes h in 4096-row parts: their gradients and the split's
-    concatenation exist together), and 16-bit off CUDA a float32 copy of the weight's tile. LoRA on the LM head:
+    (M*H*s; twice on CUDA, where TRL's fused kernel may take h in 4096-row parts, counted whether it runs or not:
+    their gradients and the split's concatenation exist together), and 16-bit a float32 copy of the weight's tile
+    (off CUDA, and on it before torch 2.8: head.OUT_DTYPE). LoRA on the LM head:
     checkpointed chunks of 2^24 // V rows, the whole vocabulary each: four float32 (c, V) tensors at a chunk's
     backward (logits, minus logsumexp, exp, gradient), its B output one more, a softcap one more."""
     m = completion_positions
     if lora_head:
         return (4 + 1 + arch.softcapped_head) * chunk_tokens(arch, m) * arch.vocab * 4
     c, v = head_tile(m, arch.vocab)
-    upcast = v * arch.hidden * 4 if s != 4 and device != "cuda" and v < arch.vocab else 0  # off CUDA, W's tile
+    upcast = v * arch.hidden * 4 if s != 4 and (device != "cuda" or not OUT_DTYPE) and v < arch.vocab else 0
     return head_tile_bytes(arch, m, s, device) + c * arch.hidden * 4 + m * arch.hidden * s * (1 + (device == "cuda")) \
         + upcast
 
@@ -264,8 +262,8 @@ def precompute_layer_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -
 def framework_overhead(device: str, tensor_peak: int) -> int:
     """Memory the budget must hold beyond live tensors. CUDA: the caching allocator's fragmentation (~5% of the
     tensor peak: an estimate; a GPU run's metrics log peak_reserved_bytes beside peak_allocated_bytes). CPU: the
-    process before the model loads (CPU_PROCESS), so that the plan is RSS; the heap returns freed tensors
-    (runtime/heap.py). mps: 0."""
+    process before the model loads (CPU_PROCESS): the plan is RSS where the heap returns freed tensors (runtime/
+    heap.py; with room to spare it keeps them, up to StagePrediction.transient more). mps: 0."""
     if device == "cuda":
         return int(CUDA_FRAGMENTATION * tensor_peak)
     return CPU_PROCESS if device == "cpu" else 0
@@ -283,6 +281,10 @@ class StagePrediction:
     tensor_peak_bytes: int  # live tensor bytes: what --measure measures
     peak_bytes: int  # + framework overhead: what must fit the budget
     shapes: dict[str, int]
+
+    @property
+    def transient(self) -> int:  # a step's freed tensors: what a heap that keeps its blocks may hold beyond the plan
+        return self.breakdown["activations"] + self.breakdown["peak_phase"]
 
     def to_json(self, budget: int, offload: int = 0) -> dict:
         return {"peak_bytes": self.peak_bytes, "tensor_peak_bytes": self.tensor_peak_bytes,

@@ -22,7 +22,7 @@ import torch
 from lowmem_dpo import data, objectives
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model import activations, logps, packing
-from lowmem_dpo.model.head import FUSED
+from lowmem_dpo.model.head import FUSED, HEAD_TOKENS
 from lowmem_dpo.runtime import devices, kernels, oom
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.rules import SHARE_MIN_PROMPT_SHARE
@@ -285,12 +285,14 @@ def decide_packing(model, items: list, collate, pad_id: int, device: torch.devic
 def use_fused_head(device: torch.device) -> str | None:
     """Set the LM head's fused kernel for `device` (kernels.fused_head: TRL's Triton kernel on CUDA, where it is
     installed and its probe passes on this card), or none; on CUDA, the line that says which head runs."""
-    kernel, line = kernels.fused_head(device)
+    kernel, why = kernels.fused_head(device)
     if kernel is None:
         FUSED.pop(device.type, None)
-    else:
-        FUSED[device.type] = kernel
-    return line
+        return None if device.type != "cuda" else (f"LM head: {HEAD_TOKENS}-token tiles, online logsumexp, in torch "
+                                                   f"ops (TRL's fused Triton kernel is not used: {why})")
+    FUSED[device.type] = kernel
+    return ("LM head: TRL 1.16's fused Triton kernel (4096-token x 32,768-entry tiles, online logsumexp; its probe "
+            "on this card gave torch's log-probs and gradient)")
 
 
 def bring_up(model, cfg: Config, resolved: devices.Resolved, pad_id: int, first: list, pairs: list | None = None,

@@ -31,6 +31,7 @@ import torch
 from lowmem_dpo.model.logps import PACKED_ATTENTION as NAME  # its name in transformers' AttentionInterface
 
 _registered: list[bool] = []
+GQA_SDPA = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)  # enable_gqa
 
 
 def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout: float = 0.0,
@@ -40,14 +41,19 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     SDPA per sequence between consecutive `sequence_bounds`; a shared row's (its `shared_splits` entry: the ends of
     its prompt and of its chosen, from its start) as [prompt, chosen] and [prompt, rejected]. Returns (1, S, Hq, D)
     and no weights. Without sequence_bounds: transformers' own SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations import sdpa_attention
 
     if sequence_bounds is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                                     scaling=scaling, is_causal=is_causal, **kwargs)
     sdpa = torch.nn.functional.scaled_dot_product_attention  # looked up at the call (activations.sdpa_calls)
     p = dropout if module.training else 0.0
     gqa = query.shape[1] != key.shape[1]
+    # grouped-query k and v repeated to every query head where transformers' SDPA would repeat them: torch before
+    # 2.5, or a card whose SDPA would run its math kernel with enable_gqa (models.repeat_kv_heads sets that)
+    if gqa and not (GQA_SDPA and sdpa_attention.use_gqa_in_sdpa(None, key, value)):
+        groups = query.shape[1] // key.shape[1]
+        key, value, gqa = sdpa_attention.repeat_kv(key, groups), sdpa_attention.repeat_kv(value, groups), False
     outs = []
     for i, (a, b) in enumerate(zip(sequence_bounds[:-1], sequence_bounds[1:])):
         q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]  # (1, H, T_i, D)

@@ -24,8 +24,8 @@ With room to spare the heap keeps its freed blocks instead (`keep_freed_blocks`)
 what a heap may keep of a step's freed tensors (its activations and its largest transient), fits the budget raises
 the threshold to KEPT_THRESHOLD, glibc's own ceiling. A block used again then costs no page fault at all: on the
 ~25M-parameter bench Llama at 512 tokens, where a step's tensors are a few MiB each and huge pages only cover
-their whole 2 MiB pages, the 1 MiB threshold faulted ~450k pages a step, 2.4 s of kernel time in a 6.0 s step;
-kept, 3.9 s (bench/README.md, "The C heap"). RSS can then exceed the plan by up to that allowance, which the
+their whole 2 MiB pages, the 1 MiB threshold faulted 14M pages in an epoch of 31 steps, 90 s of kernel time in
+215 s; kept, 0.17M and 4.5 s in 149 s (bench/README.md, "real_lengths.py"). RSS can then exceed the plan by up to that allowance, which the
 budget holds.
 
 Only glibc; elsewhere (macOS, musl) the C library's own allocator is left as it is. Everything here is a no-op
@@ -101,8 +101,7 @@ def configure() -> str:
         follows = value.isdigit() and int(value) <= MMAP_THRESHOLD
         return (f"{LINE} {ENV}={value} from the environment" + ("" if follows else
                 f" (the plan assumes at most {MMAP_THRESHOLD >> 20} MiB: RSS can exceed it by the heap's freed blocks)"))
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt") or libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1:
+    if not _set_threshold(MMAP_THRESHOLD):
         return f"{LINE} the C library's own allocator (not glibc): RSS can exceed the plan by what it keeps"
     line = (f"{LINE} malloc's mmap threshold fixed at {MMAP_THRESHOLD >> 20} MiB, so that a freed tensor leaves "
             "RAM and RSS follows the plan")
@@ -114,15 +113,22 @@ def configure() -> str:
             f"RAM set {ENV}={32 << 20} before starting Python)")
 
 
+def _set_threshold(n: int) -> bool:
+    """malloc's mmap threshold at n bytes for the rest of the process (glibc's mallopt); whether it took."""
+    libc = _libc()
+    return libc is not None and hasattr(libc, "mallopt") and libc.mallopt(M_MMAP_THRESHOLD, n) == 1
+
+
 def keep_freed_blocks(planned: int, transient: int, budget: int) -> str | None:
     """With room, the heap keeps its freed blocks (module doc): when the stage's planned peak plus `transient` (what
     a heap may hold of the step's freed tensors: the plan's activations and its peak phase) fits `budget`, raise the
-    threshold to KEPT_THRESHOLD and return the CPU heap line that replaces configure's; else None (the threshold
-    stays fixed: RSS is the plan). A threshold from the environment stands (None)."""
-    if ENV in os.environ or planned + transient > budget:
+    threshold to KEPT_THRESHOLD and return the CPU heap line that replaces configure's; else None, the threshold
+    fixed at MMAP_THRESHOLD again (an earlier stage of the same process may have raised it): RSS is the plan. A
+    threshold from the environment stands (None)."""
+    if ENV in os.environ:
         return None
-    libc = _libc()
-    if libc is None or not hasattr(libc, "mallopt") or libc.mallopt(M_MMAP_THRESHOLD, KEPT_THRESHOLD) != 1:
+    if planned + transient > budget or not _set_threshold(KEPT_THRESHOLD):
+        _set_threshold(MMAP_THRESHOLD)
         return None
     return (f"{LINE} freed blocks kept (malloc's mmap threshold {KEPT_THRESHOLD >> 20} MiB, no page faults when a "
             f"block is used again): the plan's {fmt(planned)} and up to {fmt(transient)} the heap may keep of a "

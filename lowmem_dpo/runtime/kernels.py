@@ -1,7 +1,7 @@
 """Optional fused kernels, imported lazily and checked before the first step: TRL 1.16's LM-head kernel on CUDA
 (`pip install 'lowmem_dpo[kernels]'`), which head.FUSED runs in place of the torch-op tiles.
 
-    kernel, line = fused_head(device)   # the kernel or None, and the line the stage logs
+    kernel, why = fused_head(device)   # the kernel, or None and why not (on CUDA)
 
 A kernel is used only where it is known to run: TRL 1.16 importable, Triton there, a card of compute capability
 MIN_CAPABILITY or more (Triton's supported NVIDIA cards), and a probe (a forward and a backward on a few rows, at
@@ -85,15 +85,10 @@ def why_not_fused(device: torch.device) -> tuple[object, str | None]:
 
 
 def fused_head(device: torch.device) -> tuple[object, str | None]:
-    """(the fused LM-head kernel for `device`, or None; on CUDA the line that says which head runs and why),
-    decided once per process (why_not_fused)."""
+    """(the fused LM-head kernel for `device`, None) where it runs there, else (None, why not on CUDA; None off
+    it), decided once per process (why_not_fused)."""
     if device.type != "cuda":
         return None, None
     if "head" not in _FUSED_HEAD:
         _FUSED_HEAD["head"] = why_not_fused(device)
-    kernel, why = _FUSED_HEAD["head"]
-    if kernel is None:
-        return None, f"LM head: {FUSED_HEAD_TILE[0]}-token tiles, online logsumexp, in torch ops (TRL's fused " \
-                     f"Triton kernel is not used: {why})"
-    return kernel, "LM head: TRL 1.16's fused Triton kernel (4096-token x 32,768-entry tiles, online logsumexp; " \
-                   "its probe on this card gave torch's log-probs and gradient)"
+    return _FUSED_HEAD["head"]

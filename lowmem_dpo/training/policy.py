@@ -218,7 +218,7 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
             + " (python -m lowmem_dpo.plan shows the terms)")
     else:
         resolved.reasons.append(f"planner: train peak {fmt(peak)} of a {fmt(budget)} budget")
-        kept = resolved.device.type == "cpu" and heap.keep_freed_blocks(peak, transient(applied.prediction.train),
+        kept = resolved.device.type == "cpu" and heap.keep_freed_blocks(peak, applied.prediction.train.transient,
                                                                          budget)
         if kept:  # the heap's line from devices.resolve, replaced
             resolved.reasons = [kept if line.startswith(heap.LINE) else line for line in resolved.reasons]
@@ -226,12 +226,6 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
     resolved.streamed_layers = stream.layers if stream and applied.fits else 0
     resolved.reasons.extend(check_host_ram(host_ram(arch, applied, "train", bool(resolved.streamed_layers)), "train"))
     return streaming.Plan(stream.layers, arch.layers_prefix) if resolved.streamed_layers else None
-
-
-def transient(stage) -> int:
-    """What a heap that keeps its freed blocks may hold beyond a stage's plan (memory/model.py's StagePrediction):
-    the tensors freed within a step, its activations and its peak phase (heap.keep_freed_blocks)."""
-    return stage.breakdown["activations"] + stage.breakdown["peak_phase"]
 
 
 def check_host_ram(host: HostRam, stage: str) -> list[str]:

@@ -6,11 +6,10 @@ the padded run's."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
-from conftest import TINY_DATA, TINY_RECIPE, build_tiny_model, write_jsonl
+from conftest import TINY_RECIPE, build_tiny_model
 
 from lowmem_dpo import data, train
 from lowmem_dpo.model import headcheck, logps, packing
@@ -172,37 +171,70 @@ def test_the_check_catches_what_the_structure_cannot(tiny_path, pairs):
     assert headcheck.checked(model, plain, forced(plain), torch.float32, "packed") is None
 
 
-def uneven_rows(path) -> str:
-    """The demo's rows with completions of 1 to 3 reviews, chosen and rejected of unequal length."""
-    rows = [json.loads(line) for line in TINY_DATA.read_text().splitlines()]
-    write_jsonl(path, [{"prompt": r["prompt"], "chosen": " ".join([r["chosen"]] * (1 + i % 3)),
-                        "rejected": " ".join([r["rejected"]] * (1 + (i + 1) % 3))} for i, r in enumerate(rows)])
-    return str(path)
+def test_every_option_of_the_log_probs_packs(tiny_path, pairs):
+    """ORPO's prompt sums, WPO's aligned log-probs, LD-DPO's weights and the per-token log-probs, and a pair with an
+    empty prompt, shared and not: packed as padded."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    packing.enable(model)
+    rows = [*pairs[:3], data.TokenizedPair(9, [], pairs[4].chosen_ids, pairs[4].rejected_ids)]
+    for collate, options in ((data.collate, dict(prompts=True, weighting=True)), (data.collate, dict(ld_alpha=0.5)),
+                             (data.collate, dict(per_token=True)), (data.collate_shared, dict(weighting=True))):
+        plain = collate(rows, 0)
+        with torch.no_grad():
+            a, b = completion_logps(model, plain, **options), completion_logps(model, forced(plain), **options)
+        for x, y in ((a.logps, b.logps), (a.prompt_logps, b.prompt_logps), (a.aligned, b.aligned)):
+            assert (x is None) == (y is None) and (x is None or torch.allclose(x, y, atol=1e-4, rtol=1e-5))
+        assert a.tokens is None or all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a.tokens, b.tokens))
 
 
-@pytest.mark.parametrize("recipe", ["uneven", TINY_RECIPE])
-def test_a_run_packs_and_its_adapter_is_the_padded_runs(recipe, tmp_path):
-    """The demo's recipe (float32), whole, and 30 steps of it on rows of uneven lengths, with padding_free auto and
-    false: the two adapters agree within 1e-6. On the uneven rows the train steps ran packed rows."""
+def test_grouped_query_heads_repeated_where_transformers_repeats_them(tiny_path, pairs, monkeypatch):
+    """On a card where SDPA would run its math kernel with enable_gqa, transformers repeats k and v to every query
+    head (models.repeat_kv_heads sets it, here as on such a card): the packed attention does the same, and gives
+    the same log-probs."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import sdpa_attention
+
+    from lowmem_dpo.model import activations, models
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    packing.enable(model)
+    plain = data.collate(pairs, 0)
+    with torch.no_grad():
+        want = completion_logps(model, plain).logps
+    monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", sdpa_attention.use_gqa_in_sdpa)  # restored after
+    models.repeat_kv_heads()
+    with torch.no_grad(), activations.sdpa_calls() as calls:
+        got = completion_logps(model, forced(plain)).logps
+    assert calls and all(not c["enable_gqa"] and c["key"].shape[1] == c["query"].shape[1] == 4 for c in calls)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
+
+
+def test_the_demo_packed_has_the_padded_demos_adapter(tmp_path, monkeypatch):
+    """The demo's recipe (float32), whole, with gradient checkpointing (each layer's recompute runs the packed
+    attention again), padding_free auto against false, each with its own reference cache: with every micro-batch
+    packed (PACK_MIN_PADDING 0: the demo's rows are of nearly one length, so auto alone would pack few), precompute
+    and train ran packed rows, and the two adapters agree within 1e-6."""
     from safetensors.torch import load_file
 
     from lowmem_dpo import precompute
     from lowmem_dpo.config.recipe import load_config
+    from lowmem_dpo.data import batch
 
+    monkeypatch.setattr(batch, "PACK_MIN_PADDING", 0.0)
     seen = []
     for setting in ("auto", "false"):
-        changes = [f"padding_free={setting}", f"output_dir={tmp_path / setting}", f"ref_cache_dir={tmp_path / 'c'}"]
-        if recipe == "uneven":
-            changes += [f"dataset={uneven_rows(tmp_path / 'rows.jsonl')}", "max_steps=30", "eval_fraction=0",
-                        "save_steps=0", "load_best_model_at_end=false", "eval_generations=0"]
-        cfg = load_config(TINY_RECIPE, changes)
+        cfg = load_config(TINY_RECIPE, [f"padding_free={setting}", f"output_dir={tmp_path / setting}",
+                                        f"ref_cache_dir={tmp_path / setting}-cache", "gradient_checkpointing=true",
+                                        "eval_generations=0"])  # the samples change no weight
         precompute.run(cfg, progress=False)
         session = train.setup(cfg, progress=False)
-        session.trainee.model.get_base_model().model.register_forward_pre_hook(
-            lambda module, args, kwargs: seen.append((setting, kwargs.get("sequence_bounds") is not None)),
-            with_kwargs=True)
+        session.trainee.model.get_base_model().model.register_forward_pre_hook(  # the log-probs' forwards (not
+            lambda module, args, kwargs: seen.append((setting, kwargs.get("sequence_bounds") is not None))  # the
+            if kwargs.get("use_cache") is False else None, with_kwargs=True)  # samples' generation, with a cache)
         train.loop.run(session, progress=False)
-    assert ("false", True) not in seen and (recipe != "uneven" or ("auto", True) in seen)
+    assert ("auto", True) in seen and ("auto", False) not in seen and ("false", True) not in seen
     a, b = (load_file(tmp_path / s / "adapter_model.safetensors") for s in ("auto", "false"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
     assert max(float(a[k].abs().max()) for k in a) > 1e-3  # trained
