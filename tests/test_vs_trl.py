@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import TINY_DATA, write_jsonl
 
-from lowmem_dpo import data, precompute, train
+from lowmem_dpo import precompute, train
 from lowmem_dpo.training import evaluation, objective
 
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -45,7 +45,7 @@ def ours(session, **changes) -> dict:
     cfg = dataclasses.replace(session.run.cfg, **changes)
     run = session.run  # RunSetup is frozen; its objective entry is built from the changed config
     entry = objective.build(cfg, run.resolved, run.pad_id, "train", run.objective.ref, run.objective.eval_ref,
-                            data.Layout(run.objective.shared, run.objective.packed))
+                            run.objective.layout)
     session.run = dataclasses.replace(run, cfg=cfg, objective=entry)
     return evaluation.evaluate(session)[0]
 

@@ -60,8 +60,15 @@ class Objective:
     after: Callable | None = None  # (a block's sums, what `before` gave) -> the block's means (KTO)
     signs: Callable | None = None  # (sums, step, steps, held_out) -> the warning signs (guards.py) of pairs
     samples_from: Callable[[list], list] | None = None  # eval items -> the rows the samples answer (KTO)
-    shared: bool = False  # pairs: each prompt once per pair (headcheck.decide_sharing)
-    packed: bool = False  # each micro-batch as one packed row, no padding (padding_free: headcheck.decide_packing)
+    layout: data.Layout = data.Layout()  # its batches' layout (headcheck.bring_up): prompts shared, rows packed
+
+    @property
+    def shared(self) -> bool:  # pairs: each prompt once per pair (headcheck.decide_sharing)
+        return self.layout.shared
+
+    @property
+    def packed(self) -> bool:  # each micro-batch as one packed row, no padding (headcheck.decide_packing)
+        return self.layout.packed
 
     def new_sums(self) -> Sums:
         return Sums.of(self.metrics, self.nll_weight)
@@ -79,12 +86,12 @@ class PairForward:
 
 
 def pair_forward(lm: LM, pairs: list[data.TokenizedPair], ref: cache.RefCache | None, block, *, pad_id: int,
-                 resolved: devices.Resolved, shared: bool, packed: bool, reference: bool, prompts: bool,
-                 weighting: bool, ld_alpha: float | None) -> PairForward:
+                 resolved: devices.Resolved, layout: data.Layout, reference: bool, prompts: bool, weighting: bool,
+                 ld_alpha: float | None) -> PairForward:
     """The policy's log-probs of a micro-batch of pairs, and the reference's (cached; live: the adapter off).
     prompts: the chosen rows' prompts' too (ORPO's NLL); weighting: WPO's weights; ld_alpha: LD-DPO's sums."""
     device = resolved.device
-    batch = (data.collate_shared if shared else data.collate)(pairs, pad_id, packed).to(device)
+    batch = (data.collate_shared if layout.shared else data.collate)(pairs, pad_id, layout.packed).to(device)
     ref_chosen = ref_rejected = None
     with devices.autocast(device, resolved.dtype):
         if reference and ref is not None:
@@ -190,8 +197,7 @@ def pairs(cfg: Config, resolved: devices.Resolved, pad_id: int, ref: cache.RefCa
     drift_at_start = drift_at_start and ref is not None
     return Objective(
         "train", "pair", metrics,
-        forward=functools.partial(pair_forward, pad_id=pad_id, resolved=resolved, shared=layout.shared,
-                                  packed=layout.packed,
+        forward=functools.partial(pair_forward, pad_id=pad_id, resolved=resolved, layout=layout,
                                   reference=objectives.needs_reference(types), prompts=objectives.nll_prompt(types),
                                   weighting=cfg.use_weighting, ld_alpha=cfg.ld_alpha),
         loss=functools.partial(pair_loss, s=cfg.loss_settings, terms=terms, logged=objectives.primary(types),
@@ -199,7 +205,7 @@ def pairs(cfg: Config, resolved: devices.Resolved, pad_id: int, ref: cache.RefCa
         size=functools.partial(pair_size, nll_prompt=objectives.nll_prompt(types), drift_at_start=drift_at_start),
         ref=ref, eval_ref=eval_ref, nll_weight=nll_weight,
         signs=functools.partial(pair_signs, cfg=cfg, resolved=resolved, drift_at_start=drift_at_start),
-        shared=layout.shared, packed=layout.packed)
+        layout=layout)
 
 
 # -- SFT: prompt/completion rows ----------------------------------------------------------------------------------
@@ -229,7 +235,8 @@ def row_size(rows: list[data.TokenizedCompletion], first: bool) -> StepSize:
 def sft(resolved: devices.Resolved, pad_id: int, packed: bool = False) -> Objective:
     """SFT's entry: the completion tokens' mean NLL (TRL's SFTTrainer with completion_only_loss)."""
     return Objective("sft", "row", (m.LOSS,), functools.partial(row_forward, pad_id=pad_id, resolved=resolved,
-                                                                 packed=packed), row_loss, row_size, packed=packed)
+                                                                 packed=packed), row_loss, row_size,
+                     layout=data.Layout(packed=packed))
 
 
 # -- KTO: blocks of unpaired rows (training/kto.py) ---------------------------------------------------------------
@@ -244,7 +251,8 @@ def unpaired(cfg: Config, resolved: devices.Resolved, pad_id: int, ref: kto.Refe
         ref=ref, eval_ref=eval_ref, blocks=True,
         before=functools.partial(kto.reference_point, cfg=cfg, pad_id=pad_id, resolved=resolved, packed=packed),
         after=functools.partial(kto.block_means, s=cfg.loss_settings),
-        samples_from=None if eval_ref is None else functools.partial(kto.samples_from, desirable=eval_ref.desirable))
+        samples_from=None if eval_ref is None else functools.partial(kto.samples_from, desirable=eval_ref.desirable),
+        layout=data.Layout(packed=packed))
 
 
 def build(cfg: Config, resolved: devices.Resolved, pad_id: int, stage: str, ref=None, eval_ref=None,
