@@ -38,7 +38,7 @@ from lowmem_dpo.memory.host import host_ram
 from lowmem_dpo.memory.setup import run_budget
 from lowmem_dpo.model import headcheck, streaming
 from lowmem_dpo.model.logps import completion_logps, lm_of
-from lowmem_dpo.runtime import devices, distributed, files, folders, heap, oom
+from lowmem_dpo.runtime import devices, distributed, files, folders, heap, oom, sharding
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training import inputs, policy
@@ -166,7 +166,8 @@ def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedC
     after it."""
     from tqdm.auto import tqdm
 
-    mine = distributed.shard(commits(todo, shard_rows))
+    every = commits(todo, shard_rows)
+    mine = distributed.shard(every)
     total = sum(len(u) for chunk in mine for u in chunk)
     bar = tqdm(total=total, desc="precompute", unit="seq", dynamic_ncols=True,
                disable=not progress or not distributed.is_main())
@@ -189,12 +190,28 @@ def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedC
                                                 ) from None
                 raise
             kept += len(got)
+        idle_forwards(reference, every, mine, batch)
     except KeyboardInterrupt:  # Ctrl-C: what the rerun will not compute again
         raise KeyboardInterrupt(f"{kept} of the {total} sequences to compute are kept in the cache "
                                 f"({run_cache.store.path.parent}); the same command computes only the other "
                                 f"{total - kept}") from None
     finally:
         bar.close()  # before any error message, which then stands on its own line
+
+
+def idle_forwards(reference: ReferenceForward, every: list[list], mine: list[list], batch: int) -> None:
+    """With the base sharded (fsdp), every forward gathers each layer from every rank: a rank with fewer forwards
+    than another (its share of the commits, `mine` of `every`) runs idle ones (the shortest unit; dropped) until it
+    has run as many."""
+    if not reference.resolved.sharded:
+        return
+    per = batch * (1 if reference.layout.shared else 2)  # units per forward (chunk_with_backoff)
+    world = distributed.world()
+    counts = [sum(math.ceil(len(chunk) / per) for chunk in distributed.shard(every, distributed.World(r, world.size)))
+              for r in range(world.size)]
+    shortest = min((unit for chunk in every for unit in chunk), key=unit_tokens)
+    for _ in range(sharding.idle_forwards(counts[world.rank], counts)):
+        units_logps(reference, [shortest], 1)
 
 
 def commits(units: list[list[data.TokenizedCompletion]], size: int) -> list[list]:

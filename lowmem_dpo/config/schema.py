@@ -113,6 +113,13 @@ class Config:
                                       "a 12 GB card): enforced on CUDA, it picks the device rule, and the planner "
                                       "fits train and precompute to it. null: what torch can get of the GPU now, or "
                                       "physical RAM on a CPU.", resumable=True)
+    fsdp: Switch = key(AUTO, "Several processes (torchrun): shard the frozen base over them with torch's FSDP2, each "
+                       "process holding 1/N of it; false: data parallel, the whole model on each. auto: shard where "
+                       "the planner says the run fits one card only sharded (docs/several-processes.md).",
+                       resumable=True)
+    fsdp_offload_params: Switch = key(AUTO, "With fsdp: the shards in CPU RAM, each layer's brought to the device "
+                                      "for its forward and backward (FSDP2's CPUOffloadPolicy; accelerate's name). "
+                                      "auto: where the planner needs it to fit.", resumable=True)
     memory_snapshot_on_oom: bool = key(False, "CUDA: at the first out-of-memory error, write torch's memory snapshot "
                                       "(memory_snapshot.pickle) into output_dir.", resumable=True)
     share_prompt: Switch = key(AUTO, "Each pair's prompt through the model once: rows [prompt, chosen, rejected], a "

@@ -304,11 +304,13 @@ def _own_unquantized_weights(model: torch.nn.Module) -> None:
     heap.release_freed_memory()
 
 
-def load_device(device: torch.device, quantization: str, streamed_layers: int) -> torch.device:
+def load_device(device: torch.device, quantization: str, streamed_layers: int, sharded: bool = False) -> torch.device:
     """Where load_model puts the weights: `device`, except for an unquantized model whose trailing layers will be
     streamed (streaming.stream_layers): CPU RAM first, from where the rest moves to the device. bitsandbytes
-    quantizes on the device as it loads, and streaming then moves the quantized layers out."""
-    return torch.device("cpu") if streamed_layers and quantization == "none" else device
+    quantizes on the device as it loads, and streaming then moves the quantized layers out. sharded (fsdp): CPU
+    RAM, from where each process's shards move to its device (a model sharded because it does not fit one card
+    cannot load on one)."""
+    return torch.device("cpu") if sharded or streamed_layers and quantization == "none" else device
 
 
 def oom_loading(quantization: str) -> str:

@@ -39,6 +39,8 @@ class Resolved:
     mlp_tiles: bool = True  # train's MLP in tiles under checkpointing (activations.TiledMLP); the plan may run it whole
     mlp_tile_tokens: int | None = None  # their size, where the plan makes them larger than activations' default
     streamed_layers: int = 0  # train's decoder layers streamed from CPU RAM (policy.apply_plan)
+    sharded: bool = False  # several processes: the base sharded over them with FSDP2 (fsdp; runtime/sharding.py)
+    shard_offload: bool = False  # the shards in CPU RAM (fsdp_offload_params)
 
     def __post_init__(self):
         if self.ref_dtype is None:
@@ -164,8 +166,11 @@ def resolve(cfg) -> Resolved:
         reasons.append(heap.configure())
     device = distributed.init(device)  # under torchrun / accelerate launch: join the group, this rank's GPU
     w = distributed.world()
+    sharded = w.distributed and cfg.fsdp is True  # auto: the planner decides (policy.apply_plan)
     if w.distributed:
-        reasons[0] += f"; process {w.rank} of {w.size} on {device} (data parallel)"
+        reasons[0] += f"; process {w.rank} of {w.size} on {device}"
+        reasons.append(fsdp_line(sharded, "from the recipe" if cfg.fsdp is True else
+                                 "from the recipe" if cfg.fsdp is False else "auto; the planner decides below"))
     budget = None
     if size_note(cfg.memory_budget) is not None:
         reasons.append(f"memory_budget {size_note(cfg.memory_budget)}")
@@ -210,7 +215,14 @@ def resolve(cfg) -> Resolved:
                                                        "where activations are in host memory already"))
     return Resolved(device, kind, dtype, ckpt, rule.optimizer, reasons, quantization=cfg.quantization,
                     ref_dtype=ref_dtype, ref_quantization=cfg.reference_quantization, offload=rule.offload,
-                    share_prompt=share, budget=budget, activation_offloading=offload)
+                    share_prompt=share, budget=budget, activation_offloading=offload, sharded=sharded,
+                    shard_offload=sharded and cfg.fsdp_offload_params is True)
+
+
+def fsdp_line(sharded: bool, why: str) -> str:
+    """The log line that says how several processes share the model."""
+    return (f"fsdp=true ({why}): the base sharded over the processes (FSDP2), LoRA whole on each" if sharded else
+            f"fsdp=false ({why}): data parallel, the whole model on each process")
 
 
 # -- bitsandbytes (optional at import time; needed for quantization and the paged optimizer) ----------------------

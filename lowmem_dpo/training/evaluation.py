@@ -81,6 +81,10 @@ def sample_metrics(session: Session, step: int) -> dict:
 
     # At most SAMPLE_BATCH answers at a time: more samples judge the answers better, not at more memory
     written = with_backoff(session, write, min(len(items), SAMPLE_BATCH), "the samples")
+    kl = samples.kl_to_reference(session.trainee.model, items, [w.ids for w in written], run.resolved.device,
+                                 run.resolved.dtype) if run.adapter_off_is_start else None
+    if not run.world.main:  # fsdp: every rank ran the same forwards (samples_on_rank); rank 0 judges and writes
+        return {}
     path = Path(run.cfg.output_dir) / checkpoint.SAMPLES
     scores = [guards.rouge_l(w.ids, w.chosen_ids) for w in written]
     base = samples.rouge_at(path, 0) if step > 0 else {}  # step 0's answers to the same prompts
@@ -91,10 +95,14 @@ def sample_metrics(session: Session, step: int) -> dict:
     if se is not None:
         stats[guards.GEN_ROUGE_L_SE] = round(se, 6)
     if run.adapter_off_is_start:  # the reference is the model with its adapter disabled
-        kl = samples.kl_to_reference(session.trainee.model, items, [w.ids for w in written], run.resolved.device,
-                                     run.resolved.dtype)
         stats[guards.GEN_KL] = None if kl is None else round(kl, 6)
     return stats
+
+
+def samples_on_rank(session: Session) -> bool:
+    """Whether this process writes the samples: rank 0; with the base sharded (fsdp) every rank, since each
+    forward needs all of them (rank 0 alone keeps what they wrote)."""
+    return session.run.world.main or session.run.resolved.sharded
 
 
 def at_start(session: Session) -> dict | None:
@@ -103,9 +111,9 @@ def at_start(session: Session) -> dict | None:
     killed before its first checkpoint, are dropped)."""
     path = Path(session.run.cfg.output_dir) / checkpoint.SAMPLES
     saved = None if session.progress.resumed_from is None else Path(session.progress.resumed_from) / checkpoint.SAMPLES
-    if saved is not None and saved.is_file():
+    if session.run.world.main and saved is not None and saved.is_file():
         files.atomic_write_bytes(path, saved.read_bytes())
-    else:  # a new run; or a checkpoint from before samples were kept in it
+    elif session.run.world.main:  # a new run; or a checkpoint from before samples were kept in it
         samples.keep_until(path, session.progress.step if session.progress.resumed_from is not None else -1)
     cfg = session.run.cfg
     if session.progress.step > 0 or not session.run.eval_items or not cfg.eval_generations or cfg.eval_on_start:
@@ -129,7 +137,7 @@ def evaluate(session: Session) -> tuple[dict, list[str]]:
                              session.progress.micro_batch, "the eval", True)
         summed = distributed.sum_stats(local)
         metrics = {eval_name(k): v for k, v in summed.means().items()}  # TRL's names: eval_loss, eval_rewards/...
-        gen = sample_metrics(session, session.progress.step) if session.run.world.main else {}
+        gen = sample_metrics(session, session.progress.step) if samples_on_rank(session) else {}
     line = {"step": session.progress.step, **{k: None if v is None or not math.isfinite(v) else round(v, 6)
                                for k, v in metrics.items()}, **gen,
             "eval_runtime": round(time.perf_counter() - t0, 3), "eval_pairs": rows_of(session.run.eval_items)}

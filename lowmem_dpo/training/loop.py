@@ -192,7 +192,8 @@ def steps(session: Session, out_dir: Path, bar, last: dict) -> dict:
     the last train line."""
     main = session.run.world.main
     with output.open_metrics(session, out_dir) if main else open(os.devnull, "w") as metrics_file:
-        first = distributed.broadcast(evaluation.at_start(session) if main else None)  # step 0: the samples
+        first = distributed.broadcast(evaluation.at_start(session) if evaluation.samples_on_rank(session)
+                                      else None)  # step 0: the samples
         if first is not None:
             output.write_line(session, metrics_file, first)
         if evaluation.on_start(session):  # every rank: the eval is split across them

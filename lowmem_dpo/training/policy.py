@@ -20,8 +20,8 @@ from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory import attention, search
 from lowmem_dpo.memory.host import HostRam, host_problem, host_ram
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
-from lowmem_dpo.model import activations, adapters, compute_copies, models, streaming
-from lowmem_dpo.runtime import devices, heap, ram, rules
+from lowmem_dpo.model import activations, adapters, compute_copies, logps, models, streaming
+from lowmem_dpo.runtime import devices, distributed, heap, ram, rules, sharding
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training.step import Trainee
@@ -75,13 +75,14 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, strea
     dtype, quantization = (resolved.ref_dtype, resolved.ref_quantization) if reference else (resolved.dtype,
                                                                                             resolved.quantization)
     layers = stream.layers if stream else 0
-    base = models.load_model(model_path, models.load_device(resolved.device, quantization, layers), dtype,
+    base = models.load_model(model_path, models.load_device(resolved.device, quantization, layers, resolved.sharded), dtype,
                              quantization)
     if reference:
         model = adapters.reference_model(base, source)  # base + the SFT adapter, when there is one
         streaming.stream_layers(model, stream, resolved.device)
         tile(model, model_path)
         attention_path(model, resolved.device, dtype, grad=False)
+        shard_over_ranks(model, resolved)
         return model
     model = adapters.sft_policy(base, cfg, source) if source is not None else None
     if model is None:
@@ -98,8 +99,22 @@ def setup_model(cfg: Config, resolved: devices.Resolved, model_path: Path, strea
         for module in model.modules():
             if hasattr(module, "cast_input_dtype_enabled"):
                 module.cast_input_dtype_enabled = False
+    shard_over_ranks(model, resolved)
     model.train()
     return model
+
+
+def shard_over_ranks(model, resolved: devices.Resolved) -> None:
+    """With fsdp, the base sharded over the processes (runtime/sharding.py), last: every probe of the bring-up
+    above ran on the whole model."""
+    if not resolved.sharded:
+        return
+    lm = logps.lm_of(model)
+    before = sharding.local_bytes(model)
+    layers = sharding.shard(model, lm.backbone, lm.lm_head, resolved.device, resolved.shard_offload)
+    log(f"fsdp: {layers} decoder layers and the embeddings sharded over "
+        f"{distributed.world().size} processes: this one holds {fmt(sharding.local_bytes(model))} of the model's "
+        f"{fmt(before)}" + (" (in CPU RAM: fsdp_offload_params)" if resolved.shard_offload else ""))
 
 
 def tile(model, model_path: Path, grad_tiles: bool = True, tokens: int | None = None) -> list[activations.TiledMLP]:

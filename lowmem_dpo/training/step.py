@@ -25,7 +25,7 @@ from lowmem_dpo import data
 from lowmem_dpo.model import compute_copies
 from lowmem_dpo.model.logps import LM, lm_of
 from lowmem_dpo.objectives import metrics
-from lowmem_dpo.runtime import devices, distributed, oom
+from lowmem_dpo.runtime import devices, distributed, oom, sharding
 from lowmem_dpo.runtime.errors import log
 
 
@@ -174,14 +174,31 @@ def accumulate(session, items: list, micro_batch: int, grad: bool = True) -> Sum
         for group in groups(objective, items, run.world):
             block = objective.before(lm, group, ref, micro_batch) if objective.before else None
             part = objective.new_sums() if objective.after else sums
-            for batch in micro_batches(group, micro_batch):
+            batches = micro_batches(group, micro_batch)
+            for batch in batches:
                 loss, got = objective.loss(objective.forward(lm, batch, ref, block), size)
                 if grad:
                     session.trainee.backward(loss)
                 part.add(got)
+            for _ in range(idle_forwards(run, items, micro_batch, len(batches))):  # fsdp: as many as every rank
+                loss, _ = objective.loss(objective.forward(lm, [min(items, key=item_tokens)], ref, block), size)
+                if grad:
+                    session.trainee.backward(loss * 0)  # its gradients are zeros; its collectives are the point
             if objective.after:
                 sums.add(objective.after(part, block))
     return sums
+
+
+def idle_forwards(run, items: list, micro_batch: int, mine: int) -> int:
+    """With the base sharded (fsdp), every forward gathers each layer from every rank: a rank with fewer
+    micro-batches in a step than another runs this many idle ones (the step's shortest item, its loss times 0)
+    so that the ranks' forwards and backwards pair up. 0 otherwise."""
+    if not run.resolved.sharded:
+        return 0
+    ordered = data.by_length(items, item_tokens)
+    counts = [len(micro_batches(distributed.shard(ordered, distributed.World(r, run.world.size)), micro_batch))
+              for r in range(run.world.size)]
+    return sharding.idle_forwards(mine, counts)
 
 
 def backward_with_backoff(session, items: list) -> tuple[Sums, int, int]:
