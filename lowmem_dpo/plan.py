@@ -1,11 +1,12 @@
 """Memory planner: will a recipe fit? Peak memory of precompute and train from the model's config.json alone.
 
     python -m lowmem_dpo.plan RECIPE.yaml [key=value ...] [--budget 12GiB] [--json OUT] [--measure] [--slice N]
+    python -m lowmem_dpo.plan RECIPE.yaml --nproc 2 --budget 11.25GiB     # per card, on 2 cards (fsdp or not)
 
 No weights are loaded. The architecture comes from the config.json of a local model folder, of a built-in model
 (lowmem_dpo:tiny-llama, lowmem_dpo:llama-25m), or of a shipped architecture-only file: lowmem_dpo:arch/NAME
-(mistral-7b-v0.1, llama-3.1-8b, qwen2.5-7b), also reached by its hub name (mistralai/Mistral-7B-v0.1,
-meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B and their -Instruct variants).
+(mistral-7b-v0.1, llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, qwen2.5-14b), also reached by its hub name
+(mistralai/Mistral-7B-v0.1, meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-14B, ... and their -Instruct variants).
 
 Prints the predicted peak of train and of precompute, term by term, for the recipe as given. If it does not fit
 the budget, searches the knobs in the order of their cost and prints the first plan that fits, as key=value
@@ -35,6 +36,9 @@ options:
                  decoder layers and random weights, against the prediction for N layers: checks a 7B-width model
                  on a small machine.
   --steps K      optimizer steps --measure runs (default 2: the second has the optimizer state).
+  --nproc N      plan for N processes (torchrun), one card each, with the budget per card: each card's peak
+                 data parallel, with fsdp (the base sharded over them) and with its shards in CPU RAM, and which
+                 the run takes (fsdp, fsdp_offload_params; docs/several-processes.md).
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
 from lowmem_dpo.memory.host import host_problem, host_ram
 from lowmem_dpo.memory.model import Prediction, StagePrediction, predict
-from lowmem_dpo.memory.search import KNOBS, LENGTH_STEP, Plan, choose, longest_max_length, stage_stream
+from lowmem_dpo.memory import cards
+from lowmem_dpo.memory.search import KNOBS, LENGTH_STEP, STAGES, Plan, longest_max_length, stage_stream
+from lowmem_dpo.memory.weights import card_host_bytes
 from lowmem_dpo.memory.setup import Setup, planned_device, run_budget, setup_from_config, with_prompts
 from lowmem_dpo.model import adapters, models
 from lowmem_dpo.objectives import needs_reference
@@ -100,7 +106,7 @@ def table(columns: list[tuple[str, StagePrediction]], budget: int, measured: lis
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = StageParser("python -m lowmem_dpo.plan", "RECIPE.yaml [key=value ...] [--budget SIZE] [--json OUT] "
-                     "[--measure] [--slice N] [--steps K] [--prompt-tokens P]")
+                     "[--measure] [--slice N] [--steps K] [--prompt-tokens P] [--nproc N]")
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--budget")
@@ -109,7 +115,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--slice", type=int, default=None)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=None)
+    ap.add_argument("--nproc", type=int, default=1)
     args = ap.parse_intermixed_args(argv)
+    if args.nproc < 1:
+        raise UserError("--nproc N needs N >= 1 (the processes torchrun starts, one card each)")
     if args.slice is not None and (args.slice < 1 or not args.measure):
         raise UserError("--slice N needs N >= 1 and --measure")
     if args.steps < 1:
@@ -183,13 +192,28 @@ def print_plan(chosen: Plan, budget: int, reference: bool = True) -> None:
             print("  overrides: " + " ".join(f"{k}={v}" for k, v in chosen.overrides.items()))
 
 
-def print_host_ram(arch: Arch, chosen: Plan, reference: bool = True) -> None:
-    """The plan's host RAM beside its device memory (memory/host.py), against what this machine has available."""
+def print_cards(arch: Arch, cfg: Config, budget: int, processes: int, knobs, stages, prompt_tokens: int | None) -> None:
+    """--nproc N: each card's peak for each way to run on N cards (memory/cards.py), each with its own knobs."""
+    print(f"on {processes} cards, each card's peak (with the knobs each way needs):")
+    for name, plan in cards.alternatives(arch, cfg, budget, processes, knobs, stages, prompt_tokens):
+        streamed = {stage: s.device_peak for stage, s in plan.streams.items()}  # streaming: the card's peak
+        peaks = "  ".join(f"{stage} {fmt(streamed.get(stage, getattr(plan.prediction, stage).peak_bytes))}"
+                          for stage in stages)
+        shards = (f"; its shard {fmt(card_host_bytes(arch, plan.setup.dtype, plan.setup.quantization, processes))}"
+                  + (" in CPU RAM" if plan.setup.shard_offload else " on the card")) if plan.setup.sharded else ""
+        print(f"  {name:<15} {peaks}{shards}: " + ("fits" if plan.fits else "does not fit") + f" {fmt(budget)}")
+    print()
+
+
+def print_host_ram(arch: Arch, chosen: Plan, reference: bool = True, processes: int = 1) -> None:
+    """The plan's host RAM beside its device memory (memory/host.py), against what this machine has available
+    (processes: that many on this machine, each with its own)."""
     available, source = ram_available()
+    each = f" per process ({processes} on one machine: {processes} times this)" if processes > 1 else ""
     for stage in ("train", "precompute") if reference else ("train",):
         host = host_ram(arch, chosen, stage)
-        fits = "" if host_problem(host, available, stage) is None else " - MORE THAN THIS MACHINE HAS"
-        print(f"host RAM {stage}: {host.describe()}{fits}")
+        fits = "" if host_problem(host, available // processes, stage) is None else " - MORE THAN THIS MACHINE HAS"
+        print(f"host RAM {stage}{each}: {host.describe()}{fits}")
     print(f"         this machine: {fmt(available)} {source}")
 
 
@@ -272,13 +296,13 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--measure needs weights: model_name_or_path={cfg.model_name_or_path} is architecture-only "
                         "here; add --slice N to measure its first N layers with random weights, or pass a model "
                         "folder")
-    setup = setup_from_config(cfg, budget)
+    setup = setup_from_config(cfg, budget, args.nproc)
     if args.prompt_tokens:
         setup = with_prompts(setup, args.prompt_tokens)
     pred = predict(arch, setup)
     reference = needs_reference(cfg.loss_type)  # SimPO, ORPO: no precompute, no cache, nothing to plan for them
-    chosen = choose(arch, setup, budget) if reference else choose(
-        arch, setup, budget, tuple(k for k in KNOBS if k != "precompute_batch"), stages=("train",))
+    knobs, stages = (KNOBS, STAGES) if reference else (tuple(k for k in KNOBS if k != "precompute_batch"), ("train",))
+    chosen = cards.on_cards(arch, cfg, budget, args.nproc, knobs, stages, args.prompt_tokens)
     report = json_report(cfg, arch, setup, pred, chosen, budget, reference)
     print_prediction(arch, setup, pred, budget, "" if reference else
                      f"none: loss_type={cfg.loss_type} reads no reference (no precompute, no cache)")
@@ -303,8 +327,10 @@ def main(argv: list[str]) -> int:
         print("note: 8bit's LLM.int8 buffers are modeled from CPU measurements (bitsandbytes' CUDA kernels differ): "
               "allow a margin on a GPU")
     print()
+    if args.nproc > 1:
+        print_cards(arch, cfg, budget, args.nproc, knobs, stages, args.prompt_tokens)
     print_plan(chosen, budget, reference)
-    print_host_ram(arch, chosen, reference)
+    print_host_ram(arch, chosen, reference, args.nproc)
     print_lengths(arch, chosen, budget)
     print_data_lengths(cfg)
     if args.json_out:

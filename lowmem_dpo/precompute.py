@@ -33,7 +33,7 @@ from lowmem_dpo.config.recipe import load_config, place, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
 from lowmem_dpo.data.store import Value
-from lowmem_dpo.memory import search
+from lowmem_dpo.memory import cards, search
 from lowmem_dpo.memory.host import host_ram
 from lowmem_dpo.memory.setup import run_budget
 from lowmem_dpo.model import headcheck, streaming
@@ -134,8 +134,11 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
     arch = search.arch_of_run(model_path, cfg, f"precompute_batch_size={cfg.precompute_batch_size} as given")
     if arch is None:
+        policy.sharded_as_planned(cfg, resolved, None, "precompute")
         return cfg.precompute_batch_size, None
-    plan = search.stage_plan(cfg, arch, budget, "precompute", resolved.device.type)
+    plan = cards.on_cards(arch, cfg, budget, distributed.world().size,
+                          search.stage_knobs(cfg, "precompute", resolved.device.type), ("precompute",))
+    policy.sharded_as_planned(cfg, resolved, plan, "precompute")
     batch, stream = plan.setup.precompute_batch, plan.streams.get("precompute")
     if resolved.share_prompt and not plan.setup.share_prompt:
         resolved.share_prompt = False

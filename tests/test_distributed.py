@@ -78,7 +78,9 @@ def one_process(root: Path, recipe: Path, train_too: bool = False) -> Path:
 def test_precompute_on_two_processes_equals_one_and_computes_only_what_is_missing(run):
     """With sequences deleted from one process's store (a killed build's aftermath, made by hand), 2 processes
     split what is missing between them and compute only that, committing to the one store: the values equal one
-    process's. (docs/several-processes.md's torchrun precompute runs in test_doc_blocks.py too.)"""
+    process's. Here with the reference sharded over them (fsdp=true: every forward gathers each layer from both, so
+    a process with fewer batches runs idle ones); docs/several-processes.md's torchrun precompute, data parallel,
+    runs in test_doc_blocks.py."""
     root, recipe = run
     two = root / "cache2"
     shutil.copytree(one_process(root, recipe), two)
@@ -88,9 +90,10 @@ def test_precompute_on_two_processes_equals_one_and_computes_only_what_is_missin
     with cache.open_store(two) as store:
         store.db.execute("DELETE FROM sequences WHERE key IN (SELECT key FROM sequences LIMIT 100)")
         store.db.commit()
-    p = torchrun("precompute", recipe, f"ref_cache_dir={two}")
+    p = torchrun("precompute", recipe, f"ref_cache_dir={two}", "fsdp=true")
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stderr.count(f"computed 100 sequences, reused {total - 100}") == 1  # rank 0 reports, once
+    assert "fsdp: 2 decoder layers and the embeddings sharded over 2 processes" in p.stderr
     a, c = cached(cfg1)[0], cached(cfg2)[0]
     assert (a.chosen - c.chosen).abs().max() < 1e-5 and (a.rejected - c.rejected).abs().max() < 1e-5
 
@@ -167,7 +170,8 @@ def test_train_on_two_processes_equals_one_at_twice_the_batch_through_an_out_of_
 def test_a_resumed_two_process_run_with_dropout_equals_the_uninterrupted_one(run):
     """lora_dropout 0.1: each rank draws its own masks, so each rank's random state is saved and restored. A
     2-process run killed after its step-3 checkpoint (its aftermath: that checkpoint alone in a fresh output_dir)
-    and resumed ends with the uninterrupted 6-step run's adapter."""
+    and resumed ends with the uninterrupted 6-step run's adapter, bit for bit. Both with fsdp=true: the base
+    sharded, the adapter gathered whole into rank 0's checkpoint (data parallel saves and resumes the same way)."""
     root, recipe = run
     rows = [json.loads(line) for line in open(TINY_DATA)][:96]
     for i, row in enumerate(rows):  # lengths that differ from pair to pair: each rank draws masks of its own size
@@ -176,7 +180,7 @@ def test_a_resumed_two_process_run_with_dropout_equals_the_uninterrupted_one(run
     data = root / "uneven.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     keys = [f"dataset={data}", f"ref_cache_dir={root / 'cache-uneven'}", "per_device_train_batch_size=2",
-            "gradient_accumulation_steps=2", "lora_dropout=0.1", "eval_fraction=0"]
+            "gradient_accumulation_steps=2", "lora_dropout=0.1", "eval_fraction=0", "fsdp=true"]
     precompute.run(load_config(recipe, keys), progress=False)
     whole, resumed = root / "dropout-whole", root / "dropout-resumed"
     p = torchrun("train", recipe, *keys, f"output_dir={whole}")
@@ -189,6 +193,80 @@ def test_a_resumed_two_process_run_with_dropout_equals_the_uninterrupted_one(run
     assert "resuming from" in p.stderr
     want, got = adapter(whole), adapter(resumed)
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+FSDP_SCRIPT = '''"""train's main, once per run listed in the JSON file argv[1]; each rank prints its 4-bit bytes (the
+uint8 weights: nothing else is uint8) before and after sharding. A run with "corrupt" overwrites rank 1's shard of
+one 4-bit weight with random bytes after sharding (a damaged file on one machine: simulated, as no file here is)."""
+import json
+import os
+import sys
+
+import torch
+
+from lowmem_dpo import train
+from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.training import policy
+
+real, corrupt = policy.shard_over_ranks, {"on": False}
+
+
+def local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def shard_over_ranks(model, resolved):
+    four = [p for p in model.parameters() if p.dtype == torch.uint8]
+    before = sum(p.numel() * p.element_size() for p in four)
+    real(model, resolved)
+    four = [local(p) for p in model.parameters() if p.dtype == torch.uint8]
+    after = sum(p.numel() * p.element_size() for p in four)
+    os.write(1, f"rank {os.environ['RANK']}: 4-bit bytes {before} local {after}\\n".encode())
+    if corrupt["on"] and os.environ["RANK"] == "1":
+        four[0].copy_(torch.randint(0, 256, four[0].shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+
+
+policy.shard_over_ranks = shard_over_ranks
+for one in json.load(open(sys.argv[1])):
+    corrupt["on"] = one["corrupt"]
+    code = run_cli(train.main, one["args"], "train", "")
+    if code:
+        sys.exit(code)
+'''
+
+
+def test_fsdp_trains_as_one_process_in_4bit_and_unquantized_and_a_corrupted_shard_shows_at_step_1(run):
+    """fsdp=true on 2 processes at per_device_train_batch_size=2: the adapter of 1 process at 4 within 1e-4, with a
+    4-bit base (lowmem_dpo:tiny-llama, quantization=4bit) and unquantized; each rank holds half of the base's 4-bit
+    bytes. A run whose rank 1 holds a corrupted shard warns at step 1 (the drift line), naming fsdp."""
+    root, recipe = run
+    cache1 = one_process(root, recipe, train_too=True)
+    four = [f"ref_cache_dir={root / 'cache4'}", "quantization=4bit"]
+    if not (root / "one4" / "adapter_model.safetensors").is_file():
+        one4 = load_config(recipe, [*four, f"output_dir={root / 'one4'}", "per_device_train_batch_size=4",
+                                    "gradient_accumulation_steps=2"])
+        precompute.run(one4, progress=False)
+        train.run(one4, progress=False)
+    two = ["per_device_train_batch_size=2", "gradient_accumulation_steps=2", "fsdp=true"]
+    runs = [{"args": [str(recipe), *four, *two, f"output_dir={root / 'fsdp4'}"], "corrupt": False},
+            {"args": [str(recipe), f"ref_cache_dir={cache1}", *two, f"output_dir={root / 'fsdp'}"], "corrupt": False},
+            {"args": [str(recipe), *four, *two, f"output_dir={root / 'fsdp-bad'}", "max_steps=1", "eval_fraction=0",
+                      "save_steps=0"], "corrupt": True}]
+    (root / "runs.json").write_text(json.dumps(runs), encoding="utf-8")
+    script = root / "fsdp_runs.py"
+    script.write_text(FSDP_SCRIPT, encoding="utf-8")
+    p = torchrun("train", root / "runs.json", script=script)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert_same_adapter(root / "one4", root / "fsdp4")  # export, GGUF and chat read it as any other: the same
+    assert (root / "one4/adapter_config.json").read_text() == (root / "fsdp4/adapter_config.json").read_text()
+    assert_same_adapter(root / "one", root / "fsdp")
+    bytes_lines = [line.split() for line in p.stdout.splitlines() if line.startswith("rank ")]
+    four_bit = {int(w[1].rstrip(":")): (int(w[4]), int(w[6])) for w in bytes_lines[:2]}  # the first run's ranks
+    (whole, r0), (_, r1) = four_bit[0], four_bit[1]
+    assert whole > 0 and r0 + r1 == whole and abs(r0 - whole / 2) < 0.01 * whole  # dim-0 chunks: rows, not bytes
+    assert p.stderr.count("fsdp=true (from the recipe): the base sharded over the processes") == 3
+    assert p.stderr.count("reference cache off this policy's forward") == 1  # the corrupted run's step 1 alone
+    assert "with fsdp, a process whose shard of the base differs" in p.stderr
 
 
 def test_sft_on_two_processes_equals_one_at_twice_the_batch(run):

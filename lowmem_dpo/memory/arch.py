@@ -5,8 +5,9 @@ target spec adapts in it.
 
 No weights are loaded. The config.json comes from a local model folder, a built-in model (lowmem_dpo:tiny-llama,
 lowmem_dpo:llama-25m), a shipped architecture-only file, lowmem_dpo:arch/NAME (mistral-7b-v0.1, llama-3.1-8b,
-qwen2.5-7b; also reached by its hub name: mistralai/Mistral-7B-v0.1, meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B and
-their -Instruct variants), or the hub (a few KB, online).
+llama-3.1-70b, qwen2.5-7b, qwen2.5-14b; also reached by its hub name: mistralai/Mistral-7B-v0.1, meta-llama/
+Llama-3.1-8B, meta-llama/Llama-3.1-70B, Qwen/Qwen2.5-7B, Qwen/Qwen2.5-14B and their -Instruct variants), or the hub
+(a few KB, online).
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ ARCH_PREFIX = "lowmem_dpo:arch/"
 ARCHS_DIR = Path(__file__).resolve().parent / "archs"
 # Hub names (lowercase) whose architecture ships in archs/: the planner reads these without a download.
 HUB_ARCHS = {
-    "mistralai/mistral-7b-v0.1": "mistral-7b-v0.1",
-    "mistralai/mistral-7b-instruct-v0.1": "mistral-7b-v0.1",
+    "mistralai/mistral-7b-v0.1": "mistral-7b-v0.1", "mistralai/mistral-7b-instruct-v0.1": "mistral-7b-v0.1",
     "meta-llama/llama-3.1-8b": "llama-3.1-8b",
     "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
     "meta-llama/meta-llama-3.1-8b": "llama-3.1-8b",
     "meta-llama/meta-llama-3.1-8b-instruct": "llama-3.1-8b",
-    "qwen/qwen2.5-7b": "qwen2.5-7b",
-    "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen/qwen2.5-7b": "qwen2.5-7b", "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen/qwen2.5-14b": "qwen2.5-14b", "qwen/qwen2.5-14b-instruct": "qwen2.5-14b",
+    "meta-llama/llama-3.1-70b": "llama-3.1-70b", "meta-llama/llama-3.1-70b-instruct": "llama-3.1-70b",
+    "meta-llama/meta-llama-3.1-70b": "llama-3.1-70b", "meta-llama/meta-llama-3.1-70b-instruct": "llama-3.1-70b",
 }
 # The last name of an attention block's output projection, in the families transformers ships (Llama o_proj,
 # GPT-2 c_proj, GPT-NeoX dense, ...): its input is the attention output, which attention keeps anyway.

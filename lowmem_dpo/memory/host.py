@@ -10,6 +10,9 @@ The terms are memory the kernel can neither swap nor drop:
   streamed layers       the trailing decoder layers' frozen weights, pinned, one buffer per layer (search.Stream)
   paged optimizer state paged_adamw_8bit: its 8-bit states (the plan's optimizer_state) in CUDA managed memory,
                         which the driver moves to host RAM under device pressure: at most all of it
+  the whole base while it loads  fsdp: each process loads the whole quantized base in CPU RAM, then keeps its
+                        shard (runtime/sharding.py); the rest is freed once sharded
+  offloaded shards      fsdp_offload_params: this process's shard of the base, pinned (FSDP2's CPUOffloadPolicy)
 The load reads the checkpoint through mmap (bitsandbytes quantizes the 16-bit shards as they come): those file
 pages show in RSS (18.8 GB for a 4-bit Llama-3.1-8B on the last GPU loan) but are page cache the kernel drops
 under pressure, so they are shown and never refused on.
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowmem_dpo.memory.arch import Arch
+from lowmem_dpo.memory.weights import base_weight_bytes, card_host_bytes
 from lowmem_dpo.runtime.rules import PAGED_ADAMW_8BIT
 from lowmem_dpo.runtime.units import fmt
 
@@ -33,6 +37,9 @@ KNOBS = {
     "pinned activations": "activation_offloading=false, with a lower max_length so the card holds the activations",
     "streamed layers": "a lower max_length (fewer layers streamed)",
     "paged optimizer state": "a smaller lora_r (the device rule's paged 8-bit AdamW holds its state there)",
+    "the whole base while it loads": "more RAM: with fsdp each process loads the whole quantized base in CPU RAM "
+                                     "before it keeps its shard",
+    "offloaded shards": "fsdp_offload_params=false, with more cards or a lower max_length so the shards fit them",
 }
 
 
@@ -73,6 +80,12 @@ def host_ram(arch: Arch, plan, stage: str, streamed: bool = True) -> HostRam:
             terms["paged optimizer state"] = plan.prediction.train.breakdown["optimizer_state"]
     if streamed and stage in plan.streams:
         terms["streamed layers"] = plan.streams[stage].cpu_bytes
+    if setup.sharded and setup.device != "cpu":  # on a CPU these are the run's own memory, the budget's
+        dtype, quantization = (setup.dtype, setup.quantization) if stage == "train" else (setup.ref_dtype,
+                                                                                          setup.ref_quantization)
+        terms["the whole base while it loads"] = sum(base_weight_bytes(arch, dtype, quantization).values())
+        if setup.shard_offload:
+            terms["offloaded shards"] = card_host_bytes(arch, dtype, quantization, setup.processes)
     return HostRam(terms, checkpoint_bytes(arch))
 
 

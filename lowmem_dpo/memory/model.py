@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from lowmem_dpo.memory import attention
 from lowmem_dpo.memory.arch import Arch, adapted
 from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup, setup_from_config
-from lowmem_dpo.memory.weights import base_weight_bytes, dequant_bytes, lora_shapes, optimizer_state_bytes
+from lowmem_dpo.memory.weights import card_weight_bytes, dequant_bytes, embedding_gather_bytes
+from lowmem_dpo.memory.weights import lora_shapes, optimizer_state_bytes
 from lowmem_dpo.model.activations import MLP_TILE_TOKENS
 from lowmem_dpo.model.head import HEAD_TILE_ELEMENTS, OUT_DTYPE, head_tile
 from lowmem_dpo.runtime.kernels import FUSED_HEAD_TILE
@@ -272,8 +273,7 @@ def framework_overhead(device: str, tensor_peak: int) -> int:
 # -- prediction --------------------------------------------------------------------------------------------------
 @dataclass
 class StagePrediction:
-    """Predicted peak of one stage. `breakdown` adds up to `peak_bytes`; `phases` shows both candidates for
-    the transient peak (the larger one is `breakdown["peak_phase"]`)."""
+    """Predicted peak of one stage. `breakdown` adds up to `peak_bytes`; `phases`: the transient peak's candidates."""
 
     breakdown: dict[str, int]
     phases: dict[str, int]
@@ -316,7 +316,7 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     seq_len, completion = setup.shapes("train")
     n_seq = setup.sequences("train")
     m = n_seq * completion
-    weights = base_weight_bytes(arch, setup.dtype, setup.quantization)
+    weights = card_weight_bytes(arch, setup)
     shapes = lora_shapes(arch, setup.lora_targets, setup.lora_r)
     n_lora = sum(shapes)
     ad = adapted(arch, setup.lora_targets)
@@ -343,7 +343,7 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
         "lora_grads": (4 + copy) * n_lora,  # the same for their gradients (model/compute_copies.py)
         "optimizer_state": optimizer_state_bytes(shapes, setup.optimizer),
         "activations": activations,
-        "peak_phase": max(layer_phase, logits_phase),
+        "peak_phase": max(layer_phase, logits_phase, embedding_gather_bytes(arch, setup) - activations),
     }
     if setup.device == "cuda" and setup.optimizer == ADAMW_TORCH:
         opt_step = 2 * 4 * n_lora  # foreach AdamW temporaries, when the activations are gone
@@ -369,11 +369,11 @@ def predict_precompute(arch: Arch, setup: Setup) -> StagePrediction:
     seq_len, completion = setup.shapes("precompute")
     n_seq = setup.sequences("precompute")
     m = n_seq * completion
-    weights = base_weight_bytes(arch, setup.ref_dtype, setup.ref_quantization)
+    weights = card_weight_bytes(arch, setup, reference=True)
     layer_phase = precompute_layer_bytes(arch, setup, n_seq, seq_len)
     logits_phase = (n_seq * seq_len + m) * arch.hidden * s + head_tile_bytes(arch, m, s, setup.device)  # one tile
     breakdown = {"base_weights": sum(weights.values()), "lora_params": 0, "lora_grads": 0, "optimizer_state": 0,
-                 "activations": 0, "peak_phase": max(layer_phase, logits_phase)}
+                 "activations": 0, "peak_phase": max(layer_phase, logits_phase, embedding_gather_bytes(arch, setup, True))}
     tensor_peak = sum(breakdown.values())
     overhead = framework_overhead(setup.device, tensor_peak)
     breakdown["framework_overhead"] = overhead

@@ -49,6 +49,9 @@ class Setup:
     # tiles that fit (each tile dequantizes a 4-bit base's weights again)
     mlp_tiles: bool = True
     mlp_tile_tokens: int = MLP_TILE_TOKENS
+    processes: int = 1  # the run's processes, each on its own card (torchrun; plan --nproc)
+    sharded: bool = False  # fsdp: the base sharded over them (weights.card_weight_bytes)
+    shard_offload: bool = False  # fsdp_offload_params: the shards in CPU RAM
 
     @property
     def autocast(self) -> bool:
@@ -103,9 +106,10 @@ def planned_device(cfg) -> str:
     return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
-def setup_from_config(cfg, budget: int | None = None) -> Setup:
+def setup_from_config(cfg, budget: int | None = None, processes: int = 1) -> Setup:
     """Resolve a Config through the device rules (rules.RULES) the way train and precompute do, for the
-    device the recipe names (cuda plans for a GPU even on a machine without one)."""
+    device the recipe names (cuda plans for a GPU even on a machine without one), on `processes` processes (fsdp
+    true shards; auto is the search's: search.sharding_plan)."""
     device = planned_device(cfg)
     kind = device_kind_for(device, budget)
     rule = rules.RULES[kind]
@@ -120,7 +124,9 @@ def setup_from_config(cfg, budget: int | None = None) -> Setup:
                  lora_targets=lora_targets(cfg), lora_dropout=cfg.lora_dropout,
                  share_prompt=rule.share_prompt if cfg.share_prompt == "auto" else cfg.share_prompt is True,
                  share_forced=cfg.share_prompt is True,
-                 activation_offloading=device == "cuda" and cfg.activation_offloading is True)
+                 activation_offloading=device == "cuda" and cfg.activation_offloading is True,
+                 processes=processes, sharded=processes > 1 and cfg.fsdp is True,
+                 shard_offload=processes > 1 and cfg.fsdp is True and cfg.fsdp_offload_params is True)
 
 
 def with_prompts(setup: Setup, prompt_tokens: int) -> Setup:

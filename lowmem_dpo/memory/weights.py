@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from lowmem_dpo.memory.arch import Arch, adapted
-from lowmem_dpo.memory.setup import DTYPE_BYTES
+from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup
 from lowmem_dpo.runtime.rules import PAGED_ADAMW_8BIT
 
 # bitsandbytes NF4: 64 weights per quantization block; double quantization stores each block's absmax as 1 byte,
@@ -49,6 +49,58 @@ def base_weight_bytes(arch: Arch, dtype: str, quantization: str) -> dict[str, in
         "lm_head": 0 if arch.tie_word_embeddings else arch.vocab * arch.hidden * s,
         "norms_biases": arch.layers * arch.layer_extra_params() * s,
     }
+
+
+# FSDP2 (fsdp): the decoder layers gathered whole at once, the one computing and the next (its all-gather
+# overlaps this one's compute), in forward and again in backward.
+FSDP_WINDOW = 2
+
+
+def linear_parts(in_features: int, out_features: int, quantization: str, s: int) -> tuple[int, int]:
+    """One frozen Linear's bytes as FSDP2 sees them: (its parameter, which it shards; the rest, kept whole on each
+    process). A 4-bit weight's parameter is its packed bytes; its quantization constants (absmax, code tables) are
+    an attribute, not a parameter. An 8-bit one's row scales likewise."""
+    whole = linear_weight_bytes(in_features, out_features, quantization, s)
+    n = in_features * out_features
+    param = math.ceil(n / 2) if quantization == "4bit" else n if quantization == "8bit" else whole
+    return param, whole - param
+
+
+def card_weight_bytes(arch: Arch, setup: Setup, reference: bool = False) -> dict[str, int]:
+    """The frozen base of train's policy (reference: precompute's) on one card: base_weight_bytes; with fsdp
+    (setup.sharded) over setup.processes, each card's share (runtime/sharding.py): 1/N of the layers' parameters
+    and of the embeddings (tied to the head: whole), the 4-bit constants and the LM head whole, and FSDP_WINDOW
+    layers gathered whole. setup.shard_offload (fsdp_offload_params): the shards in CPU RAM (card_host_bytes), the
+    card holding what is gathered."""
+    dtype, quantization = (setup.ref_dtype, setup.ref_quantization) if reference else (setup.dtype, setup.quantization)
+    processes, offload = setup.processes, setup.shard_offload
+    whole = base_weight_bytes(arch, dtype, quantization)
+    if not setup.sharded:
+        return whole
+    s = DTYPE_BYTES[dtype]
+    parts = [linear_parts(i, o, quantization, s) for i, o in arch.linears().values()]
+    layer = sum(p for p, _ in parts) + arch.layer_extra_params() * s  # what one layer's all-gather brings
+    return {"shards": 0 if offload else card_host_bytes(arch, dtype, quantization, processes),
+            "constants": arch.layers * sum(c for _, c in parts),
+            "embeddings": whole["embeddings"] if arch.tie_word_embeddings else 0,
+            # offloaded, each gathered layer's own shard is first copied to the card
+            "lm_head": whole["lm_head"], "gathered": min(FSDP_WINDOW, arch.layers) * (
+                layer + (math.ceil(layer / processes) if offload else 0))}
+
+
+def card_host_bytes(arch: Arch, dtype: str, quantization: str, processes: int) -> int:
+    """One process's shard of the base (fsdp): what it holds on its card, or in CPU RAM with fsdp_offload_params."""
+    s = DTYPE_BYTES[dtype]
+    layer = sum(linear_parts(i, o, quantization, s)[0] for i, o in arch.linears().values()) + arch.layer_extra_params() * s
+    embeddings = 0 if arch.tie_word_embeddings else arch.outer_params * s
+    return math.ceil((arch.layers * layer + embeddings) / processes)
+
+
+def embedding_gather_bytes(arch: Arch, setup: Setup, reference: bool = False) -> int:
+    """fsdp: the embeddings gathered whole for the lookup at each forward's start (0 when not sharded, or tied
+    to the head and so kept whole), in train's dtype (reference: precompute's)."""
+    s = DTYPE_BYTES[setup.ref_dtype if reference else setup.dtype]
+    return arch.outer_params * s if setup.sharded and not arch.tie_word_embeddings else 0
 
 
 def layer_weight_bytes(arch: Arch, dtype: str, quantization: str) -> int:

@@ -164,13 +164,7 @@ def resolve(cfg) -> Resolved:
         reasons.append(allocator)
     elif device.type == "cpu":
         reasons.append(heap.configure())
-    device = distributed.init(device)  # under torchrun / accelerate launch: join the group, this rank's GPU
-    w = distributed.world()
-    sharded = w.distributed and cfg.fsdp is True  # auto: the planner decides (policy.apply_plan)
-    if w.distributed:
-        reasons[0] += f"; process {w.rank} of {w.size} on {device}"
-        reasons.append(fsdp_line(sharded, "from the recipe" if cfg.fsdp is True else
-                                 "from the recipe" if cfg.fsdp is False else "auto; the planner decides below"))
+    device, sharded = join(cfg, device, reasons)
     budget = None
     if size_note(cfg.memory_budget) is not None:
         reasons.append(f"memory_budget {size_note(cfg.memory_budget)}")
@@ -217,6 +211,20 @@ def resolve(cfg) -> Resolved:
                     ref_dtype=ref_dtype, ref_quantization=cfg.reference_quantization, offload=rule.offload,
                     share_prompt=share, budget=budget, activation_offloading=offload, sharded=sharded,
                     shard_offload=sharded and cfg.fsdp_offload_params is True)
+
+
+def join(cfg, device: torch.device, reasons: list[str]) -> tuple[torch.device, bool]:
+    """Under torchrun / accelerate launch: join the group; this rank's device (its GPU), and whether the recipe
+    shards the base over the ranks (fsdp=true; auto: the plan decides, training.policy.sharded_as_planned, and says
+    so). One process: (device, False)."""
+    device = distributed.init(device)
+    w = distributed.world()
+    if not w.distributed:
+        return device, False
+    reasons[0] += f"; process {w.rank} of {w.size} on {device}"
+    if cfg.fsdp != "auto":
+        reasons.append(fsdp_line(cfg.fsdp is True, "from the recipe"))
+    return device, cfg.fsdp is True
 
 
 def fsdp_line(sharded: bool, why: str) -> str:

@@ -185,6 +185,9 @@ def drift_signs(window: Sums, r: devices.Resolved) -> list[str]:
                                      " and ".join(other) or None)
     for line in lines:
         log(line)
+    if sign and r.sharded:  # a shard that differs between processes shows here first
+        sign += ("; with fsdp, a process whose shard of the base differs from the weights precompute read (a "
+                 "corrupted or mismatched checkpoint file on one machine) gives the same sign")
     return [sign] if sign else []
 
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
+from lowmem_dpo import objectives
 from lowmem_dpo.config.schedule import make_schedule
 from lowmem_dpo.config.schema import Config
-from lowmem_dpo.memory import attention, search
+from lowmem_dpo.memory import attention, cards, search
 from lowmem_dpo.memory.host import HostRam, host_problem, host_ram
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 from lowmem_dpo.model import activations, adapters, compute_copies, logps, models, streaming
@@ -193,9 +194,12 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
     budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
     arch = search.arch_of_run(model_path, cfg, "using the device rule's choices")
     if arch is None:
+        sharded_as_planned(cfg, resolved, None)
         return None
     setup = setup_from_config(cfg, budget)
-    applied = search.stage_plan(cfg, arch, budget, "train", resolved.device.type)
+    applied = cards.on_cards(arch, cfg, budget, distributed.world().size,
+                             search.stage_knobs(cfg, "train", resolved.device.type), ("train",))
+    sharded_as_planned(cfg, resolved, applied)
     s, stream = applied.setup, applied.streams.get("train")
     if s.micro_batch != setup.micro_batch:
         resolved.micro_batch = s.micro_batch
@@ -221,7 +225,18 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
         resolved.activation_offloading = True
         resolved.reasons.append(f"activation_offloading=true (auto; the planner: needed to fit {fmt(budget)}, "
                                 f"{fmt(applied.prediction.train.details['offload.host_bytes'])} of pinned CPU RAM)")
-    advice = search.choose(arch, setup, budget, stages=("train",))  # every knob, those train cannot turn too
+    report_fit(cfg, resolved, arch, applied, budget)
+    # Streaming that does not make the run fit would only make it slower: the out-of-memory back-off has the last word
+    resolved.streamed_layers = stream.layers if stream and applied.fits else 0
+    resolved.reasons.extend(check_host_ram(host_ram(arch, applied, "train", bool(resolved.streamed_layers)), "train"))
+    return streaming.Plan(stream.layers, arch.layers_prefix) if resolved.streamed_layers else None
+
+
+def report_fit(cfg: Config, resolved: devices.Resolved, arch, applied, budget: int) -> None:
+    """The planner's verdict on train as applied: its peak in the reasons (and on a CPU, the heap's choice that
+    follows), or a warning that it does not fit, with the knobs train cannot turn that would make it."""
+    stream = applied.streams.get("train")
+    advice = cards.on_cards(arch, cfg, budget, distributed.world().size, stages=("train",))  # train's knobs and others
     better = {k: v for k, v in advice.overrides.items() if applied.overrides.get(k) != v}
     peak = (stream.device_peak if stream else applied.prediction.train.peak_bytes)
     if not applied.fits or (stream and better):
@@ -237,10 +252,35 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
                                                                          budget)
         if kept:  # the heap's line from devices.resolve, replaced
             resolved.reasons = [kept if line.startswith(heap.LINE) else line for line in resolved.reasons]
-    # Streaming that does not make the run fit would only make it slower: the out-of-memory back-off has the last word
-    resolved.streamed_layers = stream.layers if stream and applied.fits else 0
-    resolved.reasons.extend(check_host_ram(host_ram(arch, applied, "train", bool(resolved.streamed_layers)), "train"))
-    return streaming.Plan(stream.layers, arch.layers_prefix) if resolved.streamed_layers else None
+
+
+def sharded_as_planned(cfg: Config, resolved: devices.Resolved, plan, stage: str = "train") -> None:
+    """On several processes, fsdp=auto shards where the plan (memory/cards.py) does, and fsdp_offload_params=auto
+    puts the shards in CPU RAM where it does, a line saying why; no plan (a model the planner does not model):
+    data parallel. Refused before anything loads: a sharded KTO run (its blocks' forwards are not paired across
+    processes) and an 8-bit base (FSDP2 does not shard LLM.int8's weights)."""
+    if distributed.world().distributed and (cfg.fsdp == "auto" or cfg.fsdp_offload_params == "auto"):
+        if cfg.fsdp == "auto":
+            resolved.sharded = plan is not None and plan.setup.sharded
+        if cfg.fsdp_offload_params == "auto":
+            resolved.shard_offload = resolved.sharded and plan is not None and plan.setup.shard_offload
+        step = plan.steps[0] if plan is not None and plan.steps[0].startswith("fsdp") else None
+        if cfg.fsdp == "auto" or step:  # the plan's reason; fsdp=true that fits on the card says nothing more
+            why = step.partition("(")[2].rstrip(")") if step else "auto: no memory plan for this model"
+            line = devices.fsdp_line(resolved.sharded, why) + (
+                ", the shards in CPU RAM (fsdp_offload_params)" if resolved.shard_offload else "")
+            if stage == "train":  # train logs its reasons in one block
+                resolved.reasons.append(line)
+            else:
+                log(line)
+    if not resolved.sharded:
+        return
+    if stage == "train" and objectives.unpaired(cfg.loss_type):
+        raise UserError(f"fsdp: loss_type={cfg.loss_type} does not run sharded yet (its blocks' forwards are not "
+                        "paired across processes); set fsdp=false, data parallel")
+    if (resolved.quantization if stage == "train" else resolved.ref_quantization) == "8bit":
+        raise UserError("fsdp: quantization=8bit cannot be sharded (FSDP2 does not shard LLM.int8's weights); set "
+                        "quantization=4bit, or fsdp=false")
 
 
 def check_host_ram(host: HostRam, stage: str) -> list[str]:

@@ -187,6 +187,7 @@ ALTERNATIVES = {
     "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}", "memory_snapshot_on_oom": True,
     "lr_scheduler_kwargs": {"num_cycles": 2}, "overwrite_output_dir": True,
     "prompt_column": "question", "chosen_column": "good", "rejected_column": "bad", "eval_on_start": True,
+    "fsdp": "true", "fsdp_offload_params": "true",
 }
 
 
@@ -223,7 +224,8 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
                                           "strict", "eval_steps", "load_best_model_at_end", "eval_generations",
                                           "max_new_tokens", "report_to", "run_name", "memory_snapshot_on_oom",
                                           "overwrite_output_dir", "activation_offloading", "eval_on_start",
-                                          "max_skipped_share", "max_truncated_share"}
+                                          "max_skipped_share", "max_truncated_share",
+                                          "fsdp", "fsdp_offload_params"}  # sharded or not: the same numbers
     assert keys_where(resumable="length") == {"max_steps", "num_train_epochs"}  # the run continues to the new total
     assert keys_where(reference="files") == inputs.FILE_KEYS  # each has its digest in inputs.file_components
 

@@ -1,0 +1,69 @@
+"""The plan on several cards (torchrun, `plan --nproc N`): each process on its own card, data parallel (the whole
+model on each) or fsdp (the base sharded over them: weights.card_weight_bytes), with the budget per card.
+
+    plan = on_cards(arch, cfg, budget, processes=2)            # search.Plan: its setup says sharded or not
+    for name, plan in alternatives(arch, cfg, budget, 2): ...  # data parallel, fsdp, fsdp with offload
+
+fsdp=true shards and fsdp=false does not. fsdp=auto: data parallel where it fits one card with the knobs a stage
+turns by itself short of streaming; else sharded; then, with fsdp_offload_params=auto, the shards in CPU RAM. A
+sharded run streams no layers (FSDP already brings each layer to the card for its forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lowmem_dpo.config.coerce import AUTO
+from lowmem_dpo.memory.arch import Arch
+from lowmem_dpo.memory.search import KNOBS, STAGES, Plan, choose
+from lowmem_dpo.memory.setup import setup_from_config
+
+
+def _plan(arch: Arch, cfg, budget: int, processes: int, knobs, stages, sharded: bool, offload: bool,
+          prompt_tokens: int | None = None) -> Plan:
+    setup = dataclasses.replace(setup_from_config(cfg, budget, processes), sharded=sharded, shard_offload=offload,
+                                prompt_tokens=prompt_tokens)
+    return choose(arch, setup, budget, tuple(k for k in knobs if k != "stream") if sharded else knobs, stages)
+
+
+def on_cards(arch: Arch, cfg, budget: int, processes: int = 1, knobs=KNOBS, stages=STAGES,
+             prompt_tokens: int | None = None) -> Plan:
+    """The plan a run of `processes` processes applies (one: search.choose as it is), per card; fsdp and
+    fsdp_offload_params decided as the module doc says, the reason in the plan's steps. prompt_tokens: the data's
+    shortest prompt, where known (plan --prompt-tokens)."""
+    def plan(knobs, sharded: bool, offload: bool) -> Plan:
+        return _plan(arch, cfg, budget, processes, knobs, stages, sharded, offload, prompt_tokens)
+
+    offload_asked = cfg.fsdp_offload_params is True
+    if processes < 2 or cfg.fsdp is False:
+        return plan(knobs, False, False)
+    if cfg.fsdp is AUTO:
+        whole = plan(tuple(k for k in knobs if k != "stream"), False, False)
+        if whole.fits:
+            return _note(whole, "fsdp=false (auto: the whole model fits each card; data parallel)")
+    sharded = plan(knobs, True, offload_asked)
+    if cfg.fsdp is True and (sharded.fits or cfg.fsdp_offload_params is not AUTO):
+        return sharded
+    if sharded.fits or cfg.fsdp_offload_params is not AUTO:
+        why = "fits only sharded" if sharded.fits else "does not fit one card; nor sharded"
+        return _note(sharded, f"fsdp=true (auto: the run {why} over {processes} cards)", fsdp=True)
+    offloaded = plan(knobs, True, True)
+    return _note(offloaded, f"fsdp=true fsdp_offload_params=true (auto: the run fits {processes} cards only with "
+                            "the shards in CPU RAM)" if offloaded.fits else
+                 f"fsdp=true fsdp_offload_params=true (auto: nothing fits {processes} cards; this comes closest)",
+                 fsdp=cfg.fsdp is AUTO, offload=True)
+
+
+def _note(plan: Plan, step: str, fsdp: bool = False, offload: bool = False) -> Plan:
+    overrides = {**plan.overrides, **({"fsdp": "true"} if fsdp else {}),
+                 **({"fsdp_offload_params": "true"} if offload else {})}
+    return dataclasses.replace(plan, overrides=overrides, steps=[step] + [s for s in plan.steps if s != "fits as given"])
+
+
+def alternatives(arch: Arch, cfg, budget: int, processes: int, knobs=KNOBS, stages=STAGES,
+                 prompt_tokens: int | None = None) -> list[tuple[str, Plan]]:
+    """Each way to run on `processes` cards, per card, for `plan --nproc`: data parallel (as search.choose plans
+    it, streaming included), fsdp, fsdp with the shards in CPU RAM."""
+    return [(name, _plan(arch, cfg, budget, processes, knobs, stages, sharded, offload, prompt_tokens))
+            for name, sharded, offload in (("data parallel", False, False), ("fsdp", True, False),
+                                           ("fsdp + offload", True, True))]
