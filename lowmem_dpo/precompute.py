@@ -246,7 +246,7 @@ def chunk_with_backoff(reference: ReferenceForward, chunk: list[list[data.Tokeni
         lambda n: f"out of memory in precompute: retrying with precompute_batch_size={n}",
         "out of memory in precompute with 1 pair per forward: lower max_length, or set ref_quantization=4bit "
         "(python -m lowmem_dpo.plan RECIPE.yaml shows what fits); the sequences computed so far are kept, and the "
-        "rerun computes only the rest")
+        "rerun computes only the rest", collective=sharding.OOM if reference.resolved.sharded else None)
 
 
 def load_model(cfg: Config, resolved: devices.Resolved, prepared: inputs.Inputs, sequences: int):

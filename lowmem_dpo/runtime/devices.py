@@ -220,6 +220,8 @@ def join(cfg, device: torch.device, reasons: list[str]) -> tuple[torch.device, b
     device = distributed.init(device)
     w = distributed.world()
     if not w.distributed:
+        if cfg.fsdp is True:
+            reasons.append("fsdp=true: one process, nothing to shard (torchrun --nproc-per-node N starts N)")
         return device, False
     reasons[0] += f"; process {w.rank} of {w.size} on {device}"
     if cfg.fsdp != "auto":

@@ -49,12 +49,14 @@ def out_of_memory_means(message: str):
         raise UserError(message) from None
 
 
-def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: str, cleanup=None, any_rank=None):
+def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: str, cleanup=None, any_rank=None,
+                   collective: str | None = None):
     """run(size), retried at half the size on out-of-memory, down to 1: `cleanup()` (e.g. drop a partial step's
     gradients) and the cached blocks released before each retry, whose log line is retrying(new size). Out of
     memory at 1 raises UserError(exhausted). `any_rank(failed)` says whether any process failed
     (distributed.any_rank; `run` makes no collective call): then every process retries at the same size. None: one
-    process, whose own failure decides."""
+    process, whose own failure decides. collective: `run`'s forwards are collectives (fsdp), which a process
+    cannot leave alone: out of memory raises UserError(collective) at once, and the launcher ends the others."""
     while True:
         failed = False
         try:
@@ -64,6 +66,8 @@ def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: st
                 raise
             seen_out_of_memory(e)
             del e  # its traceback holds the failed attempt's tensors
+            if collective:
+                raise UserError(collective) from None
             failed = True
         if (failed if any_rank is None else any_rank(failed)):
             if cleanup is not None:

@@ -29,6 +29,10 @@ import torch
 from lowmem_dpo.runtime.errors import UserError
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+# Out of memory in a sharded run: a process cannot halve its batch alone (oom.halving_on_oom's collective)
+OOM = ("out of memory with fsdp: every forward is shared by all processes, so one cannot halve its batch and retry "
+       "alone; lower per_device_train_batch_size (precompute: precompute_batch_size) or max_length, or set "
+       "fsdp_offload_params=true (python -m lowmem_dpo.plan RECIPE.yaml --nproc N shows what fits)")
 
 
 def is_sharded(model) -> bool:

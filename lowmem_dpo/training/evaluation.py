@@ -23,7 +23,7 @@ from pathlib import Path
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model.logps import eval_mode
 from lowmem_dpo.objectives.metrics import EVAL_SHOWN, SAMPLE_METRICS, eval_name
-from lowmem_dpo.runtime import distributed, files, oom
+from lowmem_dpo.runtime import distributed, files, oom, sharding
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, guards, samples, step
 from lowmem_dpo.training.session import Session
@@ -48,7 +48,8 @@ def with_backoff(session: Session, attempt, size: int, what: str, every_rank: bo
         retrying=lambda n: f"out of memory in {what} at step {session.progress.step}: retrying {n} at a time",
         exhausted=f"out of memory in {what} at step {session.progress.step}, one at a time; lower eval_max_pairs, "
                   "eval_generations or max_new_tokens (the last checkpoint is intact)",
-        any_rank=distributed.any_rank if every_rank else None)
+        any_rank=distributed.any_rank if every_rank else None,
+        collective=sharding.OOM if session.run.resolved.sharded else None)
 
 
 def sample_items(items: list, n: int) -> list:

@@ -113,6 +113,7 @@ def shard_over_ranks(model, resolved: devices.Resolved) -> None:
     lm = logps.lm_of(model)
     before = sharding.local_bytes(model)
     layers = sharding.shard(model, lm.backbone, lm.lm_head, resolved.device, resolved.shard_offload)
+    heap.release_freed_memory()  # the whole weights each shard was cut from: back to the system, not the heap's
     log(f"fsdp: {layers} decoder layers and the embeddings sharded over "
         f"{distributed.world().size} processes: this one holds {fmt(sharding.local_bytes(model))} of the model's "
         f"{fmt(before)}" + (" (in CPU RAM: fsdp_offload_params)" if resolved.shard_offload else ""))
@@ -276,8 +277,8 @@ def sharded_as_planned(cfg: Config, resolved: devices.Resolved, plan, stage: str
     if not resolved.sharded:
         return
     if stage == "train" and objectives.unpaired(cfg.loss_type):
-        raise UserError(f"fsdp: loss_type={cfg.loss_type} does not run sharded yet (its blocks' forwards are not "
-                        "paired across processes); set fsdp=false, data parallel")
+        raise UserError(f"fsdp: loss_type={','.join(cfg.loss_type)} does not run sharded yet (its blocks' "
+                        "forwards are not paired across processes); set fsdp=false, data parallel")
     if (resolved.quantization if stage == "train" else resolved.ref_quantization) == "8bit":
         raise UserError("fsdp: quantization=8bit cannot be sharded (FSDP2 does not shard LLM.int8's weights); set "
                         "quantization=4bit, or fsdp=false")

@@ -216,7 +216,8 @@ def backward_with_backoff(session, items: list) -> tuple[Sums, int, int]:
                   "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml shows what "
                   "fits)",
         cleanup=session.trainee.zero_grad,  # drop the partial step's gradients
-        any_rank=distributed.any_rank if run.world.size > 1 else None)  # every rank retries when one ran out
+        any_rank=distributed.any_rank if run.world.size > 1 else None,  # every rank retries when one ran out
+        collective=sharding.OOM if run.resolved.sharded else None)
 
 
 # -- the update ---------------------------------------------------------------------------------------------------
