@@ -40,17 +40,17 @@ def on_cards(arch: Arch, cfg, budget: int, processes: int = 1, knobs=KNOBS, stag
     if cfg.fsdp is AUTO:
         whole = plan(tuple(k for k in knobs if k != "stream"), False, False)
         if whole.fits:
-            return _note(whole, "fsdp=false (auto: the whole model fits each card; data parallel)")
+            return _note(whole, "fsdp=false (auto: the whole model fits each process's budget; data parallel)")
     sharded = plan(knobs, True, offload_asked)
     if cfg.fsdp is True and (sharded.fits or cfg.fsdp_offload_params is not AUTO):
         return sharded
     if sharded.fits or cfg.fsdp_offload_params is not AUTO:
         why = "fits only sharded" if sharded.fits else "does not fit one card; nor sharded"
-        return _note(sharded, f"fsdp=true (auto: the run {why} over {processes} cards)", fsdp=True)
+        return _note(sharded, f"fsdp=true (auto: the run {why} over {processes} processes)", fsdp=True)
     offloaded = plan(knobs, True, True)
-    return _note(offloaded, f"fsdp=true fsdp_offload_params=true (auto: the run fits {processes} cards only with "
+    return _note(offloaded, f"fsdp=true fsdp_offload_params=true (auto: the run fits {processes} processes only with "
                             "the shards in CPU RAM)" if offloaded.fits else
-                 f"fsdp=true fsdp_offload_params=true (auto: nothing fits {processes} cards; this comes closest)",
+                 f"fsdp=true fsdp_offload_params=true (auto: nothing fits {processes} processes; this comes closest)",
                  fsdp=cfg.fsdp is AUTO, offload=True)
 
 

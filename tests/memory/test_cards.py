@@ -53,7 +53,7 @@ def test_fsdp_auto_shards_only_what_does_not_fit_one_card(model, budget, fsdp, o
     cfg = load_config(RECIPE, [f"model_name_or_path={model}"])
     plan = cards.on_cards(load_arch(model), cfg, int(budget * GiB), processes=2)
     assert plan.fits and (plan.setup.sharded, plan.setup.shard_offload) == (fsdp, offload)
-    assert plan.steps[0].startswith("fsdp=true" if fsdp else "fsdp=false (auto: the whole model fits each card")
+    assert plan.steps[0].startswith("fsdp=true" if fsdp else "fsdp=false (auto: the whole model fits each process's budget")
     one = cards.on_cards(load_arch(model), cfg, int(budget * GiB), processes=1)
     assert not one.setup.sharded  # one process: nothing to shard
 
