@@ -195,7 +195,10 @@ def print_plan(chosen: Plan, budget: int, reference: bool = True) -> None:
 def print_cards(arch: Arch, cfg: Config, budget: int, processes: int, knobs, stages, prompt_tokens: int | None) -> None:
     """--nproc N: each card's peak for each way to run on N cards (memory/cards.py), each with its own knobs."""
     print(f"on {processes} cards, each card's peak (with the knobs each way needs):")
-    for name, plan in cards.alternatives(arch, cfg, budget, processes, knobs, stages, prompt_tokens):
+    if cards.unshardable(cfg):
+        print(f"  fsdp: not for this run ({cards.unshardable(cfg)})")
+    for name, plan in cards.alternatives(arch, cfg, budget, processes, knobs, stages, prompt_tokens)[
+            :1 if cards.unshardable(cfg) else None]:
         streamed = {stage: s.device_peak for stage, s in plan.streams.items()}  # streaming: the card's peak
         peaks = "  ".join(f"{stage} {fmt(streamed.get(stage, getattr(plan.prediction, stage).peak_bytes))}"
                           for stage in stages)

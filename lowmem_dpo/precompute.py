@@ -35,7 +35,6 @@ from lowmem_dpo.data import cache
 from lowmem_dpo.data.store import Value
 from lowmem_dpo.memory import cards, search
 from lowmem_dpo.memory.host import host_ram
-from lowmem_dpo.memory.setup import run_budget
 from lowmem_dpo.model import headcheck, streaming
 from lowmem_dpo.model.logps import completion_logps, lm_of
 from lowmem_dpo.runtime import devices, distributed, files, folders, heap, oom, sharding
@@ -131,7 +130,7 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     the reference's forward fits the budget (memory_budget, or the device's), and on CUDA, last, the trailing
     decoder layers streamed from CPU RAM (no gradients here: each is copied once per batch). Returns (batch,
     what to stream)."""
-    budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
+    budget = policy.planning_budget(cfg, resolved)
     arch = search.arch_of_run(model_path, cfg, f"precompute_batch_size={cfg.precompute_batch_size} as given")
     if arch is None:
         policy.sharded_as_planned(cfg, resolved, None, "precompute")
@@ -246,7 +245,10 @@ def chunk_with_backoff(reference: ReferenceForward, chunk: list[list[data.Tokeni
         lambda n: f"out of memory in precompute: retrying with precompute_batch_size={n}",
         "out of memory in precompute with 1 pair per forward: lower max_length, or set ref_quantization=4bit "
         "(python -m lowmem_dpo.plan RECIPE.yaml shows what fits); the sequences computed so far are kept, and the "
-        "rerun computes only the rest", collective=sharding.OOM if reference.resolved.sharded else None)
+        "rerun computes only the rest",
+        collective=sharding.oom_message("precompute_batch_size or max_length", reference.resolved.shard_offload,
+                                        "the sequences computed so far are kept, and the rerun computes only the "
+                                        "rest") if reference.resolved.sharded else None)
 
 
 def load_model(cfg: Config, resolved: devices.Resolved, prepared: inputs.Inputs, sequences: int):

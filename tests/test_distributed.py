@@ -17,6 +17,8 @@ from lowmem_dpo import precompute, sft, train
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.data import cache
+from lowmem_dpo.memory.arch import load_arch
+from lowmem_dpo.memory.weights import card_host_bytes
 from lowmem_dpo.objectives.metrics import LOSS
 from lowmem_dpo.runtime import distributed, ranks
 from lowmem_dpo.runtime.errors import UserError
@@ -206,6 +208,7 @@ import torch
 
 from lowmem_dpo import train
 from lowmem_dpo.config.cli import run_cli
+from lowmem_dpo.runtime import sharding
 from lowmem_dpo.training import policy
 
 real, corrupt = policy.shard_over_ranks, {"on": False}
@@ -221,7 +224,8 @@ def shard_over_ranks(model, resolved):
     real(model, resolved)
     four = [local(p) for p in model.parameters() if p.dtype == torch.uint8]
     after = sum(p.numel() * p.element_size() for p in four)
-    os.write(1, f"rank {os.environ['RANK']}: 4-bit bytes {before} local {after}\\n".encode())
+    shards = sharding.local_bytes(model, shards_only=True)
+    os.write(1, f"rank {os.environ['RANK']}: 4-bit bytes {before} local {after} shards {shards}\\n".encode())
     if corrupt["on"] and os.environ["RANK"] == "1":
         four[0].copy_(torch.randint(0, 256, four[0].shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
 
@@ -238,7 +242,9 @@ for one in json.load(open(sys.argv[1])):
 def test_fsdp_trains_as_one_process_in_4bit_and_unquantized_and_a_corrupted_shard_shows_at_step_1(run):
     """fsdp=true on 2 processes at per_device_train_batch_size=2: the adapter of 1 process at 4 within 1e-4, with a
     4-bit base (lowmem_dpo:tiny-llama, quantization=4bit) and unquantized; each rank holds half of the base's 4-bit
-    bytes. A run whose rank 1 holds a corrupted shard warns at step 1 (the drift line), naming fsdp."""
+    bytes, and the shards the plan counts (weights.card_host_bytes). 33 eval pairs split 17/16, 9 micro-batches
+    against 8: rank 1 runs an idle forward in each eval (without it, the run would hang). A run whose rank 1 holds
+    a corrupted shard warns at step 1 (the drift line), naming fsdp."""
     root, recipe = run
     cache1 = one_process(root, recipe, train_too=True)
     four = [f"ref_cache_dir={root / 'cache4'}", "quantization=4bit"]
@@ -247,7 +253,7 @@ def test_fsdp_trains_as_one_process_in_4bit_and_unquantized_and_a_corrupted_shar
                                     "gradient_accumulation_steps=2"])
         precompute.run(one4, progress=False)
         train.run(one4, progress=False)
-    two = ["per_device_train_batch_size=2", "gradient_accumulation_steps=2", "fsdp=true"]
+    two = ["per_device_train_batch_size=2", "gradient_accumulation_steps=2", "fsdp=true", "eval_max_pairs=33"]
     runs = [{"args": [str(recipe), *four, *two, f"output_dir={root / 'fsdp4'}"], "corrupt": False},
             {"args": [str(recipe), f"ref_cache_dir={cache1}", *two, f"output_dir={root / 'fsdp'}"], "corrupt": False},
             {"args": [str(recipe), *four, *two, f"output_dir={root / 'fsdp-bad'}", "max_steps=1", "eval_fraction=0",
@@ -261,10 +267,12 @@ def test_fsdp_trains_as_one_process_in_4bit_and_unquantized_and_a_corrupted_shar
     assert (root / "one4/adapter_config.json").read_text() == (root / "fsdp4/adapter_config.json").read_text()
     assert_same_adapter(root / "one", root / "fsdp")
     bytes_lines = [line.split() for line in p.stdout.splitlines() if line.startswith("rank ")]
-    four_bit = {int(w[1].rstrip(":")): (int(w[4]), int(w[6])) for w in bytes_lines[:2]}  # the first run's ranks
-    (whole, r0), (_, r1) = four_bit[0], four_bit[1]
+    four_bit = {int(w[1].rstrip(":")): (int(w[4]), int(w[6]), int(w[8])) for w in bytes_lines[:2]}  # run 1's ranks
+    (whole, r0, shards), (_, r1, _) = four_bit[0], four_bit[1]
     assert whole > 0 and r0 + r1 == whole and abs(r0 - whole / 2) < 0.01 * whole  # dim-0 chunks: rows, not bytes
-    assert p.stderr.count("fsdp=true (from the recipe): the base sharded over the processes") == 3
+    planned = card_host_bytes(load_arch("lowmem_dpo:tiny-llama"), "float32", "4bit", 2)
+    assert abs(shards - planned) < 0.02 * planned, (shards, planned)
+    assert p.stderr.count("fsdp=true (from the recipe): the frozen weights sharded over the processes") == 3
     assert p.stderr.count("reference cache off this policy's forward") == 1  # the corrupted run's step 1 alone
     assert "with fsdp, a process whose shard of the base differs" in p.stderr
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lowmem_dpo import objectives
 from lowmem_dpo.config.coerce import AUTO
 from lowmem_dpo.memory.arch import Arch
 from lowmem_dpo.memory.search import KNOBS, STAGES, Plan, choose
@@ -39,8 +40,9 @@ def on_cards(arch: Arch, cfg, budget: int, processes: int = 1, knobs=KNOBS, stag
         return plan(knobs, False, False)
     if cfg.fsdp is AUTO:
         whole = plan(tuple(k for k in knobs if k != "stream"), False, False)
-        if whole.fits:
-            return _note(whole, "fsdp=false (auto: the whole model fits each process's budget; data parallel)")
+        if whole.fits or unshardable(cfg):
+            why = unshardable(cfg) or "the whole model fits each process's budget"
+            return _note(whole if whole.fits else plan(knobs, False, False), f"fsdp=false (auto: {why}; data parallel)")
     sharded = plan(knobs, True, offload_asked)
     if cfg.fsdp is True and (sharded.fits or cfg.fsdp_offload_params is not AUTO):
         return sharded
@@ -48,10 +50,23 @@ def on_cards(arch: Arch, cfg, budget: int, processes: int = 1, knobs=KNOBS, stag
         why = "fits only sharded" if sharded.fits else "does not fit one card; nor sharded"
         return _note(sharded, f"fsdp=true (auto: the run {why} over {processes} processes)", fsdp=True)
     offloaded = plan(knobs, True, True)
+    streamed = plan(knobs, False, False)  # data parallel with the stream knob: what one card would do
+    if not offloaded.fits and streamed.fits:
+        return _note(streamed, f"fsdp=false (auto: sharded, the run does not fit {processes} processes; data "
+                               "parallel fits with streamed layers)")
     return _note(offloaded, f"fsdp=true fsdp_offload_params=true (auto: the run fits {processes} processes only with "
                             "the shards in CPU RAM)" if offloaded.fits else
                  f"fsdp=true fsdp_offload_params=true (auto: nothing fits {processes} processes; this comes closest)",
                  fsdp=cfg.fsdp is AUTO, offload=True)
+
+
+def unshardable(cfg) -> str | None:
+    """Why this run cannot be sharded (training.policy.sharded_as_planned refuses it with fsdp=true), or None."""
+    if "8bit" in (cfg.quantization, cfg.reference_quantization):
+        return "an 8-bit base cannot be sharded"
+    if objectives.unpaired(cfg.loss_type):
+        return f"loss_type={','.join(cfg.loss_type)} does not run sharded"
+    return None
 
 
 def _note(plan: Plan, step: str, fsdp: bool = False, offload: bool = False) -> Plan:

@@ -109,7 +109,7 @@ def planned_device(cfg) -> str:
 def setup_from_config(cfg, budget: int | None = None, processes: int = 1) -> Setup:
     """Resolve a Config through the device rules (rules.RULES) the way train and precompute do, for the
     device the recipe names (cuda plans for a GPU even on a machine without one), on `processes` processes (fsdp
-    true shards; auto is the search's: search.sharding_plan)."""
+    true shards; auto is the search's: cards.on_cards)."""
     device = planned_device(cfg)
     kind = device_kind_for(device, budget)
     rule = rules.RULES[kind]

@@ -97,10 +97,13 @@ def card_host_bytes(arch: Arch, dtype: str, quantization: str, processes: int) -
 
 
 def embedding_gather_bytes(arch: Arch, setup: Setup, reference: bool = False) -> int:
-    """fsdp: the embeddings gathered whole for the lookup at each forward's start (0 when not sharded, or tied
-    to the head and so kept whole), in train's dtype (reference: precompute's)."""
-    s = DTYPE_BYTES[setup.ref_dtype if reference else setup.dtype]
-    return arch.outer_params * s if setup.sharded and not arch.tie_word_embeddings else 0
+    """fsdp: the embeddings gathered whole for the lookup at each forward's start (and once in backward, after the
+    layers), with their own shard copied to the card first when offloaded; 0 when not sharded, or tied to the head
+    and so kept whole. In train's dtype (reference: precompute's)."""
+    if not setup.sharded or arch.tie_word_embeddings:
+        return 0
+    whole = arch.outer_params * DTYPE_BYTES[setup.ref_dtype if reference else setup.dtype]
+    return whole + (math.ceil(whole / setup.processes) if setup.shard_offload else 0)
 
 
 def layer_weight_bytes(arch: Arch, dtype: str, quantization: str) -> int:

@@ -225,14 +225,16 @@ def join(cfg, device: torch.device, reasons: list[str]) -> tuple[torch.device, b
         return device, False
     reasons[0] += f"; process {w.rank} of {w.size} on {device}"
     if cfg.fsdp != "auto":
-        reasons.append(fsdp_line(cfg.fsdp is True, "from the recipe"))
+        reasons.append(fsdp_line(cfg.fsdp is True, "from the recipe", cfg.fsdp is True and cfg.fsdp_offload_params is True))
     return device, cfg.fsdp is True
 
 
-def fsdp_line(sharded: bool, why: str) -> str:
+def fsdp_line(sharded: bool, why: str, offload: bool = False) -> str:
     """The log line that says how several processes share the model."""
-    return (f"fsdp=true ({why}): the base sharded over the processes (FSDP2), LoRA whole on each" if sharded else
-            f"fsdp=false ({why}): data parallel, the whole model on each process")
+    if not sharded:
+        return f"fsdp=false ({why}): data parallel, the whole model on each process"
+    return (f"fsdp=true ({why}): the frozen weights sharded over the processes (FSDP2), the trained LoRA weights "
+            "whole on each" + (", the shards in CPU RAM (fsdp_offload_params)" if offload else ""))
 
 
 # -- bitsandbytes (optional at import time; needed for quantization and the paged optimizer) ----------------------

@@ -114,6 +114,14 @@ def any_rank(flag: bool) -> bool:
     return bool(_reduce(torch.tensor([int(flag)], dtype=torch.int64), torch.distributed.ReduceOp.MAX).item())
 
 
+def smallest(n: int) -> int:
+    """The smallest of every rank's `n` (every rank gets it): a memory budget the ranks plan alike with, though
+    their cards had different free memory (a display on one)."""
+    if not active():
+        return n
+    return int(_reduce(torch.tensor([n], dtype=torch.int64), torch.distributed.ReduceOp.MIN).item())
+
+
 def broadcast(obj):
     """Rank 0's `obj` on every rank (a picklable value)."""
     if not active():

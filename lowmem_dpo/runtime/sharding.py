@@ -29,10 +29,6 @@ import torch
 from lowmem_dpo.runtime.errors import UserError
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-# Out of memory in a sharded run: a process cannot halve its batch alone (oom.halving_on_oom's collective)
-OOM = ("out of memory with fsdp: every forward is shared by all processes, so one cannot halve its batch and retry "
-       "alone; lower per_device_train_batch_size (precompute: precompute_batch_size) or max_length, or set "
-       "fsdp_offload_params=true (python -m lowmem_dpo.plan RECIPE.yaml --nproc N shows what fits)")
 
 
 def is_sharded(model) -> bool:
@@ -63,11 +59,11 @@ def storage_problem(model) -> str | None:
 
 
 def shard(model, backbone: torch.nn.Module, lm_head: torch.nn.Module, device: torch.device,
-          offload: bool = False) -> int:
+          offload: bool = False) -> tuple[int, bool]:
     """fully_shard on each decoder layer, then on `backbone`, over every process (one mesh dimension); the
     trainable (LoRA) weights and `lm_head`'s stay whole (the module docstring says why). offload: the shards live in
     CPU RAM and come to the device for each layer's forward and backward (FSDP2's CPUOffloadPolicy). Returns how many
-    decoder layers it sharded."""
+    decoder layers it sharded, and whether it sharded the embeddings (not when tied to the head)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -86,9 +82,11 @@ def shard(model, backbone: torch.nn.Module, lm_head: torch.nn.Module, device: to
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     embeddings = backbone.get_input_embeddings() if hasattr(backbone, "get_input_embeddings") else None
-    # The embeddings in a unit of their own: gathered for the lookup and freed right after it, and never gathered
-    # in backward (frozen, and the token ids take no gradient). Tied to the head, they stay whole with it.
-    units = layers + ([embeddings] if embeddings is not None and not set(embeddings.parameters()) & keep else [])
+    # The embeddings in a unit of their own: gathered for the lookup and freed right after it. Their output
+    # requires grad under checkpointing (transformers' input-grad hook), so FSDP gathers them once more in backward,
+    # once the layers' gradients are done and their activations freed. Tied to the head, they stay whole with it.
+    shard_embeddings = embeddings is not None and not set(embeddings.parameters()) & keep
+    units = layers + ([embeddings] if shard_embeddings else [])
     for unit in units:
         fully_shard(unit, mesh=mesh, offload_policy=policy, ignored_params={p for p in unit.parameters() if p in keep})
     # The root: the final norm and whatever else is outside the units; the forward's entry, which lazily sets up
@@ -97,7 +95,7 @@ def shard(model, backbone: torch.nn.Module, lm_head: torch.nn.Module, device: to
     # (rank 0 alone saving the adapter) met a collective mismatch over gloo: the ranks' root states had parted.
     fully_shard(backbone, mesh=mesh, offload_policy=policy, reshard_after_forward=True,
                 ignored_params={p for p in backbone.parameters() if p in keep})
-    return len(layers)
+    return len(layers), shard_embeddings
 
 
 def quant_states_to(model, device: torch.device) -> None:
@@ -108,13 +106,24 @@ def quant_states_to(model, device: torch.device) -> None:
             state.to(device)
 
 
-def local_bytes(model) -> int:
-    """Bytes of the model's weights this process holds: a sharded weight's local shard, a whole one's all."""
+def local_bytes(model, shards_only: bool = False) -> int:
+    """Bytes of the model's weights this process holds: a sharded weight's local shard, a whole one's all
+    (shards_only: the shards alone)."""
     total = 0
     for p in model.parameters():
+        if shards_only and not hasattr(p, "to_local"):
+            continue
         local = p.to_local() if hasattr(p, "to_local") else p
         total += local.numel() * local.element_size()
     return total
+
+
+def oom_message(lower: str, offloaded: bool, kept: str = "") -> str:
+    """Out of memory in a sharded run (oom.halving_on_oom's collective): a process cannot halve its batch and
+    retry alone. `lower`: the keys that lower this stage's peak; kept: what the stage keeps (a sentence)."""
+    return (f"out of memory with fsdp: every forward is shared by all processes, so one cannot halve its batch and "
+            f"retry alone; lower {lower}" + ("" if offloaded else ", or set fsdp_offload_params=true")
+            + " (python -m lowmem_dpo.plan RECIPE.yaml --nproc N shows what fits)" + (f"; {kept}" if kept else ""))
 
 
 def idle_forwards(mine: int, counts: list[int]) -> int:

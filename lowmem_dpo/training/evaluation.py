@@ -49,7 +49,9 @@ def with_backoff(session: Session, attempt, size: int, what: str, every_rank: bo
         exhausted=f"out of memory in {what} at step {session.progress.step}, one at a time; lower eval_max_pairs, "
                   "eval_generations or max_new_tokens (the last checkpoint is intact)",
         any_rank=distributed.any_rank if every_rank else None,
-        collective=sharding.OOM if session.run.resolved.sharded else None)
+        collective=sharding.oom_message("eval_max_pairs, eval_generations or max_new_tokens",
+                                        session.run.resolved.shard_offload, "the last checkpoint is intact")
+        if session.run.resolved.sharded else None)
 
 
 def sample_items(items: list, n: int) -> list:
@@ -78,11 +80,15 @@ def sample_metrics(session: Session, step: int) -> dict:
     def write(n: int) -> list:
         return [w for i in range(0, len(items), n) for w in samples.generate(
             session.trainee.model, items[i:i + n], run.tokenizer, run.cfg.max_new_tokens, run.resolved.device,
-            run.resolved.dtype, shown=[run.prompts.get(item.row) for item in items[i:i + n]])]
+            run.resolved.dtype, shown=[run.prompts.get(item.row) for item in items[i:i + n]],
+            synced=run.resolved.sharded)]
 
     # At most SAMPLE_BATCH answers at a time: more samples judge the answers better, not at more memory
     written = with_backoff(session, write, min(len(items), SAMPLE_BATCH), "the samples")
-    kl = samples.kl_to_reference(session.trainee.model, items, [w.ids for w in written], run.resolved.device,
+    answers = [w.ids for w in written]
+    if run.resolved.sharded:  # rank 0's answers on every rank: the KL's forwards follow them (one per answer)
+        answers = distributed.broadcast(answers)
+    kl = samples.kl_to_reference(session.trainee.model, items, answers, run.resolved.device,
                                  run.resolved.dtype) if run.adapter_off_is_start else None
     if not run.world.main:  # fsdp: every rank ran the same forwards (samples_on_rank); rank 0 judges and writes
         return {}

@@ -112,11 +112,13 @@ def shard_over_ranks(model, resolved: devices.Resolved) -> None:
         return
     lm = logps.lm_of(model)
     before = sharding.local_bytes(model)
-    layers = sharding.shard(model, lm.backbone, lm.lm_head, resolved.device, resolved.shard_offload)
+    layers, embeddings = sharding.shard(model, lm.backbone, lm.lm_head, resolved.device, resolved.shard_offload)
     heap.release_freed_memory()  # the whole weights each shard was cut from: back to the system, not the heap's
-    log(f"fsdp: {layers} decoder layers and the embeddings sharded over "
-        f"{distributed.world().size} processes: this one holds {fmt(sharding.local_bytes(model))} of the model's "
-        f"{fmt(before)}" + (" (in CPU RAM: fsdp_offload_params)" if resolved.shard_offload else ""))
+    shards, held = sharding.local_bytes(model, shards_only=True), sharding.local_bytes(model)
+    log(f"fsdp: {layers} decoder layers{' and the embeddings' if embeddings else ''} sharded over "
+        f"{distributed.world().size} processes: this one holds {fmt(held)} of the model's {fmt(before)}: its "
+        f"shards {fmt(shards)}{' (in CPU RAM: fsdp_offload_params)' if resolved.shard_offload else ''}, and "
+        f"{fmt(held - shards)} whole (the trained LoRA weights and the LM head)")
 
 
 def tile(model, model_path: Path, grad_tiles: bool = True, tokens: int | None = None) -> list[activations.TiledMLP]:
@@ -192,7 +194,7 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
     cannot apply (quantization changes the numbers and the cache) is advised, with numbers. Sets resolved's
     micro_batch, gradient_checkpointing, activation_offloading, share_prompt and streamed_layers; returns what to
     stream, or None."""
-    budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
+    budget = planning_budget(cfg, resolved)
     arch = search.arch_of_run(model_path, cfg, "using the device rule's choices")
     if arch is None:
         sharded_as_planned(cfg, resolved, None)
@@ -255,32 +257,44 @@ def report_fit(cfg: Config, resolved: devices.Resolved, arch, applied, budget: i
             resolved.reasons = [kept if line.startswith(heap.LINE) else line for line in resolved.reasons]
 
 
+def planning_budget(cfg: Config, resolved: devices.Resolved) -> int:
+    """The budget a stage plans for (memory_budget, or the device's), the smallest of every process's: each
+    decides the micro-batch, the batch and fsdp from it, and they must decide alike (a sharded run's forwards are
+    collectives, paired only when every process runs the same batches)."""
+    budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
+    return distributed.smallest(budget)
+
+
 def sharded_as_planned(cfg: Config, resolved: devices.Resolved, plan, stage: str = "train") -> None:
     """On several processes, fsdp=auto shards where the plan (memory/cards.py) does, and fsdp_offload_params=auto
     puts the shards in CPU RAM where it does, a line saying why; no plan (a model the planner does not model):
     data parallel. Refused before anything loads: a sharded KTO run (its blocks' forwards are not paired across
     processes) and an 8-bit base (FSDP2 does not shard LLM.int8's weights)."""
-    if distributed.world().distributed and (cfg.fsdp == "auto" or cfg.fsdp_offload_params == "auto"):
-        if cfg.fsdp == "auto":
-            resolved.sharded = plan is not None and plan.setup.sharded
-        if cfg.fsdp_offload_params == "auto":
-            resolved.shard_offload = resolved.sharded and plan is not None and plan.setup.shard_offload
+    auto_fsdp, auto_offload = cfg.fsdp == "auto", cfg.fsdp_offload_params == "auto"
+    if distributed.world().distributed and (auto_fsdp or auto_offload):
         step = plan.steps[0] if plan is not None and plan.steps[0].startswith("fsdp") else None
-        if cfg.fsdp == "auto" or step:  # the plan's reason; fsdp=true that fits on the card says nothing more
-            why = step.partition("(")[2].rstrip(")") if step else "auto: no memory plan for this model"
-            line = devices.fsdp_line(resolved.sharded, why) + (
-                ", the shards in CPU RAM (fsdp_offload_params)" if resolved.shard_offload else "")
-            if stage == "train":  # train logs its reasons in one block
-                resolved.reasons.append(line)
-            else:
-                log(line)
+        why = step.partition("(")[2].rstrip(")") if step else "auto: no memory plan for this model"
+        if auto_fsdp:
+            resolved.sharded = plan is not None and plan.setup.sharded
+        resolved.shard_offload = resolved.sharded and (cfg.fsdp_offload_params is True or (
+            auto_offload and plan is not None and plan.setup.shard_offload))
+        if auto_fsdp:
+            line = devices.fsdp_line(resolved.sharded, why, resolved.shard_offload)
+        elif resolved.shard_offload:  # fsdp=true from the recipe (its line is logged), the offload the plan's
+            line = f"fsdp_offload_params=true ({why}): the shards in CPU RAM"
+        else:
+            line = None
+        if line and stage == "train":  # train logs its reasons in one block
+            resolved.reasons.append(line)
+        elif line:
+            log(line)
     if not resolved.sharded:
         return
     if stage == "train" and objectives.unpaired(cfg.loss_type):
         raise UserError(f"fsdp: loss_type={','.join(cfg.loss_type)} does not run sharded yet (its blocks' "
                         "forwards are not paired across processes); set fsdp=false, data parallel")
     if (resolved.quantization if stage == "train" else resolved.ref_quantization) == "8bit":
-        raise UserError("fsdp: quantization=8bit cannot be sharded (FSDP2 does not shard LLM.int8's weights); set "
+        raise UserError("fsdp: an 8-bit base cannot be sharded (FSDP2 does not shard LLM.int8's weights); set "
                         "quantization=4bit, or fsdp=false")
 
 

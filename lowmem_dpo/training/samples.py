@@ -45,12 +45,13 @@ def _left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.T
 
 
 def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None, pad_id: int, device,
-           dtype) -> list[list[int]]:
+           dtype, synced: bool = False) -> list[list[int]]:
     """Greedy completions of `prompts` (token ids), each cut before its first EOS, generated ids only.
 
     One left-padded batch through transformers' generate with the KV cache. The model runs in eval mode (no
     dropout; gradient checkpointing, which only acts in training mode, then leaves the cache on) and goes back to
-    its previous mode afterwards."""
+    its previous mode afterwards. synced (fsdp: each forward gathers from every process): every process runs
+    forwards until all are done (generate's synced_gpus), whatever token each met its end at."""
     from transformers import GenerationConfig
 
     if not prompts:
@@ -66,7 +67,8 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | N
     hf_model.generation_config = GenerationConfig()
     try:
         with torch.no_grad(), devices.autocast(device, dtype), eval_mode(model):
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)  # (B, T + new)
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                 synced_gpus=synced)  # (B, T + new)
     finally:
         hf_model.generation_config = saved_config
     completions = []
@@ -77,13 +79,13 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | N
 
 
 def generate(model, items: list, tokenizer, max_new_tokens: int, device, dtype,
-             shown: list[str | None] | None = None) -> list[Sample]:
+             shown: list[str | None] | None = None, synced: bool = False) -> list[Sample]:
     """Greedy samples for `items` (data.TokenizedPair, or data.TokenizedCompletion whose completion stands as
     chosen), decoded without special tokens. `shown`: each item's prompt as the log shows it (a conversation's last
     user message: data.shown_prompt); None (or a None entry): the prompt's tokens decoded."""
     prompts = [item.prompt_ids for item in items]
     outs = greedy(model, prompts, max_new_tokens, tokenizer.eos_token_id, data.pad_token_id(tokenizer), device,
-                  dtype)
+                  dtype, synced)
     samples = []
     for item, ids, text in zip(items, outs, shown or [None] * len(items)):
         chosen = item.chosen_ids if isinstance(item, data.TokenizedPair) else item.completion_ids

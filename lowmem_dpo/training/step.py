@@ -217,7 +217,8 @@ def backward_with_backoff(session, items: list) -> tuple[Sums, int, int]:
                   "fits)",
         cleanup=session.trainee.zero_grad,  # drop the partial step's gradients
         any_rank=distributed.any_rank if run.world.size > 1 else None,  # every rank retries when one ran out
-        collective=sharding.OOM if run.resolved.sharded else None)
+        collective=sharding.oom_message("per_device_train_batch_size or max_length", run.resolved.shard_offload)
+        if run.resolved.sharded else None)
 
 
 # -- the update ---------------------------------------------------------------------------------------------------

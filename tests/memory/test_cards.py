@@ -106,7 +106,7 @@ def test_sharding_refuses_a_4bit_weight_stored_as_a_float():
 
 
 @pytest.mark.parametrize("keys, message", [(["loss_type=kto"], "loss_type=kto does not run sharded yet"),
-                                           (["quantization=8bit"], "quantization=8bit cannot be sharded")])
+                                           (["quantization=8bit"], "an 8-bit base cannot be sharded")])
 def test_a_sharded_run_refuses_what_it_cannot_shard(keys, message):
     cfg = load_config("lowmem_dpo:tiny-cpu", ["fsdp=true", *keys])
     resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, False, "adamw_torch",
@@ -128,7 +128,9 @@ def test_out_of_memory_in_a_sharded_forward_ends_the_run_at_once_with_what_to_lo
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
         return size
 
-    with pytest.raises(UserError, match="out of memory with fsdp: .*lower per_device_train_batch_size"):
-        oom.halving_on_oom(run, 4, torch.device("cpu"), str, "exhausted", collective=sharding.OOM)
+    message = sharding.oom_message("per_device_train_batch_size or max_length", offloaded=False)
+    with pytest.raises(UserError, match="out of memory with fsdp: .*lower per_device_train_batch_size or max_length, "
+                                        "or set fsdp_offload_params=true"):
+        oom.halving_on_oom(run, 4, torch.device("cpu"), str, "exhausted", collective=message)
     assert calls == [4]
     assert oom.halving_on_oom(run, 4, torch.device("cpu"), str, "exhausted") == 1 and calls == [4, 4, 2, 1]
