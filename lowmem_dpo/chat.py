@@ -26,6 +26,7 @@ tokens (a model folder: that key's default), or --max-new-tokens. Writes nothing
 
 from __future__ import annotations
 
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,6 +255,10 @@ def main(argv: list[str]) -> int:
         if a.prompt is not None:
             print(chat.answer([{"role": "user", "content": a.prompt}]))
         elif sys.stdin is not None and sys.stdin.isatty():
+            # Ctrl-C ends a conversation, whatever this process inherited: one started with SIGINT ignored or
+            # blocked (a script's background job, a test runner's worker) would not see the key
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             converse(chat)
         elif sys.stdin is None or not answer_lines(chat, sys.stdin):
             raise UserError("no --prompt, and stdin held no prompt (not a terminal, and no non-empty line): pass "
