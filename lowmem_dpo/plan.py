@@ -52,13 +52,13 @@ from lowmem_dpo import data, measure
 from lowmem_dpo.config.cli import StageParser, run_cli
 from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
+from lowmem_dpo.memory import cards
 from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
 from lowmem_dpo.memory.host import host_problem, host_ram
 from lowmem_dpo.memory.model import Prediction, StagePrediction, predict
-from lowmem_dpo.memory import cards
 from lowmem_dpo.memory.search import KNOBS, LENGTH_STEP, STAGES, Plan, longest_max_length, stage_stream
-from lowmem_dpo.memory.weights import card_host_bytes
 from lowmem_dpo.memory.setup import Setup, planned_device, run_budget, setup_from_config, with_prompts
+from lowmem_dpo.memory.weights import card_host_bytes
 from lowmem_dpo.model import adapters, models
 from lowmem_dpo.objectives import needs_reference
 from lowmem_dpo.runtime.errors import UserError

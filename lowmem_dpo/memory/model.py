@@ -8,11 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lowmem_dpo.memory import attention
+from lowmem_dpo.memory import attention, weights
 from lowmem_dpo.memory.arch import Arch, adapted
 from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup, setup_from_config
-from lowmem_dpo.memory.weights import card_weight_bytes, dequant_bytes, embedding_gather_bytes
-from lowmem_dpo.memory.weights import lora_shapes, optimizer_state_bytes
 from lowmem_dpo.model.activations import MLP_TILE_TOKENS
 from lowmem_dpo.model.head import HEAD_TILE_ELEMENTS, OUT_DTYPE, head_tile
 from lowmem_dpo.runtime.kernels import FUSED_HEAD_TILE
@@ -186,7 +184,7 @@ def layer_working_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> i
     nt = n_seq * seq_len
     mt = mlp_tokens(arch, setup, n_seq, seq_len)
     lora_path = mt * (4 * arch.intermediate + (s * arch.intermediate if setup.autocast else 0)) + nt * s * arch.hidden
-    dequant = dequant_bytes(arch, setup.quantization, s)
+    dequant = weights.dequant_bytes(arch, setup.quantization, s)
     int8_forward = nt * s * arch.hidden + int8_buffers(arch, setup.quantization, nt, mt)
     math = attention.math_kept(arch, setup, n_seq, seq_len, bool(attention_masks(arch, setup, n_seq, seq_len)[0]))[1]
     return max(lora_path, (mt * s * arch.intermediate + nt * s * arch.hidden + dequant) if dequant else 0,
@@ -246,7 +244,7 @@ def precompute_layer_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -
     mt = mlp_tokens(arch, setup, n_seq, seq_len, "precompute")
     # forward only: 8bit multiplies in int8 (its buffers), 4bit dequantizes the weight
     dequant = (int8_buffers(arch, quantization, nt, mt) if quantization == "8bit"
-               else dequant_bytes(arch, quantization, s))
+               else weights.dequant_bytes(arch, quantization, s))
     # I-wide tensors alive at the MLP's product (gated) or activation (fc's output and the activation's; a
     # Python-op tanh-GELU, GPT-2's gelu_new, holds two more temporaries: measured)
     inner = 3 if arch.gated_mlp else (4 if arch.activation == "gelu_new" else 2)
@@ -316,8 +314,8 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     seq_len, completion = setup.shapes("train")
     n_seq = setup.sequences("train")
     m = n_seq * completion
-    weights = card_weight_bytes(arch, setup)
-    shapes = lora_shapes(arch, setup.lora_targets, setup.lora_r)
+    base = weights.card_weight_bytes(arch, setup)
+    shapes = weights.lora_shapes(arch, setup.lora_targets, setup.lora_r)
     n_lora = sum(shapes)
     ad = adapted(arch, setup.lora_targets)
     saved = {names: sum(layer_saved_bytes(arch, setup, n_seq, seq_len, names).values()) for names in set(ad.per_layer)}
@@ -338,12 +336,12 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
         layer_total if setup.gradient_checkpointing else 0)
     logits_phase = logits_train_bytes(arch, m, ad.lm_head, DTYPE_BYTES[setup.dtype], setup.device)
     breakdown = {
-        "base_weights": sum(weights.values()),
+        "base_weights": sum(base.values()),
         "lora_params": (4 + copy) * n_lora,  # float32, and in 16-bit the copies the forward reads
         "lora_grads": (4 + copy) * n_lora,  # the same for their gradients (model/compute_copies.py)
-        "optimizer_state": optimizer_state_bytes(shapes, setup.optimizer),
+        "optimizer_state": weights.optimizer_state_bytes(shapes, setup.optimizer),
         "activations": activations,
-        "peak_phase": max(layer_phase, logits_phase, embedding_gather_bytes(arch, setup) - activations),
+        "peak_phase": max(layer_phase, logits_phase, weights.embedding_gather_bytes(arch, setup) - activations),
     }
     if setup.device == "cuda" and setup.optimizer == ADAMW_TORCH:
         opt_step = 2 * 4 * n_lora  # foreach AdamW temporaries, when the activations are gone
@@ -353,7 +351,7 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     tensor_peak = sum(breakdown.values())
     overhead = framework_overhead(setup.device, tensor_peak)
     breakdown["framework_overhead"] = overhead
-    details = {**{f"weights.{k}": v for k, v in weights.items()}, **{f"layer.{k}": v for k, v in layer.items()},
+    details = {**{f"weights.{k}": v for k, v in base.items()}, **{f"layer.{k}": v for k, v in layer.items()},
                **{f"kept.{k}": v for k, v in kept.items()}, "lora_param_count": n_lora, "offload.host_bytes": host}
     return StagePrediction(breakdown, {"layer": layer_phase, "logits": logits_phase}, details, tensor_peak,
                            tensor_peak + overhead,
@@ -369,16 +367,16 @@ def predict_precompute(arch: Arch, setup: Setup) -> StagePrediction:
     seq_len, completion = setup.shapes("precompute")
     n_seq = setup.sequences("precompute")
     m = n_seq * completion
-    weights = card_weight_bytes(arch, setup, reference=True)
+    base = weights.card_weight_bytes(arch, setup, reference=True)
     layer_phase = precompute_layer_bytes(arch, setup, n_seq, seq_len)
     logits_phase = (n_seq * seq_len + m) * arch.hidden * s + head_tile_bytes(arch, m, s, setup.device)  # one tile
-    breakdown = {"base_weights": sum(weights.values()), "lora_params": 0, "lora_grads": 0, "optimizer_state": 0,
-                 "activations": 0, "peak_phase": max(layer_phase, logits_phase, embedding_gather_bytes(arch, setup, True))}
+    breakdown = {"base_weights": sum(base.values()), "lora_params": 0, "lora_grads": 0, "optimizer_state": 0,
+                 "activations": 0, "peak_phase": max(layer_phase, logits_phase, weights.embedding_gather_bytes(arch, setup, True))}
     tensor_peak = sum(breakdown.values())
     overhead = framework_overhead(setup.device, tensor_peak)
     breakdown["framework_overhead"] = overhead
     return StagePrediction(breakdown, {"layer": layer_phase, "logits": logits_phase},
-                           {f"weights.{k}": v for k, v in weights.items()}, tensor_peak, tensor_peak + overhead,
+                           {f"weights.{k}": v for k, v in base.items()}, tensor_peak, tensor_peak + overhead,
                            {"sequences": n_seq, "seq_len": seq_len, "completion_tokens": completion,
                             "shared": setup.share_prompt})
 
