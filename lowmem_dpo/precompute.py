@@ -211,8 +211,9 @@ def idle_forwards(reference: ReferenceForward, every: list[list], mine: list[lis
     world = distributed.world()
     counts = [sum(math.ceil(len(chunk) / per) for chunk in distributed.shard(every, distributed.World(r, world.size)))
               for r in range(world.size)]
-    shortest = min((unit for chunk in every for unit in chunk), key=unit_tokens)
-    for _ in range(sharding.idle_forwards(counts[world.rank], counts)):
+    idle = sharding.idle_forwards(counts[world.rank], counts)
+    shortest = min((unit for chunk in every for unit in chunk), key=unit_tokens) if idle else None
+    for _ in range(idle):
         units_logps(reference, [shortest], 1)
 
 
