@@ -7,6 +7,7 @@ float key, `null`/`None`/`none`/`~` is None for an Optional key (never the strin
 
 from __future__ import annotations
 
+import difflib
 import math
 import types
 import typing
@@ -149,7 +150,9 @@ def check_bounds(name: str, value, meta: dict) -> None:
             check_bounds(name, v, meta)
         return
     if meta["choices"] is not None and value not in meta["choices"]:
-        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(meta['choices'])}")
+        close = difflib.get_close_matches(str(value), meta["choices"], n=1)
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(meta['choices'])}"
+                          + (f"; did you mean {close[0]}?" if close else ""))
     lo, hi = meta["min"], meta["max"]
     if lo is not None and (value < lo or (meta["min_exclusive"] and value == lo)):
         op = ">" if meta["min_exclusive"] else ">="

@@ -26,7 +26,9 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"override {item!r}: expected key=value (see --help for the keys)")
+            close = difflib.get_close_matches(item.lstrip("-").partition("=")[0].replace("-", "_"), FIELDS, n=1)
+            hint = f"; did you mean {close[0]}=...?" if close else ""
+            raise ConfigError(f"override {item!r}: expected key=value (see --help for the keys){hint}")
         out[key.strip()] = value
     return out
 
@@ -131,14 +133,35 @@ def read_recipe(recipe: str | os.PathLike) -> dict:
     except UnicodeDecodeError as e:
         raise ConfigError(f"recipe {str(recipe)!r} is not UTF-8 text (byte {e.start + 1}); save it as UTF-8") from None
     try:
-        loaded = yaml.safe_load(text)
+        loaded = yaml.load(text, Loader=UniqueKeys)  # a SafeLoader that refuses a key set twice
     except yaml.YAMLError as e:
         raise ConfigError(yaml_problem(str(recipe), text, e)) from None
+    except DuplicateKey as e:
+        raise ConfigError(f"recipe {str(recipe)!r}: {e}") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"recipe {str(recipe)!r}: expected a mapping of key: value at the top level")
     return loaded
+
+
+class DuplicateKey(Exception):
+    """A key a YAML mapping holds twice (yaml's own loaders keep the last, silently)."""
+
+
+class UniqueKeys(yaml.SafeLoader):
+    """yaml's SafeLoader, refusing a mapping that holds a key twice: its message names the key and both lines."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                raise DuplicateKey(f"{key} is set twice, at line {seen[key]} and line {line}; keep one (YAML "
+                                   "would keep the last without a word)")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def yaml_problem(recipe: str, text: str, e) -> str:

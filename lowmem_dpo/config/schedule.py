@@ -43,9 +43,12 @@ def throwaway_optimizer():
 
 
 def schedule_problems(cfg) -> list[str]:
-    """The schedule keys' problems (Config.validate): warmup as steps or a ratio, and the schedule's own
-    arguments, checked by transformers."""
+    """The run length's and the schedule keys' problems (Config.validate): max_steps 0, warmup as steps or a ratio,
+    and the schedule's own arguments, checked by transformers."""
     problems = []
+    if cfg.max_steps == 0:
+        problems.append("max_steps=0 trains nothing: -1 (the default) runs num_train_epochs, a positive number runs "
+                        "that many optimizer steps")
     if cfg.warmup_steps >= 1 and cfg.warmup_steps != int(cfg.warmup_steps):
         problems.append(f"warmup_steps={cfg.warmup_steps}: a number of steps is whole; below 1 it is a ratio "
                         "of the run's steps")
