@@ -88,7 +88,8 @@ def setup(cfg: Config, progress: bool = True) -> Session:
 def run(cfg: Config, progress: bool = True) -> loop.TrainResult:
     """Fine-tune and save the adapter to cfg.output_dir; full-state checkpoints every save_steps under
     output_dir/checkpoints, resumed from as train does (resume=auto|never|PATH)."""
-    return loop.run(setup(cfg, progress), progress)
+    with output.running(cfg, "sft"):
+        return loop.run(setup(cfg, progress), progress)
 
 
 def main(argv: list[str]) -> int:

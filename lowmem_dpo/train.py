@@ -119,7 +119,8 @@ def reference_caches(cfg: Config, prepared: inputs.Inputs, side: cache.Side, dat
 
 def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.TrainResult:
     """Train and save the adapter to cfg.output_dir; checkpoints every save_steps; resumes per cfg.resume."""
-    return loop.run(setup(cfg, recipe, progress), progress)
+    with output.running(cfg, "train"):
+        return loop.run(setup(cfg, recipe, progress), progress)
 
 
 def main(argv: list[str]) -> int:

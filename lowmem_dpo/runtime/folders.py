@@ -6,13 +6,18 @@ same kind, recognised by the marker file it writes there (MARKER), never by the 
 
 A folder holding anything else is refused, naming what it holds, so that nothing a user had is replaced. A
 folder written before the marker existed is recognised by its content (`earlier`, the caller's test) and marked.
-Names starting with "." are never this tool's files (it writes none) and are left alone.
+Names starting with "." are never this tool's files and are left alone, but for its lock (LOCK).
+
+    with locked(Path("runs/my-run"), "output_dir"):        # a second run into the folder is refused meanwhile
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,6 +26,9 @@ from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.files import atomic_write_json
 
 MARKER = "lowmem_dpo.json"
+# The advisory lock a run holds on its folder (flock: released when the process ends, however it ends, so a
+# killed run leaves no stale lock); the holder's pid and command in it, for the refusal's line.
+LOCK = ".lowmem_dpo.lock"
 KINDS = ("dpo run", "sft run", "reference cache", "merged model")
 
 
@@ -128,3 +136,44 @@ def tool_version() -> str:
         return version("lowmem_dpo")
     except PackageNotFoundError:  # run from a source tree that is not installed
         return "unknown"
+
+
+@contextlib.contextmanager
+def locked(folder: Path, key: str):
+    """Hold `folder`'s lock (LOCK, created with the folder where missing) for the block: a UserError, before any
+    work, when another process holds it (a second train into the same output_dir would write over the first's
+    checkpoints and metrics), naming that process. A folder it created that holds nothing else at the end (the
+    run was refused before writing) is removed again."""
+    folder = Path(folder)
+    check_writable(folder, key)
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with _held(folder, key):
+            yield
+    finally:
+        if created and visible(folder, hidden=True) == [LOCK]:
+            (folder / LOCK).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+@contextlib.contextmanager
+def _held(folder: Path, key: str):
+    with open(folder / LOCK, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise UserError(f"{key}={str(folder)!r} is in use by another run ({holder}): two runs in one folder "
+                            "would write over each other's checkpoints and metrics. Wait for it to end, or name "
+                            f"another folder ({key}={free_name(folder)} is free)") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}, {' '.join(sys.argv[:3])[:120]}, since {time.strftime('%H:%M:%S')}")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

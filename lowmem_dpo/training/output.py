@@ -6,6 +6,7 @@ Used by the loop (loop.py) with its session (session.Session).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -16,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo.config.recipe import place
+from lowmem_dpo.config.recipe import place, require
 from lowmem_dpo.config.schema import FIELDS
 from lowmem_dpo.config.sources import yaml_form
 from lowmem_dpo.model import adapters
 from lowmem_dpo.model.models import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TOKENIZER_FILES
 from lowmem_dpo.objectives.metrics import GRAD_NORM, LEARNING_RATE, REWARDS_CHOSEN
-from lowmem_dpo.runtime import devices, files, folders, oom
+from lowmem_dpo.runtime import devices, distributed, files, folders, oom
 from lowmem_dpo.runtime.builtins import PREFIX as BUILTIN_PREFIX
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint
@@ -78,6 +79,17 @@ def check_output_dir(cfg, stage: str) -> None:
     folders.check(Path(cfg.output_dir), kind, "output_dir", lambda folder: earlier_run(folder, kind), RUN_FILES,
                   cfg.overwrite_output_dir, "or set overwrite_output_dir=true to write beside files whose names it "
                   "does not use")
+
+
+def running(cfg, stage: str):
+    """output_dir checked (check_output_dir: nothing of a user's is touched), then its lock for the run
+    (folders.locked; rank 0 holds it for every process of a torchrun): a second run into the folder meanwhile exits
+    2 naming this one."""
+    require(cfg, stage)  # a recipe without its model or data says so first
+    check_output_dir(cfg, stage)
+    if distributed.is_main():
+        return folders.locked(Path(cfg.output_dir), "output_dir")
+    return contextlib.nullcontext()
 
 
 def start_output(run: RunSetup) -> Path:
