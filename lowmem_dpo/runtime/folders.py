@@ -17,7 +17,6 @@ import contextlib
 import fcntl
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -27,7 +26,8 @@ from lowmem_dpo.runtime.files import atomic_write_json
 
 MARKER = "lowmem_dpo.json"
 # The advisory lock a run holds on its folder (flock: released when the process ends, however it ends, so a
-# killed run leaves no stale lock); the holder's pid and command in it, for the refusal's line.
+# killed run leaves no stale lock). An empty file, never rewritten: a refused run changes nothing in the folder;
+# the holder's pid is the kernel's (/proc/locks).
 LOCK = ".lowmem_dpo.lock"
 KINDS = ("dpo run", "sft run", "reference cache", "merged model")
 
@@ -160,20 +160,29 @@ def locked(folder: Path, key: str):
 
 @contextlib.contextmanager
 def _held(folder: Path, key: str):
-    with open(folder / LOCK, "a+", encoding="utf-8") as f:
+    with open(folder / LOCK, "a", encoding="utf-8") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            raise UserError(f"{key}={str(folder)!r} is in use by another run ({holder}): two runs in one folder "
-                            "would write over each other's checkpoints and metrics. Wait for it to end, or name "
-                            f"another folder ({key}={free_name(folder)} is free)") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()}, {' '.join(sys.argv[:3])[:120]}, since {time.strftime('%H:%M:%S')}")
-        f.flush()
+            raise UserError(f"{key}={str(folder)!r} is in use by another run ({holder(folder / LOCK)}): two runs "
+                            "in one folder would write over each other's checkpoints and metrics. Wait for it to "
+                            f"end, or name another folder ({key}={free_name(folder)} is free)") from None
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def holder(lock: Path) -> str:
+    """Who holds `lock`'s flock, from the kernel's table (/proc/locks: pid and device:inode per lock): "pid N:
+    its command line"; "another process" where that cannot be read."""
+    try:
+        inode = str(os.stat(lock).st_ino)
+        for line in open("/proc/locks", encoding="utf-8"):
+            parts = line.split()
+            if len(parts) > 5 and parts[1] == "FLOCK" and parts[5].rsplit(":", 1)[-1] == inode:
+                command = Path(f"/proc/{parts[4]}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                return f"pid {parts[4]}: {command[:120]}"
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    return "another process"
