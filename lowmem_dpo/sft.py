@@ -22,6 +22,7 @@ from pathlib import Path
 from lowmem_dpo import data
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, require
+from lowmem_dpo.config.schedule import learning_rate_warning
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.model import adapters, headcheck, models
 from lowmem_dpo.model.tiny import BUILTIN_PREFIX
@@ -54,7 +55,7 @@ def setup(cfg: Config, progress: bool = True) -> Session:
     require(cfg, "sft")
     output.check_output_dir(cfg, "sft")  # a folder of other files is refused before anything loads
     resolved = devices.resolve(cfg)
-    for note in cfg.no_effect():
+    for note in [*cfg.no_effect(), *filter(None, [learning_rate_warning(cfg.learning_rate)])]:
         log(f"warning: {note}")
     source = models.model_source(cfg.model_name_or_path, cfg.sft_adapter)
     adapters.check_mode(cfg, source, resolved.quantization, reference=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from lowmem_dpo import data, objectives
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, require
+from lowmem_dpo.config.schedule import learning_rate_warning
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
 from lowmem_dpo.model import adapters, headcheck
@@ -60,7 +61,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     require(cfg, "train")
     output.check_output_dir(cfg, "train")  # a folder of other files is refused before anything loads
     resolved = devices.resolve(cfg)
-    for note in cfg.no_effect():
+    for note in [*cfg.no_effect(), *filter(None, [learning_rate_warning(cfg.learning_rate)])]:
         log(f"warning: {note}")
     prepared = inputs.prepare(cfg, resolved)
     adapters.check_mode(cfg, prepared.source, resolved.quantization)

@@ -16,6 +16,23 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
 # torch._dynamo: ~10 s of a fresh process's start, most of `lowmem-dpo plan`'s 15 s.
 NO_ARGUMENTS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                 "inverse_sqrt")
+# The learning rates LoRA recipes use (the README's range); a rate ten times outside it either way is warned about
+# before step 1 (learning_rate_warning).
+LORA_LEARNING_RATES = (5e-5, 5e-4)
+FAR = 10
+
+
+def learning_rate_warning(lr: float) -> str | None:
+    """The warning for a learning rate far outside LORA_LEARNING_RATES (FAR times beyond either end), or None."""
+    low, high = LORA_LEARNING_RATES
+    span = f"{low:.0e} to {high:.0e}".replace("e-0", "e-")  # 5e-5 to 5e-4
+    if lr > FAR * high:
+        return (f"learning_rate={lr:g} is far above what LoRA recipes use ({span}): expect the warning signs "
+                "within steps (answers collapsing into repetition), and a damaged adapter")
+    if lr < low / FAR:
+        return (f"learning_rate={lr:g} is far below what LoRA recipes use ({span}): the adapter will barely move "
+                "from the reference (such rates suit a full fine-tune, not LoRA)")
+    return None
 
 
 def warmup(cfg, total_steps: int) -> int:

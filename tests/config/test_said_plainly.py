@@ -66,3 +66,12 @@ def test_a_second_train_into_a_running_runs_folder_is_refused_and_a_killed_holde
         holder.wait()
     with folders.locked(out, "output_dir"):
         pass
+
+
+@pytest.mark.parametrize("lr, says", [(1e-1, "far above"), (5e-3, None), (1e-4, None), (5e-6, None),
+                                      (1e-6, "far below")])
+def test_a_learning_rate_ten_times_outside_loras_range_is_warned_about(lr, says):
+    from lowmem_dpo.config.schedule import learning_rate_warning
+
+    warning = learning_rate_warning(lr)
+    assert (warning is None) if says is None else (says in warning and "5e-5 to 5e-4" in warning)

@@ -289,6 +289,8 @@ def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
     train.run(cfg_for("collapse", *collapse), progress=False)
     log = capsys.readouterr().err
     assert "generations collapsing into repetition" in log
+    # and before step 1, the rate itself: 200 times the top of what LoRA recipes use
+    assert "warning: learning_rate=0.1 is far above what LoRA recipes use (5e-5 to 5e-4)" in log
     evals = lines(tmp_path / "collapse" / "metrics.jsonl")
     base = next(m["eval_gen/repetition"] for m in evals if m["step"] == 0)
     final = [m for m in evals if m["step"] == 100 and "eval_gen/repetition" in m][0]["eval_gen/repetition"]
