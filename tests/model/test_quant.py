@@ -157,6 +157,7 @@ def test_missing_bitsandbytes_is_a_user_error(small, tmp_path, monkeypatch, caps
         devices.make_optimizer(rules.PAGED_ADAMW_8BIT, [torch.nn.Parameter(torch.zeros(2))], 1e-3, 0.0)
 
     cfg = small()
+    capsys.readouterr()  # what came before (a first use in this worker builds the tiny model, with its bar)
     code = run_cli(precompute.main, ["lowmem_dpo:tiny-cpu", f"dataset={cfg.dataset[0].path}", "quantization=4bit",
                                      f"ref_cache_dir={tmp_path / 'c'}"], "precompute", precompute.__doc__)
     err = capsys.readouterr().err
