@@ -195,10 +195,11 @@ def print_plan(chosen: Plan, budget: int, reference: bool = True) -> None:
 def print_cards(arch: Arch, cfg: Config, budget: int, processes: int, knobs, stages, prompt_tokens: int | None) -> None:
     """--nproc N: each card's peak for each way to run on N cards (memory/cards.py), each with its own knobs."""
     print(f"on {processes} cards, each card's peak (with the knobs each way needs):")
-    if cards.unshardable(cfg):
-        print(f"  fsdp: not for this run ({cards.unshardable(cfg)})")
+    problem = cards.unshardable(cfg, stages)
+    if problem:
+        print(f"  fsdp: not for this run ({problem})")
     for name, plan in cards.alternatives(arch, cfg, budget, processes, knobs, stages, prompt_tokens)[
-            :1 if cards.unshardable(cfg) else None]:
+            :1 if problem else None]:
         streamed = {stage: s.device_peak for stage, s in plan.streams.items()}  # streaming: the card's peak
         peaks = "  ".join(f"{stage} {fmt(streamed.get(stage, getattr(plan.prediction, stage).peak_bytes))}"
                           for stage in stages)

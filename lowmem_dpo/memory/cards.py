@@ -40,8 +40,8 @@ def on_cards(arch: Arch, cfg, budget: int, processes: int = 1, knobs=KNOBS, stag
         return plan(knobs, False, False)
     if cfg.fsdp is AUTO:
         whole = plan(tuple(k for k in knobs if k != "stream"), False, False)
-        if whole.fits or unshardable(cfg):
-            why = unshardable(cfg) or "the whole model fits each process's budget"
+        if whole.fits or unshardable(cfg, stages):
+            why = unshardable(cfg, stages) or "the whole model fits each process's budget"
             return _note(whole if whole.fits else plan(knobs, False, False), f"fsdp=false (auto: {why}; data parallel)")
     sharded = plan(knobs, True, offload_asked)
     if cfg.fsdp is True and (sharded.fits or cfg.fsdp_offload_params is not AUTO):
@@ -60,12 +60,15 @@ def on_cards(arch: Arch, cfg, budget: int, processes: int = 1, knobs=KNOBS, stag
                  fsdp=cfg.fsdp is AUTO, offload=True)
 
 
-def unshardable(cfg) -> str | None:
-    """Why this run cannot be sharded (training.policy.sharded_as_planned refuses it with fsdp=true), or None."""
-    if "8bit" in (cfg.quantization, cfg.reference_quantization):
-        return "an 8-bit base cannot be sharded"
-    if objectives.unpaired(cfg.loss_type):
-        return f"loss_type={','.join(cfg.loss_type)} does not run sharded"
+def unshardable(cfg, stages=STAGES) -> str | None:
+    """Why this run's `stages` cannot be sharded (auto keeps them data parallel; training.policy.sharded_as_planned
+    refuses them with fsdp=true), or None: an 8-bit base (train's, or precompute's reference), or KTO in train."""
+    bases = {"train": cfg.quantization, "precompute": cfg.reference_quantization}
+    if any(bases[stage] == "8bit" for stage in stages):
+        return "an 8-bit base cannot be sharded (FSDP2 does not shard LLM.int8's weights)"
+    if "train" in stages and objectives.unpaired(cfg.loss_type):
+        return (f"loss_type={','.join(cfg.loss_type)} does not run sharded yet (its blocks' forwards are not paired "
+                "across processes)")
     return None
 
 

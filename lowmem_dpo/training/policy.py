@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo import objectives
 from lowmem_dpo.config.schedule import make_schedule
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory import attention, cards, search
@@ -290,12 +289,9 @@ def sharded_as_planned(cfg: Config, resolved: devices.Resolved, plan, stage: str
             log(line)
     if not resolved.sharded:
         return
-    if stage == "train" and objectives.unpaired(cfg.loss_type):
-        raise UserError(f"fsdp: loss_type={','.join(cfg.loss_type)} does not run sharded yet (its blocks' "
-                        "forwards are not paired across processes); set fsdp=false, data parallel")
-    if (resolved.quantization if stage == "train" else resolved.ref_quantization) == "8bit":
-        raise UserError("fsdp: an 8-bit base cannot be sharded (FSDP2 does not shard LLM.int8's weights); set "
-                        "quantization=4bit, or fsdp=false")
+    problem = cards.unshardable(cfg, (stage,))
+    if problem:
+        raise UserError(f"fsdp: {problem}; set fsdp=false (data parallel)")
 
 
 def check_host_ram(host: HostRam, stage: str) -> list[str]:
