@@ -197,7 +197,7 @@ def print_cards(arch: Arch, cfg: Config, budget: int, processes: int, knobs, sta
     print(f"on {processes} cards, each card's peak (with the knobs each way needs):")
     problem = cards.unshardable(cfg, stages)
     if problem:
-        print(f"  fsdp: not for this run ({problem})")
+        print(f"  fsdp: not for this run: {problem}")
     for name, plan in cards.alternatives(arch, cfg, budget, processes, knobs, stages, prompt_tokens)[
             :1 if problem else None]:
         streamed = {stage: s.device_peak for stage, s in plan.streams.items()}  # streaming: the card's peak
