@@ -41,6 +41,7 @@ from lowmem_dpo.model.lora_merge import CONV1D, EMBEDDING, LINEAR, LoraPair
 from lowmem_dpo.runtime import files, folders
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt, parse_size
+from lowmem_dpo.training import provenance
 from lowmem_dpo.training.provenance import Chain, merge_chain
 
 USAGE = ("ADAPTER_DIR MERGED_DIR [--dtype auto|bfloat16|float16|float32] [--max-shard-size 2GB] [--overwrite] "
@@ -311,6 +312,9 @@ def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_s
         raise
     log(f"export: {merged_dir}: {len(targets)} weights merged from {len(chain.adapters)} adapter(s) into "
         f"{chain.base}, {fmt(need - (1 << 20))} of {str(out_dtype).removeprefix('torch.')} in {shards} shard(s)")
+    warned = provenance.run_warnings(adapter_dir, "export")
+    if warned:
+        log(warned)
     return merged_dir
 
 

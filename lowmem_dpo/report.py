@@ -204,15 +204,8 @@ def repetition_line(run: Run) -> str | None:
 
 def warnings_line(run: Run) -> str:
     """Each warning sign train logged, by its text up to the numbers, at the step it first fired and how often."""
-    first: dict[str, list] = {}
-    for line in run.warnings:
-        for sign in line["warnings"]:
-            kind = sign.split(":")[0]
-            first.setdefault(kind, [line["step"], 0])[1] += 1
-    if not first:
-        return "warnings: none"
-    return "warnings: " + "; ".join(f"{kind} at step {step}" + (f" ({n} times)" if n > 1 else "")
-                                    for kind, (step, n) in first.items()) + " (the train log has the numbers)"
+    summary = guards.warnings_summary(run.warnings)
+    return f"warnings: {summary} (the train log has the numbers)" if summary else "warnings: none"
 
 
 def summary_lines(run: Run, picture: Path | None) -> list[str]:

@@ -318,14 +318,19 @@ def test_a_base_or_sft_adapter_changed_since_training_is_refused(tiny_path, tmp_
     assert not (tmp_path / "merged-again").exists()
 
 
-def test_a_checkpoint_export_carries_the_run_s_chat_template(tiny_path, tmp_path, tokenizer):
+def test_a_checkpoint_export_carries_the_run_s_chat_template(tiny_path, tmp_path, tokenizer, capsys):
     """A checkpoint folder holds no tokenizer: the merged folder gets the base's tokenizer with the run's
-    chat_template (the key's text), not the base's own template."""
+    chat_template (the key's text), not the base's own template. The warning signs its run logged up to it are
+    repeated."""
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
     ckpt = make_adapter(tiny_path, tmp_path / "run" / "checkpoint-2", target_modules=["q_proj"])
     config = {"model_name_or_path": str(tiny_path), "chat_template": template}
     (ckpt / "trainer_state.json").write_text(json.dumps({"config": config}))
+    (ckpt / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.69}) + "\n" + json.dumps(
+        {"step": 2, "warnings": ["generations collapsing into repetition: seq-rep-4 0.90 against 0.20 ..."]}) + "\n")
     assert run(ckpt, tmp_path / "merged") == 0
+    assert (f"warning: export: the run that trained {ckpt} logged warning signs, so the adapter may be damaged: "
+            "generations collapsing into repetition at step 2") in capsys.readouterr().err
     from transformers import AutoTokenizer
 
     merged = AutoTokenizer.from_pretrained(tmp_path / "merged")

@@ -204,15 +204,22 @@ def better(value: float, best: float | None, greater: bool) -> bool:
     return best is None or (value > best if greater else value < best)
 
 
-def best_after(best: dict, step: int, cfg: Config, line: dict | None) -> dict:
+def best_after(best: dict, step: int, cfg: Config, line: dict | None, metrics_lines: list[str] = ()) -> dict:
     """The best so far once step `step`'s checkpoint is saved (session.BEST_KEYS): this step when its
-    metric_for_best_model (in `line`, its eval line; None: not evaluated) beats `best`, else `best`."""
+    metric_for_best_model (in `line`, its eval line; None: not evaluated) beats `best` and no warning sign fired at
+    this step (in `metrics_lines`, the run's so far: a damaged checkpoint is never the best, whatever its metric),
+    else `best`."""
     if line is None or line.get("step") != step:
         return best
     value = line.get(cfg.best_metric_name)
-    if value is not None and better(value, best["best_metric"], cfg.best_is_greater):
-        return {"best_metric": value, "best_global_step": step}
-    return best
+    if value is None or not better(value, best["best_metric"], cfg.best_is_greater):
+        return best
+    warned = guards.warned_steps([x for x in map(json.loads, metrics_lines) if x.get("step") == step])
+    if warned:
+        log(f"note: step {step}'s {cfg.best_metric_name} {value:.4f} would be the best so far, but it warned "
+            f"({'; '.join(warned)}): not kept as the best")
+        return best
+    return {"best_metric": value, "best_global_step": step}
 
 
 def load_best(session: Session) -> None:
@@ -220,7 +227,9 @@ def load_best(session: Session) -> None:
     the best one; logged with both values. Nothing to do when the last step is the best."""
     step, name = session.progress.best["best_global_step"], session.run.cfg.best_metric_name
     if step is None:
-        log(f"warning: load_best_model_at_end: no checkpoint has a finite {name}; the final adapter is the last "
+        warned = guards.warnings_summary(list(map(json.loads, session.progress.metrics_lines)))
+        why = f"no checkpoint {'without a warning sign ' if warned else ''}has a finite {name}"
+        log(f"warning: load_best_model_at_end: none is kept as the best ({why}); the final adapter is the last "
             "step's")
         return
     if step == session.progress.step:

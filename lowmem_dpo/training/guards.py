@@ -133,6 +133,31 @@ def warning_signs(means: dict, step: int, total_steps: int, beta: float, chosen_
     return [with_context(sign, context, TRY_DISPLACEMENT)]
 
 
+def sign_kind(sign: str) -> str:
+    """A warning sign's kind: its text up to the numbers ("generations collapsing into repetition")."""
+    return sign.split(":")[0]
+
+
+def warned_steps(lines: list[dict]) -> dict[str, list[int]]:
+    """Each kind of warning sign in metrics.jsonl's {"step", "warnings"} `lines` (other lines are skipped), with
+    the steps it fired at, in the order each kind first fired."""
+    kinds: dict[str, list[int]] = {}
+    for line in lines:
+        for sign in line.get("warnings") or ():
+            kinds.setdefault(sign_kind(sign), []).append(line["step"])
+    return kinds
+
+
+def warnings_summary(lines: list[dict]) -> str | None:
+    """The warning signs a run logged (metrics.jsonl's lines), in one line: each kind at the step it first fired
+    and how often ("likelihood displacement at step 10 (2 times); ..."); None for a run without one."""
+    kinds = warned_steps(lines)
+    if not kinds:
+        return None
+    return "; ".join(f"{kind} at step {steps[0]}" + (f" ({len(steps)} times)" if len(steps) > 1 else "")
+                     for kind, steps in kinds.items())
+
+
 # -- degeneration of the generations ------------------------------------------------------------------------------
 # seq-rep-n (Welleck et al. 2019, "Neural Text Generation with Unlikelihood Training", section 5): the share of a
 # sequence's n-grams that repeat an earlier one. Measured on the built-in tiny model (lowmem_dpo:tiny-cpu, 48

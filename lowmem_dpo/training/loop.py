@@ -28,7 +28,7 @@ from lowmem_dpo.config.schema import Config
 from lowmem_dpo.objectives import metrics
 from lowmem_dpo.runtime import devices, distributed, oom
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import checkpoint, evaluation, output, trackers
+from lowmem_dpo.training import checkpoint, evaluation, guards, output, trackers
 from lowmem_dpo.training.session import Session, checkpoint_state
 from lowmem_dpo.training.step import StepResult, optimizer_step
 
@@ -58,7 +58,8 @@ def train_step(session: Session, out: StepOutputs) -> StepResult:
         progress.window = run.objective.new_sums()  # the next line's window
     evaluated = eval_step(session, out.metrics, out.bar) if evaluation.due(run.cfg, progress.step, run.steps) else None
     if saving_due(run.cfg, progress.step, run.steps):  # the best first: a checkpoint records it, never prunes it
-        progress.best = evaluation.best_after(progress.best, progress.step, run.cfg, evaluated)
+        progress.best = evaluation.best_after(progress.best, progress.step, run.cfg, evaluated,
+                                               progress.metrics_lines)
         save_checkpoint(session, out.folder)
     return result
 
@@ -214,3 +215,7 @@ def finish(session: Session, out_dir: Path, last: dict) -> None:
     checkpoint.write_run_state(out_dir, checkpoint_state(session), session.run.steps, cfg.best_metric_name,
                                cfg.best_is_greater, session.progress.metrics_lines)
     log(f"saved adapter to {out_dir} (step {session.run.steps}{metrics.closing_note(last)})")
+    warned = guards.warnings_summary(list(map(json.loads, session.progress.metrics_lines)))
+    if warned:  # the last line: a run with warning signs is no plain success
+        log(f"warning: this run ended with warning signs, so its adapter may be damaged: {warned}; `lowmem-dpo "
+            f"report {out_dir}` has the curves, samples.jsonl the answers")

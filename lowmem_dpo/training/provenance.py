@@ -16,7 +16,7 @@ from pathlib import Path
 from lowmem_dpo.model import models
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.files import files_digest
-from lowmem_dpo.training import checkpoint
+from lowmem_dpo.training import checkpoint, guards
 
 RUN_CONFIG = "config.yaml"  # output.start_output's, beside the final adapter
 
@@ -54,6 +54,22 @@ def run_record(adapter_dir: Path) -> tuple[dict | None, str, dict]:
         raise UserError(f"{adapter_dir}: its run record is unreadable ({type(e).__name__}); without it the base "
                         "the adapter was trained on is not known for sure") from None
     return None, "", {}
+
+
+def run_warnings(adapter_dir: Path, stage: str) -> str | None:
+    """The warning line `stage` (chat, export) repeats for an adapter whose run logged warning signs (the
+    metrics.jsonl beside it: a run's output_dir, or a checkpoint's lines up to its step); None without any."""
+    lines = []
+    for text in checkpoint.metrics_lines(adapter_dir):
+        try:
+            lines.append(json.loads(text))
+        except ValueError:  # a damaged line is the report's to name; the warnings are in the others
+            continue
+    summary = guards.warnings_summary([x for x in lines if isinstance(x, dict) and isinstance(x.get("step"), int)])
+    if summary is None:
+        return None
+    return (f"warning: {stage}: the run that trained {adapter_dir} logged warning signs, so the adapter may be "
+            f"damaged: {summary} (`lowmem-dpo report` on its run folder has the numbers)")
 
 
 def check_unchanged(inputs: dict, where: str, base: Path, sft_adapter: Path | None) -> None:

@@ -52,7 +52,7 @@ def split_files(tmp_path_factory):
 def test_the_best_so_far_moves_only_to_a_better_evaluated_step():
     """evaluation.best_after, at a checkpoint: the step becomes the best only when it was evaluated at that step
     and its metric beats the best in the metric's direction (eval_loss: lower; eval_rewards/accuracies: higher);
-    a tie or a non-finite value keeps the earlier best."""
+    a tie or a non-finite value keeps the earlier best, and so does a step where a warning sign fired."""
     loss = load_config(TINY_RECIPE, [])
     assert (loss.best_metric_name, loss.best_is_greater) == ("eval_loss", False)
     accuracy = load_config(TINY_RECIPE, ["metric_for_best_model=rewards/accuracies"])
@@ -68,6 +68,11 @@ def test_the_best_so_far_moves_only_to_a_better_evaluated_step():
     assert evaluation.best_after(none, 40, loss, {**line, "eval_loss": math.inf}) is none
     assert evaluation.best_after(at_20, 40, loss, None) is at_20  # step 40 was not evaluated
     assert evaluation.best_after(at_20, 60, loss, line) is at_20  # the line is another step's
+    # a step that warned is never the best, however good its metric; another step's warning does not count
+    warned = [json.dumps({"step": 40, "warnings": ["generations collapsing into repetition: seq-rep-4 0.91 ..."]})]
+    assert evaluation.best_after(at_20, 40, loss, line, warned) is at_20
+    assert evaluation.best_after(none, 60, loss, {**line, "step": 60}, warned) == {"best_metric": 0.4,
+                                                                                    "best_global_step": 60}
 
 
 def test_dpo_eval_metrics_equal_a_recomputation(make_cfg, split_files, tiny_path, tokenizer):
@@ -285,10 +290,18 @@ def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
     assert healthy_evals[-1]["eval_rewards/accuracies"] >= 0.9
 
     collapse = ["learning_rate=1e-1", "lr_scheduler_type=constant", "max_steps=100", "eval_steps=50",
-                "save_steps=0", "load_best_model_at_end=false"]
+                "save_steps=50", "load_best_model_at_end=true"]
     train.run(cfg_for("collapse", *collapse), progress=False)
     log = capsys.readouterr().err
     assert "generations collapsing into repetition" in log
+    # a damaged checkpoint is never the best, and the run's last line says it warned, naming the signs
+    warned = {m["step"] for m in lines(tmp_path / "collapse" / "metrics.jsonl") if "warnings" in m}
+    best = json.loads((tmp_path / "collapse" / "trainer_state.json").read_text())["best_global_step"]
+    assert {50, 100} <= warned and best is None, (warned, best)
+    assert "load_best_model_at_end: none is kept as the best (no checkpoint without a warning sign" in log
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("warning: this run ended with warning signs") and "collapsing into repetition at step" \
+        in last, last
     # and before step 1, the rate itself: 200 times the top of what LoRA recipes use
     assert "warning: learning_rate=0.1 is far above what LoRA recipes use (5e-5 to 5e-4)" in log
     evals = lines(tmp_path / "collapse" / "metrics.jsonl")
@@ -299,7 +312,8 @@ def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
     # repetition, or the drift from the chosen answers that comes with it (which one first depends on the
     # matmuls' thread count at this learning rate)
     with pytest.raises(UserError, match="stopped at step 4 .*(collapsing into repetition|answers drifting)"):
-        train.run(cfg_for("stopped", *collapse, "eval_steps=4", "early_stop_on_divergence=true"), progress=False)
+        train.run(cfg_for("stopped", *collapse[:3], "eval_steps=4", "save_steps=0", "load_best_model_at_end=false",
+                          "early_stop_on_divergence=true"), progress=False)
 
 
 def test_metric_for_best_model_must_be_one_the_stage_logs(make_cfg, split_files, capsys):
