@@ -76,7 +76,8 @@ def setup(cfg: Config, progress: bool = True) -> Session:
     layout = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:2], train=True)  # never shared
     # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
     run = RunSetup(cfg, resolved, build(cfg, resolved, pad_id, "sft", layout=layout), dataset.train, pad_id,
-                   trains_on, dataset.eval, tokenizer, dataset.prompts, adapter_off_is_start=False)
+                   trains_on, dataset.eval, tokenizer, dataset.prompts, adapter_off_is_start=False,
+                   row_formats=dataset.tok.formats)
     session = start_session(run, model, resume)
     progress = session.progress
     session.opening = [

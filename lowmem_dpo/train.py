@@ -102,7 +102,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     objective = build(cfg, resolved, pad_id, "train", ref, eval_ref, layout,
                       drift_at_start=off_is_start or not cfg.lora_dropout)
     run = RunSetup(cfg, resolved, objective, items, pad_id, trains_on, eval_items, prepared.tokenizer,
-                   dataset.prompts, adapter_off_is_start=off_is_start)
+                   dataset.prompts, adapter_off_is_start=off_is_start, row_formats=dataset.tok.formats)
     session = start_session(run, model, resume)
     session.opening = opening_lines(session)
     return session

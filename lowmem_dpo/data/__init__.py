@@ -6,7 +6,8 @@
     batch.py   collate chosen and rejected of a micro-batch into one right-padded forward, or one packed row
                (padding_free); items longest first
     split.py   the eval hold-out of a dataset (eval_fraction), by a hash of each row's prompt
-    mix.py     a mixture of sources: the rows each gives (fraction, rows, max_train_samples), tokenized per source
+    mix.py     a mixture of sources: the rows each gives (fraction, rows, max_train_samples), tokenized per source,
+               and their formats (text, conversation)
     implicit.py  a row's prompt from the shared start of chosen and rejected
     cache.py   the reference cache's keys: model side, row key, a run's values, what to say when rows lack one
     store.py   the reference cache's store: one SQLite file of values under (model side, row key)

@@ -62,6 +62,9 @@ class TokenizedData:
     skipped: dict[str, list[int]] = field(default_factory=dict)  # the same rows by SKIPS reason
     truncated: dict[str, list[int]] = field(default_factory=dict)  # TRUNCATIONS part -> kept rows cut there
     whole: list[int] = field(default_factory=list)  # each tokenized row's tokens kept whole (whole_length)
+    # The rows' formats, sorted: "text" (tokenized as written) and/or "conversation" (through the chat template);
+    # set by mix.tokenize_mixture (a run records them: chat renders prompts as the run's were)
+    formats: list[str] = field(default_factory=list)
 
 
 def _is_empty(value) -> bool:

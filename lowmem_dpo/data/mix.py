@@ -25,7 +25,7 @@ from typing import Callable
 
 from lowmem_dpo.config.sources import Source
 from lowmem_dpo.data.encode import TokenizedData
-from lowmem_dpo.data.rows import row_locator
+from lowmem_dpo.data.rows import row_kind, row_locator
 from lowmem_dpo.data.split import prompt_keys
 from lowmem_dpo.runtime.errors import UserError, log
 
@@ -88,6 +88,19 @@ class Part:
 
     def __len__(self) -> int:
         return len(self.loaded) if self.indices is None else len(self.indices)
+
+    def format(self) -> str | None:
+        """The rows' format, "text" or "conversation": the kind (rows.row_kind) of the first prompt that has one
+        (tokenization refuses a source whose rows mix the two); None when every prompt is null."""
+        rows = self.rows
+        if "prompt" not in rows.column_names:
+            return None
+        for start in range(0, len(rows), 512):
+            for prompt in rows[start:start + 512]["prompt"]:
+                kind = row_kind({"prompt": prompt}, None, ("prompt",))
+                if kind is not None:
+                    return kind
+        return None
 
     def where(self) -> Callable[[int], str] | None:
         """index among the taken rows -> its place in the source file ("row R at line L"); None when every row is
@@ -190,11 +203,14 @@ def _cap(parts: list[Part], seed: int, cap: int) -> None:
 def tokenize_mixture(mix: Mixture, tokenize: Callable[[object, str, Callable | None], TokenizedData]
                      ) -> TokenizedData:
     """Each part's rows tokenized by `tokenize(rows, spec, where)` (its messages and skip counts name the source
-    file and its rows' lines), then joined, the row indices shifted into the mixture's."""
+    file and its rows' lines), then joined, the row indices shifted into the mixture's; with the formats of the
+    parts' rows (TokenizedData.formats)."""
     toks = [tokenize(p.rows, p.source.path, p.where()) for p in mix.parts]
+    formats = sorted({p.format() for p in mix.parts} - {None})
     if len(toks) == 1:
+        toks[0].formats = formats
         return toks[0]
-    out = TokenizedData([], 0, [])
+    out = TokenizedData([], 0, [], formats=formats)
     for p, tok in zip(mix.parts, toks):
         for item in tok.pairs:
             item.row += p.offset

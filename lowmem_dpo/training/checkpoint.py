@@ -69,6 +69,10 @@ class TrainerState:
     world_size: int = 1  # processes of the run (torchrun / accelerate launch): a step's pairs depend on it
     scaler_skips: int = 0  # float16: updates the loss scaler skipped (its state: scaler.pt)
     nonfinite_in_a_row: int = 0  # the skips for a non-finite loss or gradient just before it (max_nonfinite_steps)
+    # The formats of the training rows (data.TokenizedData.formats: "text", tokenized as written, and/or
+    # "conversation", through the chat template): chat renders its prompts as the run's were. Not an input (a
+    # resume does not compare it); None in checkpoints written before it was recorded.
+    row_formats: list[str] | None = None
 
 
 def root(output_dir: str | Path) -> Path:
@@ -320,12 +324,13 @@ def write_run_state(output_dir: str | Path, state: TrainerState, max_steps: int,
                     metrics_lines: list[str]) -> None:
     """output_dir/trainer_state.json in transformers' TrainerState form: global_step, max_steps, the best
     checkpoint (best_metric, best_global_step, best_model_checkpoint, chosen by metric_for_best_model) and the
-    log history (metrics.jsonl's lines); and the digests of what the run trained on (inputs, for the export's
-    check that the base has not changed since)."""
+    log history (metrics.jsonl's lines); the digests of what the run trained on (inputs, for the export's check
+    that the base has not changed since); and the formats of its rows (row_formats, for chat)."""
     record = {"global_step": state.step, "max_steps": max_steps, "best_metric": state.best_metric,
               "best_global_step": state.best_global_step, "best_model_checkpoint": state.best_model_checkpoint,
               "metric_for_best_model": metric, "greater_is_better": greater,
-              "log_history": [json.loads(line) for line in metrics_lines], "inputs": state.inputs}
+              "log_history": [json.loads(line) for line in metrics_lines], "inputs": state.inputs,
+              "row_formats": state.row_formats}
     payload = (json.dumps(record, indent=2) + "\n").encode()
     try:
         files.atomic_write_bytes(Path(output_dir) / STATE, payload)

@@ -50,6 +50,7 @@ class RunSetup:
     # The model with its adapter disabled is the run's start, its reference (the samples' KL is measured): not
     # when train continues an SFT adapter (its start is base + that adapter), nor in SFT (which means to move)
     adapter_off_is_start: bool = True
+    row_formats: list[str] | None = None  # the training rows' formats (data.TokenizedData.formats), for chat
 
     @functools.cached_property
     def steps(self) -> int:
@@ -134,7 +135,7 @@ def checkpoint_state(session: Session) -> checkpoint.TrainerState:
                                    nonfinite_in_a_row=progress.nonfinite_in_a_row,
                                    window=dataclasses.asdict(progress.window), config=dataclasses.asdict(run.cfg),
                                    inputs=run.inputs, **progress.best, best_model_checkpoint=best_folder(session),
-                                   world_size=run.world.size)
+                                   world_size=run.world.size, row_formats=run.row_formats)
 
 
 def best_folder(session: Session) -> str | None:
