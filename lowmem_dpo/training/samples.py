@@ -1,6 +1,7 @@
 """Sample generations: what the policy writes for a few eval prompts, at step 0 (the reference) and at every eval.
 
     greedy     greedy completions of a causal LM or PeftModel (left-padded batch, KV cache, no gradients)
+    sample     the same, sampled (temperature, top_p; a seed for the same draws): chat's answers
     generate   the same from tokenized eval items, decoded: Sample(prompt, completion, chosen, ids)
     append     one JSON line per sample to output_dir/samples.jsonl: {step, prompt, completion, chosen}
     keep_until a resumed run drops the lines written after its checkpoint
@@ -52,16 +53,44 @@ def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | N
     dropout; gradient checkpointing, which only acts in training mode, then leaves the cache on) and goes back to
     its previous mode afterwards. synced (fsdp: each forward gathers from every process): every process runs
     forwards until all are done (generate's synced_gpus), whatever token each met its end at."""
+    return _completions(model, prompts, eos_id, pad_id, device, dtype, synced, do_sample=False, num_beams=1,
+                        max_new_tokens=max_new_tokens)
+
+
+def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None, pad_id: int, device, dtype,
+           temperature: float, top_p: float = 1.0, seed: int | None = None) -> list[list[int]]:
+    """Sampled completions of `prompts`, as greedy's otherwise (the same batch, cache, mode and cuts): each token
+    drawn from the next-token distribution at `temperature`, within the smallest set of tokens whose probability
+    reaches `top_p` (1: every token; no top-k). temperature 0 is greedy. `seed`: the draws of torch's generator
+    seeded so (the same seed, the same answers; the global random state is left as it was); None: drawn from
+    torch's global generator as it stands."""
+    if temperature == 0:
+        return greedy(model, prompts, max_new_tokens, eos_id, pad_id, device, dtype)
+    draw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, num_beams=1,
+                max_new_tokens=max_new_tokens)
+    if seed is None:
+        return _completions(model, prompts, eos_id, pad_id, device, dtype, **draw)
+    on = torch.device(device)
+    cuda = [on.index if on.index is not None else torch.cuda.current_device()] if on.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # the seeded draws, then the global state as it was
+        torch.manual_seed(seed)
+        return _completions(model, prompts, eos_id, pad_id, device, dtype, **draw)
+
+
+def _completions(model, prompts: list[list[int]], eos_id: int | None, pad_id: int, device, dtype,
+                 synced: bool = False, **settings) -> list[list[int]]:
+    """generate() of `prompts` under the GenerationConfig of `settings` alone (greedy's doc), each completion cut
+    before its first EOS."""
     from transformers import GenerationConfig
 
     if not prompts:
         return []
     # generate() fills every setting left unset from the model's own generation config (a checkpoint's sampling
     # settings, a repetition_penalty that would hide the very repetition guards.repetition measures): for the
-    # call, the model's is a bare one, so greedy is plain argmax whatever the checkpoint ships.
+    # call, the model's is a bare one, so greedy is plain argmax (and sampling draws as asked) whatever the
+    # checkpoint ships.
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PeftModel -> transformers
-    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, use_cache=True,
-                              eos_token_id=eos_id, pad_token_id=pad_id)
+    config = GenerationConfig(use_cache=True, eos_token_id=eos_id, pad_token_id=pad_id, **settings)
     ids, mask = _left_padded(prompts, pad_id, device)
     saved_config = hf_model.generation_config
     hf_model.generation_config = GenerationConfig()
