@@ -86,7 +86,7 @@ METHOD = {
         "microseconds (visible only on tiny models); --plain runs the stages without it.",
     "load_s": "from the stage's log line before its model load to the first output after it (precompute: "
         "'precompute: N sequences on ...' to its progress bar's first render; train: the 'model: ...' line to the "
-        "first 'resolved ...' line, so it includes the few rows' tokenization, the LoRA wrap and the optimizer), "
+        "'resolved: ...' line, so it includes the few rows' tokenization, the LoRA wrap and the optimizer), "
         "timed as the lines arrive. bf16 weights are memory-mapped: their pages are read at the first forward, "
         "not in load_s. 4bit quantizes every decoder Linear on the CPU while loading. The run's load_s is "
         "precompute's.",
@@ -433,10 +433,11 @@ def heap_line(lines: list[str]) -> str | None:
 
 
 def resolved_checkpointing(lines: list[str]) -> bool | None:
-    """The gradient checkpointing the stage ran with: its last "resolved gradient_checkpointing=..." line (the
-    device rule's, or the policy's later one), None without one."""
+    """The gradient checkpointing the stage ran with: the last "# resolved gradient_checkpointing=..." line of
+    the run's config.yaml (the device rule's, or the policy's later one; "resolved ..." in logs before they went
+    there), None without one."""
     said = [line.split("gradient_checkpointing=", 1)[1].split()[0] for line in lines
-            if line.startswith("resolved gradient_checkpointing=")]
+            if line.removeprefix("# ").startswith("resolved gradient_checkpointing=")]
     return said[-1] == "true" if said else None
 
 
@@ -445,11 +446,12 @@ def train_stage(recipe: Path, run_dir: Path, planned: int | None, plain: bool) -
     shutil.rmtree(run_dir / "train-out", ignore_errors=True)
     meter_json.unlink(missing_ok=True)
     out = Stage(stage_argv("train", recipe, meter_json, plain), run_dir / "train.log",
-                lambda s: s.startswith("model: "), lambda s: s.startswith("resolved ")).run()
+                lambda s: s.startswith("model: "), lambda s: s.startswith("resolved")).run()
     add_planned(out, planned)
     add_tensor_peak(out, meter_json)
     lines = log_lines(run_dir / "train.log")
-    out["heap"], out["gradient_checkpointing"] = heap_line(lines), resolved_checkpointing(lines)
+    out["heap"] = heap_line(lines)
+    out["gradient_checkpointing"] = resolved_checkpointing(log_lines(run_dir / "train-out" / "config.yaml"))
     metrics = run_dir / "train-out" / "metrics.jsonl"
     if out["exit_code"] != 0 or not metrics.is_file():
         return out
@@ -527,7 +529,7 @@ def model_matmul_shape(model_dir: Path, per_step: list[dict]) -> tuple[int, int,
 def add_flops(train: dict, per_step: list[dict], matmul: list[dict]) -> None:
     """The steps' FLOPs against the matmul rate: the best of the measurements in `matmul` (before precompute and
     after train: a measurement taken while other processes share the cores reads low). The recomputation is the
-    one of the checkpointing the train stage resolved (its log's line)."""
+    one of the checkpointing the train stage resolved (its config.yaml's line)."""
     peak = max(mm["peak_flop_per_s"] for mm in matmul)
     times = train["step_s"]
     with_recompute = [f["useful_flops"] + recomputed(f["forward"], train["gradient_checkpointing"]) for f in per_step]

@@ -168,9 +168,9 @@ class Config:
     greater_is_better: Optional[bool] = key(None, "Whether a larger metric_for_best_model is better; null: known "
                                            "from its name (objectives/metrics.py).")
     load_best_model_at_end: bool = key(False, "The best checkpoint's adapter as the final one.", resumable=True)
-    eval_generations: int = key(32, "Eval prompts answered (greedy) at step 0 and every eval into samples.jsonl, 16 "
-                                "at a time; the answers' signs judge them (32 on SmolLM2: ROUGE-L's change from "
-                                "step 0 within ±0.046, below its 0.1 limit). 0: none.", min=0, resumable=True)
+    eval_generations: Optional[int] = key(None, "Eval prompts answered (greedy) at step 0 and every eval, 16 at a "
+        "time; the answers' signs judge them (32 on SmolLM2: ROUGE-L's change from step 0 within ±0.046, below its "
+        "0.1 limit). null: 8 per 25 steps of the run, 8 to 32. 0: none.", min=0, resumable=True)
     max_new_tokens: int = key(64, "Most tokens a sample generation writes.", min=1, resumable=True)
     report_to: list = key([], "Trackers that get metrics.jsonl's scalars too, as transformers names them: tensorboard "
                          "(output_dir/runs), trackio (its local store), wandb (output_dir/wandb). []/none: none.",
@@ -227,8 +227,8 @@ class Config:
                            "into an unquantized base and trains a fresh adapter from the lora_* keys.",
                            choices=("continue", "new_on_merged"))
     # -- logging and saving --------------------------------------------------------------------------------------
-    logging_steps: int = key(10, "Log every this many optimizer steps (and at step 1 and the last step).", min=1,
-                           resumable=True)
+    logging_steps: Optional[int] = key(None, "Log every this many optimizer steps (and at step 1 and the last "
+        "step). null: about 20 lines over the run, every 1 to 10 steps.", min=1, resumable=True)
     save_steps: int = key(50, "Checkpoint every this many optimizer steps into output_dir/checkpoints/checkpoint-"
                          "STEP (adapter, optimizer, scheduler, RNG, data position, metrics; ~3x the adapter's size);"
                          " 0 never.", min=0, resumable=True)
@@ -313,7 +313,7 @@ class Config:
         elif not logs(self.best_metric_name.removeprefix("eval_"), self.loss_type):
             problems.append(f"metric_for_best_model={self.metric_for_best_model}: loss_type={self.loss_type} does not log it")
         row = row_of(self.best_metric_name)
-        if row is not None and row.kind == "sample" and not self.eval_generations:
+        if row is not None and row.kind == "sample" and self.eval_generations == 0:
             problems.append(f"metric_for_best_model={self.best_metric_name} measures the samples: set "
                             "eval_generations above 0")
         if self.load_best_model_at_end:

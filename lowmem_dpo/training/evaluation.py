@@ -25,7 +25,7 @@ from lowmem_dpo.model.logps import eval_mode
 from lowmem_dpo.objectives.metrics import EVAL_SHOWN, SAMPLE_METRICS, eval_name
 from lowmem_dpo.runtime import distributed, files, oom, sharding
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import checkpoint, guards, samples, step
+from lowmem_dpo.training import checkpoint, guards, policy, samples, step
 from lowmem_dpo.training.session import Session
 from lowmem_dpo.training.step import Sums, rows_of
 
@@ -73,7 +73,7 @@ def sample_metrics(session: Session, step: int) -> dict:
     against the chosen completions (guards.generation_stats) and KL from the reference ({} without samples)."""
     run = session.run
     pool = run.objective.samples_from(run.eval_items) if run.objective.samples_from else run.eval_items  # KTO
-    items = sample_items(pool, run.cfg.eval_generations)
+    items = sample_items(pool, policy.generations(run.cfg, run.steps))
     if not items:
         return {}
 
@@ -123,7 +123,8 @@ def at_start(session: Session) -> dict | None:
     elif session.run.world.main:  # a new run; or a checkpoint from before samples were kept in it
         samples.keep_until(path, session.progress.step if session.progress.resumed_from is not None else -1)
     cfg = session.run.cfg
-    if session.progress.step > 0 or not session.run.eval_items or not cfg.eval_generations or cfg.eval_on_start:
+    if (session.progress.step > 0 or not session.run.eval_items or not policy.generations(cfg, session.run.steps)
+            or cfg.eval_on_start):
         return None  # eval_on_start: the samples come with the step-0 eval (loop.steps)
     return {"step": 0, **sample_metrics(session, 0)}
 
@@ -178,10 +179,10 @@ def collapse_sign(metrics_lines: list[str], line: dict) -> str | None:
 SAMPLE_KEYS = {m.eval for m in SAMPLE_METRICS}
 
 
-def log_line(metrics_lines: list[str], line: dict) -> str:
+def log_line(metrics_lines: list[str], line: dict, cost: str = "") -> str:
     """`eval at step 80: loss 0.1655, accuracy 1, margin 2.712; answers: repetition 0, ROUGE-L 0.657 (0.714 at step
     0, ±0.057), KL 0.38, length 7`: what the eval measured (objectives.metrics.EVAL_SHOWN), the context beside the
-    warnings (guards.py), with step 0's ROUGE-L and the noise of its change."""
+    warnings (guards.py), with step 0's ROUGE-L and the noise of its change; then `cost` (cost_note)."""
     base, se = baseline(metrics_lines) or {}, line.get(guards.GEN_ROUGE_L_SE)
     preference, answers = [], []
     for key, label in EVAL_SHOWN:
@@ -194,7 +195,18 @@ def log_line(metrics_lines: list[str], line: dict) -> str:
             text += f" ({', '.join(then)})" if then else ""
         (answers if key in SAMPLE_KEYS else preference).append(text)
     parts = [", ".join(preference)] + (["answers: " + ", ".join(answers)] if answers else [])
-    return f"eval at step {line['step']}: " + "; ".join(p for p in parts if p)
+    return f"eval at step {line['step']}: " + "; ".join(p for p in parts if p) + cost
+
+
+def cost_note(session: Session, line: dict) -> str:
+    """What an eval cost and the keys that set it: '; 12.3 s for 40 pairs and 8 answers of up to 64 tokens
+    (eval_max_pairs, eval_generations, max_new_tokens)'."""
+    run = session.run
+    pool = run.objective.samples_from(run.eval_items) if run.objective.samples_from else run.eval_items
+    answers = len(sample_items(pool, policy.generations(run.cfg, run.steps)))
+    what = f"{line['eval_pairs']} {run.objective.unit}s" + (
+        f" and {answers} answers of up to {run.cfg.max_new_tokens} tokens" if answers else "")
+    return f"; {line['eval_runtime']:.1f} s for {what} (eval_max_pairs, eval_generations, max_new_tokens)"
 
 
 def better(value: float, best: float | None, greater: bool) -> bool:

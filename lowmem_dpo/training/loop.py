@@ -28,7 +28,7 @@ from lowmem_dpo.config.schema import Config
 from lowmem_dpo.objectives import metrics
 from lowmem_dpo.runtime import devices, distributed, oom
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import checkpoint, evaluation, guards, output, trackers
+from lowmem_dpo.training import checkpoint, evaluation, guards, output, policy, trackers
 from lowmem_dpo.training.session import Session, checkpoint_state
 from lowmem_dpo.training.step import StepResult, optimizer_step
 
@@ -76,8 +76,8 @@ def stop_if_diverged(session: Session) -> None:
 
 
 def logging_due(cfg: Config, step: int, steps: int) -> bool:
-    """A metrics line at step 1, every logging_steps and at the last step."""
-    return step == 1 or step % cfg.logging_steps == 0 or step == steps
+    """A metrics line at step 1, every logging_steps (policy.logging_every) and at the last step."""
+    return step == 1 or step % policy.logging_every(cfg, steps) == 0 or step == steps
 
 
 def saving_due(cfg: Config, step: int, steps: int) -> bool:
@@ -140,8 +140,7 @@ def eval_step(session: Session, metrics_file, bar) -> dict:
     line, signs = evaluation.evaluate(session)
     sign = evaluation.collapse_sign(session.progress.metrics_lines, line) if session.run.world.main else None
     line, sign = distributed.broadcast((line, sign))
-    if line["step"] > 0:  # step 0's answers are the baseline the later lines show beside their own
-        log(evaluation.log_line(session.progress.metrics_lines, line))
+    log(evaluation.log_line(session.progress.metrics_lines, line, evaluation.cost_note(session, line)))
     output.write_line(session, metrics_file, line)
     output.show(bar, metrics.bar_numbers(line, "eval_"))
     warn_or_stop(session, ([sign] if sign else []) + signs, metrics_file)  # what the answers show first

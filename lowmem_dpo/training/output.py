@@ -93,15 +93,27 @@ def running(cfg, stage: str):
 
 
 def start_output(run: RunSetup) -> Path:
-    """output_dir with the resolved config.yaml; the resolved choices in the log."""
+    """output_dir with the resolved config.yaml (the recipe's keys, then each resolved choice with its reason as a
+    "# resolved" line); one line of them in the log (resolved_line)."""
     out_dir = Path(run.cfg.output_dir)
     folders.mark(out_dir, KIND[run.objective.name])  # before the first file: the folder is this run's
     log(f"writing to {place(run.cfg, 'output_dir')}")
     resolved_note = "".join(f"# resolved {r}\n" for r in run.resolved.reasons)
     files.atomic_write_bytes(out_dir / RUN_CONFIG, (run.cfg.to_yaml() + resolved_note).encode())
-    for reason in run.resolved.reasons:
-        log(f"resolved {reason}")
+    log(resolved_line(run.resolved, run.cfg.per_device_train_batch_size, out_dir / RUN_CONFIG))
     return out_dir
+
+
+def resolved_line(r: devices.Resolved, batch: int, config: Path) -> str:
+    """What the device rules and the planner chose, in one line, and where their reasons are."""
+    micro = r.micro_batch or batch
+    parts = [f"{r.device.type} in {devices.dtype_name(r.dtype)}"
+             + ("" if r.quantization == "none" else f" on a {r.quantization} base"),
+             f"micro-batch {micro}" + ("" if micro == batch else f" (the recipe's {batch} split by the planner)"),
+             f"gradient checkpointing {'on' if r.gradient_checkpointing else 'off'}", f"optimizer {r.optimizer}"]
+    parts += [f"{r.streamed_layers} layers streamed from CPU RAM"] * bool(r.streamed_layers)
+    parts += ["activations offloaded"] * r.activation_offloading + ["the base sharded (fsdp)"] * r.sharded
+    return f"resolved: {', '.join(parts)}; the {len(r.reasons)} reasons are in {config} (# resolved)"
 
 
 def open_metrics(session: Session, out_dir: Path):

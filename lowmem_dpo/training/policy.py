@@ -185,6 +185,29 @@ def total_steps(cfg: Config, num_items: int, world_size: int = 1) -> int:
     return max(1, math.ceil(cfg.num_train_epochs * num_items / items_per_step(cfg, world_size)))
 
 
+# A run of null logging_steps logs about this many lines, every 1 to 10 steps (transformers' Trainer logs every 500
+# steps: a 16-step run would get one line, a three-point curve at 10).
+LOG_LINES, LOG_EVERY_MOST = 20, 10
+# eval_generations null: this many answers for every this many steps of the run, between these two. A user's
+# 16-step SmolLM2 run at 32 answers (the old default) spent 242 of its 370 s in its 5 evals; 8 answers per 25 steps
+# make a short run's evals a quarter of that, and a run of 100 steps or more gets the 32 the signs were calibrated
+# on (guards.py).
+GEN_PER, GEN_STEPS, GEN_FEWEST, GEN_MOST = 8, 25, 8, 32
+
+
+def logging_every(cfg: Config, steps: int) -> int:
+    """Optimizer steps between metrics lines: logging_steps, or for null about LOG_LINES lines over the run."""
+    return cfg.logging_steps or min(LOG_EVERY_MOST, max(1, math.ceil(steps / LOG_LINES)))
+
+
+def generations(cfg: Config, steps: int) -> int:
+    """Eval prompts answered into samples.jsonl: eval_generations, or for null GEN_PER per GEN_STEPS steps of the
+    run, at least GEN_FEWEST and at most GEN_MOST (the answers' cost grows with the run, as its steps do)."""
+    if cfg.eval_generations is not None:
+        return cfg.eval_generations
+    return min(GEN_MOST, max(GEN_FEWEST, GEN_PER * math.ceil(steps / GEN_STEPS)))
+
+
 def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> streaming.Plan | None:
     """A training stage's memory choices from the same planner as `python -m lowmem_dpo.plan`, in the order of
     their cost (memory/search.py): the micro-batch halved with accumulation doubled (the same pairs per step, the

@@ -3,6 +3,7 @@ through pruning, load_best_model_at_end and an interrupted run, samples, and the
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,18 @@ def split_files(tmp_path_factory):
     rows = [json.loads(line) for line in open(TINY_DATA)]
     d = tmp_path_factory.mktemp("split")
     return write_jsonl(d / "train.jsonl", rows[:344]), write_jsonl(d / "eval.jsonl", rows[344:])
+
+
+def test_short_runs_log_often_and_answer_fewer_prompts():
+    """logging_steps and eval_generations null scale with the run: about 20 lines (every 1 to 10 steps), and 8
+    answers per 25 steps (8 to 32); a recipe's own values stand."""
+    from lowmem_dpo.training import policy
+
+    cfg = load_config(TINY_RECIPE, ["logging_steps=null", "eval_generations=null"])
+    assert [policy.logging_every(cfg, n) for n in (16, 20, 21, 100, 1000)] == [1, 1, 2, 5, 10]
+    assert [policy.generations(cfg, n) for n in (1, 16, 25, 26, 60, 100, 1000)] == [8, 8, 8, 16, 24, 32, 32]
+    own = load_config(TINY_RECIPE, ["logging_steps=7", "eval_generations=0"])
+    assert (policy.logging_every(own, 16), policy.generations(own, 1000)) == (7, 0)
 
 
 def test_the_best_so_far_moves_only_to_a_better_evaluated_step():
@@ -148,8 +161,8 @@ def test_sft_eval_loss_equals_a_recomputation(make_cfg, split_files, tiny_path, 
 
 
 def run_best(make_cfg, out, **overrides):
-    cfg = make_cfg(eval_fraction=0.15, max_steps=8, save_steps=2, save_total_limit=1, learning_rate=3e-2,
-                   metric_for_best_model="eval_loss", greater_is_better=True,  # the highest loss: an early step
+    cfg = make_cfg(eval_fraction=0.15, max_steps=8, save_steps=2, save_total_limit=1,
+                   metric_for_best_model="eval_loss",  # the lowest held-out loss: an early step (it overfits)
                    load_best_model_at_end=True, eval_generations=2, max_new_tokens=8, output_dir=str(out),
                    **overrides)
     precompute.run(cfg, progress=False)
@@ -169,7 +182,8 @@ def test_best_checkpoint_survives_pruning_loads_at_end_and_resumes(make_cfg, tmp
     run_best(make_cfg, whole)
     evals = eval_lines(whole)
     assert [m["step"] for m in evals] == [2, 4, 6, 8]  # eval_steps null: at every checkpoint
-    best = max(evals, key=lambda m: m["eval_loss"])
+    warned = {m["step"] for m in lines(whole / "metrics.jsonl") if "warnings" in m}  # never the best
+    best = min((m for m in evals if m["step"] not in warned), key=lambda m: m["eval_loss"])
     assert best["step"] != 8  # the test needs a best that is not the last step
     state = json.loads((whole / "trainer_state.json").read_text())
     assert state["best_global_step"] == best["step"] and state["best_metric"] == best["eval_loss"]
@@ -302,6 +316,10 @@ def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
     last = log.strip().splitlines()[-1]
     assert last.startswith("warning: this run ended with warning signs") and "collapsing into repetition at step" \
         in last, last
+    # each eval says what it cost and which keys set that (eval_generations null: 32 for 100 steps, capped by the
+    # distinct held-out prompts)
+    assert re.search(r"eval at step 50: .*; \d+\.\d s for \d+ pairs and \d+ answers of up to 64 tokens \(eval_max_pairs, "
+                     r"eval_generations, max_new_tokens\)", log)
     # and before step 1, the rate itself: 200 times the top of what LoRA recipes use
     assert "warning: learning_rate=0.1 is far above what LoRA recipes use (5e-5 to 5e-4)" in log
     evals = lines(tmp_path / "collapse" / "metrics.jsonl")
