@@ -1,7 +1,9 @@
 """Talk to a trained run or a merged model: one answer, a conversation on a terminal, or an answer per piped line.
 
-    lowmem-dpo chat RUN_OR_MERGED [--prompt TEXT] [--max-new-tokens N] [--plain] [--device auto|cpu|cuda|mps]
+    lowmem-dpo chat RUN_OR_MERGED [--prompt TEXT] [--max-new-tokens N] [--plain | --template] [--system TEXT]
+                    [--temperature T] [--top-p P] [--seed N] [--device auto|cpu|cuda|mps]
     lowmem-dpo chat runs/my-run --prompt "Write a haiku about rain."      # or: python -m lowmem_dpo.chat ...
+    lowmem-dpo chat runs/my-run --temperature 0.7 --top-p 0.9 --seed 1    # sampled, the same answers each time
 
 RUN_OR_MERGED is a run's output_dir (its final adapter), one of its checkpoints/checkpoint-STEP folders, a folder
 written by `lowmem-dpo export` (or any transformers model folder), or any PEFT LoRA adapter. An adapter goes on the
@@ -14,18 +16,29 @@ answer kept in the history the next turn sees; `clear` starts a new one, `exit`,
 Without it, with stdin piped or redirected: each non-empty line is a prompt answered on its own (no history), each
 answer printed on one line, in order (its line breaks written as \\n, a backslash as \\\\).
 
-Each prompt is a user turn through the chat template of the run's tokenizer (saved beside its adapter), as
-conversational training rows are rendered; with --plain, or when the tokenizer has no template (said once), the
-text is tokenized as written, as plain-text rows are (the demo's), and each prompt is answered on its own.
-Answers are greedy, as the samples in samples.jsonl (training/samples.py): at most the run's max_new_tokens
-tokens (a model folder: that key's default), or --max-new-tokens. Writes nothing.
+Prompts are given as the run's training prompts were (its trainer_state.json records their format). A run trained
+on conversations, or with apply_chat_template=true: each prompt a user turn through the chat template of the run's
+tokenizer (saved beside its adapter), after the run's system_prompt as a system turn. A run trained on plain text
+(the demo's): each prompt tokenized as written, answered on its own (no history). A model folder, a foreign
+adapter, or a run written before the format was recorded: the template when the tokenizer has one (--plain for
+one trained on plain text). --template or --plain forces either; the log line says which and why. --system TEXT
+is the system turn instead of the run's (--system "": none); plain text has no system turn, so --system is refused
+there (as training refuses system_prompt on plain-text rows).
+
+Answers are greedy, as the samples in samples.jsonl (training/samples.py). --temperature T above 0 samples them
+instead, from the fewest tokens whose probabilities add up to --top-p P (default 1: all); --seed N draws each
+answer the same way on every run. At most the run's max_new_tokens tokens (a model folder: that key's default), or
+--max-new-tokens. Writes nothing.
 """
 
 # A stage on the top floor: it reads a run or a model folder and imports no other stage. Which base an adapter
-# belongs on is provenance.merge_chain's (export's) answer; generating is the training samples' samples.greedy.
+# belongs on is provenance.merge_chain's (export's) answer; generating is the training samples' (samples.sample,
+# beside their greedy).
 
 from __future__ import annotations
 
+import json
+import math
 import signal
 import sys
 from dataclasses import dataclass
@@ -40,7 +53,8 @@ from lowmem_dpo.runtime import devices, folders
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import checkpoint, provenance, samples
 
-USAGE = "RUN_OR_MERGED [--prompt TEXT] [--max-new-tokens N] [--plain] [--device auto|cpu|cuda|mps]"
+USAGE = ("RUN_OR_MERGED [--prompt TEXT] [--max-new-tokens N] [--plain | --template] [--system TEXT] "
+         "[--temperature T] [--top-p P] [--seed N] [--device auto|cpu|cuda|mps]")
 ARGUMENT = "RUN_OR_MERGED"
 WHAT_TO_PASS = ("pass a run's output_dir, one of its checkpoints/checkpoint-STEP folders, or a folder written by "
                 "lowmem-dpo export")
@@ -60,6 +74,7 @@ class Source:
     tokenizer: Path  # the folder whose tokenizer renders the prompts
     chat_template: str | None  # the run's chat_template key, where `tokenizer` is not the run's own saved one
     record: dict | None  # the config of the run that trained the adapter (None: a model folder, a foreign adapter)
+    formats: list[str] | None = None  # its training rows' formats (recorded_formats); None: not recorded
 
 
 def locate(folder: Path) -> Source:
@@ -113,7 +128,19 @@ def adapter_source(folder: Path) -> Source:
                         + (f" and sft_adapter={sft!r}" if sft else "") + f", which cannot be used from here ({e}). "
                         "Run chat from the folder the training ran in, or restore those paths") from None
     chain = provenance.merge_chain(folder)
-    return Source(chain.base, chain.adapters, chain.tokenizer, chain.chat_template, record)
+    return Source(chain.base, chain.adapters, chain.tokenizer, chain.chat_template, record, recorded_formats(folder))
+
+
+def recorded_formats(folder: Path) -> list[str] | None:
+    """The formats of the training rows ("text", "conversation") that the run of an adapter folder recorded: the
+    row_formats of its trainer_state.json (a checkpoint's, or the output_dir's beside the final adapter); None
+    where it records none (a run written before they were recorded)."""
+    try:
+        found = json.loads((folder / checkpoint.STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    formats = found.get("row_formats") if isinstance(found, dict) else None
+    return list(formats) if isinstance(formats, list) and formats else None
 
 
 def settings(record: dict | None, device: str | None) -> Config:
@@ -138,8 +165,25 @@ def prompt_ids(tokenizer, messages: list[dict], templated: bool) -> list[int]:
         return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                   return_dict=True)["input_ids"])
     except (jinja2.TemplateError, ValueError, TypeError) as e:
+        system = ', or --system "" to leave the system turn out' if messages[0]["role"] == "system" else ""
         raise UserError(f"the chat template cannot render this conversation ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200]}); pass --plain to give the prompt as plain text") from None
+                        f"{str(e).splitlines()[0][:200]}); pass --plain to give the prompt as plain text"
+                        f"{system}") from None
+
+
+@dataclass(frozen=True)
+class Drawing:
+    """How an answer's tokens are chosen: greedy (temperature 0), or sampled (samples.sample)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __str__(self) -> str:
+        if self.temperature == 0:
+            return "greedy"
+        seed = "" if self.seed is None else f", seed {self.seed}"
+        return f"sampling at temperature {self.temperature:g}, top_p {self.top_p:g}{seed}"
 
 
 @dataclass
@@ -151,20 +195,83 @@ class Chat:
     templated: bool  # prompts through the chat template (else plain text, each on its own)
     max_new_tokens: int
     resolved: devices.Resolved
+    system: str | None = None  # the system turn before each conversation (templated only)
+    drawing: Drawing = Drawing()
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        """The ids a conversation is answered from (prompt_ids), after the system turn."""
+        turns = [{"role": "system", "content": self.system}, *messages] if self.system else messages
+        return prompt_ids(self.tokenizer, turns, self.templated)
 
     def answer(self, messages: list[dict]) -> str:
-        """The greedy answer to a conversation whose last turn is the user's, decoded as the samples are."""
-        ids = prompt_ids(self.tokenizer, messages, self.templated)
-        (out,) = samples.greedy(self.model, [ids], self.max_new_tokens, self.tokenizer.eos_token_id,
-                                data.pad_token_id(self.tokenizer), self.resolved.device, self.resolved.dtype)
+        """The answer to a conversation whose last turn is the user's, decoded as the samples are."""
+        (out,) = samples.sample(self.model, [self.prompt(messages)], self.max_new_tokens, self.tokenizer.eos_token_id,
+                                data.pad_token_id(self.tokenizer), self.resolved.device, self.resolved.dtype,
+                                self.drawing.temperature, self.drawing.top_p, self.drawing.seed)
         return self.tokenizer.decode(out, skip_special_tokens=True)
 
 
-def load(folder: Path, device: str | None = None, max_new_tokens: int | None = None, plain: bool = False) -> Chat:
+def rendering(source: Source, tokenizer, plain: bool = False, template: bool = False) -> tuple[bool, str]:
+    """(whether prompts go through the chat template, why): --plain or --template, else as the run's training
+    prompts were (Source.formats), else (not recorded) the template when the tokenizer has one."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if template and not has:
+        raise UserError(f"--template: the tokenizer of {source.tokenizer} has no chat template to apply; leave "
+                        "--template out to give each prompt as plain text")
+    if plain or template:
+        return template, f"--{'template' if template else 'plain'}"
+    formats = source.formats or []
+    if "conversation" in formats and has:
+        also = ", and on plain-text ones: --plain gives those" if "text" in formats else ""
+        return True, f"the run trained on prompts rendered by the chat template{also}"
+    if formats == ["text"]:
+        return False, "the run trained on plain-text prompts"
+    if not has:
+        return False, f"the tokenizer of {source.tokenizer} has no chat template"
+    if source.record is not None and source.record.get("apply_chat_template"):
+        return True, "the run set apply_chat_template=true"
+    whose = ("the run, trained by an older lowmem_dpo, does not record its prompts' format" if source.record
+             is not None else "a model folder does not record how its prompts were trained")
+    return True, f"{whose}, and the tokenizer has one; --plain gives plain text"
+
+
+def system_turn(source: Source, templated: bool, system: str | None) -> tuple[str | None, str]:
+    """(the system turn or None, what the log line says of it): --system (SYSTEM) over the run's system_prompt.
+    --system with plain text is a UserError: it has nowhere to go, as training's system_prompt on plain-text rows."""
+    if system and not templated:
+        raise UserError("--system gives a system turn, which only the chat template renders, and this chat gives "
+                        "prompts as plain text (as training refuses system_prompt on plain-text rows): pass "
+                        "--template to chat through the template, or leave --system out")
+    turn, whence = (system, "--system") if system is not None else \
+        ((source.record or {}).get("system_prompt"), "the run's system_prompt")
+    if not templated:
+        return None, "; the run's system_prompt is left out: plain text has no system turn" if turn else ""
+    if not turn:
+        return None, ", no system prompt" + (' (--system "")' if system is not None else "")
+    short = " ".join(turn.split())  # one line, at most 60 characters
+    return turn, f", system prompt {short if len(short) <= 60 else short[:57] + '...'!r} ({whence})"
+
+
+def opening(chat: Chat, source: Source, why: str, system: str) -> str:
+    """The log line that says what answers: the model, its device and precision, how tokens are drawn, and how
+    prompts are given and why (`system`: what system_turn says of the system turn)."""
+    what = " + ".join([str(source.base), *map(str, source.adapters)])
+    resolved = chat.resolved
+    quantized = f", quantization={resolved.quantization}" if resolved.quantization != "none" else ""
+    mode = "through the chat template" if chat.templated else "plain text, each prompt on its own"
+    return (f"chat: {what} on {resolved.device} in {devices.dtype_name(resolved.dtype)}{quantized}; {chat.drawing}, "
+            f"at most {chat.max_new_tokens} new tokens; {mode} ({why}){system}")
+
+
+def load(folder: Path, device: str | None = None, max_new_tokens: int | None = None, plain: bool = False,
+         template: bool = False, system: str | None = None, drawing: Drawing = Drawing()) -> Chat:
     """RUN_OR_MERGED loaded for answering: base (the run's dtype and quantization, by the device rules), the SFT
-    adapter merged in for new_on_merged, the adapter on top, frozen, in eval mode."""
+    adapter merged in for new_on_merged, the adapter on top, frozen, in eval mode; prompts given as the run's were
+    (rendering), after its system turn (system_turn)."""
     source = locate(folder)
     tokenizer = models.load_tokenizer(source.tokenizer, source.chat_template, source.base)
+    templated, why = rendering(source, tokenizer, plain, template)
+    turn, said = system_turn(source, templated, system)
     try:
         resolved = devices.resolve(settings(source.record, device))
     except UserError as e:  # its advice names the config keys; here the device is the run's, or --device
@@ -175,16 +282,9 @@ def load(folder: Path, device: str | None = None, max_new_tokens: int | None = N
     if source.adapters:
         model = adapters.load_adapter(model, source.adapters[-1], trainable=False)
     model.eval()
-    templated = bool(getattr(tokenizer, "chat_template", None)) and not plain
-    if not templated and not plain:
-        log(f"note: the tokenizer of {source.tokenizer} has no chat template: each prompt is given to the model as "
-            "plain text, on its own (no history)")
     record_tokens = (source.record or {}).get("max_new_tokens") or FIELD_DEFAULTS["max_new_tokens"]
-    chat = Chat(model, tokenizer, templated, max_new_tokens or record_tokens, resolved)
-    what = " + ".join([str(source.base), *map(str, source.adapters)])
-    quantized = f", quantization={resolved.quantization}" if resolved.quantization != "none" else ""
-    log(f"chat: {what} on {resolved.device} in {devices.dtype_name(resolved.dtype)}{quantized}; greedy, at most "
-        f"{chat.max_new_tokens} new tokens, {'through the chat template' if templated else 'plain text'}")
+    chat = Chat(model, tokenizer, templated, max_new_tokens or record_tokens, resolved, turn, drawing)
+    log(opening(chat, source, why, said))
     return chat
 
 
@@ -238,20 +338,42 @@ def answer_lines(chat: Chat, lines, write=print) -> int:
     return n
 
 
-def main(argv: list[str]) -> int:
+def arguments(argv: list[str]):
+    """The parsed arguments, each checked: a bad value is a UserError (exit 2) naming the range."""
     parser = StageParser("lowmem-dpo chat", USAGE)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--prompt", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--plain", action="store_true")
+    rendered = parser.add_mutually_exclusive_group()
+    rendered.add_argument("--plain", action="store_true")
+    rendered.add_argument("--template", action="store_true")
+    parser.add_argument("--system", default=None)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default=None)
     a = parser.parse_args(argv)
     if a.max_new_tokens is not None and a.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {a.max_new_tokens}: expected a number of tokens >= 1")
     if a.prompt is not None and not a.prompt.strip():
         raise UserError("--prompt is empty: give the text to answer, or leave --prompt out to type prompts")
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        raise UserError(f"--temperature {a.temperature}: expected a number >= 0 (0: greedy)")
+    if not 0 < a.top_p <= 1:
+        raise UserError(f"--top-p {a.top_p}: expected a number above 0 and at most 1 (1: every token)")
+    if a.seed is not None and not 0 <= a.seed < 2 ** 63:
+        raise UserError(f"--seed {a.seed}: expected a whole number >= 0")
+    if a.temperature == 0 and (a.top_p != 1 or a.seed is not None):
+        log("note: --top-p and --seed act only on sampled answers: pass --temperature above 0 to sample (0, the "
+            "default, is greedy)")
+    return a
+
+
+def main(argv: list[str]) -> int:
+    a = arguments(argv)
     try:
-        chat = load(a.folder, a.device, a.max_new_tokens, a.plain)
+        chat = load(a.folder, a.device, a.max_new_tokens, a.plain, a.template, a.system,
+                    Drawing(a.temperature, a.top_p, a.seed))
         if a.prompt is not None:
             print(chat.answer([{"role": "user", "content": a.prompt}]))
         elif sys.stdin is not None and sys.stdin.isatty():

@@ -1,7 +1,8 @@
 """lowmem-dpo chat on a real run (an SFT run of the tiny model on conversational rows, its checkpoint and its
-export): --prompt answers what the run's own samples.jsonl says the adapter answers; a merged folder answers the
-same; piped lines get one answer a line; a terminal keeps the conversation's history and ends cleanly on Ctrl-C;
-bad input is one line and exit 2."""
+export): --prompt answers what the run's own samples.jsonl says the adapter answers, through the template; a merged
+folder answers the same; piped lines get one answer a line; a terminal keeps the conversation's history and ends
+cleanly on Ctrl-C; the run's system_prompt is a system turn, --system replaces it; bad input is one line and exit
+2. (A plain-text run and sampling: test_chat_modes.py.)"""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from lowmem_dpo.training import samples
 
 CPU = torch.device("cpu")
 MAX_NEW_TOKENS = 12
+SYSTEM = "Answer as a careful shop reviewer."  # a system_prompt (test_system_replaces_the_run_s_system_turn)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,8 @@ def by_hand(trained, tiny_path, messages: list[dict], plain: bool = False) -> st
 
 def test_one_answer_is_what_the_run_sampled(trained, capsys):
     """The final adapter and checkpoint-4 answer each prompt as the run's step-4 samples say, through the run's
-    template and max_new_tokens; the adapter is on (step 0, the base, answered otherwise)."""
+    template and max_new_tokens; the adapter is on (step 0, the base, answered otherwise). Both record the run's
+    conversational rows, which the log line names."""
     last, first = said(trained, 4), said(trained, 0)
     assert len(last) == 2 and any(last[p] != first[p] for p in last) and all(last.values())
     prompt = next(p for p in last if last[p] != first[p])
@@ -86,8 +89,10 @@ def test_one_answer_is_what_the_run_sampled(trained, capsys):
         assert run(folder, "--prompt", prompt) == 0
         out, err = capsys.readouterr()
         assert out == last[prompt] + "\n"
-        assert f"+ {folder} on cpu in float32; greedy, at most {MAX_NEW_TOKENS} new tokens, through the chat " \
-               "template" in err and "Traceback" not in err
+        assert chat.recorded_formats(folder) == ["conversation"]
+        assert f"+ {folder} on cpu in float32; greedy, at most {MAX_NEW_TOKENS} new tokens; through the chat " \
+               "template (the run trained on prompts rendered by the chat template), no system prompt" in err
+        assert "Traceback" not in err
     assert run(trained / "run", "--prompt", prompt, "--max-new-tokens", "3") == 0
     short = capsys.readouterr().out.rstrip("\n")
     assert short and len(short) < len(last[prompt]) and last[prompt].startswith(short)
@@ -95,32 +100,37 @@ def test_one_answer_is_what_the_run_sampled(trained, capsys):
 
 def test_the_merged_folder_answers_piped_lines_the_same(trained, capsys, monkeypatch):
     """The export answers as base + adapter: each non-empty piped line a prompt, one line per answer, its line
-    breaks escaped. (A model folder has no run record: the run's max_new_tokens is given.)"""
+    breaks escaped. (A model folder has no run record: the run's max_new_tokens is given; it goes through its
+    tokenizer's template, and says why.)"""
     last = said(trained, 4)
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{p}\n\n" for p in last)))
     assert run(trained / "merged", "--max-new-tokens", MAX_NEW_TOKENS) == 0
     out, err = capsys.readouterr()
     assert out.splitlines() == [chat.escaped(c) for c in last.values()]
     assert any("\n" in c for c in last.values())  # the escaping was needed
-    assert f"chat: {trained / 'merged'} on cpu" in err
+    assert f"chat: {trained / 'merged'} on cpu" in err and "through the chat template (a model folder does not " \
+        "record how its prompts were trained, and the tokenizer has one; --plain gives plain text)" in err
 
 
 def test_plain_and_a_tokenizer_without_template(trained, tiny_path, tmp_path, capsys):
     """--plain gives the prompt as plain text (as the demo's rows are); a model whose tokenizer has no template
-    answers so too, and says it once."""
+    answers so too, and says why; --template there is exit 2."""
     prompt = next(iter(said(trained, 4)))
     expected = by_hand(trained, tiny_path, [{"role": "user", "content": prompt}], plain=True)
     assert expected != said(trained, 4)[prompt]
     assert run(trained / "run", "--prompt", prompt, "--plain") == 0
     out, err = capsys.readouterr()
-    assert out == expected + "\n" and "plain text" in err and "no chat template" not in err
+    assert out == expected + "\n" and "no chat template" not in err
+    assert "; plain text, each prompt on its own (--plain)" in err
     bare = tmp_path / "bare"
     shutil.copytree(trained / "merged", bare, ignore=shutil.ignore_patterns("chat_template.jinja"))
     assert "chat_template" not in json.loads((bare / "tokenizer_config.json").read_text())
     assert run(bare, "--prompt", prompt) == 0
     out, err = capsys.readouterr()
-    assert out == expected + "\n" and err.count("has no chat template: each prompt is given to the model as "
-                                                "plain text") == 1
+    assert out == expected + "\n" and err.count(f"plain text, each prompt on its own (the tokenizer of {bare} has no "
+                                                "chat template)") == 1
+    assert run(bare, "--prompt", prompt, "--template") == 2
+    assert "--template: the tokenizer of" in capsys.readouterr().err
 
 
 def test_a_terminal_keeps_the_history_and_ctrl_c_ends_it(trained, tiny_path):
@@ -246,8 +256,22 @@ BAD = {
     "an empty --prompt": (lambda trained, tmp_path: (trained / "run", "--prompt is empty"), ["--prompt", " "]),
     "--max-new-tokens 0": (lambda trained, tmp_path: (trained / "run", "expected a number of tokens >= 1"),
                            ["--max-new-tokens", "0"]),
-    "an unknown flag": (lambda trained, tmp_path: (trained / "run", "unrecognized arguments: --temp"),
-                        ["--temp", "0.7"]),
+    "an unknown flag": (lambda trained, tmp_path: (trained / "run", "unrecognized arguments: --beams"),
+                        ["--beams", "4"]),
+    "a negative --temperature": (lambda trained, tmp_path: (trained / "run", "--temperature -0.5: expected a number "
+                                                            ">= 0"), ["--temperature", "-0.5"]),
+    "--temperature nan": (lambda trained, tmp_path: (trained / "run", "--temperature nan: expected"),
+                          ["--temperature", "nan"]),
+    "--top-p 0": (lambda trained, tmp_path: (trained / "run", "--top-p 0.0: expected a number above 0 and at most 1"),
+                  ["--temperature", "1", "--top-p", "0"]),
+    "--top-p 1.5": (lambda trained, tmp_path: (trained / "run", "--top-p 1.5: expected"), ["--top-p", "1.5"]),
+    "a negative --seed": (lambda trained, tmp_path: (trained / "run", "--seed -1: expected a whole number >= 0"),
+                          ["--seed", "-1"]),
+    "--plain and --template": (lambda trained, tmp_path: (trained / "run", "argument --template: not allowed with "
+                                                          "argument --plain"), ["--plain", "--template"]),
+    "--system with plain text": (lambda trained, tmp_path: (trained / "run", "--system gives a system turn, which "
+                                                            "only the chat template renders"),
+                                 ["--plain", "--system", "Be brief."]),
 }
 
 
@@ -260,6 +284,35 @@ def test_bad_input_is_one_line_and_exit_2(case, trained, tmp_path, capsys):
     assert out == "" and "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("lowmem_dpo.chat: error: ") and expected in last, err
+
+
+def test_system_replaces_the_run_s_system_turn(trained, tmp_path, capsys):
+    """The run's system_prompt (here written into its config.yaml) is in the prompt's ids, its tokens in a row;
+    --system TEXT's in its place, --system "" leaves none; --plain leaves it out. The log line says which."""
+    def tokens(text: str) -> list[int]:
+        return loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def holds(ids: list[int], part: list[int]) -> bool:
+        return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+    shutil.copytree(trained / "run", tmp_path / "r", ignore=shutil.ignore_patterns("checkpoints"))
+    config = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    (tmp_path / "r" / "config.yaml").write_text(yaml.safe_dump({**config, "system_prompt": SYSTEM}))
+    turn = [{"role": "user", "content": "Write a review of a lamp."}]
+    loaded = chat.load(tmp_path / "r", "cpu")
+    assert loaded.templated and loaded.system == SYSTEM and holds(loaded.prompt(turn), tokens(SYSTEM))
+    assert f"system prompt {SYSTEM!r} (the run's system_prompt)" in capsys.readouterr().err
+    other = "Reply in one short line."
+    loaded = chat.load(tmp_path / "r", "cpu", system=other)
+    ids = loaded.prompt(turn)
+    assert holds(ids, tokens(other)) and not holds(ids, tokens(SYSTEM))
+    assert f"system prompt {other!r} (--system)" in capsys.readouterr().err
+    assert not holds(chat.load(tmp_path / "r", "cpu", system="").prompt(turn), tokens(SYSTEM))
+    assert run(tmp_path / "r", "--prompt", turn[0]["content"], "--system", "") == 0
+    assert 'through the chat template (the run trained on prompts rendered by the chat template), no system prompt ' \
+           '(--system "")' in capsys.readouterr().err
+    assert run(tmp_path / "r", "--prompt", turn[0]["content"], "--plain") == 0
+    assert "(--plain); the run's system_prompt is left out: plain text has no system turn" in capsys.readouterr().err
 
 
 def test_no_prompt_on_a_piped_stdin_is_exit_2(trained, capsys, monkeypatch):
