@@ -67,10 +67,14 @@ GEN_LENGTH = Metric("gen/length", None, "sample", label="length", doc="the sampl
 GEN_CHOSEN_LENGTH = Metric("gen/chosen_length", None, "sample", doc="the sampled prompts' chosen completions' mean "
                            "length")
 GEN_EMPTY = Metric("gen/empty", False, "sample", label="empty", doc="the share of samples that end at once")
+GEN_COLLAPSED = Metric("gen/collapsed", False, "sample", label="collapsed", doc="the answers that collapsed against "
+                       "the same prompt's at step 0: into repetition, or into nothing (guards.collapsed_answers)")
+GEN_ANSWERS = Metric("gen/answers", None, "sample", doc="the answers judged at the eval (eval_generations, at most "
+                     "the distinct eval prompts)")
 
 METRICS = (LOSS, REWARDS_CHOSEN, REWARDS_REJECTED, ACCURACY, MARGIN, LOGPS_CHOSEN, LOGPS_REJECTED, NLL_LOSS,
            LOG_ODDS_RATIO, LOG_ODDS_CHOSEN, KL, GRAD_NORM, LEARNING_RATE, GEN_REPETITION, GEN_ROUGE_L, GEN_ROUGE_L_SE,
-           GEN_KL, GEN_LENGTH, GEN_CHOSEN_LENGTH, GEN_EMPTY)
+           GEN_KL, GEN_LENGTH, GEN_CHOSEN_LENGTH, GEN_EMPTY, GEN_COLLAPSED, GEN_ANSWERS)
 BY_NAME = {m.name: m for m in METRICS}
 PAIR_METRICS = tuple(m for m in METRICS if m.kind == "pair")  # a preference pair's, each run of pairs logs them
 # KTO's, in TRL's KTOTrainer order: each a mean over a step's blocks of the block's own mean

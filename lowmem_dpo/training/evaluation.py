@@ -93,12 +93,20 @@ def sample_metrics(session: Session, step: int) -> dict:
     if not run.world.main:  # fsdp: every rank ran the same forwards (samples_on_rank); rank 0 judges and writes
         return {}
     path = Path(run.cfg.output_dir) / checkpoint.SAMPLES
-    scores = [guards.rouge_l(w.ids, w.chosen_ids) for w in written]
-    base = samples.rouge_at(path, 0) if step > 0 else {}  # step 0's answers to the same prompts
+    scores = {"rouge_l": [guards.rouge_l(w.ids, w.chosen_ids) for w in written],
+              "repetition": [guards.repetition([w.ids]) for w in written], "tokens": [len(w.ids) for w in written]}
+    # step 0's answers to the same prompts, each score by prompt
+    base = {name: samples.scores_at(path, 0, name) if step > 0 else {} for name in scores}
     samples.append(path, step, written, scores)
     log(samples.log_line(step, written[0]))
-    stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written], scores)
-    se = guards.change_se([(s, base[w.prompt]) for s, w in zip(scores, written) if w.prompt in base])
+    stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written], scores["rouge_l"])
+    if step > 0:  # each answer against its own at step 0
+        stats[guards.GEN_COLLAPSED] = guards.collapsed_answers(
+            [w.ids for w in written], [base["repetition"].get(w.prompt) for w in written],
+            [base["tokens"].get(w.prompt) for w in written])
+    stats[guards.GEN_ANSWERS] = len(written)
+    base = base["rouge_l"]
+    se = guards.change_se([(s, base[w.prompt]) for s, w in zip(scores["rouge_l"], written) if w.prompt in base])
     if se is not None:
         stats[guards.GEN_ROUGE_L_SE] = round(se, 6)
     if run.adapter_off_is_start:  # the reference is the model with its adapter disabled

@@ -196,7 +196,7 @@ KL_LIMIT = 0.8
 # The samples' measures in metrics.jsonl (evaluation.sample_metrics), and what the collapse sign reads.
 GEN_REPETITION, GEN_LENGTH, GEN_EMPTY = rows.GEN_REPETITION.eval, rows.GEN_LENGTH.eval, rows.GEN_EMPTY.eval
 GEN_ROUGE_L, GEN_CHOSEN_LENGTH, GEN_KL = rows.GEN_ROUGE_L.eval, rows.GEN_CHOSEN_LENGTH.eval, rows.GEN_KL.eval
-GEN_ROUGE_L_SE = rows.GEN_ROUGE_L_SE.eval
+GEN_ROUGE_L_SE, GEN_COLLAPSED, GEN_ANSWERS = rows.GEN_ROUGE_L_SE.eval, rows.GEN_COLLAPSED.eval, rows.GEN_ANSWERS.eval
 # What a warning asks the user to try, one line each (a warning names evidence of damage, then this).
 TRY_DISPLACEMENT = ("try loss_type [sigmoid, sft] (its sft term holds the chosen answers up), a lower learning_rate "
                     "or fewer steps")
@@ -239,6 +239,19 @@ def change_se(pairs: list[tuple[float, float]]) -> float | None:
     return math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
 
 
+def collapsed_answers(seqs: list[list[int]], base_repetition: list[float | None],
+                      base_tokens: list[int | None]) -> int:
+    """How many answers collapsed against the same prompt's answer at step 0 (its seq-rep-4 and length, None where
+    step 0 has none): into repetition (their own seq-rep-4 COLLAPSE_RISE above step 0's and at least
+    COLLAPSE_LEVEL, the mean sign's limits, each answer on its own), or into nothing (empty where step 0's was
+    not). One broken answer among few moves the means little (a user's "JAP. JAP. JAP." was 1 of 4)."""
+    n = 0
+    for seq, rep0, tokens0 in zip(seqs, base_repetition, base_tokens):
+        rep = repetition([seq])
+        n += (rep >= COLLAPSE_LEVEL and rep - (rep0 or 0.0) >= COLLAPSE_RISE) or (not seq and tokens0 != 0)
+    return n
+
+
 def generation_stats(seqs: list[list[int]], chosen: list[list[int]] | None = None,
                      scores: list[float] | None = None) -> dict[str, float]:
     """The samples' measures: seq-rep-4, mean length in tokens, and the share of empty answers (EOS at once); with
@@ -270,13 +283,19 @@ def collapse_sign(base: dict | None, now: dict) -> str | None:
 
 def _collapse(base: dict, now: dict) -> str | None:
     rep, start = now.get(GEN_REPETITION), base.get(GEN_REPETITION) or 0.0
+    collapsed, answers = now.get(GEN_COLLAPSED), now.get(GEN_ANSWERS)
+    k_of_n = f"{collapsed:g} of {answers:g} answers collapsed; " if collapsed and answers else ""
     if rep is not None and rep - start >= COLLAPSE_RISE and rep >= COLLAPSE_LEVEL:
-        return (f"generations collapsing into repetition: seq-rep-{COLLAPSE_N} {rep:.2f} against {start:.2f} at "
-                f"step 0 (limits: +{COLLAPSE_RISE:g} and >= {COLLAPSE_LEVEL:g})")
+        return (f"generations collapsing into repetition: {k_of_n}seq-rep-{COLLAPSE_N} {rep:.2f} against {start:.2f} "
+                f"at step 0 (limits: +{COLLAPSE_RISE:g} and >= {COLLAPSE_LEVEL:g})")
     empty, empty0 = now.get(GEN_EMPTY), base.get(GEN_EMPTY) or 0.0
     if empty is not None and empty - empty0 >= EMPTY_RISE:
-        return (f"generations collapsing into empty answers: {empty:.0%} of the samples end at once against "
+        return (f"generations collapsing into empty answers: {k_of_n}{empty:.0%} of the samples end at once against "
                 f"{empty0:.0%} at step 0 (limit: +{EMPTY_RISE:.0%})")
+    if collapsed and answers:  # one broken answer is evidence too: the means above see only many
+        return (f"answers collapsing: {collapsed:g} of {answers:g} into repetition (each seq-rep-{COLLAPSE_N} >= "
+                f"{COLLAPSE_LEVEL:g} and +{COLLAPSE_RISE:g} over the same prompt's answer at step 0) or into nothing "
+                "(empty where step 0's was not)")
     length, length0, chosen = now.get(GEN_LENGTH), base.get(GEN_LENGTH), now.get(GEN_CHOSEN_LENGTH)
     if (length is not None and length0 is not None and length0 >= SHORT_MIN_START and length <= SHORT_FRACTION * length0
             and (chosen is None or length < CHOSEN_FRACTION * chosen)):  # as long as the chosen answers: no collapse

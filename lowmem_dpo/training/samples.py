@@ -156,27 +156,29 @@ def kl_to_reference(model, items: list, answers: list[list[int]], device, dtype)
     return total / tokens if tokens else None
 
 
-def append(path: Path, step: int, samples: list[Sample], rouge_l: list[float] | None = None) -> None:
-    """Append one JSON line per sample, {step, prompt, completion, chosen, rejected (a pair's), rouge_l (its token
-    ROUGE-L against chosen, where given)}, to `path` (created if absent)."""
+def append(path: Path, step: int, samples: list[Sample], scores: dict[str, list] | None = None) -> None:
+    """Append one JSON line per sample, {step, prompt, completion, chosen, rejected (a pair's), and each of
+    `scores`' per-sample values under its name (rouge_l: its token ROUGE-L against chosen; repetition: its own
+    seq-rep-4; tokens: its length)}, to `path` (created if absent)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         for i, s in enumerate(samples):
             line = {"step": step, "prompt": s.prompt, "completion": s.completion, "chosen": s.chosen,
                     **({} if s.rejected is None else {"rejected": s.rejected}),
-                    **({} if rouge_l is None else {"rouge_l": round(rouge_l[i], 6)})}
+                    **{name: round(values[i], 6) for name, values in (scores or {}).items()}}
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
         f.flush()
 
 
-def rouge_at(path: Path, step: int) -> dict[str, float]:
-    """Each prompt's ROUGE-L at `step` in samples.jsonl ({} where the file, the step or the scores are absent)."""
+def scores_at(path: Path, step: int, name: str) -> dict[str, float]:
+    """Each prompt's score `name` (an append score: rouge_l, repetition, tokens) at `step` in samples.jsonl ({}
+    where the file, the step or the scores are absent)."""
     path = Path(path)
     if not path.is_file():
         return {}
     lines = (json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip())
-    return {x["prompt"]: x["rouge_l"] for x in lines if x.get("step") == step and x.get("rouge_l") is not None}
+    return {x["prompt"]: x[name] for x in lines if x.get("step") == step and x.get(name) is not None}
 
 
 def keep_until(path: Path, step: int) -> None:

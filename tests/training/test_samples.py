@@ -109,6 +109,27 @@ def test_collapse_into_nothing_is_seen(base, now, fires):
         assert fires in sign and "samples.jsonl" in sign
 
 
+def test_one_collapsed_answer_among_few_is_seen(tokenizer):
+    """Each answer against the same prompt's at step 0: one "JAP. JAP. JAP." among four healthy ones moves the
+    mean seq-rep-4 below its limit, yet the sign fires and says 1 of 4; an answer that repeated itself at step 0
+    already, or one short healthy answer, does not count; an empty answer where step 0's was not does."""
+    ids = [tokenizer(t, add_special_tokens=False).input_ids for t in (
+        "Canberra is the capital of Australia.", "A spider has eight legs.", "Water boils at 100 degrees.",
+        "JAP. " * 16)]
+    base_rep, base_tokens = [0.0, 0.0, 0.0, 0.0], [len(x) for x in ids]
+    assert guards.collapsed_answers(ids, base_rep, base_tokens) == 1
+    assert guards.collapsed_answers(ids, [0.0, 0.0, 0.0, 0.9], base_tokens) == 0  # it looped at step 0 too
+    assert guards.collapsed_answers([*ids[:3], []], base_rep, base_tokens) == 1  # into nothing
+    assert guards.collapsed_answers([*ids[:3], []], base_rep, [*base_tokens[:3], 0]) == 0  # empty at step 0 too
+    now = {**guards.generation_stats(ids), guards.GEN_COLLAPSED: 1, guards.GEN_ANSWERS: 4}
+    assert now[guards.GEN_REPETITION] < guards.COLLAPSE_LEVEL  # the mean alone would say nothing
+    sign = guards.collapse_sign({guards.GEN_REPETITION: 0.0, guards.GEN_LENGTH: 8.0, guards.GEN_EMPTY: 0.0}, now)
+    assert sign.startswith("answers collapsing: 1 of 4 into repetition") and sign.endswith(guards.TRY_ANSWERS)
+    many = {**now, guards.GEN_REPETITION: 0.8, guards.GEN_COLLAPSED: 3}
+    assert guards.collapse_sign({guards.GEN_REPETITION: 0.0}, many).startswith(
+        "generations collapsing into repetition: 3 of 4 answers collapsed; seq-rep-4 0.80")
+
+
 def test_generation_stats_by_hand():
     stats = guards.generation_stats([[1, 2, 3, 4, 1, 2, 3, 4], [], [5], []])
     # seq-rep-4 of the first: 5 4-grams, 4 distinct -> 0.2 (the others are shorter than 4); lengths 8, 0, 1, 0
