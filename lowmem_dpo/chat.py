@@ -285,6 +285,8 @@ def load(folder: Path, device: str | None = None, max_new_tokens: int | None = N
     record_tokens = (source.record or {}).get("max_new_tokens") or FIELD_DEFAULTS["max_new_tokens"]
     chat = Chat(model, tokenizer, templated, max_new_tokens or record_tokens, resolved, turn, drawing)
     log(opening(chat, source, why, said))
+    if source.record is not None and (warned := provenance.run_warnings(folder, "chat")):
+        log(warned)
     return chat
 
 

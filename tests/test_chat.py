@@ -313,6 +313,13 @@ def test_system_replaces_the_run_s_system_turn(trained, tmp_path, capsys):
            '(--system "")' in capsys.readouterr().err
     assert run(tmp_path / "r", "--prompt", turn[0]["content"], "--plain") == 0
     assert "(--plain); the run's system_prompt is left out: plain text has no system turn" in capsys.readouterr().err
+    # a run that warned: chat repeats its signs
+    with open(tmp_path / "r" / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": 4, "warnings": ["generations collapsing into repetition: seq-rep-4 0.9 ..."]}) + "\n")
+    assert run(tmp_path / "r", "--prompt", turn[0]["content"]) == 0
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: chat: ")]
+    assert line.startswith(f"warning: chat: the run that trained {tmp_path / 'r'} logged warning signs, so the "
+                           "adapter may be damaged: ") and "generations collapsing into repetition at step 4" in line
 
 
 def test_no_prompt_on_a_piped_stdin_is_exit_2(trained, capsys, monkeypatch):
