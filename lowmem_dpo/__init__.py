@@ -1,5 +1,5 @@
 """lowmem_dpo: preference tuning (DPO and its relatives) with LoRA on one small GPU, or a CPU. The stages are
-its modules (python -m lowmem_dpo.train RECIPE.yaml); docs/ is the manual."""
+its modules (lowmem-dpo train RECIPE.yaml); docs/ is the manual."""
 
 from lowmem_dpo.runtime import heap as _heap
 

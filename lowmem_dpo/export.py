@@ -1,6 +1,6 @@
 """Merge a trained LoRA adapter into its base and write a standard transformers model folder, tensor by tensor.
 
-    python -m lowmem_dpo.export ADAPTER_DIR MERGED_DIR [--dtype auto|bfloat16|float16|float32]
+    lowmem-dpo export ADAPTER_DIR MERGED_DIR [--dtype auto|bfloat16|float16|float32]
                                 [--max-shard-size 2GB] [--overwrite] [--gguf f16|bf16|q8_0]
 
 ADAPTER_DIR is a PEFT LoRA adapter folder: a run's output_dir (the final adapter), one of its
@@ -319,7 +319,7 @@ def export(adapter_dir: Path, merged_dir: Path, dtype: str = "auto", max_shard_s
 
 
 def main(argv: list[str]) -> int:
-    parser = StageParser("python -m lowmem_dpo.export", USAGE)
+    parser = StageParser("lowmem-dpo export", USAGE)
     parser.add_argument("adapter_dir", type=Path)
     parser.add_argument("merged_dir", type=Path)
     parser.add_argument("--dtype", choices=DTYPES, default="auto")

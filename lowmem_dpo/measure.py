@@ -1,4 +1,4 @@
-"""The measuring harness behind `python -m lowmem_dpo.plan --measure`: run precompute's forward and train's
+"""The measuring harness behind `lowmem-dpo plan --measure`: run precompute's forward and train's
 steps on this machine and measure their peak tensor memory, to set against the memory model's prediction.
 
 It imports the stages (precompute, train) and nothing in the package imports it but the plan CLI.

@@ -1,7 +1,7 @@
 """Memory planner: will a recipe fit? Peak memory of precompute and train from the model's config.json alone.
 
-    python -m lowmem_dpo.plan RECIPE.yaml [key=value ...] [--budget 12GiB] [--json OUT] [--measure] [--slice N]
-    python -m lowmem_dpo.plan RECIPE.yaml --nproc 2 --budget 11.25GiB     # per card, on 2 cards (fsdp or not)
+    lowmem-dpo plan RECIPE.yaml [key=value ...] [--budget 12GiB] [--json OUT] [--measure] [--slice N]
+    lowmem-dpo plan RECIPE.yaml --nproc 2 --budget 11.25GiB     # per card, on 2 cards (fsdp or not)
 
 No weights are loaded. The architecture comes from the config.json of a local model folder, of a built-in model
 (lowmem_dpo:tiny-llama, lowmem_dpo:llama-25m), or of a shipped architecture-only file: lowmem_dpo:arch/NAME
@@ -21,7 +21,7 @@ measure.py.
 The device planned for is the recipe's (device=cuda plans for a GPU on any machine; auto is this machine's).
 
 Exit status: 0 when the recipe or the printed plan fits the budget, 1 when nothing fits (so a script can run
-`python -m lowmem_dpo.plan R.yaml && python -m lowmem_dpo.train R.yaml`), 2 for bad input.
+`lowmem-dpo plan R.yaml && lowmem-dpo train R.yaml`), 2 for bad input.
 
 options:
   --budget SIZE  memory torch may allocate on the device, e.g. 11.25GiB (what torch gets of a 12 GB card: the CUDA
@@ -105,7 +105,7 @@ def table(columns: list[tuple[str, StagePrediction]], budget: int, measured: lis
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = StageParser("python -m lowmem_dpo.plan", "RECIPE.yaml [key=value ...] [--budget SIZE] [--json OUT] "
+    ap = StageParser("lowmem-dpo plan", "RECIPE.yaml [key=value ...] [--budget SIZE] [--json OUT] "
                      "[--measure] [--slice N] [--steps K] [--prompt-tokens P] [--nproc N]")
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*")

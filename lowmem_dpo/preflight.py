@@ -1,6 +1,6 @@
 """Preflight report: does DPO look well posed on this data, judged from the reference's cached log-probs.
 
-    python -m lowmem_dpo.preflight RECIPE.yaml [key=value ...]   # print the report of an existing cache
+    lowmem-dpo preflight RECIPE.yaml [key=value ...]   # print the report of an existing cache
 
 Precompute writes the report at its end, as `preflight.json` in ref_cache_dir, and prints its summary, also when
 it had nothing to compute. Nothing here loads a model.
@@ -72,7 +72,7 @@ def ill_posed(report: dict, thresholds: dict = THRESHOLDS) -> list[str]:
             f"{per_token:.3f} nats/token is below {limit} ({report['share_chosen_less_likely_per_token']:.0%} of "
             f"pairs below 0; median summed margin {report['margin']['p50']:.1f} nats). DPO would have to move the "
             "policy far from the reference first: run SFT on the chosen completions, then DPO from that model "
-            "(python -m lowmem_dpo.sft, then model_name_or_path=its output_dir)")
+            "(lowmem-dpo sft, then model_name_or_path=its output_dir)")
     ratio, limit = report["length_ratio"]["p50"], thresholds["length_ratio_median_above"]
     if ratio > limit:
         warnings.append(

@@ -1,6 +1,6 @@
 """Draw a run's curves and print its summary: did DPO work?
 
-    python -m lowmem_dpo.report OUTPUT_DIR          # e.g. runs/tiny, after train or sft
+    lowmem-dpo report OUTPUT_DIR          # e.g. runs/tiny, after train or sft
 
 Reads OUTPUT_DIR/metrics.jsonl (train and eval lines), trainer_state.json (the best checkpoint; absent in older
 runs) and samples.jsonl (the generations; absent without eval). Writes OUTPUT_DIR/curves.png (matplotlib, the
@@ -80,10 +80,10 @@ def load_run(out_dir: Path) -> Run:
     out_dir = Path(out_dir)
     metrics = out_dir / "metrics.jsonl"
     if not out_dir.is_dir():
-        raise UserError(f"{out_dir}: no such folder; give a run's output_dir (run python -m lowmem_dpo.train "
+        raise UserError(f"{out_dir}: no such folder; give a run's output_dir (run lowmem-dpo train "
                         "RECIPE.yaml first)")
     if not metrics.is_file():
-        raise UserError(f"{out_dir}: no metrics.jsonl; is this a run's output_dir? Run python -m lowmem_dpo.train "
+        raise UserError(f"{out_dir}: no metrics.jsonl; is this a run's output_dir? Run lowmem-dpo train "
                         "RECIPE.yaml (or sft) first")
     lines = read_jsonl(metrics)
     if not lines:
@@ -239,7 +239,7 @@ def summary_lines(run: Run, picture: Path | None) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        raise UserError(f"expected one OUTPUT_DIR, got {len(argv)} arguments; usage: python -m lowmem_dpo.report "
+        raise UserError(f"expected one OUTPUT_DIR, got {len(argv)} arguments; usage: lowmem-dpo report "
                         "OUTPUT_DIR")
     run = load_run(Path(argv[0]))
     picture = run.out_dir / PICTURE

@@ -1,6 +1,6 @@
 """Stage A: supervised fine-tuning of a LoRA adapter, the starting point (and the reference) of a DPO stage.
 
-    python -m lowmem_dpo.sft lowmem_dpo:tiny-sft [key=value ...]
+    lowmem-dpo sft lowmem_dpo:tiny-sft [key=value ...]
 
 The loss is the mean negative log-likelihood of the completion tokens only (prompt and padding contribute
 nothing), as TRL's SFTTrainer with completion_only_loss: rows with `prompt`/`completion` (TRL's prompt-completion

@@ -1,7 +1,7 @@
 """Train a LoRA DPO policy against cached reference log-probs: one model resident, no reference forward.
 
-    python -m lowmem_dpo.precompute lowmem_dpo:tiny-cpu   # once
-    python -m lowmem_dpo.train lowmem_dpo:tiny-cpu [key=value ...]
+    lowmem-dpo precompute lowmem_dpo:tiny-cpu   # once
+    lowmem-dpo train lowmem_dpo:tiny-cpu [key=value ...]
 
 Writes to output_dir: config.yaml (resolved), metrics.jsonl (one JSON object per logged step, TRL key names),
 and the final PEFT adapter (adapter_config.json, adapter_model.safetensors). When model_name_or_path (or

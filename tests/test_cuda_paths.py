@@ -216,7 +216,7 @@ def test_out_of_memory_loading_the_model_exits_2(tmp_path, monkeypatch, capsys):
     assert run_cli(precompute.main, args, "precompute", precompute.__doc__) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("lowmem_dpo.precompute: error: out of memory loading the model's weights onto the device: they "
-                       "alone do not fit. Set quantization=4bit (python -m lowmem_dpo.plan RECIPE.yaml shows what fits "
+                       "alone do not fit. Set quantization=4bit (lowmem-dpo plan RECIPE.yaml shows what fits "
                        "the budget), or free the GPU (nvidia-smi shows what else holds it)")
 
 
@@ -249,7 +249,7 @@ def test_out_of_memory_anywhere_else_is_exit_2_in_one_line(capsys):
     assert run_cli(main, ["recipe.yaml"], "train", "doc") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("lowmem_dpo.train: error: out of memory: ")
-    assert "python -m lowmem_dpo.plan RECIPE.yaml shows what fits (torch: CUDA out of memory. Tried to allocate " \
+    assert "lowmem-dpo plan RECIPE.yaml shows what fits (torch: CUDA out of memory. Tried to allocate " \
            "20.00 MiB (simulated))" in err[0]
 
 

@@ -218,7 +218,7 @@ def test_bad_run_folders_exit_2_with_one_message(tmp_path, capsys, case):
     metrics, samples = out / "metrics.jsonl", out / "samples.jsonl"
     lines = metrics.read_text().splitlines(keepends=True) if metrics.exists() else []
     expected = {"no folder": "no such folder",
-                "no metrics": "no metrics.jsonl; is this a run's output_dir? Run python -m lowmem_dpo.train",
+                "no metrics": "no metrics.jsonl; is this a run's output_dir? Run lowmem-dpo train",
                 "bad json": f"{metrics}:3: not a JSON line",
                 "no step": f"{metrics}:3: not a line of this file (no step)",
                 "step not int": f"{metrics}:3: not a line of this file (step '5' is not an integer)",
@@ -256,7 +256,7 @@ def test_the_command_runs_and_fails_cleanly(tmp_path, capsys):
 def test_help_shows_the_command(capsys):
     assert run_cli(report.main, ["--help"], "report", report.__doc__, usage="OUTPUT_DIR") == 0
     shown = capsys.readouterr().out
-    assert "python -m lowmem_dpo.report OUTPUT_DIR" in shown and "usage: python -m lowmem_dpo.report" in shown
+    assert "lowmem-dpo report OUTPUT_DIR" in shown and "usage: lowmem-dpo report" in shown
     assert "keys (type, default" not in shown  # not a recipe stage
 
 

@@ -20,7 +20,7 @@ from lowmem_dpo.runtime.ranks import world
 
 OOM_ANYWHERE = ("out of memory: the run needs more memory than the device has free. Lower max_length or "
                 "per_device_train_batch_size (or precompute_batch_size), set quantization=4bit, or set memory_budget "
-                "to what the device really has free; python -m lowmem_dpo.plan RECIPE.yaml shows what fits")
+                "to what the device really has free; lowmem-dpo plan RECIPE.yaml shows what fits")
 
 
 def shown(value) -> str:
@@ -33,7 +33,7 @@ def shown(value) -> str:
 
 def help_text(stage: str, command_doc: str) -> str:
     """--help of a stage that takes a recipe: its command doc, then every Config key with type, default and doc."""
-    lines = [command_doc.strip(), "", f"usage: python -m lowmem_dpo.{stage} RECIPE.yaml [key=value ...]", "",
+    lines = [command_doc.strip(), "", f"usage: lowmem-dpo {stage} RECIPE.yaml [key=value ...]", "",
              "keys (type, default: doc):"]
     for f in dataclasses.fields(Config):
         kind = describe(HINTS[f.name])
@@ -85,7 +85,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: list[str] | None, sta
     if not argv or argv[0] in ("-h", "--help"):
         try:
             print(help_text(stage, doc) if usage is None
-                  else f"{doc.strip()}\n\nusage: python -m lowmem_dpo.{stage} {usage}")
+                  else f"{doc.strip()}\n\nusage: lowmem-dpo {stage} {usage}")
         except BrokenPipeError:  # `--help | head`: the reader left; not an error
             sys.stdout = None
         return 0 if argv else EXIT_USAGE

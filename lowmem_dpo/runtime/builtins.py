@@ -1,8 +1,8 @@
 """The built-ins: `lowmem_dpo:NAME` names a recipe or a dataset shipped inside the package (lowmem_dpo/demo/), or a
 tiny model built on first use (model/tiny.py), so that the demo runs from any folder, with the wheel alone:
 
-    python -m lowmem_dpo.precompute lowmem_dpo:tiny-cpu     # the demo's recipe, its data lowmem_dpo:tiny-prefs
-    python -m lowmem_dpo.train lowmem_dpo:tiny-cpu
+    lowmem-dpo precompute lowmem_dpo:tiny-cpu     # the demo's recipe, its data lowmem_dpo:tiny-prefs
+    lowmem-dpo train lowmem_dpo:tiny-cpu
 
 A recipe's built-in name is resolved here (config/recipe.py), a dataset's where rows are read (data/rows.py).
 """

@@ -123,7 +123,7 @@ def oom_message(lower: str, offloaded: bool, kept: str = "") -> str:
     retry alone. `lower`: the keys that lower this stage's peak; kept: what the stage keeps (a sentence)."""
     return (f"out of memory with fsdp: every forward is shared by all processes, so one cannot halve its batch and "
             f"retry alone; lower {lower}" + ("" if offloaded else ", or set fsdp_offload_params=true")
-            + " (python -m lowmem_dpo.plan RECIPE.yaml --nproc N shows what fits)" + (f"; {kept}" if kept else ""))
+            + " (lowmem-dpo plan RECIPE.yaml --nproc N shows what fits)" + (f"; {kept}" if kept else ""))
 
 
 def idle_forwards(mine: int, counts: list[int]) -> int:

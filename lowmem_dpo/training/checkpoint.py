@@ -1,6 +1,6 @@
 """Training checkpoints: everything a killed run needs to continue as if it had never stopped.
 
-    python -m lowmem_dpo.train RECIPE.yaml      # rerun the same command: resumes from the newest checkpoint
+    lowmem-dpo train RECIPE.yaml      # rerun the same command: resumes from the newest checkpoint
 
 Layout, one folder per checkpoint, under output_dir/checkpoints/:
 

@@ -1,6 +1,6 @@
 """Evaluation inside a training run: when to evaluate, the eval line, the samples, the best checkpoint.
 
-    python -m lowmem_dpo.train RECIPE.yaml eval_fraction=0.1     # evaluate on 10% of the prompts, held out
+    lowmem-dpo train RECIPE.yaml eval_fraction=0.1     # evaluate on 10% of the prompts, held out
 
 The loop (loop.py) calls these with its session (session.Session):
 - `at_start`: a new run's step-0 samples (the policy is still the reference) and their repetition, the baseline of

@@ -221,7 +221,7 @@ def model_card(session: Session, out_dir: Path) -> str:
         f"- **Best**: {best}", "", "## Use", "", "```python", "from peft import PeftModel",
         "from transformers import AutoModelForCausalLM", "",
         f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "PATH/TO/THIS/FOLDER")',
-        "```", "", "The run's config.yaml and metrics.jsonl are beside it; `python -m lowmem_dpo.export THIS_FOLDER "
+        "```", "", "The run's config.yaml and metrics.jsonl are beside it; `lowmem-dpo export THIS_FOLDER "
         "MERGED_DIR` merges it into its base (`--gguf q8_0`: for llama.cpp and Ollama)."]
     return "\n".join(lines) + "\n"
 

@@ -209,7 +209,7 @@ def generations(cfg: Config, steps: int) -> int:
 
 
 def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> streaming.Plan | None:
-    """A training stage's memory choices from the same planner as `python -m lowmem_dpo.plan`, in the order of
+    """A training stage's memory choices from the same planner as `lowmem-dpo plan`, in the order of
     their cost (memory/search.py): the micro-batch halved with accumulation doubled (the same pairs per step, the
     same numbers), gradient checkpointing on (when auto), on CUDA activation offloading (when auto), the prompt
     unshared (share_prompt auto), and on CUDA, last, the trailing decoder layers streamed from CPU RAM. A knob it
@@ -270,7 +270,7 @@ def report_fit(cfg: Config, resolved: devices.Resolved, arch, applied, budget: i
                f" without streaming {stream.layers} decoder layers from CPU RAM")
             + ("; it would with: " + " ".join(f"{k}={v}" for k, v in better.items()) if better and advice.fits
                else "; lower max_length or per_device_train_batch_size")
-            + " (python -m lowmem_dpo.plan shows the terms)")
+            + " (lowmem-dpo plan shows the terms)")
     else:
         resolved.reasons.append(f"planner: train peak {fmt(peak)} of a {fmt(budget)} budget")
         kept = resolved.device.type == "cpu" and heap.keep_freed_blocks(peak, applied.prediction.train.transient,

@@ -213,7 +213,7 @@ def backward_with_backoff(session, items: list) -> tuple[Sums, int, int]:
         retrying=lambda n: f"out of memory at step {step}: retrying with per_device_train_batch_size={n} "
                            f"gradient_accumulation_steps={math.ceil(mine / n)} (the same {rows} {unit}s per step)",
         exhausted=f"out of memory at step {step} with 1 {unit} per micro-batch; lower max_length, or set "
-                  "quantization=4bit / gradient_checkpointing=true (python -m lowmem_dpo.plan RECIPE.yaml shows what "
+                  "quantization=4bit / gradient_checkpointing=true (lowmem-dpo plan RECIPE.yaml shows what "
                   "fits)",
         cleanup=session.trainee.zero_grad,  # drop the partial step's gradients
         any_rank=distributed.any_rank if run.world.size > 1 else None,  # every rank retries when one ran out
