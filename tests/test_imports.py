@@ -182,7 +182,7 @@ def test_stage_help_shows_command(stage, capsys):
 
     module = importlib.import_module(f"lowmem_dpo.{stage}")
     assert run_cli(module.main, ["--help"], stage, module.__doc__, getattr(module, "USAGE", None)) == 0
-    assert f"python -m lowmem_dpo.{stage}" in capsys.readouterr().out
+    assert f"lowmem-dpo {stage}" in capsys.readouterr().out  # the one command form (python -m lowmem_dpo.STAGE too)
 
 
 def test_no_arguments_is_a_usage_error():

@@ -242,6 +242,58 @@ def test_bfloat16_cache_and_policy_agree_at_step_1(make_cfg):
     assert abs(m["rewards/margins"]) < 1e-2
 
 
+class LayoutRounding:
+    """What a CPU with native bf16 (AVX512-BF16, AMX) or a GPU does and this CPU cannot: round a bf16 forward by
+    its batch's shape (this CPU's bf16 goes through float32, whatever the shape: the numbers are alike). Simulated:
+    the final norm's output gets a perturbation drawn from a generator seeded by the batch's shape, `scale` times
+    the hidden states' size, as blocked kernels round; `fixed`: one perturbation for every shape (a cache of another
+    model's forward)."""
+
+    def __init__(self, monkeypatch, scale: float, fixed: bool = False):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        forward = LlamaRMSNorm.forward
+
+        def rounded(norm, hidden):
+            out = forward(norm, hidden)
+            if hidden.dim() != 3:
+                return out
+            g = torch.Generator().manual_seed(0 if fixed else hash(tuple(hidden.shape)) % 2**31)
+            noise = torch.randn(hidden.shape, generator=g).to(out.dtype)  # (B, T, H)
+            return out + scale * noise * out.abs().mean()
+
+        monkeypatch.setattr(LlamaRMSNorm, "forward", rounded)
+
+
+def test_bf16_rounding_by_batch_layout_is_named_and_a_wrong_cache_still_warns(make_cfg, capsys, monkeypatch):
+    """In a 16-bit dtype step 1 forwards its pairs one at a time beside train's batch: this device's rounding
+    between two layouts. With layout rounding simulated (LayoutRounding) in train alone, the cache (precompute's
+    layout, unperturbed) is off train's forward past the bound, and within 3 times the device's own rounding: a
+    note naming bf16 rounding on this device and float32 as the check, no warning. A cache of another forward
+    (perturbed the same for every shape in precompute, 50 times more) still warns, saying the rounding is less."""
+    cfg = make_cfg(dtype="bfloat16", max_steps=1)
+    precompute.run(cfg, progress=False)
+    with monkeypatch.context() as m:
+        LayoutRounding(m, 0.02)
+        train.run(cfg, progress=False)
+    err = capsys.readouterr().err
+    (per_token, _), = guards.DRIFT_LINE.findall(err)
+    assert float(per_token) > guards.DRIFT_TOKEN_BOUND and "warning: step 1" not in err, err
+    (note,) = [x for x in err.splitlines() if x.startswith("note: step 1: bfloat16 rounding on this cpu")]
+    assert "the cache is this model's" in note and "dtype=float32 checks it" in note
+    other = make_cfg(dtype="bfloat16", max_steps=1, output_dir=str(Path(cfg.output_dir).parent / "other"),
+                     ref_cache_dir=str(Path(cfg.ref_cache_dir).parent / "other-cache"))
+    with monkeypatch.context() as m:
+        LayoutRounding(m, 1.0, fixed=True)
+        precompute.run(other, progress=False)
+    with monkeypatch.context() as m:
+        LayoutRounding(m, 0.02)
+        train.run(other, progress=False)
+    err = capsys.readouterr().err
+    (warning,) = [x for x in err.splitlines() if x.startswith("warning: step 1: reference cache off this policy's")]
+    assert "this device's own bfloat16 rounding between batch layouts is" in warning and "rerun precompute" in warning
+
+
 @pytest.mark.parametrize("settings, warned", [
     ({}, False),  # the cache of this very run
     ({"dtype": "bfloat16", "quantization": "4bit"}, False),

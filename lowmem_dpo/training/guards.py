@@ -322,27 +322,42 @@ def drift_sign(base: dict, now: dict) -> str | None:
             f"(limit: -{DRIFT_DROP:g}{noise}), whatever the preference metrics say")
 
 
-# Step 1's drift between the cached reference and the policy's own forward (one model at step 1). On the CPU the two
-# are the same numbers (0 in float32 and bfloat16, 4-bit or not: tests/test_train.py); a cache of another dtype or
-# quantization is 1-2e-3 nats per token off even on the tiny model. On a card, 16-bit kernels round by batch layout:
-# the last loan measured step 1 at 1e-3 above ln 2 at 2048 tokens, 0.014 at 23,040 and 0.107 at 32,256 (before the
-# per-sequence sums were made exact), ~1e-5 to 3e-5 nats per token. Beyond either bound the cache is not this policy.
+# Step 1's drift between the cached reference and the policy's own forward (one model at step 1). On this CPU (AVX2,
+# no native bf16) the two are the same numbers (0 in float32 and bfloat16, 4-bit or not: tests/test_train.py); a
+# cache of another dtype or quantization is 1-2e-3 nats per token off even on the tiny model. 16-bit kernels that
+# block by shape round by batch layout: the last loan measured ~1e-5 to 3e-5 nats per token on a card; a user's
+# AVX512-BF16 CPU 3.7e-2 with SmolLM2-135M in bf16 (3.6e-3 with precompute_batch_size at train's micro-batch). So in
+# a 16-bit dtype step 1 also forwards its pairs one at a time (Rounding: this device's rounding between two
+# layouts), and a drift within ROUNDING_FACTOR times that is this device's rounding, said as such, not a warning.
 DRIFT_LOSS_BOUND = 1e-2  # |mean loss - its value at policy = reference| (ln 2 for sigmoid)
 DRIFT_TOKEN_BOUND = 5e-4  # |policy - reference| of each completion's summed log-prob, added over the step and divided
 # by its completion tokens (nats); not for an 8-bit base, whose LLM.int8 picks outlier columns per batch: 2-3e-4 on
 # the tiny model, the loss bound alone there
+ROUNDING_FACTOR = 3.0  # two layouts' rounding differ by about as much as the cache's and train's: 3x is room
 # The drift line as drift_lines writes it: (nats per token, loss offset), for what reads it back from a log
 DRIFT_LINE = re.compile(r"step 1: reference cache against the policy's own forward \(one model at step 1\): (\S+) nats "
                         r"per token \(bound [^)]*\), loss offset (\S+)")
 
 
+@dataclass(frozen=True)
+class Rounding:
+    """A 16-bit run's own rounding at step 1: its pairs forwarded one at a time against train's batch."""
+
+    per_token: float  # summed |batch - alone| over the completions / their tokens (nats)
+    dtype: str  # bfloat16, float16
+    device: str  # cpu, cuda, mps
+
+
 def drift_lines(drift: float, offset: float, pairs: int, tokens: int, int8: bool = False,
-                other_reference: str | None = None) -> tuple[list[str], str | None]:
+                other_reference: str | None = None, rounding: Rounding | None = None
+                ) -> tuple[list[str], str | None]:
     """Step 1's lines to log: the drift line (summed |policy - reference| over `tokens` completion tokens, summed
     loss offset over `pairs`); and when it is beyond DRIFT_LOSS_BOUND or DRIFT_TOKEN_BOUND (not for an 8-bit base:
     `int8`), the warning sign with what to do (None within them). other_reference: the reference's own settings where
     they differ from the policy's (ref_dtype, ref_quantization), chosen on purpose: then a note naming them and their
-    cost, no warning. No pairs: ([], None)."""
+    cost, no warning. rounding (a 16-bit dtype): the device's own rounding between layouts; a drift within
+    ROUNDING_FACTOR times it is that rounding: a note saying so and how float32 checks it, no warning. No pairs:
+    ([], None)."""
     if pairs == 0:
         return [], None
     per_token, loss = drift / max(1, tokens), offset / pairs
@@ -356,5 +371,13 @@ def drift_lines(drift: float, offset: float, pairs: int, tokens: int, int8: bool
     if other_reference:
         return [line, f"note: step 1: {off}: the reference was computed with {other_reference}. Chosen for a more "
                       "precise reference, that is its cost at the start; else set them null and rerun precompute"], None
-    return [line], (f"{off}; the usual cause is a cache computed on another device or with other weights or library "
-                    "versions than this run's: rerun precompute where train runs")
+    if rounding is not None and per_token <= ROUNDING_FACTOR * rounding.per_token:
+        return [line, f"note: step 1: {rounding.dtype} rounding on this {rounding.device}: the same pairs forwarded one "
+                      f"at a time differ from train's batch by {rounding.per_token:.2e} nats per token, and the cache "
+                      f"by {per_token:.2e} (within {ROUNDING_FACTOR:g} times that): the cache is this model's, its "
+                      f"kernels round by batch layout. The start is off by that much (loss {loss:+.2e}); dtype=float32 "
+                      "checks it (0 there)"], None
+    alone = "" if rounding is None else (f" (this device's own {rounding.dtype} rounding between batch layouts is "
+                                         f"{rounding.per_token:.2e} nats per token: this is more)")
+    return [line], (f"{off}{alone}; the usual cause is a cache computed on another device or with other weights or "
+                    "library versions than this run's: rerun precompute where train runs")

@@ -83,13 +83,17 @@ class PairForward:
     pairs: int
     tokens: int
     computed: int  # the positions it computed, padding included
+    # step 1 in a 16-bit dtype: the policy's (chosen, rejected) log-probs, (B,) each, of each pair forwarded on its
+    # own (a second layout: its rounding beside the cache's drift, drift_signs); None otherwise
+    alone: tuple | None = None
 
 
 def pair_forward(lm: LM, pairs: list[data.TokenizedPair], ref: cache.RefCache | None, block, *, pad_id: int,
                  resolved: devices.Resolved, layout: data.Layout, reference: bool, prompts: bool, weighting: bool,
-                 ld_alpha: float | None) -> PairForward:
+                 ld_alpha: float | None, first: bool = False) -> PairForward:
     """The policy's log-probs of a micro-batch of pairs, and the reference's (cached; live: the adapter off).
-    prompts: the chosen rows' prompts' too (ORPO's NLL); weighting: WPO's weights; ld_alpha: LD-DPO's sums."""
+    prompts: the chosen rows' prompts' too (ORPO's NLL); weighting: WPO's weights; ld_alpha: LD-DPO's sums.
+    first: step 1 against a cache, whose drift is measured (in a 16-bit dtype with each pair alone beside it)."""
     device = resolved.device
     batch = (data.collate_shared if layout.shared else data.collate)(pairs, pad_id, layout.packed).to(device)
     ref_chosen = ref_rejected = None
@@ -108,7 +112,25 @@ def pair_forward(lm: LM, pairs: list[data.TokenizedPair], ref: cache.RefCache | 
                                                                          rejected.aligned, rejected.n_tokens)
     logps = objectives.PairLogps(chosen.logps, rejected.logps, chosen.n_tokens, rejected.n_tokens, ref_chosen,
                                  ref_rejected, chosen.prompt_logps, chosen.prompt_tokens, weights)
-    return PairForward(logps, len(pairs), batch.num_tokens, batch.computed_tokens)
+    alone = None
+    if first and reference and ref is not None and resolved.dtype != torch.float32:
+        alone = forward_alone(lm, pairs, pad_id, resolved, layout, ld_alpha)
+    return PairForward(logps, len(pairs), batch.num_tokens, batch.computed_tokens, alone)
+
+
+def forward_alone(lm: LM, pairs: list[data.TokenizedPair], pad_id: int, resolved: devices.Resolved,
+                  layout: data.Layout, ld_alpha: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's (chosen, rejected) log-probs, (B,) each, of each pair forwarded on its own (no gradients): the
+    same numbers as the micro-batch's in exact arithmetic. 16-bit kernels that block by shape (GPUs; CPUs with
+    AVX512-BF16 or AMX) round the two layouts differently: how much is this device's own rounding."""
+    chosen, rejected = [], []
+    with torch.no_grad(), devices.autocast(resolved.device, resolved.dtype):
+        for pair in pairs:
+            batch = (data.collate_shared if layout.shared else data.collate)([pair], pad_id, layout.packed)
+            c, r = completion_logps(lm, batch.to(resolved.device), ld_alpha=ld_alpha).split()
+            chosen.append(c.logps.detach())
+            rejected.append(r.logps.detach())
+    return torch.cat(chosen), torch.cat(rejected)  # (B,) each
 
 
 def pair_loss(f: PairForward, size: StepSize, *, s: objectives.Settings, terms: list[tuple[str, float]],
@@ -134,6 +156,10 @@ def pair_loss(f: PairForward, size: StepSize, *, s: objectives.Settings, terms: 
     if size.drift:
         drift, offset = objectives.start_drift(x, s, terms, losses)  # (B,) each
         sums.ref_drift, sums.ref_offset = drift.sum().item(), offset.sum().item()
+        if f.alone is not None:  # this device's rounding between two layouts of the same pairs
+            alone_chosen, alone_rejected = (a.to(x.chosen) for a in f.alone)
+            sums.layout_drift = ((x.chosen.detach() - alone_chosen).abs()
+                                 + (x.rejected.detach() - alone_rejected).abs()).sum().item()
     return loss, sums
 
 
@@ -180,9 +206,11 @@ def drift_signs(window: Sums, r: devices.Resolved) -> list[str]:
              ] if r.ref_dtype != r.dtype else []
     if r.ref_quantization != r.quantization:
         other.append(f"ref_quantization={r.ref_quantization} against the policy's {r.quantization}")
-    lines, sign = guards.drift_lines(window.ref_drift, window.ref_offset, window.items,
-                                     window.chosen_tokens + window.rejected_tokens, r.quantization == "8bit",
-                                     " and ".join(other) or None)
+    tokens = window.chosen_tokens + window.rejected_tokens
+    rounding = None if r.dtype == torch.float32 else guards.Rounding(
+        window.layout_drift / max(1, tokens), devices.dtype_name(r.dtype), r.device.type)
+    lines, sign = guards.drift_lines(window.ref_drift, window.ref_offset, window.items, tokens,
+                                     r.quantization == "8bit", " and ".join(other) or None, rounding)
     for line in lines:
         log(line)
     if sign and r.sharded:  # a shard that differs between processes shows here first

@@ -77,6 +77,9 @@ class Sums:
     # two are one model, so these measure how far the cache is from the policy's forward (the drift line).
     ref_drift: float = 0.0
     ref_offset: float = 0.0
+    # In a 16-bit dtype at step 1 (PairForward.alone): summed |this forward - the same pairs forwarded one at a
+    # time| (nats), this device's own rounding between two batch layouts, beside which ref_drift is judged.
+    layout_drift: float = 0.0
     # the NLL's weight in the loss (nll_loss: the sft term, ORPO's own; the loss total excludes it), or None; not a
     # sum (distributed.sum_stats)
     nll_weight: float | None = field(default=None, metadata={"sum": False})
@@ -101,6 +104,7 @@ class Sums:
         self.rejected_tokens += other.rejected_tokens
         self.ref_drift += other.ref_drift
         self.ref_offset += other.ref_offset
+        self.layout_drift += other.layout_drift
 
     def means(self, preference: bool = False) -> dict:
         """Each metric's mean (None where nothing counted it); the loss with the NLL at its weight, unless
@@ -175,8 +179,9 @@ def accumulate(session, items: list, micro_batch: int, grad: bool = True) -> Sum
             block = objective.before(lm, group, ref, micro_batch) if objective.before else None
             part = objective.new_sums() if objective.after else sums
             batches = micro_batches(group, micro_batch)
+            measured = {"first": True} if size.drift else {}  # step 1 against a cache (pairs): its drift measured
             for batch in batches:
-                loss, got = objective.loss(objective.forward(lm, batch, ref, block), size)
+                loss, got = objective.loss(objective.forward(lm, batch, ref, block, **measured), size)
                 if grad:
                     session.trainee.backward(loss)
                 part.add(got)
