@@ -300,6 +300,12 @@ def test_collapse_is_flagged_and_a_healthy_run_is_not(tmp_path, capsys):
     last = train.run(healthy, progress=False).metrics
     log = capsys.readouterr().err
     assert "collapsing" not in log and last["rewards/accuracies"] >= 0.9
+    # the resolved choices: one line in the log, their reasons in config.yaml
+    (resolved,) = [x for x in log.splitlines() if x.startswith("resolved")]
+    reasons = (tmp_path / "healthy" / "config.yaml").read_text().count("\n# resolved ")
+    assert re.fullmatch(rf"resolved: cpu in float32, micro-batch \d+, gradient checkpointing (on|off), optimizer "
+                        rf"\S+; the {reasons} reasons are in {tmp_path / 'healthy' / 'config.yaml'} \(# resolved\)",
+                        resolved) and reasons > 5, resolved
     healthy_evals = eval_lines(tmp_path / "healthy")
     assert healthy_evals[-1]["eval_rewards/accuracies"] >= 0.9
 
