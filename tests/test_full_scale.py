@@ -81,7 +81,7 @@ def test_rows_fill_max_length_uncut(bench_modules, tiny_path, tokenizer, tmp_pat
 @pytest.mark.parametrize("checkpointing", ["true", "false"])
 def test_recomputation_follows_the_checkpointing_train_resolved(bench_modules, tiny_path, checkpointing, tmp_path):
     """The FLOPs a step computes again are the ones of the checkpointing the train stage ran with, read off its
-    log's "resolved" lines as the package writes them (devices.resolve's reasons): every layer's forward and the
+    config.yaml's "# resolved" lines as the package writes them (devices.resolve's reasons): every layer's forward and the
     tiled head's when checkpointed, the head's alone when not."""
     from lowmem_dpo.config.recipe import build_config
     from lowmem_dpo.runtime import devices
@@ -90,7 +90,7 @@ def test_recomputation_follows_the_checkpointing_train_resolved(bench_modules, t
     cfg = build_config({"model_name_or_path": str(tiny_path), "dataset": "lowmem_dpo:tiny-prefs", "device": "cpu",
                         "gradient_checkpointing": checkpointing})
     log = tmp_path / "train.log"
-    log.write_text("".join(f"resolved {reason}\n" for reason in devices.resolve(cfg).reasons))
+    log.write_text("".join(f"# resolved {reason}\n" for reason in devices.resolve(cfg).reasons))  # config.yaml's
     assert fs.resolved_checkpointing(fs.log_lines(log)) is (checkpointing == "true")
     flops = fs.step_flops(tiny_path, [(100, 60), (90, 50)], lora_r=8)
     train = {"step_s": [1.0], "gradient_checkpointing": fs.resolved_checkpointing(fs.log_lines(log))}

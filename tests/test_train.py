@@ -280,7 +280,7 @@ def test_bf16_rounding_by_batch_layout_is_named_and_a_wrong_cache_still_warns(ma
     (per_token, _), = guards.DRIFT_LINE.findall(err)
     assert float(per_token) > guards.DRIFT_TOKEN_BOUND and "warning: step 1" not in err, err
     (note,) = [x for x in err.splitlines() if x.startswith("note: step 1: bfloat16 rounding on this cpu")]
-    assert "the cache is this model's" in note and "dtype=float32 checks it" in note
+    assert "the cache is this model's" in note and "precompute and train with dtype=float32 check it" in note
     other = make_cfg(dtype="bfloat16", max_steps=1, output_dir=str(Path(cfg.output_dir).parent / "other"),
                      ref_cache_dir=str(Path(cfg.ref_cache_dir).parent / "other-cache"))
     with monkeypatch.context() as m:
@@ -291,7 +291,8 @@ def test_bf16_rounding_by_batch_layout_is_named_and_a_wrong_cache_still_warns(ma
         train.run(other, progress=False)
     err = capsys.readouterr().err
     (warning,) = [x for x in err.splitlines() if x.startswith("warning: step 1: reference cache off this policy's")]
-    assert "this device's own bfloat16 rounding between batch layouts is" in warning and "rerun precompute" in warning
+    assert "this device's own bfloat16 rounding between two batch layouts is" in warning
+    assert "precompute_batch_size at train's per_device_train_batch_size" in warning and "rerun precompute" in warning
 
 
 @pytest.mark.parametrize("settings, warned", [

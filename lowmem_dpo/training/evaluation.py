@@ -74,6 +74,13 @@ def sample_metrics(session: Session, step: int) -> dict:
     run = session.run
     pool = run.objective.samples_from(run.eval_items) if run.objective.samples_from else run.eval_items  # KTO
     items = sample_items(pool, policy.generations(run.cfg, run.steps))
+    path = Path(run.cfg.output_dir) / checkpoint.SAMPLES
+    # Each later eval answers the prompts step 0 answered, each judged against its own answer there (a resumed run
+    # given more steps would ask for more with eval_generations null: they would have no baseline)
+    answered = set(samples.scores_at(path, 0, "completion")) if step > 0 and run.world.main else None
+    answered = distributed.broadcast(answered) if run.resolved.sharded else answered
+    if answered:
+        items = [item for item in items if run.prompts.get(item.row) in answered] or items
     if not items:
         return {}
 
@@ -92,7 +99,6 @@ def sample_metrics(session: Session, step: int) -> dict:
                                  run.resolved.dtype) if run.adapter_off_is_start else None
     if not run.world.main:  # fsdp: every rank ran the same forwards (samples_on_rank); rank 0 judges and writes
         return {}
-    path = Path(run.cfg.output_dir) / checkpoint.SAMPLES
     scores = {"rouge_l": [guards.rouge_l(w.ids, w.chosen_ids) for w in written],
               "repetition": [guards.repetition([w.ids]) for w in written], "tokens": [len(w.ids) for w in written]}
     # step 0's answers to the same prompts, each score by prompt
@@ -100,11 +106,11 @@ def sample_metrics(session: Session, step: int) -> dict:
     samples.append(path, step, written, scores)
     log(samples.log_line(step, written[0]))
     stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written], scores["rouge_l"])
-    if step > 0:  # each answer against its own at step 0
-        stats[guards.GEN_COLLAPSED] = guards.collapsed_answers(
+    stats[guards.GEN_ANSWERS] = len(written)
+    if step > 0:  # each answer against its own at step 0 (those it has)
+        stats[guards.GEN_COLLAPSED], stats[guards.GEN_ANSWERS] = guards.collapsed_answers(
             [w.ids for w in written], [base["repetition"].get(w.prompt) for w in written],
             [base["tokens"].get(w.prompt) for w in written])
-    stats[guards.GEN_ANSWERS] = len(written)
     base = base["rouge_l"]
     se = guards.change_se([(s, base[w.prompt]) for s, w in zip(scores["rouge_l"], written) if w.prompt in base])
     if se is not None:
@@ -226,15 +232,15 @@ def better(value: float, best: float | None, greater: bool) -> bool:
 
 def best_after(best: dict, step: int, cfg: Config, line: dict | None, metrics_lines: list[str] = ()) -> dict:
     """The best so far once step `step`'s checkpoint is saved (session.BEST_KEYS): this step when its
-    metric_for_best_model (in `line`, its eval line; None: not evaluated) beats `best` and no warning sign fired at
-    this step (in `metrics_lines`, the run's so far: a damaged checkpoint is never the best, whatever its metric),
-    else `best`."""
+    metric_for_best_model (in `line`, its eval line; None: not evaluated) beats `best` and no sign of damage fired
+    since the eval before (guards.damage_since, in `metrics_lines`, the run's so far: a damaged checkpoint is never
+    the best, whatever its metric), else `best`."""
     if line is None or line.get("step") != step:
         return best
     value = line.get(cfg.best_metric_name)
     if value is None or not better(value, best["best_metric"], cfg.best_is_greater):
         return best
-    warned = guards.warned_steps([x for x in map(json.loads, metrics_lines) if x.get("step") == step])
+    warned = guards.damage_since([x for x in map(json.loads, metrics_lines) if isinstance(x.get("step"), int)], step)
     if warned:
         log(f"note: step {step}'s {cfg.best_metric_name} {value:.4f} would be the best so far, but it warned "
             f"({'; '.join(warned)}): not kept as the best")
@@ -250,7 +256,7 @@ def load_best(session: Session) -> None:
         warned = guards.warnings_summary(list(map(json.loads, session.progress.metrics_lines)))
         why = f"no checkpoint {'without a warning sign ' if warned else ''}has a finite {name}"
         log(f"warning: load_best_model_at_end: none is kept as the best ({why}); the final adapter is the last "
-            "step's")
+            "step's" + (", which warned too" if warned else ""))
         return
     if step == session.progress.step:
         log(f"the last step is the best ({name} {session.progress.best['best_metric']:.4f}): the final adapter is "

@@ -138,6 +138,10 @@ def sign_kind(sign: str) -> str:
     return sign.split(":")[0]
 
 
+# Step 1's cache drift sign (drift_lines): about the cache and the start, not what a checkpoint learned
+START_OFFSET = "reference cache off this policy's forward"
+
+
 def warned_steps(lines: list[dict]) -> dict[str, list[int]]:
     """Each kind of warning sign in metrics.jsonl's {"step", "warnings"} `lines` (other lines are skipped), with
     the steps it fired at, in the order each kind first fired."""
@@ -146,6 +150,14 @@ def warned_steps(lines: list[dict]) -> dict[str, list[int]]:
         for sign in line.get("warnings") or ():
             kinds.setdefault(sign_kind(sign), []).append(line["step"])
     return kinds
+
+
+def damage_since(lines: list[dict], step: int) -> dict[str, list[int]]:
+    """The signs of damage (all but START_OFFSET) that judge step `step`'s checkpoint, warned_steps' form: its
+    eval's, and its train lines' since the eval before (a sign between two checkpoints belongs to the next)."""
+    since = max((x["step"] for x in lines if x["step"] < step and any(k.startswith("eval_") for k in x)), default=0)
+    kinds = warned_steps([x for x in lines if since < x["step"] <= step])
+    return {kind: steps for kind, steps in kinds.items() if kind != START_OFFSET}
 
 
 def warnings_summary(lines: list[dict]) -> str | None:
@@ -240,16 +252,17 @@ def change_se(pairs: list[tuple[float, float]]) -> float | None:
 
 
 def collapsed_answers(seqs: list[list[int]], base_repetition: list[float | None],
-                      base_tokens: list[int | None]) -> int:
-    """How many answers collapsed against the same prompt's answer at step 0 (its seq-rep-4 and length, None where
-    step 0 has none): into repetition (their own seq-rep-4 COLLAPSE_RISE above step 0's and at least
-    COLLAPSE_LEVEL, the mean sign's limits, each answer on its own), or into nothing (empty where step 0's was
-    not). One broken answer among few moves the means little (a user's "JAP. JAP. JAP." was 1 of 4)."""
-    n = 0
+                      base_tokens: list[int | None]) -> tuple[int, int]:
+    """(answers collapsed, answers judged) against the same prompt's at step 0 (its seq-rep-4 and length; None:
+    not judged): into repetition (the mean sign's limits, on each answer alone) or into nothing (empty where step 0's
+    was not). One broken answer among few moves the means little (a user's "JAP. JAP. JAP." was 1 of 4)."""
+    collapsed = judged = 0
     for seq, rep0, tokens0 in zip(seqs, base_repetition, base_tokens):
-        rep = repetition([seq])
-        n += (rep >= COLLAPSE_LEVEL and rep - (rep0 or 0.0) >= COLLAPSE_RISE) or (not seq and tokens0 != 0)
-    return n
+        if rep0 is None or tokens0 is None:
+            continue
+        rep, judged = repetition([seq]), judged + 1
+        collapsed += (rep >= COLLAPSE_LEVEL and rep - rep0 >= COLLAPSE_RISE) or (not seq and tokens0 > 0)
+    return collapsed, judged
 
 
 def generation_stats(seqs: list[list[int]], chosen: list[list[int]] | None = None,
@@ -366,18 +379,22 @@ def drift_lines(drift: float, offset: float, pairs: int, tokens: int, int8: bool
             f"per token (bound {token_bound}), loss offset {loss:+.2e} (bound {DRIFT_LOSS_BOUND:g})")
     if (per_token <= DRIFT_TOKEN_BOUND or int8) and abs(loss) <= DRIFT_LOSS_BOUND:
         return [line], None
-    off = (f"reference cache off this policy's forward: {per_token:.2e} nats per token, the loss {loss:+.2e} off its "
+    off = (f"{START_OFFSET}: {per_token:.2e} nats per token, the loss {loss:+.2e} off its "
            "start, so every pair's weight starts off by that much")
     if other_reference:
         return [line, f"note: step 1: {off}: the reference was computed with {other_reference}. Chosen for a more "
                       "precise reference, that is its cost at the start; else set them null and rerun precompute"], None
+    check = ("precompute and train with dtype=float32 check it (0 there); precompute_batch_size at train's "
+             "per_device_train_batch_size gives the cache train's batch shapes")
     if rounding is not None and per_token <= ROUNDING_FACTOR * rounding.per_token:
         return [line, f"note: step 1: {rounding.dtype} rounding on this {rounding.device}: the same pairs forwarded one "
                       f"at a time differ from train's batch by {rounding.per_token:.2e} nats per token, and the cache "
                       f"by {per_token:.2e} (within {ROUNDING_FACTOR:g} times that): the cache is this model's, its "
-                      f"kernels round by batch layout. The start is off by that much (loss {loss:+.2e}); dtype=float32 "
-                      "checks it (0 there)"], None
-    alone = "" if rounding is None else (f" (this device's own {rounding.dtype} rounding between batch layouts is "
-                                         f"{rounding.per_token:.2e} nats per token: this is more)")
-    return [line], (f"{off}{alone}; the usual cause is a cache computed on another device or with other weights or "
+                      f"kernels round by batch layout. The start is off by that much (loss {loss:+.2e}); {check}"], None
+    if rounding is not None:  # beyond this device's rounding between two layouts; precompute's may round more
+        return [line], (f"{off}; this device's own {rounding.dtype} rounding between two batch layouts is "
+                        f"{rounding.per_token:.2e} nats per token, and precompute's batches (other shapes) may round "
+                        f"more: {check}. Else the cache was computed on another device or with other weights or "
+                        "library versions than this run's: rerun precompute where train runs")
+    return [line], (f"{off}; the usual cause is a cache computed on another device or with other weights or "
                     "library versions than this run's: rerun precompute where train runs")

@@ -215,6 +215,9 @@ def finish(session: Session, out_dir: Path, last: dict) -> None:
                                cfg.best_is_greater, session.progress.metrics_lines)
     log(f"saved adapter to {out_dir} (step {session.run.steps}{metrics.closing_note(last)})")
     warned = guards.warnings_summary(list(map(json.loads, session.progress.metrics_lines)))
+    best = session.progress.best["best_global_step"]
+    kept = (f"; the adapter saved is step {best}'s, the best checkpoint, with no sign of damage since the eval before"
+            if cfg.load_best_model_at_end and best not in (None, session.progress.step) else "")
     if warned:  # the last line: a run with warning signs is no plain success
-        log(f"warning: this run ended with warning signs, so its adapter may be damaged: {warned}; `lowmem-dpo "
-            f"report {out_dir}` has the curves, samples.jsonl the answers")
+        log(f"warning: this run ended with warning signs, so its adapter may be damaged: {warned}{kept}; "
+            f"`lowmem-dpo report {out_dir}` has the curves, samples.jsonl the answers")

@@ -24,7 +24,7 @@ import torch
 from lowmem_dpo import data, objectives
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
-from lowmem_dpo.model.logps import LM, completion_logps
+from lowmem_dpo.model.logps import LM, completion_logps, eval_mode
 from lowmem_dpo.objectives import metrics as m
 from lowmem_dpo.objectives.metrics import Metric
 from lowmem_dpo.runtime import devices
@@ -95,6 +95,10 @@ def pair_forward(lm: LM, pairs: list[data.TokenizedPair], ref: cache.RefCache | 
     prompts: the chosen rows' prompts' too (ORPO's NLL); weighting: WPO's weights; ld_alpha: LD-DPO's sums.
     first: step 1 against a cache, whose drift is measured (in a 16-bit dtype with each pair alone beside it)."""
     device = resolved.device
+    alone = None  # before the batch's forward: its graph is not yet held while these run
+    if first and reference and ref is not None and resolved.dtype != torch.float32 and len(pairs) > 1 \
+            and not resolved.sharded:  # one pair alone is the batch; sharded: every rank's forwards must pair up
+        alone = forward_alone(lm, pairs, pad_id, resolved, layout, ld_alpha)
     batch = (data.collate_shared if layout.shared else data.collate)(pairs, pad_id, layout.packed).to(device)
     ref_chosen = ref_rejected = None
     with devices.autocast(device, resolved.dtype):
@@ -112,9 +116,6 @@ def pair_forward(lm: LM, pairs: list[data.TokenizedPair], ref: cache.RefCache | 
                                                                          rejected.aligned, rejected.n_tokens)
     logps = objectives.PairLogps(chosen.logps, rejected.logps, chosen.n_tokens, rejected.n_tokens, ref_chosen,
                                  ref_rejected, chosen.prompt_logps, chosen.prompt_tokens, weights)
-    alone = None
-    if first and reference and ref is not None and resolved.dtype != torch.float32:
-        alone = forward_alone(lm, pairs, pad_id, resolved, layout, ld_alpha)
     return PairForward(logps, len(pairs), batch.num_tokens, batch.computed_tokens, alone)
 
 
@@ -124,7 +125,8 @@ def forward_alone(lm: LM, pairs: list[data.TokenizedPair], pad_id: int, resolved
     same numbers as the micro-batch's in exact arithmetic. 16-bit kernels that block by shape (GPUs; CPUs with
     AVX512-BF16 or AMX) round the two layouts differently: how much is this device's own rounding."""
     chosen, rejected = [], []
-    with torch.no_grad(), devices.autocast(resolved.device, resolved.dtype):
+    # eval mode: no dropout (nor its random draws); at step 1 the adapter is the identity either way
+    with torch.no_grad(), eval_mode(lm.model), devices.autocast(resolved.device, resolved.dtype):
         for pair in pairs:
             batch = (data.collate_shared if layout.shared else data.collate)([pair], pad_id, layout.packed)
             c, r = completion_logps(lm, batch.to(resolved.device), ld_alpha=ld_alpha).split()

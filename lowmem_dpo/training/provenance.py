@@ -69,7 +69,21 @@ def run_warnings(adapter_dir: Path, stage: str) -> str | None:
     if summary is None:
         return None
     return (f"warning: {stage}: the run that trained {adapter_dir} logged warning signs, so the adapter may be "
-            f"damaged: {summary} (`lowmem-dpo report` on its run folder has the numbers)")
+            f"damaged: {summary}{best_note(adapter_dir)} (`lowmem-dpo report` on its run folder has the numbers)")
+
+
+def best_note(adapter_dir: Path) -> str:
+    """'; the adapter here is step K's, ...' for a run's output_dir whose final adapter is its best checkpoint
+    (load_best_model_at_end: chosen among those without a sign of damage), '' otherwise."""
+    try:
+        state = json.loads((adapter_dir / checkpoint.STATE).read_text(encoding="utf-8"))
+        record, _, _ = run_record(adapter_dir)
+    except (OSError, ValueError, UserError):
+        return ""
+    best = state.get("best_global_step") if isinstance(state, dict) else None
+    if best is None or not (record or {}).get("load_best_model_at_end") or best == state.get("global_step"):
+        return ""
+    return f"; the adapter here is step {best}'s, the best checkpoint, with no sign of damage since the eval before"
 
 
 def check_unchanged(inputs: dict, where: str, base: Path, sft_adapter: Path | None) -> None:

@@ -81,11 +81,19 @@ def test_the_best_so_far_moves_only_to_a_better_evaluated_step():
     assert evaluation.best_after(none, 40, loss, {**line, "eval_loss": math.inf}) is none
     assert evaluation.best_after(at_20, 40, loss, None) is at_20  # step 40 was not evaluated
     assert evaluation.best_after(at_20, 60, loss, line) is at_20  # the line is another step's
-    # a step that warned is never the best, however good its metric; another step's warning does not count
-    warned = [json.dumps({"step": 40, "warnings": ["generations collapsing into repetition: seq-rep-4 0.91 ..."]})]
-    assert evaluation.best_after(at_20, 40, loss, line, warned) is at_20
+    # a step whose eval, or whose train lines since the eval before, warned is never the best, however good its
+    # metric; a warning before that eval, or step 1's cache drift (the start's offset), does not count
+    warned = [json.dumps(x) for x in (
+        {"step": 1, "warnings": ["reference cache off this policy's forward: 1.2e-02 nats per token ..."]},
+        {"step": 20, "eval_loss": 0.5},
+        {"step": 33, "warnings": ["likelihood displacement: chosen log-probs -0.61 nats/token ..."]},
+        {"step": 40, "eval_loss": 0.4},
+        {"step": 40, "warnings": ["generations collapsing into repetition: seq-rep-4 0.91 ..."]})]
+    assert evaluation.best_after(at_20, 40, loss, line, warned[:4]) is at_20  # step 33's train line
+    assert evaluation.best_after(at_20, 40, loss, line, warned[:2] + warned[3:]) is at_20  # its eval's
     assert evaluation.best_after(none, 60, loss, {**line, "step": 60}, warned) == {"best_metric": 0.4,
                                                                                     "best_global_step": 60}
+    assert evaluation.best_after(none, 20, loss, {**line, "step": 20}, warned[:2])["best_global_step"] == 20
 
 
 def test_dpo_eval_metrics_equal_a_recomputation(make_cfg, split_files, tiny_path, tokenizer):
@@ -389,3 +397,24 @@ def test_the_eval_log_line_shows_the_context_and_the_answers_beside_step_0():
         "eval at step 80: loss 0.1655, accuracy 1, margin 2.712; answers: repetition 0, ROUGE-L 0.657 (0.714 at step "
         "0, ±0.057), KL 0.38, length 7")
     assert evaluation.log_line([], {"step": 3, "eval_loss": 1.23}) == "eval at step 3: loss 1.23"  # no samples
+
+
+def test_the_repeated_warnings_say_which_step_the_adapter_is(tmp_path):
+    """chat and export repeat a run's warning signs (provenance.run_warnings); where the final adapter is the best
+    checkpoint (load_best_model_at_end), chosen with no sign of damage, they say which step it is."""
+    import yaml
+
+    from lowmem_dpo.training import provenance
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (
+        {"step": 4, "eval_loss": 0.5}, {"step": 6, "warnings": ["likelihood displacement: chosen log-probs ..."]},
+        {"step": 8, "eval_loss": 0.6})))
+    (run / "config.yaml").write_text(yaml.safe_dump({"load_best_model_at_end": True}))
+    (run / "trainer_state.json").write_text(json.dumps({"global_step": 8, "best_global_step": 4}))
+    said = provenance.run_warnings(run, "chat")
+    assert said.startswith(f"warning: chat: the run that trained {run} logged warning signs, so the adapter may be "
+                           "damaged: likelihood displacement at step 6; the adapter here is step 4's, the best")
+    (run / "config.yaml").write_text(yaml.safe_dump({"load_best_model_at_end": False}))
+    assert "the adapter here is" not in provenance.run_warnings(run, "chat")  # the last step's: no such note

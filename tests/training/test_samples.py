@@ -117,10 +117,12 @@ def test_one_collapsed_answer_among_few_is_seen(tokenizer):
         "Canberra is the capital of Australia.", "A spider has eight legs.", "Water boils at 100 degrees.",
         "JAP. " * 16)]
     base_rep, base_tokens = [0.0, 0.0, 0.0, 0.0], [len(x) for x in ids]
-    assert guards.collapsed_answers(ids, base_rep, base_tokens) == 1
-    assert guards.collapsed_answers(ids, [0.0, 0.0, 0.0, 0.9], base_tokens) == 0  # it looped at step 0 too
-    assert guards.collapsed_answers([*ids[:3], []], base_rep, base_tokens) == 1  # into nothing
-    assert guards.collapsed_answers([*ids[:3], []], base_rep, [*base_tokens[:3], 0]) == 0  # empty at step 0 too
+    assert guards.collapsed_answers(ids, base_rep, base_tokens) == (1, 4)
+    assert guards.collapsed_answers(ids, [0.0, 0.0, 0.0, 0.9], base_tokens) == (0, 4)  # it looped at step 0 too
+    assert guards.collapsed_answers([*ids[:3], []], base_rep, base_tokens) == (1, 4)  # into nothing
+    assert guards.collapsed_answers([*ids[:3], []], base_rep, [*base_tokens[:3], 0]) == (0, 4)  # empty then too
+    # an answer without a step-0 answer to its prompt (an older run's samples.jsonl) is not judged
+    assert guards.collapsed_answers(ids, [0.0, 0.0, 0.0, None], [*base_tokens[:3], None]) == (0, 3)
     now = {**guards.generation_stats(ids), guards.GEN_COLLAPSED: 1, guards.GEN_ANSWERS: 4}
     assert now[guards.GEN_REPETITION] < guards.COLLAPSE_LEVEL  # the mean alone would say nothing
     sign = guards.collapse_sign({guards.GEN_REPETITION: 0.0, guards.GEN_LENGTH: 8.0, guards.GEN_EMPTY: 0.0}, now)
