@@ -7,9 +7,10 @@ sequence key (cache.py: the model's weights, dtype and quantization; the sequenc
 ref_cache_dir/index.sqlite (store.py). Precompute looks every sequence of the recipe's rows up (the dataset's, and
 eval_dataset's when it is set) and computes only the missing ones, then says `computed N sequences, reused M`.
 Reordered, subset, newly mixed or re-paired rows cost no forward; a run whose sequences are all there loads no
-model. A killed run keeps every batch it committed. --prune drops the values this recipe does not use
-(other model sides included) and says how much the cache holds. It ends with the preflight report
-(lowmem_dpo.preflight), printed and saved as ref_cache_dir/preflight.json.
+model. A killed run keeps every batch it committed. A damaged index is moved aside (index.sqlite.damaged-<time>,
+nothing deleted) for a new one, and damaged values are dropped and computed again. --prune drops the values this
+recipe does not use (other model sides included) and says how much the cache holds. It ends with the preflight
+report (lowmem_dpo.preflight), printed and saved as ref_cache_dir/preflight.json.
 
 On several processes (distributed.py) each computes every world-size-th batch of the missing sequences into the
 same store:
@@ -32,6 +33,7 @@ from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, place, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
+from lowmem_dpo.data import store as stores
 from lowmem_dpo.data.store import Value
 from lowmem_dpo.memory import cards, search
 from lowmem_dpo.memory.host import host_ram
@@ -42,9 +44,6 @@ from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training import inputs, policy
 
-SEQUENCE_BYTES = 100  # what a sequence takes in the store, with its index, for the free-space check (~40 measured)
-TOKEN_BYTES = 12  # what a token's log-prob takes on a per-token side (4 B of float32; ~10 measured with SQLite's
-#                   overflow pages and its write-ahead log)
 BUILD = cache.BUILD  # what the last precompute did: sequences computed and reused, its forward's sequences/s
 
 
@@ -282,14 +281,14 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
     keys = list(sequences)
     side = inputs.run_side(cfg, resolved, prepared)
     command = cache.rebuild_command(cfg, recipe)
-    cache.refuse_earlier_format(cache_dir, command)  # before anything is written there
+    stores.refuse_earlier_format(cache_dir, command)  # before anything is written there
     folders.mark(cache_dir, "reference cache")  # every rank before it creates the store: a rank checking late sees it
     log(f"reference cache: {place(cfg, 'ref_cache_dir')}")
-    with cache.for_run(cache_dir, side, create=True, command=command) as run_cache:
+    with open_cache(cache_dir, side, command) as run_cache:
         # as rank 0 reads them: every process splits the same sequences (not so after another rank's first commit)
-        lacking = distributed.broadcast(run_cache.missing(keys, reuse_twin=objectives.unpaired(cfg.loss_type))
+        lacking = distributed.broadcast(run_cache.missing(sequences, reuse_twin=objectives.unpaired(cfg.loss_type))
                                         if distributed.is_main() else None)
-        need = {layout: stored_bytes([sequences[keys[i]] for i in miss], side.per_token)
+        need = {layout: stores.room_for([sequences[keys[i]] for i in miss], side.per_token)
                 for layout, miss in lacking.items()}
         files.ensure_free_space(cache_dir, min(need.values()), "the reference cache",
                                 "Nothing was computed; the cache there is untouched.")
@@ -324,10 +323,12 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
     return cache_dir
 
 
-def stored_bytes(seqs: list[data.TokenizedCompletion], per_token: bool) -> int:
-    """What storing `seqs` takes on disk, at most, for the free-space check (and 1 MiB for SQLite's own)."""
-    tokens = sum(len(s.completion_ids) for s in seqs) if per_token else 0
-    return len(seqs) * SEQUENCE_BYTES + tokens * TOKEN_BYTES + (1 << 20)
+def open_cache(cache_dir: Path, side: cache.Side, command: str) -> cache.RunCache:
+    """The run's cache, created where there is none: the main process's first, so that it alone moves a damaged
+    index aside for a new one (cache.open_store) before the others open the folder."""
+    first = cache.for_run(cache_dir, side, create=True, command=command) if distributed.is_main() else None
+    distributed.barrier()
+    return first or cache.for_run(cache_dir, side, create=True, command=command)
 
 
 def record_build(cache_dir: Path, computed: int, reused: int, seconds: float, side: str) -> None:

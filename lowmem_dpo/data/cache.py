@@ -20,7 +20,8 @@ This module alone builds and compares keys: a stage asks its run's cache (for_ru
 keys a sequence or a side itself.
 
 A cache of an earlier format (pair-keyed, or manifest.json and shards) is refused with what to remove and the
-command that rebuilds it (open_store): its values cannot be split into sequences, and no release wrote one.
+command that rebuilds it (open_store): its values cannot be split into sequences, and no release wrote one. A
+damaged one is refused naming the precompute to run (store.Damaged), which rebuilds it (RunCache.missing, open_store).
 """
 
 from __future__ import annotations
@@ -37,14 +38,13 @@ import torch
 from lowmem_dpo.data import store as stores
 from lowmem_dpo.data.encode import TokenizedCompletion
 from lowmem_dpo.runtime import folders
-from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.runtime.errors import log
 
 FORMAT_VERSION = 3  # values per sequence; 2 was per pair, 1 was manifest.json and shards
 FINGERPRINT_FORMAT = 1  # the "format" in inputs.fingerprint_components
 # bump when logps.completion_logps gives other numbers for the same ids and weights (2: the LM head in tiles with an
 # online logsumexp, each sequence summed in float64)
 LOGPS_RULES = 2
-LEGACY_MANIFEST = "manifest.json"  # format 1's index: refused, and recognised as this tool's folder
 BUILD, REPORT = "build.json", "preflight.json"  # precompute's record of its last build, preflight's report
 # A side's components that are the reference's precision: a cache holding another precision can serve train as
 # built (ref_dtype, ref_quantization), and the message says so.
@@ -193,25 +193,17 @@ def run_side(weights: dict, dtype: str, quantization: str, shared: bool = False,
 
 def open_store(cache_dir: Path, create: bool = False, command: str = "") -> stores.Store | None:
     """The cache folder's store; None when it has none (and `create` is off). A cache of an earlier format is
-    refused (refuse_earlier_format)."""
-    refuse_earlier_format(cache_dir, command)
+    refused (stores.refuse_earlier_format). A damaged one is refused naming `command`, the precompute that rebuilds
+    it; with `create` (precompute's) it is moved aside for a new one (stores.rebuilt)."""
+    stores.refuse_earlier_format(cache_dir, command)
     try:
         return stores.Store(cache_dir, create=create)
     except FileNotFoundError:
         return None
-
-
-def refuse_earlier_format(cache_dir: Path, command: str = "") -> None:
-    """A UserError, before anything is written there, when the folder holds a cache of an earlier format: what to
-    remove and `command` (the precompute that rebuilds it)."""
-    cache_dir = Path(cache_dir)
-    whole = (cache_dir / LEGACY_MANIFEST).is_file()  # format 1: one fingerprint over the whole data
-    if not whole and stores.OLD_TABLE not in stores.tables(cache_dir):
-        return
-    raise UserError(f"the reference cache in {str(cache_dir)!r} is of an earlier format (values keyed by "
-                    f"{'the whole dataset' if whole else 'pair'}; this version keys them per completion) and cannot "
-                    f"be read: remove it (rm -r {shlex.quote(str(cache_dir))}) and rebuild it with: "
-                    f"{command or 'python -m lowmem_dpo.precompute RECIPE.yaml'}")
+    except stores.Damaged as e:
+        if not create:
+            raise e.running(command) from None
+        return stores.rebuilt(cache_dir, e)
 
 
 def lookup(store: stores.Store, side: Side, keys: list[bytes]) -> tuple[dict, bool]:
@@ -232,30 +224,29 @@ def part_counts(tok) -> dict:
             "skipped": tok.skipped, "truncated": {part: len(rows) for part, rows in tok.truncated.items()}}
 
 
-def damaged(found: dict, sequences: dict, per_token: bool) -> list:
-    """The sequences (key -> data.TokenizedCompletion) whose stored value disagrees with their token count, or
-    lacks the token log-probs its side keeps (a key is the sequence's ids: only a damaged file holds one)."""
-    return [s for k, s in sequences.items() if (v := found.get(k)) is not None and (
+def damaged(found: dict, sequences: dict, per_token: bool) -> list[bytes]:
+    """The keys of `sequences` (key -> data.TokenizedCompletion) whose stored value disagrees with their token count,
+    or lacks the token log-probs its side keeps (a key is the sequence's ids: only a damaged file holds one)."""
+    return [k for k, s in sequences.items() if (v := found.get(k)) is not None and (
         v.tokens != completion_tokens(s.prompt_ids, s.completion_ids)
         or per_token and (v.token_logps is None or len(v.token_logps) != 4 * v.tokens))]
 
 
 def reference(store: stores.Store, side: Side, tok, name_row=str, keys: list | None = None,
-              ld_alpha: float | None = None) -> tuple[RefCache, list]:
+              ld_alpha: float | None = None, command: str = "") -> tuple[RefCache, list]:
     """The RefCache of one part's rows (tok: the dataset's or eval_dataset's data.TokenizedData; keys: their
     pair_keys, when the caller has them) from the store, in the side's preferred layout and its twin's; and the
-    pairs it lacks (either sequence). ld_alpha: LD-DPO's sums (a per_token side). A damaged value is refused,
-    naming the rows."""
+    pairs it lacks (either sequence). ld_alpha: LD-DPO's sums (a per_token side). A damaged value is refused
+    (stores.Damaged), naming the rows and `command`, the precompute that computes it again."""
     keys = keys if keys is not None else [pair_keys(p) for p in tok.pairs]
     sequences = {k: s for p, ks in zip(tok.pairs, keys) for k, s in zip(ks, pair_sequences(p))}
     found, from_other = lookup(store, side, [k for k, s in sequences.items() if s.completion_ids])
     found.update({k: EMPTY for k, s in sequences.items() if not s.completion_ids})
     wrong = damaged(found, sequences, side.per_token)
     if wrong:
-        raise UserError(f"the reference cache in {str(store.path.parent)!r} is damaged: its values for "
-                        f"{len(wrong)} sequences disagree with their token counts (of "
-                        f"{'; '.join(name_row(s.row) for s in wrong[:3])}); point ref_cache_dir at a new folder and "
-                        "run precompute again (this one, which other recipes may share, is left as it is)")
+        rows = "; ".join(name_row(sequences[k].row) for k in wrong[:3])
+        raise stores.Damaged(store.path, f"its values for {len(wrong)} sequences, of {rows}, disagree with their "
+                             "token counts", "it drops and computes them again", command)
     ref = RefCache.empty(tok.num_rows, side=side.digest, counts=part_counts(tok),
                          shared=None if side.shared is None else side.shared != from_other)
     ref.fill(tok.pairs, keys, found, ld_alpha)
@@ -292,17 +283,24 @@ class RunCache:
         """Whether a stored model side (its digest, store.usage) is this run's, in either layout."""
         return digest in {side_digest(c) for c in self.side.layouts().values()}
 
-    def missing(self, keys: list[bytes], reuse_twin: bool = False) -> dict:
-        """layout (None in float32, else whether shared) -> the indices of sequence `keys` the store lacks in it.
+    def missing(self, sequences: dict, reuse_twin: bool = False) -> dict:
+        """layout (None in float32, else whether shared) -> the indices of `sequences` (key -> TokenizedCompletion)
+        the store lacks in it; a damaged value (damaged()) is dropped first, said in one line, and lacking.
         reuse_twin (KTO, which trains one sequence a row: a DPO build's values are mostly in the shared layout):
         what neither layout holds, in both; train then reads the other layout's values, ~1e-3 apart in 16 bits."""
-        lacking = {}
+        keys, lacking, dropped = list(sequences), {}, 0
         for layout, components in self.side.layouts().items():
-            have = self.store.get(self.store.side(side_digest(components)), keys)
-            lacking[layout] = [i for i, k in enumerate(keys) if k not in have]
+            side = self.store.side(side_digest(components))
+            have = self.store.get(side, keys)
+            wrong = set(damaged(have, sequences, self.side.per_token))
+            dropped += self.store.drop(side, wrong)
+            lacking[layout] = [i for i, k in enumerate(keys) if k not in have or k in wrong]
         if reuse_twin and len(lacking) == 2:
             both = sorted(set(lacking[True]) & set(lacking[False]))
             lacking = {True: both, False: both}
+        if dropped:
+            log(f"the reference cache index {self.store.path} held damaged values for {dropped} sequences (token "
+                "counts that disagree with their sequences): dropped them; this build computes again those it reads")
         return lacking
 
     def put(self, layout: bool | None, got: list) -> None:
@@ -314,7 +312,7 @@ class RunCache:
 
     def read(self, tok, name_row=str, keys: list | None = None, ld_alpha: float | None = None) -> tuple:
         """reference(): the RefCache of one part's rows, and the pairs it lacks."""
-        return reference(self.store, self.side, tok, name_row, keys, ld_alpha)
+        return reference(self.store, self.side, tok, name_row, keys, ld_alpha, self.command)
 
     def prune(self, layout: bool | None, keep: set[bytes]) -> int:
         """Drop what the store holds beyond the sequence keys `keep` under this side's `layout`, and every other
@@ -327,7 +325,7 @@ class RunCache:
 
 def for_run(cache_dir: Path, side: Side, create: bool = False, command: str = "") -> RunCache | None:
     """The run's cache in `cache_dir` under `side` (open_store: None when the folder has no store and `create` is
-    off; an earlier format refused)."""
+    off; an earlier format refused; a damaged one refused, or with `create` rebuilt)."""
     store = open_store(cache_dir, create, command)
     return None if store is None else RunCache(store, side, command)
 
@@ -390,11 +388,11 @@ def earlier_cache(cache_dir: Path) -> bool:
     format), or a format-1 cache's manifest, and nothing but what a cache holds (SQLite's files, the reports, the
     old format's). open_store then refuses the earlier formats with what to do."""
     try:
-        manifest = json.loads((Path(cache_dir) / LEGACY_MANIFEST).read_text())
+        manifest = json.loads((Path(cache_dir) / stores.LEGACY_MANIFEST).read_text())
     except (OSError, ValueError):
         manifest = None
     old = isinstance(manifest, dict) and {"fingerprint", "shard_dir"} <= set(manifest)
     names = {stores.INDEX, f"{stores.INDEX}-wal", f"{stores.INDEX}-shm", BUILD, REPORT,
-             LEGACY_MANIFEST, manifest.get("shard_dir") if old else None}
+             stores.LEGACY_MANIFEST, manifest.get("shard_dir") if old else None}
     return (stores.is_store(cache_dir) or old) and all(n in names or n.startswith("legacy-v1")
                                                        for n in folders.visible(cache_dir))

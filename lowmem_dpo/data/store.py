@@ -18,9 +18,11 @@ ref_cache_dir off NFS.
 
 An index of an earlier format (the pair-keyed `rows` table) is refused (OldFormat): no release wrote one, and
 its values cannot be split into sequences. A damaged index (a disk's or a copy's fault, bytes written over it, a
-truncated file) is refused in one line naming it, whatever SQLite raises and wherever: SQLite's quick check on
-open, before anything can write to the file (~0.25 s per million sequences), and every query after it (_refused).
-SQLite cannot see bytes changed inside a stored value; cache.damaged refuses a value whose token count disagrees.
+truncated file) is Damaged, said in one line naming it, whatever SQLite raises and wherever: SQLite's quick check
+on open, before anything can write to the file or its log (~0.25 s per million sequences), and every query after
+it (_refused). Train and preflight refuse it; precompute moves it aside (move_aside: renamed, never deleted) and
+builds a new one. SQLite cannot see bytes changed inside a stored value; cache.damaged finds a value whose token
+count disagrees, which train refuses and precompute drops (drop) and computes again.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import shlex
 import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowmem_dpo.runtime.errors import UserError
+from lowmem_dpo.runtime.errors import UserError, log
 
 INDEX = "index.sqlite"
 SCHEMA = """
@@ -45,10 +48,39 @@ CREATE TABLE IF NOT EXISTS sequences (side INTEGER NOT NULL, key BLOB NOT NULL, 
                                       WITHOUT ROWID;
 """
 OLD_TABLE = "rows"  # the pair-keyed format's table
+LEGACY_MANIFEST = "manifest.json"  # format 1's index: refused, and recognised as this tool's folder
 
 
 class OldFormat(UserError):
     """The folder's index is of an earlier format (cache.open_store says what to remove and the command)."""
+
+
+class Damaged(UserError):
+    """The index, or values in it, are damaged: what (SQLite's words, or cache.damaged's), where, and what precompute
+    does about it (`fix`), which the command (`command`, when the stage knows it) runs."""
+
+    def __init__(self, path: Path, what: str, fix: str = "it moves the damaged file aside and rebuilds",
+                 command: str = ""):
+        self.path, self.what, self.fix = path, what, fix
+        super().__init__(f"the reference cache index {path} is damaged ({what}): rerun precompute ({fix})"
+                         + (f": {command}" if command else ""))
+
+    def running(self, command: str) -> "Damaged":
+        """The same refusal, naming the precompute that repairs it."""
+        return Damaged(self.path, self.what, self.fix, command)
+
+
+def refuse_earlier_format(cache_dir: Path, command: str = "") -> None:
+    """A UserError, before anything is written there, when the folder holds a cache of an earlier format: what to
+    remove and `command` (the precompute that rebuilds it)."""
+    cache_dir = Path(cache_dir)
+    whole = (cache_dir / LEGACY_MANIFEST).is_file()  # format 1: one fingerprint over the whole data
+    if not whole and OLD_TABLE not in tables(cache_dir):
+        return
+    raise UserError(f"the reference cache in {str(cache_dir)!r} is of an earlier format (values keyed by "
+                    f"{'the whole dataset' if whole else 'pair'}; this version keys them per completion) and cannot "
+                    f"be read: remove it (rm -r {shlex.quote(str(cache_dir))}) and rebuild it with: "
+                    f"{command or 'python -m lowmem_dpo.precompute RECIPE.yaml'}")
 
 
 def tables(cache_dir: str | Path) -> set[str]:
@@ -78,8 +110,18 @@ def is_store(cache_dir: str | Path) -> bool:
 
 
 SEQUENCE_BYTES = 40  # a value without token log-probs, with its key and index entry (measured)
+ROOM_SEQUENCE_BYTES = 100  # what precompute's free-space check asks per sequence (SEQUENCE_BYTES, with room)
+ROOM_TOKEN_BYTES = 12  # and per token on a per-token side (4 B of float32; ~10 measured with SQLite's overflow
+#                        pages and its write-ahead log)
 CHUNK = 500  # keys per lookup query (SQLite's bound on parameters is 999 on old builds)
 WAIT_S = 600  # how long a writer waits for another process's commit before giving up
+
+
+def room_for(seqs: list, per_token: bool) -> int:
+    """What storing `seqs` (data.TokenizedCompletion) takes on disk, at most, for precompute's free-space check
+    (and 1 MiB for SQLite's own); per_token: with each token's log-prob."""
+    tokens = sum(len(s.completion_ids) for s in seqs) if per_token else 0
+    return len(seqs) * ROOM_SEQUENCE_BYTES + tokens * ROOM_TOKEN_BYTES + (1 << 20)
 
 
 @dataclass(frozen=True)
@@ -111,7 +153,7 @@ def _refused(method: Callable) -> Callable:
         except sqlite3.Error as e:
             if "full" in str(e):
                 raise
-            raise UserError(_problem(self.path, e)) from None
+            raise _refusal(self.path, e) from None
 
     return run
 
@@ -129,9 +171,9 @@ class Store:
             raise OldFormat(f"{self.path} is a reference cache of the earlier pair-keyed format")
         self.db = None
         try:
+            if existed:  # a damaged file is refused before a connection that may write to it opens it
+                _check(self.path)
             self.db = sqlite3.connect(self.path, timeout=WAIT_S)
-            if existed:  # a damaged file is refused before any statement below may write to it
-                _busy(lambda: _check(self.db))
             if self.db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                 # readers do not wait for a writer; SQLite answers "locked" at once (no busy wait) while another
                 # process holds the file, as when two processes create a new cache together
@@ -141,7 +183,7 @@ class Store:
         except sqlite3.Error as e:
             if self.db is not None:
                 self.db.close()  # SQLite removes the -wal and -shm files it made beside the user's file
-            raise UserError(_problem(self.path, e)) from None
+            raise _refusal(self.path, e) from None
 
     def close(self) -> None:
         self.db.close()
@@ -211,6 +253,15 @@ class Store:
                                 [(side, k, v.logps, v.tokens, v.token_logps) for k, v in values.items()])
 
     @_refused
+    def drop(self, side: int, keys: set[bytes]) -> int:
+        """Drop the sequences `keys` under `side` (damaged values, which precompute computes again), in one
+        transaction; returns how many."""
+        if keys:
+            with self.writing():
+                self.db.executemany("DELETE FROM sequences WHERE side = ? AND key = ?", [(side, k) for k in keys])
+        return len(keys)
+
+    @_refused
     def usage(self) -> list[SideUsage]:
         """Each model side's sequences and its share of the file's bytes in use (pages not on the free list), by
         what its values hold (a per-token side's blobs count), the largest first."""
@@ -248,7 +299,7 @@ class Store:
 
     def file_bytes(self) -> int:
         """The index's files on disk (the write-ahead log included)."""
-        return sum(p.stat().st_size for p in self.path.parent.glob(INDEX + "*") if p.is_file())
+        return sum(p.stat().st_size for p in (Path(f"{self.path}{s}") for s in ("", "-wal", "-shm")) if p.is_file())
 
 
 def _busy(run: Callable, wait_s: float = WAIT_S):
@@ -263,23 +314,67 @@ def _busy(run: Callable, wait_s: float = WAIT_S):
             time.sleep(0.05)
 
 
-def _check(db: sqlite3.Connection) -> None:
+QUICK_CHECK = "SQLite's quick check"
+DAMAGE = ("malformed", "not a database", QUICK_CHECK)  # what SQLite says of a damaged file (SQLITE_CORRUPT,
+#                                                       SQLITE_NOTADB), and _check
+
+
+def _check(path: Path) -> None:
     """SQLite's quick check of the whole file (every page's structure and every record's form, not the values):
-    a DatabaseError saying the first problem it finds."""
-    found = [line.strip() for (text,) in db.execute("PRAGMA quick_check") for line in str(text).splitlines()]
+    a DatabaseError saying the first problem it finds. Beside a writer's log (running, or killed) read only: closing
+    a connection that may write folds the log into the file and deletes it, damaged or not. Without one, a writer's
+    connection, which removes on close the -wal and -shm files it made (a read-only one leaves the -shm)."""
+    logged = Path(f"{path}-wal").is_file()
+    db = sqlite3.connect(path.absolute().as_uri() + ("?mode=ro" if logged else ""), uri=True, timeout=WAIT_S)
+    try:
+        found = [line.strip() for (text,) in _busy(lambda: db.execute("PRAGMA quick_check").fetchall())
+                 for line in str(text).splitlines()]
+    finally:
+        db.close()
     problems = [line for line in found if line and line != "ok" and not line.startswith("***")]
     if problems:
-        raise sqlite3.DatabaseError(f"damaged: {problems[0]}")
+        raise sqlite3.DatabaseError(f"{QUICK_CHECK}: {problems[0]}")
 
 
-def _problem(path: Path, e: sqlite3.Error) -> str:
-    """What an SQLite error on the index means, and what to do, in one line."""
+def _refusal(path: Path, e: sqlite3.Error) -> UserError:
+    """What an SQLite error on the index means, and what to do, in one line: Damaged where SQLite says the file is."""
     text = " ".join(str(e).split())
+    if any(word in text for word in DAMAGE):
+        return Damaged(path, text)
     if "locked" in text or "busy" in text:
-        return (f"the reference cache index {path} stayed locked by another process for {WAIT_S // 60} minutes "
-                f"({text}): wait for that process (another precompute?) to finish, then run this again")
+        return UserError(f"the reference cache index {path} stayed locked by another process for {WAIT_S // 60} "
+                         f"minutes ({text}): wait for that process (another precompute?) to finish, then run this "
+                         "again")
     if "readonly" in text or "read-only" in text or "unable to open" in text:
-        return (f"cannot write the reference cache index {path} ({text}): make {path.parent} writable, or point "
-                "ref_cache_dir elsewhere")
-    return (f"the reference cache index {path} is unreadable ({text}): move it away, with its -wal and -shm files "
-            "if there are any, and run precompute again")
+        return UserError(f"cannot write the reference cache index {path} ({text}): make {path.parent} writable, or "
+                         "point ref_cache_dir elsewhere")
+    return UserError(f"the reference cache index {path} is unreadable ({text}): move it away, with its -wal and -shm "
+                     "files if there are any, and run precompute again")
+
+
+def rebuilt(cache_dir: str | Path, damage: Damaged) -> Store:
+    """A new index in place of a damaged one (`damage`), which move_aside keeps beside it; said in one line. Checked
+    again first: another precompute on the folder may have put a new one there meanwhile."""
+    try:
+        return Store(cache_dir, create=True)
+    except Damaged:
+        aside = move_aside(cache_dir)
+    log(f"the reference cache index {damage.path} is damaged ({damage.what}): moved it aside to {aside} (nothing "
+        "deleted; remove it once you no longer need it), and building a new one")
+    return Store(cache_dir, create=True)
+
+
+def move_aside(cache_dir: str | Path) -> Path:
+    """Rename the folder's damaged index to index.sqlite.damaged-<time> beside it, its -wal and -shm files (if
+    any) to that name with their suffixes, so that SQLite opens the three together; returns the new name. Nothing
+    is deleted. The index goes last: SQLite would apply an old -wal to a new index of the same name."""
+    path = Path(cache_dir) / INDEX
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    aside = path.with_name(f"{INDEX}.damaged-{stamp}")
+    while any(aside.with_name(aside.name + s).exists() for s in ("", "-wal", "-shm")):
+        n += 1
+        aside = path.with_name(f"{INDEX}.damaged-{stamp}-{n}")
+    for suffix in ("-wal", "-shm", ""):
+        with contextlib.suppress(FileNotFoundError):  # none, or another process moved it first
+            path.with_name(INDEX + suffix).rename(aside.with_name(aside.name + suffix))
+    return aside

@@ -309,11 +309,12 @@ def _damaged(index, how: str, rng) -> None:
     index.write_bytes(data[:at] + rng.randbytes(64) + data[at + 64:])
 
 
-def test_a_damaged_index_is_refused_in_one_line_by_every_stage_and_left_as_it_is(tmp_path, capsys):
+def test_a_damaged_index_is_refused_by_train_and_moved_aside_by_precompute(tmp_path, capsys):
     """One real cache of 96 of the demo's rows, copied and damaged five ways (random bytes, seeded, over the file
-    header, the first page, the middle page and the last cell; the file cut short): precompute (and --prune),
-    preflight and train each exit 2 with one line naming index.sqlite and what to do, no traceback, and every file
-    in the folder (the index byte for byte, no -wal or -shm left beside it) as it was."""
+    header, the first page, the middle page and the last cell; the file cut short): preflight and train each exit
+    2 with one line calling index.sqlite damaged and naming the precompute that rebuilds it, no traceback, and every
+    file in the folder as it was. That precompute (--prune too) moves the damaged file aside, its bytes kept, says
+    where in one line, builds a new index of every sequence, and train runs on it."""
     import random
 
     from lowmem_dpo import preflight
@@ -327,7 +328,7 @@ def test_a_damaged_index_is_refused_in_one_line_by_every_stage_and_left_as_it_is
             "dtype=float32", f"output_dir={tmp_path / 'out'}", "max_steps=1"]
     assert main(["precompute", RECIPE, *args]) == 0
     assert main(["preflight", RECIPE, *args]) == 0  # the intact cache serves every row
-    capsys.readouterr()
+    built = counted(capsys.readouterr().err)[0]
     rng = random.Random(47)
     for how in (16, 100, "middle", "end", "truncated"):
         folder = tmp_path / f"damaged-{how}"
@@ -335,16 +336,24 @@ def test_a_damaged_index_is_refused_in_one_line_by_every_stage_and_left_as_it_is
         _damaged(folder / "index.sqlite", how, rng)
         before = {p.name: p.read_bytes() for p in folder.iterdir()}
         args[0] = f"ref_cache_dir={folder}"
-        for stage in (["precompute"], ["precompute", "--prune"], ["preflight"], ["train"]):
-            assert main([*stage[:1], RECIPE, *args, *stage[1:]]) == 2, (how, stage)
+        for stage in ("preflight", "train"):
+            assert main([stage, RECIPE, *args]) == 2, (how, stage)
             err = capsys.readouterr().err.strip()
             assert "Traceback" not in err and err.count("error:") == 1, (how, stage, err)
-            assert re.fullmatch(rf"lowmem_dpo\.{stage[0]}: error: the reference cache index "
-                                rf"{re.escape(str(folder / 'index.sqlite'))} is unreadable \(.+\): move it away, with "
-                                "its -wal and -shm files if there are any, and run precompute again",
-                                err.splitlines()[-1]), (how, stage, err)
+            assert re.fullmatch(rf"lowmem_dpo\.{stage}: error: the reference cache index "
+                                rf"{re.escape(str(folder / 'index.sqlite'))} is damaged \(.+\): rerun precompute \(it "
+                                r"moves the damaged file aside and rebuilds\): python -m lowmem_dpo\.precompute "
+                                + re.escape(" ".join([RECIPE, *args])), err.splitlines()[-1]), (how, stage, err)
             assert {p.name: p.read_bytes() for p in folder.iterdir()} == before, (how, stage)
-        assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists()
+    assert main(["precompute", RECIPE, *args, "--prune"]) == 0  # the last one (a model load each: one is enough)
+    err = capsys.readouterr().err
+    (aside,) = folder.glob("index.sqlite.damaged-*")
+    assert re.search(rf"the reference cache index {re.escape(str(folder / 'index.sqlite'))} is damaged \(.+\): moved "
+                     rf"it aside to {re.escape(str(aside))} \(nothing deleted; remove it once you no longer need it\), "
+                     "and building a new one", err) and counted(err) == (built, 0)
+    assert aside.read_bytes() == before["index.sqlite"] and stored_sequences(folder) == built
+    assert main(["train", RECIPE, *args]) == 0
 
 
 def _four_completions(n: int) -> list[list]:
@@ -435,26 +444,40 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # no temp file left behind
 
 
-def test_a_run_s_cache_keys_its_sequences_and_sides_itself(tmp_path):
+def test_a_run_s_cache_keys_its_sequences_and_sides_itself(tmp_path, capsys):
     """cache.for_run is the one owner of the keys: a pair's sequences put under one layout are missing from the
     other, read back into the part's RefCache (the twin serves a layout that lacks them), and prune keeps only the
-    sequences asked for; the side is the run's in either layout, its identity the same."""
+    sequences asked for; the side is the run's in either layout, its identity the same. A value whose token count
+    disagrees with its sequence is damaged: read refuses it naming its row and the command, missing drops it (one
+    line) and lists it."""
     from lowmem_dpo.data import cache
     from lowmem_dpo.data import store as stores
 
     side = cache.run_side({"model": "m", "adapter": None}, "bfloat16", "none", shared=True)
     pairs = [data.TokenizedPair(0, [1, 2], [3, 4], [5]), data.TokenizedPair(1, [1, 2], [6], [5])]  # one rejected
     tok = data.TokenizedData(pairs=pairs, num_rows=2, dropped=[])
-    keys = [k for p in pairs for k in cache.pair_keys(p)]
-    with cache.for_run(tmp_path / "c", side, create=True) as run_cache:
-        assert run_cache.missing(keys) == {True: [0, 1, 2, 3], False: [0, 1, 2, 3]}
+    sequences = {k: seq for p in pairs for k, seq in zip(cache.pair_keys(p), cache.pair_sequences(p))}
+    keys = list(sequences)  # row 0's chosen and rejected, row 1's chosen
+    with cache.for_run(tmp_path / "c", side, create=True, command="python -m lowmem_dpo.precompute R") as run_cache:
+        assert run_cache.missing(sequences) == {True: [0, 1, 2], False: [0, 1, 2]}
         first = cache.pair_sequences(pairs[0])
         run_cache.put(True, [(seq, stores.Value(-1.0 - i, cache.completion_tokens(seq.prompt_ids, seq.completion_ids)))
                              for i, seq in enumerate(first)])
-        assert run_cache.missing(keys) == {True: [2], False: [0, 1, 2, 3]}  # row 1's rejected is row 0's
+        assert run_cache.missing(sequences) == {True: [2], False: [0, 1, 2]}  # row 1's rejected is row 0's
         ref, lacking = run_cache.read(tok)
         assert [p.row for p in lacking] == [1] and ref.chosen[0].item() == -1.0 and ref.rejected[0].item() == -2.0
         twin = run_cache.preferring(False)
         assert twin.identity == run_cache.identity and twin.read(tok)[0].shared is True  # read from the twin
         assert {u.digest for u in run_cache.store.usage()} == {side.digest} and run_cache.mine(side.digest)
-        assert run_cache.prune(True, {keys[0]}) == 1 and run_cache.missing(keys)[True] == [1, 2, 3]
+        assert run_cache.prune(True, {keys[0]}) == 1 and run_cache.missing(sequences)[True] == [1, 2]
+        run_cache.put(True, [(cache.pair_sequences(pairs[1])[0], stores.Value(-3.0, 2))])  # row 1's chosen: 1 token
+        with pytest.raises(stores.Damaged) as e:
+            run_cache.read(tok, name_row=lambda row: f"row {row}")
+        assert str(e.value) == (f"the reference cache index {tmp_path / 'c' / 'index.sqlite'} is damaged (its values "
+                                "for 1 sequences, of row 1, disagree with their token counts): rerun precompute (it "
+                                "drops and computes them again): python -m lowmem_dpo.precompute R")
+        capsys.readouterr()
+        assert run_cache.missing(sequences)[True] == [1, 2] and run_cache.store.count() == 1
+        assert capsys.readouterr().err.strip() == (
+            f"the reference cache index {tmp_path / 'c' / 'index.sqlite'} held damaged values for 1 sequences (token "
+            "counts that disagree with their sequences): dropped them; this build computes again those it reads")

@@ -2,6 +2,7 @@
 ids and sizes. No model: the values are made up (the store never computes them)."""
 
 import multiprocessing
+import re
 
 import pytest
 
@@ -70,11 +71,59 @@ def test_usage_counts_the_pages_in_use_not_the_write_ahead_log(tmp_path):
         assert not (tmp_path / "index.sqlite-wal").exists() or (tmp_path / "index.sqlite-wal").stat().st_size == 0
 
 
-def test_an_unreadable_index_is_named_with_what_to_do(tmp_path):
-    (tmp_path / "index.sqlite").write_bytes(b"not a database" * 100)
-    with pytest.raises(UserError, match="index.sqlite is unreadable .*: move it away, with its -wal and -shm files "
-                                        "if there are any, and run precompute again"):
-        stores.Store(tmp_path)
+def test_a_damaged_index_is_named_and_rebuilt_with_its_files_moved_aside(tmp_path, capsys):
+    """An index whose writer was killed (its last commit in the write-ahead log), then damaged (bytes over its
+    middle page), twice: Store refuses it (create or not) in one line calling it damaged, and writes nothing to it
+    or its log (SQLite's check reads only); rebuilt() renames the index to index.sqlite.damaged-<time>, its -wal and
+    -shm to that name with their suffixes (-2 when the first took that name), every byte kept, says so in one line,
+    and opens a new, empty index in its place."""
+    import shutil
+
+    live = tmp_path / "live"
+    writer = stores.Store(live, create=True)
+    side = writer.side("side", {"k": 1})
+    writer.put(side, values(3000))
+    writer.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    writer.put(side, values(500, 3000))  # in the log only, as a killed writer leaves it
+    folder, index = tmp_path / "cache", tmp_path / "cache" / "index.sqlite"
+    folder.mkdir()
+    for n in (1, 2):
+        for name in ("index.sqlite", "index.sqlite-wal"):
+            shutil.copy(live / name, folder / name)
+        data = index.read_bytes()
+        at = len(data) // 2 // 4096 * 4096
+        index.write_bytes(data[:at] + bytes(range(64)) + data[at + 64:])
+        before = {p.name: p.read_bytes() for p in folder.iterdir() if "damaged" not in p.name}  # index and log
+        for create in (False, True):
+            with pytest.raises(stores.Damaged) as e:
+                stores.Store(folder, create=create)
+            assert str(e.value) == (f"the reference cache index {index} is damaged ({e.value.what}): rerun precompute "
+                                    "(it moves the damaged file aside and rebuilds)") and "malformed" in e.value.what
+        earlier = {p.name for p in folder.iterdir() if "damaged" in p.name}
+        kept = {p.name: p.read_bytes() for p in folder.iterdir() if p.name not in earlier}
+        assert set(kept) == {*before, "index.sqlite-shm"} and all(kept[k] == v for k, v in before.items())
+        with stores.rebuilt(folder, e.value) as s:
+            assert s.count() == 0
+        moved = {p.name for p in folder.iterdir() if "damaged" in p.name} - earlier
+        aside = folder / min(moved, key=len)
+        stamp = re.fullmatch(r"index\.sqlite\.damaged-(\d{8}-\d{6})(-2)?", aside.name)
+        assert stamp and (stamp[2] is not None) == (n == 2 and stamp[1] in "".join(earlier)), moved
+        assert {name: (folder / name).read_bytes() for name in moved} == {
+            aside.name + name.removeprefix("index.sqlite"): data for name, data in kept.items()}
+        assert capsys.readouterr().err.strip() == (
+            f"the reference cache index {index} is damaged ({e.value.what}): moved it aside to {aside} (nothing "
+            "deleted; remove it once you no longer need it), and building a new one")
+        assert sorted(p.name for p in folder.iterdir() if "damaged" not in p.name) == ["index.sqlite"]
+    writer.close()
+
+
+def test_drop_removes_only_the_keys_asked_under_their_side(tmp_path):
+    with stores.Store(tmp_path, create=True) as s:
+        a, b = s.side("a", {"k": 1}), s.side("b", {"k": 2})
+        s.put(a, values(5))
+        s.put(b, values(5))
+        assert s.drop(a, set(list(values(5))[:2])) == 2 and s.drop(a, set()) == 0
+        assert len(s.get(a, list(values(5)))) == 3 and len(s.get(b, list(values(5)))) == 5
 
 
 def test_token_log_probs_come_back_as_stored_and_a_pair_keyed_index_is_refused(tmp_path):
@@ -137,9 +186,8 @@ def test_an_index_damaged_while_open_is_refused_by_every_query_and_left_as_it_is
                   lambda: s.put(side, values(10, 5000)), lambda: s.prune(side, set())):
         with pytest.raises(UserError) as e:
             query()
-        assert str(e.value) == (f"the reference cache index {index} is unreadable (database disk image is "
-                                "malformed): move it away, with its -wal and -shm files if there are any, and run "
-                                "precompute again")
+        assert str(e.value) == (f"the reference cache index {index} is damaged (database disk image is "
+                                "malformed): rerun precompute (it moves the damaged file aside and rebuilds)")
     s.close()
     assert hashlib.sha256(index.read_bytes()).hexdigest() == digest
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.sqlite"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -468,18 +469,30 @@ def chosen_keys() -> list[bytes]:
     return sorted({c for c, _ in d.keys()})
 
 
-def test_values_that_disagree_with_their_token_counts_are_refused(built, tmp_path, capsys):
+def test_values_that_disagree_with_their_token_counts_are_refused_then_computed_again(built, tmp_path, capsys):
     """A sequence's stored token count raised by 1 (a damaged store: a key is the sequence's token ids, so a true
-    value cannot disagree with them): train stops with exit 2 before the model loads, naming its row."""
+    value cannot disagree with them): train stops with exit 2 before the model loads, in one line calling the cache
+    damaged, naming its row and the precompute to rerun. That precompute drops the value, says so, computes it
+    alone again, and train runs."""
     with cache.open_store(tmp_path / "cache") as store:
-        key = store.db.execute("SELECT key FROM sequences LIMIT 1").fetchone()[0]
+        key, tokens = store.db.execute("SELECT key, tokens FROM sequences LIMIT 1").fetchone()
         store.db.execute("UPDATE sequences SET tokens = tokens + 1 WHERE key = ?", (key,))
         store.db.commit()
     out = tmp_path / "out"
     assert _train(built, out) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"lowmem_dpo.train: error: the reference cache index {tmp_path / 'cache' / 'index.sqlite'} "
+                           "is damaged (its values for 1 sequences, of ")
+    assert ", disagree with their token counts): rerun precompute (it drops and computes them again): " in last
+    assert " line " in last and last.endswith(f"): rerun precompute (it drops and computes them again): python -m "
+                                              f"lowmem_dpo.precompute {built} output_dir={out}") and not out.exists()
+    assert _precompute(built) == 0
     err = capsys.readouterr().err
-    assert "values for 1 sequences disagree with their token counts" in err and "line" in err
-    assert "point ref_cache_dir at a new folder" in err and "Traceback" not in err and not out.exists()
+    assert "held damaged values for 1 sequences (token counts that disagree with their sequences): dropped them" in err
+    assert re.search(r"computed 1 sequences, reused \d+", err)
+    with cache.open_store(tmp_path / "cache") as store:
+        assert store.db.execute("SELECT tokens FROM sequences WHERE key = ?", (key,)).fetchone() == (tokens,)
+    assert _train(built, out, "max_steps=1") == 0
 
 
 def test_a_reference_that_gives_nonfinite_logps_is_refused(built, tmp_path, capsys):
