@@ -1,6 +1,6 @@
 """Run the reference model over the sequences the reference cache lacks, and store their completion log-probs.
 
-    python -m lowmem_dpo.precompute lowmem_dpo:tiny-cpu [key=value ...] [--prune]
+    lowmem-dpo precompute lowmem_dpo:tiny-cpu [key=value ...] [--prune]
 
 Each sequence's values (a prompt and one completion: a pair is two) are stored under its model side and its
 sequence key (cache.py: the model's weights, dtype and quantization; the sequence's own token ids), in
@@ -244,7 +244,7 @@ def chunk_with_backoff(reference: ReferenceForward, chunk: list[list[data.Tokeni
         attempt, batch, reference.resolved.device,
         lambda n: f"out of memory in precompute: retrying with precompute_batch_size={n}",
         "out of memory in precompute with 1 pair per forward: lower max_length, or set ref_quantization=4bit "
-        "(python -m lowmem_dpo.plan RECIPE.yaml shows what fits); the sequences computed so far are kept, and the "
+        "(lowmem-dpo plan RECIPE.yaml shows what fits); the sequences computed so far are kept, and the "
         "rerun computes only the rest",
         collective=sharding.oom_message("precompute_batch_size or max_length", reference.resolved.shard_offload,
                                         "the sequences computed so far are kept, and the rerun computes only the "

@@ -46,12 +46,12 @@ def test_the_fill_command_keeps_the_overrides_and_names_the_rows(tmp_path, capsy
     assert code == 2 and f"{mine} row 7 at line 8" in last and "new, or changed since precompute ran" in last
     missing = int(re.search(r"has no reference values for (\d+) of the (\d+) rows", last)[1])
     command = last.split("Compute them (only them) with: ")[1]
-    assert command == "python -m lowmem_dpo.precompute " + " ".join([RECIPE, *args[1:]])
+    assert command == "lowmem-dpo precompute " + " ".join([RECIPE, *args[1:]])
     # copied: the rows and length the user asked for, only the missing rows' new sequences computed, and train is
     # content
     cfg = load_config(RECIPE, args[1:])
     new = len(sequences_of(cfg) - sequences_of(load_config(RECIPE, [f"ref_cache_dir={cache}", "dtype=float32"])))
-    assert run_cli(precompute.main, command.split()[3:], "precompute", "doc") == 0
+    assert run_cli(precompute.main, command.split()[2:], "precompute", "doc") == 0
     assert f"computed {new} sequences, reused {len(sequences_of(cfg)) - new}" in capsys.readouterr().err
     assert 0 < new <= 2 * missing
     code, err = stage(train.main, args, "train", capsys)

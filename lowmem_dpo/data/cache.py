@@ -14,7 +14,7 @@ its sequence key, so a completion computed once under a prompt is never computed
 Reordering the rows, taking a subset, pairing the same completions another way, a mixture's fractions,
 max_train_samples and the eval split never change a sequence's key: precompute computes only the sequences the
 store lacks, and train looks each of its rows' sequences up. Old values stay until
-`python -m lowmem_dpo.precompute RECIPE --prune` drops what the recipe does not use.
+`lowmem-dpo precompute RECIPE --prune` drops what the recipe does not use.
 
 This module alone builds and compares keys: a stage asks its run's cache (for_run: a RunCache, below) and never
 keys a sequence or a side itself.
@@ -367,7 +367,7 @@ def rebuild_command(cfg, recipe: str | None) -> str:
     same overrides (a dataset, a max_length given on the command line is the cache's too); a config built in code
     names its cache folder."""
     args = list(cfg.overrides) or [f"ref_cache_dir={cfg.ref_cache_dir}"]
-    return shlex.join(["python", "-m", "lowmem_dpo.precompute", recipe or "RECIPE.yaml", *args])
+    return shlex.join(["lowmem-dpo", "precompute", recipe or "RECIPE.yaml", *args])
 
 
 # -- what changed, in words ------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def refuse_earlier_format(cache_dir: Path, command: str = "") -> None:
     raise UserError(f"the reference cache in {str(cache_dir)!r} is of an earlier format (values keyed by "
                     f"{'the whole dataset' if whole else 'pair'}; this version keys them per completion) and cannot "
                     f"be read: remove it (rm -r {shlex.quote(str(cache_dir))}) and rebuild it with: "
-                    f"{command or 'python -m lowmem_dpo.precompute RECIPE.yaml'}")
+                    f"{command or 'lowmem-dpo precompute RECIPE.yaml'}")
 
 
 def tables(cache_dir: str | Path) -> set[str]:

@@ -194,7 +194,7 @@ def test_train_names_the_rows_without_a_value_and_the_command(make_cfg, tmp_path
     err = err.splitlines()[-1]
     assert f"has no reference values for 4 of the 34 rows this run uses ({grown} row 30 at line 31; {grown} row " \
            "31 at line 32" in err and "; and 1 more): new, or changed since precompute ran" in err
-    assert err.endswith("Compute them (only them) with: python -m lowmem_dpo.precompute " + " ".join(args))
+    assert err.endswith("Compute them (only them) with: lowmem-dpo precompute " + " ".join(args))
     assert not (tmp_path / "out").exists()
     capsys.readouterr()
     assert run_cli(train.main, [*args[:1], f"dataset={first}", *args[2:3], "dtype=bfloat16", *args[4:]], "train",
@@ -290,7 +290,7 @@ def test_a_cache_of_an_earlier_format_is_refused_with_what_to_remove_and_the_com
             assert err.splitlines()[-1].endswith(
                 f"the reference cache in {str(folder)!r} is of an earlier format (values keyed by {keyed}; this "
                 f"version keys them per completion) and cannot be read: remove it (rm -r {folder}) and rebuild it "
-                "with: python -m lowmem_dpo.precompute " + " ".join(args))
+                "with: lowmem-dpo precompute " + " ".join(args))
         assert {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
         assert not (tmp_path / "out").exists()
 
@@ -342,7 +342,7 @@ def test_a_damaged_index_is_refused_by_train_and_moved_aside_by_precompute(tmp_p
             assert "Traceback" not in err and err.count("error:") == 1, (how, stage, err)
             assert re.fullmatch(rf"lowmem_dpo\.{stage}: error: the reference cache index "
                                 rf"{re.escape(str(folder / 'index.sqlite'))} is damaged \(.+\): rerun precompute \(it "
-                                r"moves the damaged file aside and rebuilds\): python -m lowmem_dpo\.precompute "
+                                r"moves the damaged file aside and rebuilds\): lowmem-dpo precompute "
                                 + re.escape(" ".join([RECIPE, *args])), err.splitlines()[-1]), (how, stage, err)
             assert {p.name: p.read_bytes() for p in folder.iterdir()} == before, (how, stage)
     assert not (tmp_path / "out").exists()
@@ -458,7 +458,7 @@ def test_a_run_s_cache_keys_its_sequences_and_sides_itself(tmp_path, capsys):
     tok = data.TokenizedData(pairs=pairs, num_rows=2, dropped=[])
     sequences = {k: seq for p in pairs for k, seq in zip(cache.pair_keys(p), cache.pair_sequences(p))}
     keys = list(sequences)  # row 0's chosen and rejected, row 1's chosen
-    with cache.for_run(tmp_path / "c", side, create=True, command="python -m lowmem_dpo.precompute R") as run_cache:
+    with cache.for_run(tmp_path / "c", side, create=True, command="lowmem-dpo precompute R") as run_cache:
         assert run_cache.missing(sequences) == {True: [0, 1, 2], False: [0, 1, 2]}
         first = cache.pair_sequences(pairs[0])
         run_cache.put(True, [(seq, stores.Value(-1.0 - i, cache.completion_tokens(seq.prompt_ids, seq.completion_ids)))
@@ -475,7 +475,7 @@ def test_a_run_s_cache_keys_its_sequences_and_sides_itself(tmp_path, capsys):
             run_cache.read(tok, name_row=lambda row: f"row {row}")
         assert str(e.value) == (f"the reference cache index {tmp_path / 'c' / 'index.sqlite'} is damaged (its values "
                                 "for 1 sequences, of row 1, disagree with their token counts): rerun precompute (it "
-                                "drops and computes them again): python -m lowmem_dpo.precompute R")
+                                "drops and computes them again): lowmem-dpo precompute R")
         capsys.readouterr()
         assert run_cache.missing(sequences)[True] == [1, 2] and run_cache.store.count() == 1
         assert capsys.readouterr().err.strip() == (

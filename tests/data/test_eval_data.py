@@ -187,7 +187,7 @@ def test_eval_rows_without_values_are_refused_naming_eval_dataset(make_cfg, tmp_
     precompute.run(plain, progress=False)
     cfg = make_cfg(dataset=plain.dataset, eval_dataset=str(eval_path))
     with pytest.raises(UserError, match=f"no reference values for 6 of the 6 rows this run uses \\({eval_path} row 0 "
-                                        "at line 1; .*python -m lowmem_dpo.precompute"):
+                                        "at line 1; .*lowmem-dpo precompute"):
         train.run(cfg, progress=False)
     capsys.readouterr()
     precompute.run(cfg, progress=False)

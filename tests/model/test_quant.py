@@ -135,7 +135,7 @@ def test_cache_is_keyed_by_the_reference_settings(small, monkeypatch):
     with pytest.raises(UserError) as e:  # ref_quantization null: the reference would be 4-bit too
         train.run(small(quantization="4bit", max_steps=1), progress=False)
     msg = str(e.value)
-    assert "quantization none -> 4bit" in msg and "python -m lowmem_dpo.precompute" in msg
+    assert "quantization none -> 4bit" in msg and "lowmem-dpo precompute" in msg
     assert "ref_quantization=none ref_dtype=float32" in msg  # how to use the cache as built
     with pytest.raises(UserError, match=r"dtype float32 -> bfloat16 changed"):
         train.run(small(quantization="4bit", ref_quantization="none", ref_dtype="bfloat16"), progress=False)

@@ -484,8 +484,8 @@ def test_values_that_disagree_with_their_token_counts_are_refused_then_computed_
     assert last.startswith(f"lowmem_dpo.train: error: the reference cache index {tmp_path / 'cache' / 'index.sqlite'} "
                            "is damaged (its values for 1 sequences, of ")
     assert ", disagree with their token counts): rerun precompute (it drops and computes them again): " in last
-    assert " line " in last and last.endswith(f"): rerun precompute (it drops and computes them again): python -m "
-                                              f"lowmem_dpo.precompute {built} output_dir={out}") and not out.exists()
+    assert " line " in last and last.endswith(f"): rerun precompute (it drops and computes them again): "
+                                              f"lowmem-dpo precompute {built} output_dir={out}") and not out.exists()
     assert _precompute(built) == 0
     err = capsys.readouterr().err
     assert "held damaged values for 1 sequences (token counts that disagree with their sequences): dropped them" in err
