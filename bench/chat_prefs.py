@@ -12,7 +12,8 @@ Ten families of questions (capitals, sums and differences, opposites, plurals, l
 month, colours, unit conversions, everyday tips, one-line definitions), each asked in 2-4 phrasings, so every
 prompt is a distinct text and the prompts eval_fraction holds out are new ones. A held-out prompt may ask a fact
 a training prompt asked in other words (as in real data); the refusals and rambles it is paired with are drawn
-from the same pools with random fillers. No download: seeded `random`, the same n and seed give the same rows.
+from the same pools with random fillers. rows_and_facts gives each row's fact too (the word or number a right
+answer states), and states(answer, fact) judges a model's answer by it. No download: seeded `random`, the same n and seed give the same rows.
 Short: with SmolLM2's chat template (its 20-token system line included) prompt + answer is under ~80 tokens.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 DEFAULT_PATH = Path("bench/out/data/chat-prefs.jsonl")
@@ -160,7 +162,7 @@ def _capital(rng):
     q = rng.choice(["What is the capital of {c}?", "Which city is the capital of {c}?", "Name the capital city of "
                     "{c}.", "Tell me the capital of {c}."]).format(c=country)
     say = "The capital of {c} is {x}.".format
-    return q, say(c=country, x=capital), say(c=country, x=wrong) if wrong != capital else None
+    return q, say(c=country, x=capital), say(c=country, x=wrong) if wrong != capital else None, capital
 
 
 def _arithmetic(rng):
@@ -169,24 +171,24 @@ def _arithmetic(rng):
     if rng.random() < 0.6:
         q = rng.choice(["What is {a} plus {b}?", "What is {a} + {b}?", "Add {a} and {b}.",
                         "What do you get when you add {a} and {b}?"]).format(a=a, b=b)
-        return q, f"{a} plus {b} is {a + b}.", f"{a} plus {b} is {a + b + off}."
+        return q, f"{a} plus {b} is {a + b}.", f"{a} plus {b} is {a + b + off}.", str(a + b)
     a, b = max(a, b), min(a, b)
     q = rng.choice(["What is {a} minus {b}?", "What is {a} - {b}?", "Subtract {b} from {a}."]).format(a=a, b=b)
-    return q, f"{a} minus {b} is {a - b}.", f"{a} minus {b} is {a - b + off}."
+    return q, f"{a} minus {b} is {a - b}.", f"{a} minus {b} is {a - b + off}.", str(a - b)
 
 
 def _opposite(rng):
     (w, o), wrong = rng.choice(OPPOSITES), rng.choice(OPPOSITES)[1]
     q = rng.choice(["What is the opposite of {w}?", "Give me the opposite of the word {w}.",
                     "What word means the opposite of {w}?"]).format(w=w)
-    return q, f"The opposite of {w} is {o}.", f"The opposite of {w} is {wrong}." if wrong != o else None
+    return q, f"The opposite of {w} is {o}.", f"The opposite of {w} is {wrong}." if wrong != o else None, o
 
 
 def _plural(rng):
     w, right, wrong = rng.choice(PLURALS)
     q = rng.choice(["What is the plural of {w}?", "How do you say more than one {w}?",
                     "What is the plural form of the word {w}?"]).format(w=w)
-    return q, f"The plural of {w} is {right}.", f"The plural of {w} is {wrong}."
+    return q, f"The plural of {w} is {right}.", f"The plural of {w} is {wrong}.", right
 
 
 def _legs(rng):
@@ -194,7 +196,7 @@ def _legs(rng):
     q = rng.choice(["How many legs does {a} have?", "How many legs has {a} got?",
                     "Count the legs of {a}."]).format(a=_a(animal))
     say = f"{_a(animal).capitalize()} has {{}} legs.".format
-    return q, say(n), say(wrong) if wrong != n else None
+    return q, say(n), say(wrong) if wrong != n else None, str(n)
 
 
 def _next_in_order(rng):
@@ -203,7 +205,7 @@ def _next_in_order(rng):
     right, wrong = names[(i + 1) % len(names)], names[(i + rng.choice([2, 3, -1])) % len(names)]
     q = rng.choice(["What {w} comes after {x}?", "Which {w} follows {x}?", "What is the {w} after {x}?"]).format(
         w=what, x=names[i])
-    return q, f"The {what} after {names[i]} is {right}.", f"The {what} after {names[i]} is {wrong}."
+    return q, f"The {what} after {names[i]} is {right}.", f"The {what} after {names[i]} is {wrong}.", right
 
 
 def _colour(rng):
@@ -211,7 +213,7 @@ def _colour(rng):
     wrong = rng.choice([c for c in COLOUR_NAMES if c != colour])
     q = rng.choice(["What colour is {t}?", "What color is {t}?", "Which colour is {t} usually?"]).format(t=thing)
     cap = thing[0].upper() + thing[1:]
-    return q, f"{cap} is {colour}.", f"{cap} is {wrong}."
+    return q, f"{cap} is {colour}.", f"{cap} is {wrong}.", colour
 
 
 def _units(rng):
@@ -219,33 +221,42 @@ def _units(rng):
     n = rng.randint(2, 12)
     q = rng.choice(["How many {s} are in {n} {m}?", "How many {s} are there in {n} {m}?",
                     "Convert {n} {m} to {s}."]).format(s=small, n=n, m=many)
-    return q, f"{n} {many} is {n * k} {small}.", f"{n} {many} is {n * k + rng.choice([-k, k, 10, -10])} {small}."
+    wrong = f"{n} {many} is {n * k + rng.choice([-k, k, 10, -10])} {small}."
+    return q, f"{n} {many} is {n * k} {small}.", wrong, str(n * k)
 
 
 def _tip(rng):
     noun, verb, answer = rng.choice(TIPS)
     q = rng.choice(["Give me one tip for {n}.", "How can I {v}?", "Any advice on {n}?",
                     "What is a good way to {v}?"]).format(n=noun, v=verb)
-    return q, answer, None
+    return q, answer, None, None
 
 
 def _definition(rng):
     thing, answer = rng.choice(DEFINITIONS)
     q = rng.choice(["What is {t}?", "Explain what {t} is in one sentence.", "Define {t}.",
                     "In simple words, what is {t}?"]).format(t=thing)
-    return q, answer, None
+    return q, answer, None, None
 
 
 FAMILIES = [_capital, _arithmetic, _opposite, _plural, _legs, _next_in_order, _colour, _units, _tip, _definition]
 
 
-def chat_rows(n: int = DEFAULT_ROWS, seed: int = 0) -> list[dict]:
-    """n conversational rows, each prompt a distinct text (module doc); the same n and seed give the same rows."""
+def chat_rows(n: int = DEFAULT_ROWS, seed: int = 0, skip: set[str] | frozenset = frozenset()) -> list[dict]:
+    """n conversational rows, each prompt a distinct text (module doc); the same n and seed give the same rows.
+    skip: prompt texts left out (fresh held-out rows for a training set's prompts)."""
+    return [row for row, _ in rows_and_facts(n, seed, skip)]
+
+
+def rows_and_facts(n: int = DEFAULT_ROWS, seed: int = 0, skip: set[str] | frozenset = frozenset()
+                   ) -> list[tuple[dict, str | None]]:
+    """chat_rows' rows, each with the fact a right answer states (the capital, the sum, the plural, ...: the word
+    or number its chosen answer has and its wrong-fact answer lacks); None for tips and definitions."""
     rng = random.Random(seed)
-    rows, seen, tries = [], set(), 0
+    rows, seen, tries = [], set(skip), 0
     while len(rows) < n:
         family = FAMILIES[len(rows) % len(FAMILIES)]  # round robin: every family in every tenth of the rows
-        question, answer, wrong = family(rng)
+        question, answer, wrong, fact = family(rng)
         tries += 1
         if tries > 100 * n:
             raise ValueError(f"{n} rows: more than the families' distinct prompts (about 500 at 50 per family)")
@@ -256,10 +267,25 @@ def chat_rows(n: int = DEFAULT_ROWS, seed: int = 0) -> list[dict]:
         kind = "wrong" if wrong is not None and rng.random() < 0.5 else rng.choice(["refusal", "ramble"])
         rejected = {"wrong": lambda: wrong, "refusal": lambda: rng.choice(REFUSALS),
                     "ramble": lambda: rng.choice(RAMBLES).format(t=rng.choice(RAMBLE_TOPICS))}[kind]()
-        rows.append({"prompt": [{"role": "user", "content": question}],
-                     "chosen": [{"role": "assistant", "content": answer}],
-                     "rejected": [{"role": "assistant", "content": rejected}]})
+        rows.append(({"prompt": [{"role": "user", "content": question}],
+                      "chosen": [{"role": "assistant", "content": answer}],
+                      "rejected": [{"role": "assistant", "content": rejected}]}, fact))
     return rows
+
+
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty"]
+
+
+def states(answer: str, fact: str) -> bool:
+    """Whether an answer states the fact: the word or number as a whole word, any case (a number also as 1,000
+    or, up to twenty, as its word). It may state other things too: a right fact beside a wrong one counts."""
+    forms = {fact}
+    if fact.lstrip("-").isdigit():
+        forms.add(f"{int(fact):,}")
+        if 0 <= int(fact) < len(NUMBER_WORDS):
+            forms.add(NUMBER_WORDS[int(fact)])
+    return any(re.search(rf"(?<![\w-]){re.escape(f)}(?![\w]|,\d)", answer, re.I) for f in forms)
 
 
 def write(rows: list[dict], path: str | Path) -> Path:

