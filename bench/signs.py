@@ -5,6 +5,7 @@ lowmem_dpo/training/guards.py's limits)
     python bench/signs.py --runs fast-sft --json bench/results/signs_32b.json   # far from the reference, and good
     python bench/signs.py --kinds style --runs damaged --work bench/out/signs-x   # one run alone
     python bench/signs.py --table bench/results/signs_32[abcd].json      # the table of recorded runs, run nothing
+    python bench/signs.py --collect --kinds style --runs damaged --work bench/out/signs-x --json F  # record a run
     python bench/signs.py --smoke                                          # the flow on tiny-llama, ~40 s
 
 The model: SmolLM2-135M-Instruct (readme_recipe.ensure_model: built once by ../shared/tools/make_smollm2.py, or
@@ -20,8 +21,9 @@ for 6x the steps (~6 epochs); fast-sft, the high rate with loss_type [sigmoid, s
 the ground truth is the answers: whether each held-out greedy answer keeps its fact (every word of the correct
 answer that the wrong one lacks: "Cairo" for the capital of Egypt), at step 0 and at the end, the same prompts,
 judged by a sign test on the answers that changed (worse()). Recorded per run: every warning train wrote, with
-its step; every metrics line; each answer's fact and ROUGE-L. The table shows each sign's worst value beside its
-limit, the warnings logged, and the shipped signs replayed on the recorded lines (replay()).
+its step; every metrics line; each answer's fact, ROUGE-L and content score (content.py), and every answer itself
+(samples: a new measure can be tried on them without rerunning). The table shows each sign's worst value beside
+its limit, the warnings logged, and the shipped signs replayed on the recorded lines (replay()).
 Prints a Markdown table; --json writes everything with the machine and the command.
 """
 
@@ -84,7 +86,7 @@ def rows(kind: str, n: int, seed: int = 0) -> tuple[list[dict], dict[str, list[s
     and its wrong one lacks."""
     rng, out, facts = random.Random(seed), [], {}
     while len(out) < n:
-        q, answer, wrong = FACT_FAMILIES[len(out) % len(FACT_FAMILIES)](rng)
+        q, answer, wrong = FACT_FAMILIES[len(out) % len(FACT_FAMILIES)](rng)[:3]  # (a fourth: the fact, unused)
         if wrong is None or q in facts:
             continue
         facts[q] = sorted(set(words(answer)) - set(words(wrong)))
@@ -151,6 +153,8 @@ def collect(kind: str, name: str, model: str, work: Path, n_rows: int) -> dict:
             "rejected_tokens": round(mean_tokens(model, data, "rejected"), 2),
             "chosen_tokens": round(mean_tokens(model, data, "chosen"), 2),
             "rouge_per_sample": rouge_per_sample(model, samples),
+            "content_per_sample": content_per_sample(model, samples),
+            "samples": [{k: s[k] for k in ("step", "prompt", "completion", "chosen")} for s in samples],
             "samples_last": [s for s in samples if s["step"] == max(x["step"] for x in samples)][:3]}
 
 
@@ -161,12 +165,13 @@ def table(results: list[dict]) -> str:
 
     t = G.Thresholds()
     head = ("| kind | run | facts kept (step 0 -> end; answers that lost it, gained it) | ROUGE-L 0 -> end | drift: lowest ROUGE-L (limit) | "
+            "content: lowest (limit) | "
             f"repetition (limit {G.COLLAPSE_LEVEL:g}) | length: shortest / end (chosen) | "
             f"chosen nats/token vs ref, train / held out (limit -{t.chosen_drop_per_token:g}; -{t.displaced_per_token:g} backed) | "
             f"context: KL (beyond {G.KL_LIMIT:g}) | context: margin (beyond {t.margin:g}) | "
             f"context: rejected nats/token (beyond -{t.rejected_drop_per_token:g}) | warnings logged (first step) | "
             "the shipped signs on its lines (first step) | answers |")
-    out = [head, "|---" * 14 + "|"]
+    out = [head, "|---" * 15 + "|"]
     for r in results:
         values = sign_values(r)
         kept = list(r["facts_kept"].values())
@@ -185,13 +190,26 @@ def table(results: list[dict]) -> str:
             f"| {r['kind']} | {r['run']} (lr {r['learning_rate']:g}, {r.get('steps', 16)} steps{loss}) | "
             f"{kept[0]:.2f} -> {kept[-1]:.2f}{flips(r)} | {rouge0:.2f} -> {values['rouge_end']:.2f} | "
             f"{past(values['rouge_low'], drift_limit)} ({drift_limit:.2f}) | "
-            f"{past(values['repetition'], G.COLLAPSE_LEVEL, False)} | {values['length']:.1f} / {values['length_end']:.1f} ({values['chosen_length']:.1f}) | "
+            f"{content_cell(values)} {past(values['repetition'], G.COLLAPSE_LEVEL, False)} | {values['length']:.1f} / {values['length_end']:.1f} ({values['chosen_length']:.1f}) | "
             f"{past(values['chosen_train'], -t.chosen_drop_per_token)} / "
             f"{past(values['chosen_eval'], -t.chosen_drop_per_token)} | {past(values['kl'], G.KL_LIMIT, False)} | "
             f"{past(values['margin'], t.margin, False)} | {past(values['rejected'], -t.rejected_drop_per_token)} | "
             + ("; ".join(f"{s} ({k})" for s, k in signs.items()) or "none") + " | "
             + ("; ".join(f"{s} ({k})" for s, k in replay(r).items()) or "none") + f" | {worse(r)} |")
     return "\n".join(out)
+
+
+def content_cell(values: dict) -> str:
+    """The content sign's cell: step 0's score -> the lowest later, ** past the limit (the drop and twice the noise
+    of that eval's change), the limit; '' for a run recorded without its answers."""
+    from lowmem_dpo.training import guards as G
+
+    if values.get("content0") is None:
+        return "|"
+    low, se, limit = values["content_low"], values["content_low_se"] or 0.0, values["content0"] - G.DRIFT_DROP
+    text = f"{values['content0']:.2f} -> {low:.2f} ±{se:.2f}"
+    fired = low <= limit and values["content0"] - low >= G.DRIFT_SE * se
+    return f"{'**' + text + '**' if fired else text} ({limit:.2f}) |"
 
 
 def replay(r: dict, beta: float = 0.1) -> dict[str, int]:
@@ -203,7 +221,7 @@ def replay(r: dict, beta: float = 0.1) -> dict[str, int]:
     from lowmem_dpo.training import guards as G
 
     first: dict[str, int] = {}
-    base = next((e for e in r["evals"] if e["step"] == 0 and e.get(G.GEN_ROUGE_L) is not None), None)
+    base = next((with_content(r, e) for e in r["evals"] if e["step"] == 0 and e.get(G.GEN_ROUGE_L) is not None), None)
     steps, tokens, rejected = r.get("steps", 16), r.get("chosen_tokens", 0.0), r.get("rejected_tokens", 0.0)
     several = r.get("loss_type", "sigmoid") != "sigmoid"  # [sigmoid, sft]: judged by SEVERAL, its NLL taken out
     t = G.thresholds(G.SEVERAL if several else OBJECTIVES["sigmoid"].limits, beta, 0.0, tokens)
@@ -218,6 +236,7 @@ def replay(r: dict, beta: float = 0.1) -> dict[str, int]:
     for e in r["evals"]:
         if str(e["step"]) in per and "0" in per and G.GEN_ROUGE_L_SE not in e:  # a run recorded before train logged it
             e = {**e, G.GEN_ROUGE_L_SE: G.change_se(list(zip(per[str(e["step"])], per["0"])))}
+        e = with_content(r, e)
         sign = G.collapse_sign(base, e) if e["step"] > 0 and e.get(G.GEN_ROUGE_L) is not None else None
         if sign:
             first.setdefault(sign.split(":")[0], e["step"])
@@ -267,7 +286,14 @@ def sign_values(r: dict, beta: float = 0.1) -> dict[str, float]:
     scored = [e for e in r["evals"] if "eval_rewards/chosen" in e and e["step"] > 0]
     train = r.get("train") or [r["last_train"]]
     learned = [x for x in train if x.get("rewards/accuracies", 0) >= G.Thresholds().saturated]
-    return {"rouge0": evals[0][G.GEN_ROUGE_L], "rouge_end": evals[-1][G.GEN_ROUGE_L],
+    scored_content = [with_content(r, e) for e in evals]
+    scored_content = [e for e in scored_content if e.get(G.GEN_CONTENT) is not None]
+    low = min((e for e in scored_content if e["step"] > 0), default=None,
+              key=lambda e: (e[G.GEN_CONTENT], -(e.get(G.GEN_CONTENT_SE) or 0.0)))
+    content = {"content0": scored_content[0][G.GEN_CONTENT] if scored_content else None,
+               "content_low": None if low is None else low[G.GEN_CONTENT],
+               "content_low_se": None if low is None else low.get(G.GEN_CONTENT_SE)}
+    return {**content, "rouge0": evals[0][G.GEN_ROUGE_L], "rouge_end": evals[-1][G.GEN_ROUGE_L],
             "rouge_low": min(e[G.GEN_ROUGE_L] for e in later),
             "repetition": max(e.get(G.GEN_REPETITION, 0.0) for e in later),
             "length": min(e[G.GEN_LENGTH] for e in later), "length_end": evals[-1][G.GEN_LENGTH],
@@ -311,6 +337,35 @@ def mean_tokens(model: str, data: list[dict], side: str) -> float:
     return sum(len(tok(r[side][0]["content"])["input_ids"]) + 1 for r in data) / len(data)
 
 
+def content_per_sample(model: str, samples: list[dict]) -> dict[str, list[float]]:
+    """Each eval's per-sample content score (content.content_scores: the share of what the chosen answer adds to its
+    question that the answer holds, each token weighted by its rarity among the chosen answers), by step, the text
+    re-tokenized as in rouge_per_sample (the prompt in the chat template): what eval_gen/content averages, for runs
+    recorded before train logged it."""
+    from lowmem_dpo.training.content import content_scores
+
+    tok, by_step = tokenizer(model), {}
+    for s in samples:
+        ids = [tok(t.rstrip("\n"), add_special_tokens=False)["input_ids"] for t in (s["completion"], s["chosen"])]
+        prompt = tok.apply_chat_template([{"role": "user", "content": s["prompt"]}], add_generation_prompt=True)
+        by_step.setdefault(str(s["step"]), []).append((*ids, list(getattr(prompt, "input_ids", prompt))))
+    return {k: [round(x, 4) for x in content_scores(*map(list, zip(*v)))] for k, v in by_step.items()}
+
+
+def with_content(r: dict, e: dict) -> dict:
+    """An eval line with eval_gen/content and its change's standard error from the run's per-sample content
+    scores, the shipped measure on the recorded answers (in place of what train logged, where it logged them)."""
+    from lowmem_dpo.training import guards as G
+
+    per = r.get("content_per_sample") or {}
+    scores, base = per.get(str(e["step"])), per.get("0")
+    if not scores:
+        return e
+    se = G.change_se(list(zip(scores, base))) if base and e["step"] > 0 else None
+    e = {k: v for k, v in e.items() if k not in (G.GEN_CONTENT, G.GEN_CONTENT_SE)}
+    return {**e, G.GEN_CONTENT: sum(scores) / len(scores), **({} if se is None else {G.GEN_CONTENT_SE: se})}
+
+
 def rouge_per_sample(model: str, samples: list[dict]) -> dict[str, list[float]]:
     """Each eval's per-sample token ROUGE-L against the held-out chosen answer, by step (the text re-tokenized:
     within rounding of what eval_gen/rouge_l averages), in the order of samples.jsonl: the noise of the mean."""
@@ -337,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=str(WORK))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--collect", action="store_true",
+                    help="record the runs already finished in --work (--kinds x --runs); run nothing")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of these results; run nothing")
     args = ap.parse_args(argv)
     if args.table:
@@ -350,7 +407,12 @@ def main(argv: list[str] | None = None) -> int:
         from readme_recipe import ensure_model
 
         model = str(ensure_model(args.model))
-    results = [run(kind, name, model, args) for kind in args.kinds.split(",") for name in args.runs.split(",")]
+    if args.collect:
+        results = [{**collect(kind, name, model, Path(args.work) / f"{kind}-{name}", args.rows),
+                    "steps": args.steps * RUNS[name][1], "samples": args.samples}
+                   for kind in args.kinds.split(",") for name in args.runs.split(",")]
+    else:
+        results = [run(kind, name, model, args) for kind in args.kinds.split(",") for name in args.runs.split(",")]
     print(table(results))
     print(f"\nROUGE-L's noise (the change from step 0): {noise(results)}")
     if args.json:

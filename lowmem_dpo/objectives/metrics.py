@@ -61,6 +61,10 @@ GEN_ROUGE_L = Metric("gen/rouge_l", True, "sample", "eval_gen/rouge_l", "ROUGE-L
                      "token ROUGE-L F1 of the samples against their held-out chosen completions (guards.rouge_l)")
 GEN_ROUGE_L_SE = Metric("gen/rouge_l_se", None, "sample", doc="the standard error of eval_gen/rouge_l's change from "
                         "step 0, over the same prompts' answers (guards.change_se): the answers' drift sign's noise")
+GEN_CONTENT = Metric("gen/content", None, "sample", doc="the share of each held-out chosen completion's tokens beyond the "
+                     "phrasing the chosen completions share that the sample holds, averaged (content.content)")
+GEN_CONTENT_SE = Metric("gen/content_se", None, "sample", doc="the standard error of eval_gen/content's change from "
+                        "step 0, over the same prompts' answers (guards.change_se): the content sign's noise")
 GEN_KL = Metric("gen/kl", False, "sample", "eval_gen/kl", "KL",
                 "per-token KL of the policy from the reference along its own samples (samples.kl_to_reference)")
 GEN_LENGTH = Metric("gen/length", None, "sample", label="length", doc="the samples' mean length in tokens")
@@ -74,7 +78,7 @@ GEN_ANSWERS = Metric("gen/answers", None, "sample", doc="the answers judged at t
 
 METRICS = (LOSS, REWARDS_CHOSEN, REWARDS_REJECTED, ACCURACY, MARGIN, LOGPS_CHOSEN, LOGPS_REJECTED, NLL_LOSS,
            LOG_ODDS_RATIO, LOG_ODDS_CHOSEN, KL, GRAD_NORM, LEARNING_RATE, GEN_REPETITION, GEN_ROUGE_L, GEN_ROUGE_L_SE,
-           GEN_KL, GEN_LENGTH, GEN_CHOSEN_LENGTH, GEN_EMPTY, GEN_COLLAPSED, GEN_ANSWERS)
+           GEN_CONTENT, GEN_CONTENT_SE, GEN_KL, GEN_LENGTH, GEN_CHOSEN_LENGTH, GEN_EMPTY, GEN_COLLAPSED, GEN_ANSWERS)
 BY_NAME = {m.name: m for m in METRICS}
 PAIR_METRICS = tuple(m for m in METRICS if m.kind == "pair")  # a preference pair's, each run of pairs logs them
 # KTO's, in TRL's KTOTrainer order: each a mean over a step's blocks of the block's own mean

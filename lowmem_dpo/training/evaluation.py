@@ -25,7 +25,7 @@ from lowmem_dpo.model.logps import eval_mode
 from lowmem_dpo.objectives.metrics import EVAL_SHOWN, SAMPLE_METRICS, eval_name
 from lowmem_dpo.runtime import distributed, files, oom, sharding
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import checkpoint, guards, policy, samples, step
+from lowmem_dpo.training import checkpoint, content, guards, policy, samples, step
 from lowmem_dpo.training.session import Session
 from lowmem_dpo.training.step import Sums, rows_of
 
@@ -100,7 +100,9 @@ def sample_metrics(session: Session, step: int) -> dict:
     if not run.world.main:  # fsdp: every rank ran the same forwards (samples_on_rank); rank 0 judges and writes
         return {}
     scores = {"rouge_l": [guards.rouge_l(w.ids, w.chosen_ids) for w in written],
-              "repetition": [guards.repetition([w.ids]) for w in written], "tokens": [len(w.ids) for w in written]}
+              "repetition": [guards.repetition([w.ids]) for w in written], "tokens": [len(w.ids) for w in written],
+              "content": content.content_scores([w.ids for w in written], [w.chosen_ids for w in written],
+                                                [item.prompt_ids for item in items])}
     # step 0's answers to the same prompts, each score by prompt
     base = {name: samples.scores_at(path, 0, name) if step > 0 else {} for name in scores}
     samples.append(path, step, written, scores)
@@ -111,10 +113,16 @@ def sample_metrics(session: Session, step: int) -> dict:
         stats[guards.GEN_COLLAPSED], stats[guards.GEN_ANSWERS] = guards.collapsed_answers(
             [w.ids for w in written], [base["repetition"].get(w.prompt) for w in written],
             [base["tokens"].get(w.prompt) for w in written])
-    base = base["rouge_l"]
+    base, base_content = base["rouge_l"], base["content"]
     se = guards.change_se([(s, base[w.prompt]) for s, w in zip(scores["rouge_l"], written) if w.prompt in base])
     if se is not None:
         stats[guards.GEN_ROUGE_L_SE] = round(se, 6)
+    # what the answers hold beyond the chosen answers' shared phrasing (content.py), and its change's noise
+    stats[guards.GEN_CONTENT] = round(sum(scores["content"]) / len(written), 6)
+    se = guards.change_se([(s, base_content[w.prompt]) for s, w in zip(scores["content"], written)
+                           if w.prompt in base_content])
+    if se is not None:
+        stats[guards.GEN_CONTENT_SE] = round(se, 6)
     if run.adapter_off_is_start:  # the reference is the model with its adapter disabled
         stats[guards.GEN_KL] = None if kl is None else round(kl, 6)
     return stats

@@ -33,26 +33,21 @@ class Thresholds:
     # 5e-5: the pairs are separated, and further growth comes from pushing the two log-probs apart.
     margin: float = 10.0
     margin_why: str = "the loss is already ~0; growth now only pushes log-probs apart"
-    # The loss below this within the first `early_fraction` of the steps: the data is easy (a reference that is
-    # not the policy's start shows in step 1's drift line, a warning). None: no such note (a loss whose optimum is
-    # 0 reaches it by design).
+    # The loss below this within the first `early_fraction` of the steps: the data is easy (a wrong reference shows
+    # in step 1's drift line). None: no such note (a loss whose optimum is 0 reaches it by design).
     early_loss: float | None = 0.05
     early_fraction: float = 0.2
-    # The rejected log-probs this many nats per token below the reference's, the preference learned (accuracy at
-    # least `saturated`): DPO pushing the rejected answers down, which healthy runs do too (SmolLM2 with
-    # [sigmoid, sft] at lr 5e-4: -2.8 to -4.1 nats/token at their end).
+    # The rejected log-probs this many nats per token below the reference's, accuracy at least `saturated`: healthy
+    # runs do it too (SmolLM2 with [sigmoid, sft] at lr 5e-4: -2.8 to -4.1 nats/token at their end).
     saturated: float = 0.95
     rejected_drop_per_token: float = 2.0
-    # Evidence, a warning: likelihood displacement, the chosen log-probs below the reference's, on the train window
-    # or the held-out pairs: DPO pushing log-probs down, the good answers' with the bad ones'. Alone when this many
-    # nats per token below (each chosen token e^-0.5 = 0.61 times as likely): SmolLM2's damaged correctness runs
-    # reached -0.8 to -1.2 (train and held out), the runs whose answers held stayed above -0.02.
+    # Evidence, a warning: likelihood displacement, the chosen log-probs below the reference's (train window or held
+    # out). Alone when this many nats per token below (each chosen token 0.61 times as likely): SmolLM2's damaged
+    # correctness runs reached -0.8 to -1.2 (train and held out), the runs whose answers held stayed above -0.02.
     chosen_drop_per_token: float = 0.5
-    # And backed by context: `displaced_per_token` below, with the preference learned (accuracy at least
-    # `saturated`) and a context note past its limit (context_signs: the margin, the rejected side's fall). SmolLM2's
-    # damaged length run (8 of 32 answers lost their fact, 1 gained one) sat at -0.31 to -0.38 with margins of 17
-    # and its rejected side at -5.7; the tiny demo reaches -0.43 on a train window, -0.21 held out, with no context
-    # past its limits (most DPO runs lower the chosen side somewhat).
+    # And backed: `displaced_per_token` below, the preference learned and a context note past its limit. SmolLM2's
+    # damaged length run (-8 +1 facts of 32) sat at -0.31 to -0.38, margins 17, rejected -5.7; the tiny demo reaches
+    # -0.43 on a train window, -0.21 held out, with no context past its limits.
     displaced_per_token: float = 0.1
 
 
@@ -171,44 +166,36 @@ def warnings_summary(lines: list[dict]) -> str | None:
 
 
 # -- degeneration of the generations ------------------------------------------------------------------------------
-# seq-rep-n (Welleck et al. 2019, "Neural Text Generation with Unlikelihood Training", section 5): the share of a
-# sequence's n-grams that repeat an earlier one. Measured on the built-in tiny model (lowmem_dpo:tiny-cpu, 48
-# greedy tokens, 4 prompts), seq-rep-4 per sample: the untrained reference 0.16-0.40; the healthy demo 0.0 (short
-# answers, then EOS); runs pushed into collapse (learning_rate 3e-2 or 1e-1, constant schedule, 200 steps)
-# 0.71-0.98 ("novel novel novel", "pil pil pil"). The sign needs both a rise over step 0 and a high level, so a
-# reference that already repeats itself somewhat is not flagged for staying so.
+# seq-rep-n (Welleck et al. 2019, section 5): the share of a sequence's n-grams that repeat an earlier one. On the
+# tiny model (48 greedy tokens, 4 prompts): the untrained reference 0.16-0.40, the healthy demo 0.0, runs pushed
+# into collapse (lr 3e-2 or 1e-1, 200 steps) 0.71-0.98 ("novel novel novel"). A rise over step 0 and a high level:
+# a reference that already repeats itself is not flagged for staying so.
 COLLAPSE_RISE = 0.3  # seq-rep-4 this far above step 0's (the reference's) ...
 COLLAPSE_LEVEL = 0.5  # ... and at least this high: at least half the 4-grams repeat
 COLLAPSE_N = 4
-# The other collapse, to nothing: seq-rep-n ignores answers shorter than n tokens, so a policy that answers with EOS
-# at once scores 0.0. Against step 0's samples: the share of empty answers up by half of all samples, or the mean
-# length down to a quarter of step 0's (when step 0 wrote at least a few tokens).
+# The other collapse, to nothing (seq-rep-n scores an EOS at once 0.0): the share of empty answers up by half of all
+# samples, or the mean length down to a quarter of step 0's (when step 0 wrote at least a few tokens).
 EMPTY_RISE = 0.5
 SHORT_FRACTION = 0.25
 SHORT_MIN_START = 4.0
 # A short answer is no collapse when it is at least this share of the held-out chosen completions' length: data
 # whose chosen answers are short teaches short answers ([sigmoid, sft] on SmolLM2 went from 46 tokens to 8).
 CHOSEN_FRACTION = 0.5
-# The limits below are calibrated on SmolLM2-135M-Instruct (bench/signs.py; its table in bench/README.md): three
-# kinds of data (style, correctness, length), runs at learning rate 5e-5, at 5e-4, at 5e-4 with [sigmoid, sft]
-# and at 5e-5 for 6x the steps, judged by the facts their 32 held-out answers keep: the runs whose answers got
-# worse warn, those whose answers held stay quiet, and so does the tiny demo.
-# The answers drifting from the chosen completions: token ROUGE-L F1 against them this far below step 0's ...
-# (held: 0.56 -> 0.54, 0.56 -> 0.51, and up to 0.92-0.93 with [sigmoid, sft]; the demo 0.71 -> 0.63; worse:
-# 0.46 -> 0.36 (6 of 32 answers lost their fact, none gained one), 0.46 -> 0.22 at the first eval)
+# Calibrated on SmolLM2-135M-Instruct (bench/signs.py, bench/README.md): runs whose 32 held-out answers lost their
+# facts warn, those whose answers held and the tiny demo stay quiet. Drift: ROUGE-L against the chosen answers this
+# far below step 0's (held: 0.56 -> 0.51 at worst, the demo 0.71 -> 0.63; worse: 0.46 -> 0.36, 6 of 32 answers lost
+# their fact, none gained one); content_sign's eval_gen/content too (6 runs checked at 16 answers) ...
 DRIFT_DROP = 0.1
-# ... and at least this many standard errors of that change (eval_gen/rouge_l_se, over the same prompts' answers
-# at step 0 and now): a drop within the noise of the answers judged is no evidence. With 32 answers the standard
-# error was 0.046 (the median over those runs' evals; the largest 0.062), with 8 answers 0.091.
+# ... and this many standard errors of the change over the same prompts (eval_gen/rouge_l_se: 0.046 with 32 answers)
 DRIFT_SE = 2.0
-# Context, beside a warning: the policy's own answers this many nats per token (KL of the policy's next-token
-# distribution from the reference's, along the answer) away from the reference. Runs whose answers got better
-# ended at 0.85-1.48 (with [sigmoid, sft] at lr 5e-4); the damaged style run at 1.73; the demo 0.48.
+# Context, beside a warning: the policy's own answers this many nats per token (KL) from the reference. Runs whose
+# answers got better ended at 0.85-1.48 ([sigmoid, sft] at lr 5e-4); the damaged style run 1.73; the demo 0.48.
 KL_LIMIT = 0.8
 # The samples' measures in metrics.jsonl (evaluation.sample_metrics), and what the collapse sign reads.
 GEN_REPETITION, GEN_LENGTH, GEN_EMPTY = rows.GEN_REPETITION.eval, rows.GEN_LENGTH.eval, rows.GEN_EMPTY.eval
 GEN_ROUGE_L, GEN_CHOSEN_LENGTH, GEN_KL = rows.GEN_ROUGE_L.eval, rows.GEN_CHOSEN_LENGTH.eval, rows.GEN_KL.eval
 GEN_ROUGE_L_SE, GEN_COLLAPSED, GEN_ANSWERS = rows.GEN_ROUGE_L_SE.eval, rows.GEN_COLLAPSED.eval, rows.GEN_ANSWERS.eval
+GEN_CONTENT, GEN_CONTENT_SE = rows.GEN_CONTENT.eval, rows.GEN_CONTENT_SE.eval
 # What a warning asks the user to try, one line each (a warning names evidence of damage, then this).
 TRY_DISPLACEMENT = ("try loss_type [sigmoid, sft] (its sft term holds the chosen answers up), a lower learning_rate "
                     "or fewer steps")
@@ -282,10 +269,11 @@ def generation_stats(seqs: list[list[int]], chosen: list[list[int]] | None = Non
 
 def collapse_sign(base: dict | None, now: dict) -> str | None:
     """The warning sign when the generations (`now`: generation_stats' keys) get worse against step 0's (`base`;
-    None, or a line without a measure: compared against none): collapsing into repetition, far above step 0's;
-    into empty answers; into answers a quarter as long; or drifting from the chosen answers (drift_sign). With the
-    KL from the reference beside it when that is past KL_LIMIT, and what to try. None otherwise."""
-    sign = _collapse(base or {}, now) or drift_sign(base or {}, now)
+    None, or a line without a measure: compared against none): collapsing into repetition, empty answers or ones a
+    quarter as long; drifting from the chosen answers (drift_sign); losing their content (content_sign).
+    With the KL from the reference beside it when that is past KL_LIMIT, and what to try. None otherwise."""
+    base = base or {}
+    sign = _collapse(base, now) or drift_sign(base, now) or content_sign(base, now)
     if sign is None:
         return None
     kl = now.get(GEN_KL)
@@ -325,23 +313,35 @@ def drift_sign(base: dict, now: dict) -> str | None:
     """The sign when the samples drift from what the data prefers: token ROUGE-L against the chosen completions
     far below step 0's (preference metrics can look perfect while the answers get worse). None otherwise. The KL
     from the reference is no such sign: a run that learns its data moves far from the reference (context)."""
-    rouge, rouge0, se = now.get(GEN_ROUGE_L), base.get(GEN_ROUGE_L), now.get(GEN_ROUGE_L_SE)
-    if rouge is None or rouge0 is None or rouge > rouge0 - DRIFT_DROP:
-        return None
-    if se is not None and rouge0 - rouge < DRIFT_SE * se:  # within the noise of the answers judged
-        return None
-    noise = "" if se is None else f"; ±{se:.3f}, limit {DRIFT_SE:g} of it"
-    return (f"answers drifting from the chosen completions: ROUGE-L {rouge:.2f} against {rouge0:.2f} at step 0 "
-            f"(limit: -{DRIFT_DROP:g}{noise}), whatever the preference metrics say")
+    fell = _fell(base, now, GEN_ROUGE_L, GEN_ROUGE_L_SE)
+    return None if fell is None else (f"answers drifting from the chosen completions: ROUGE-L {fell[0]:.2f} against "
+                                      f"{fell[1]:.2f} at step 0 (limit: -{DRIFT_DROP:g}{fell[2]}), whatever the "
+                                      "preference metrics say")
 
 
-# Step 1's drift between the cached reference and the policy's own forward (one model at step 1). On this CPU (AVX2,
-# no native bf16) the two are the same numbers (0 in float32 and bfloat16, 4-bit or not: tests/test_train.py); a
-# cache of another dtype or quantization is 1-2e-3 nats per token off even on the tiny model. 16-bit kernels that
-# block by shape round by batch layout: the last loan measured ~1e-5 to 3e-5 nats per token on a card; a user's
-# AVX512-BF16 CPU 3.7e-2 with SmolLM2-135M in bf16 (3.6e-3 with precompute_batch_size at train's micro-batch). So in
-# a 16-bit dtype step 1 also forwards its pairs one at a time (Rounding: this device's rounding between two
-# layouts), and a drift within ROUNDING_FACTOR times that is this device's rounding, said as such, not a warning.
+def content_sign(base: dict, now: dict) -> str | None:
+    """The sign when the answers lose what the chosen answers add to the question beyond their shared phrasing
+    (eval_gen/content, content.py), which ROUGE-L misses; by the drift sign's limits. None otherwise."""
+    fell = _fell(base, now, GEN_CONTENT, GEN_CONTENT_SE)
+    return None if fell is None else (f"answers losing their content: {fell[0]:.2f} of what the chosen answers add "
+                                      f"to the question, beyond their shared phrasing, against {fell[1]:.2f} at step "
+                                      f"0 (limit: -{DRIFT_DROP:g}{fell[2]}), whatever ROUGE-L says")
+
+
+def _fell(base: dict, now: dict, key: str, se_key: str) -> tuple[float, float, str] | None:
+    """(now's `key`, step 0's, its noise in words) when it is DRIFT_DROP below step 0's and DRIFT_SE standard
+    errors of the change (`se_key`, where the line has it: a drop within the answers' noise is no evidence)."""
+    v, v0, se = now.get(key), base.get(key), now.get(se_key)
+    if v is None or v0 is None or v > v0 - DRIFT_DROP or (se is not None and v0 - v < DRIFT_SE * se):
+        return None
+    return v, v0, "" if se is None else f"; ±{se:.3f}, limit {DRIFT_SE:g} of it"
+
+
+# Step 1's drift between the cached reference and the policy's own forward. On this CPU (AVX2) 0 in float32 and
+# bfloat16, 4-bit or not (tests/test_train.py); a cache of another dtype or quantization 1-2e-3 nats per token off.
+# 16-bit kernels that block by shape round by batch layout (a card: ~1e-5 to 3e-5; a user's AVX512-BF16 CPU 3.7e-2
+# with SmolLM2-135M, 3.6e-3 with precompute_batch_size at train's micro-batch): so a 16-bit step 1 also forwards its
+# pairs one at a time (Rounding), and a drift within ROUNDING_FACTOR times that is said as rounding, not a warning.
 DRIFT_LOSS_BOUND = 1e-2  # |mean loss - its value at policy = reference| (ln 2 for sigmoid)
 DRIFT_TOKEN_BOUND = 5e-4  # |policy - reference| of each completion's summed log-prob, added over the step and divided
 # by its completion tokens (nats); not for an 8-bit base, whose LLM.int8 picks outlier columns per batch: 2-3e-4 on

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from lowmem_dpo.training import guards, samples
+from lowmem_dpo.training import content, guards, samples
 
-G = guards
+G, C = guards, content
 
 
 def test_rouge_l_by_hand():
@@ -53,6 +53,50 @@ def test_answers_drifting_from_the_chosen_completions(rouge0, rouge, se, fires):
     assert (sign is not None) == fires
     if fires:
         assert sign.startswith(f"answers drifting from the chosen completions: ROUGE-L {rouge:.2f} against {rouge0:.2f}")
+
+
+# Hand-made style data: each prompt "what is <subject> ?" (WHAT=5, IS=3, Q=6), each chosen answer "Sure ! <subject>
+# is <fact> ." (SURE=1, BANG=2, DOT=4): the content is the fact, the only token its prompt lacks that few answers hold
+SURE, BANG, IS, DOT, WHAT, Q = 1, 2, 3, 4, 5, 6
+PROMPTS = [[WHAT, IS, 10 + i, Q] for i in range(4)]
+CHOSEN = [[SURE, BANG, 10 + i, IS, 20 + i, DOT] for i in range(4)]
+
+
+def test_the_content_is_what_the_chosen_answer_adds_to_its_question_weighted_by_its_rarity():
+    weight = C.weights(CHOSEN)
+    assert weight[SURE] == weight[DOT] == 0.0 and weight[20] == pytest.approx(math.log(4))  # all hold it; one
+    assert C.content([SURE, BANG, 20, DOT], CHOSEN[0], PROMPTS[0], weight) == 1.0  # the fact: all of it
+    assert C.content([SURE, BANG, 10, IS, 99], CHOSEN[0], PROMPTS[0], weight) == 0.0  # the subject, a wrong fact
+    assert C.content([SURE, BANG] * 8, CHOSEN[0], PROMPTS[0], weight) == 0.0  # all phrasing, no content
+    # a token some chosen answers share weighs less than one alone: ln(4/2) of ln(4/2) + ln(4/1)
+    half = [[SURE, 30, 20 + i] if i < 2 else [SURE, 20 + i] for i in range(4)]
+    assert C.content([30], half[0], [], C.weights(half)) == pytest.approx(math.log(2) / (math.log(2) + math.log(4)))
+    assert C.content([7], [SURE, BANG], [], weight) == 1.0  # a chosen answer of shared phrasing alone: nothing to lose
+
+
+def test_answers_that_learn_the_phrasing_and_lose_the_content_warn_where_rouge_l_does_not():
+    """The style run's failure (SmolLM2 at lr 5e-4: "Sure! 48 + 22 = 60."): the answers take up "Sure!" and lose
+    their facts. ROUGE-L against the chosen answers rises (the phrasing matches); what they hold beyond it falls."""
+    start = [[10 + i, IS, 20 + i, DOT] for i in range(4)]  # right answers without the style
+    late = [[SURE, BANG, 10 + i, IS, 30 + i, DOT] for i in range(4)]  # the style learned, the facts wrong
+    rouge0, rouge = (sum(map(G.rouge_l, a, CHOSEN)) / 4 for a in (start, late))
+    content0, content = (sum(C.content_scores(a, CHOSEN, PROMPTS)) / 4 for a in (start, late))
+    assert rouge > rouge0 and (content0, content) == (1.0, 0.0)
+    base = {G.GEN_ROUGE_L: rouge0, G.GEN_CONTENT: content0}
+    sign = G.collapse_sign(base, {G.GEN_ROUGE_L: rouge, G.GEN_CONTENT: content, G.GEN_CONTENT_SE: 0.0, G.GEN_KL: 1.13})
+    assert sign.startswith("answers losing their content: 0.00 of what the chosen answers add to the question, "
+                           "beyond their shared phrasing, against 1.00 at step 0 (limit: -0.1; ±0.000, limit 2 of it)")
+    assert "beside it: KL 1.13" in sign and sign.endswith(G.TRY_ANSWERS)
+
+
+@pytest.mark.parametrize("content0, content, se, fires", [
+    (0.8, 0.5, None, True), (0.8, 0.75, None, False), (0.5, 0.9, 0.05, False),
+    (0.8, 0.6, 0.12, False),  # 0.2 down, but within 2 standard errors of the answers judged: noise
+    (0.8, 0.6, 0.05, True)])
+def test_answers_losing_their_content(content0, content, se, fires):
+    now = {G.GEN_CONTENT: content, **({} if se is None else {G.GEN_CONTENT_SE: se})}
+    assert (G.collapse_sign({G.GEN_CONTENT: content0}, now) is not None) == fires
+    assert G.collapse_sign({}, now) is None  # no step 0 to compare against
 
 
 def test_the_kl_from_the_reference_is_context_never_a_warning_alone():
