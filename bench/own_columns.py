@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             got = results(out)
             runs[name] = {"apply_chat_template": template == "true", "overrides": overrides,
                           "eval_loss_first": got["evals"][0]["eval_loss"], "eval_loss_last": got["evals"][-1]["eval_loss"],
+                          # the recipe's sft term (loss_type [sigmoid, sft]): step 0 is ln 2 plus this
+                          "eval_nll_loss_first": got["evals"][0].get("eval_nll_loss", 0.0),
                           "samples": empty_samples(out)}
         trapped = trap(recipe, paths, work, SMOKE_TRAP if args.smoke else TRAP)
     from machine import command_line, machine_info

@@ -64,7 +64,8 @@ def test_own_columns_smoke(bench_path, tmp_path, capsys):
     assert own_columns.main(["--smoke", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     template = got["runs"]["template"]
-    assert abs(template["eval_loss_first"] - math.log(2)) < 1e-3 and template["samples"]["of"] > 0
+    assert abs(template["eval_loss_first"] - template["eval_nll_loss_first"] - math.log(2)) < 1e-3  # the DPO part
+    assert template["samples"]["of"] > 0
     assert template["samples"]["empty"] == 0
     trap = got["trap"]
     assert trap["exit_code"] == 2 and "keeps 95% of the rows whole" in trap["message"]

@@ -293,15 +293,15 @@ def _collapse(base: dict, now: dict) -> str | None:
     if empty is not None and empty - empty0 >= EMPTY_RISE:
         return (f"generations collapsing into empty answers: {k_of_n}{empty:.0%} of the samples end at once against "
                 f"{empty0:.0%} at step 0 (limit: +{EMPTY_RISE:.0%})")
-    if collapsed and answers:  # one broken answer is evidence too: the means above see only many
-        return (f"answers collapsing: {collapsed:g} of {answers:g} into repetition (each seq-rep-{COLLAPSE_N} >= "
-                f"{COLLAPSE_LEVEL:g} and +{COLLAPSE_RISE:g} over the same prompt's answer at step 0) or into nothing "
-                "(empty where step 0's was not)")
     length, length0, chosen = now.get(GEN_LENGTH), base.get(GEN_LENGTH), now.get(GEN_CHOSEN_LENGTH)
     if (length is not None and length0 is not None and length0 >= SHORT_MIN_START and length <= SHORT_FRACTION * length0
             and (chosen is None or length < CHOSEN_FRACTION * chosen)):  # as long as the chosen answers: no collapse
         return (f"generations collapsing into short answers: {length:.1f} tokens on average against {length0:.1f} at "
                 f"step 0 (limit: {SHORT_FRACTION:g} of it){_chosen(chosen)}")
+    if collapsed and answers:  # one broken answer is evidence too: the means above see only many
+        return (f"answers collapsing: {collapsed:g} of {answers:g} into repetition (each seq-rep-{COLLAPSE_N} >= "
+                f"{COLLAPSE_LEVEL:g} and +{COLLAPSE_RISE:g} over the same prompt's answer at step 0) or into nothing "
+                "(empty where step 0's was not)")
     return None
 
 
