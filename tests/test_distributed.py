@@ -272,8 +272,10 @@ def test_fsdp_trains_as_one_process_in_4bit_and_unquantized_and_a_corrupted_shar
     assert whole > 0 and r0 + r1 == whole and abs(r0 - whole / 2) < 0.01 * whole  # dim-0 chunks: rows, not bytes
     planned = card_host_bytes(load_arch("lowmem_dpo:tiny-llama"), "float32", "4bit", 2)
     assert abs(shards - planned) < 0.02 * planned, (shards, planned)
-    assert p.stderr.count("fsdp=true (from the recipe): the frozen weights sharded over the processes") == 3
-    assert p.stderr.count("reference cache off this policy's forward") == 1  # the corrupted run's step 1 alone
+    assert p.stderr.count("the base sharded (fsdp); the") == 3  # each run's one resolved line (rank 0's)
+    assert "# resolved fsdp=true (from the recipe): the frozen weights sharded over the processes" in (
+        root / "fsdp" / "config.yaml").read_text()
+    assert p.stderr.count("warning: step 1: reference cache off this policy's forward") == 1  # the corrupted run's alone
     assert "with fsdp, a process whose shard of the base differs" in p.stderr
 
 

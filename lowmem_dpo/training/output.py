@@ -100,14 +100,15 @@ def start_output(run: RunSetup) -> Path:
     log(f"writing to {place(run.cfg, 'output_dir')}")
     resolved_note = "".join(f"# resolved {r}\n" for r in run.resolved.reasons)
     files.atomic_write_bytes(out_dir / RUN_CONFIG, (run.cfg.to_yaml() + resolved_note).encode())
-    log(resolved_line(run.resolved, run.cfg.per_device_train_batch_size, out_dir / RUN_CONFIG))
+    log(resolved_line(run.resolved, run.cfg.per_device_train_batch_size, out_dir / RUN_CONFIG, run.world))
     return out_dir
 
 
-def resolved_line(r: devices.Resolved, batch: int, config: Path) -> str:
+def resolved_line(r: devices.Resolved, batch: int, config: Path, world: distributed.World) -> str:
     """What the device rules and the planner chose, in one line, and where their reasons are."""
     micro = r.micro_batch or batch
-    parts = [f"{r.device.type} in {devices.dtype_name(r.dtype)}"
+    processes = f", process {world.rank} of {world.size}" if world.size > 1 else ""
+    parts = [f"{r.device.type} in {devices.dtype_name(r.dtype)}{processes}"
              + ("" if r.quantization == "none" else f" on a {r.quantization} base"),
              f"micro-batch {micro}" + ("" if micro == batch else f" (the recipe's {batch} split by the planner)"),
              f"gradient checkpointing {'on' if r.gradient_checkpointing else 'off'}", f"optimizer {r.optimizer}"]

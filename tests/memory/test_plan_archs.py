@@ -118,7 +118,7 @@ def test_train_with_any_targets(name, targets, model_dir, make_cfg, capsys):
     train.run(cfg)
     out = Path(cfg.output_dir)
     err = capsys.readouterr().err
-    assert "no memory plan" not in err and "planner: train peak" in err
+    assert "no memory plan" not in err and "# resolved planner: train peak" in (out / "config.yaml").read_text()
     weights = load_file(str(out / "adapter_model.safetensors"))
     arch = load_arch(cfg.model_name_or_path)
     lora = sum(t.numel() for k, t in weights.items() if "lora_" in k)  # peft also saves a tied LM head's embeddings

@@ -39,7 +39,7 @@ def test_a_cpu_memory_budget_above_the_ram_there_is_planned_at_that_ram_and_said
     available, source = ram.available()
     assert 0 < available <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     r = devices.resolve(load_config(None, ["device=cpu", f"memory_budget={available * 1000}"]))
-    assert 0 < r.budget <= available
+    assert 0 < r.budget <= max(available, ram.available()[0])  # read again inside: it moves as the machine runs
     warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: memory_budget=")]
     assert len(warned) == 1 and f"of RAM {source} on this machine: planning for {fmt(r.budget)}" in warned[0]
     assert f"budget {fmt(r.budget)}: {warned[0].removeprefix('warning: ')}" in r.reasons
