@@ -77,7 +77,7 @@ def sample_metrics(session: Session, step: int) -> dict:
     path = Path(run.cfg.output_dir) / checkpoint.SAMPLES
     # Each later eval answers the prompts step 0 answered, each judged against its own answer there (a resumed run
     # given more steps would ask for more with eval_generations null: they would have no baseline)
-    answered = set(samples.scores_at(path, 0, "completion")) if step > 0 and run.world.main else None
+    answered = set(samples.scores_at(path, 0, ["completion"])["completion"]) if step > 0 and run.world.main else None
     answered = distributed.broadcast(answered) if run.resolved.sharded else answered
     if answered:
         items = [item for item in items if run.prompts.get(item.row) in answered] or items
@@ -104,7 +104,7 @@ def sample_metrics(session: Session, step: int) -> dict:
               "content": content.content_scores([w.ids for w in written], [w.chosen_ids for w in written],
                                                 [item.prompt_ids for item in items])}
     # step 0's answers to the same prompts, each score by prompt
-    base = {name: samples.scores_at(path, 0, name) if step > 0 else {} for name in scores}
+    base = samples.scores_at(path, 0, scores) if step > 0 else dict.fromkeys(scores, {})
     samples.append(path, step, written, scores)
     log(samples.log_line(step, written[0]))
     stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written], scores["rouge_l"])

@@ -171,14 +171,15 @@ def append(path: Path, step: int, samples: list[Sample], scores: dict[str, list]
         f.flush()
 
 
-def scores_at(path: Path, step: int, name: str) -> dict[str, float]:
-    """Each prompt's score `name` (an append score: rouge_l, repetition, tokens) at `step` in samples.jsonl ({}
-    where the file, the step or the scores are absent)."""
+def scores_at(path: Path, step: int, names) -> dict[str, dict[str, float]]:
+    """Each of `names`' per-prompt scores at `step` in samples.jsonl (append's scores, or any field of a line:
+    completion), read once: {name: {prompt: value}} ({} for a name where the file, the step or the scores are
+    absent)."""
     path = Path(path)
-    if not path.is_file():
-        return {}
-    lines = (json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip())
-    return {x["prompt"]: x[name] for x in lines if x.get("step") == step and x.get(name) is not None}
+    lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()] \
+        if path.is_file() else []
+    return {name: {x["prompt"]: x[name] for x in lines if x.get("step") == step and x.get(name) is not None}
+            for name in names}
 
 
 def keep_until(path: Path, step: int) -> None:
