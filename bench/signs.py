@@ -161,14 +161,15 @@ def collect(kind: str, name: str, model: str, work: Path, n_rows: int) -> dict:
 def table(results: list[dict]) -> str:
     """Each run's ground truth (facts kept, ROUGE-L), then each sign's worst value over the run beside its limit
     (guards' constants; ** past it), and the warnings train logged, with the step each first fired."""
+    from lowmem_dpo.training import answers as A
     from lowmem_dpo.training import guards as G
 
     t = G.Thresholds()
     head = ("| kind | run | facts kept (step 0 -> end; answers that lost it, gained it) | ROUGE-L 0 -> end | drift: lowest ROUGE-L (limit) | "
             "content: lowest (limit) | "
-            f"repetition (limit {G.COLLAPSE_LEVEL:g}) | length: shortest / end (chosen) | "
+            f"repetition (limit {A.COLLAPSE_LEVEL:g}) | length: shortest / end (chosen) | "
             f"chosen nats/token vs ref, train / held out (limit -{t.chosen_drop_per_token:g}; -{t.displaced_per_token:g} backed) | "
-            f"context: KL (beyond {G.KL_LIMIT:g}) | context: margin (beyond {t.margin:g}) | "
+            f"context: KL (beyond {A.KL_LIMIT:g}) | context: margin (beyond {t.margin:g}) | "
             f"context: rejected nats/token (beyond -{t.rejected_drop_per_token:g}) | warnings logged (first step) | "
             "the shipped signs on its lines (first step) | answers |")
     out = [head, "|---" * 15 + "|"]
@@ -185,14 +186,14 @@ def table(results: list[dict]) -> str:
             return f"**{text}**" if (v <= limit if below else v >= limit) else text
 
         rouge0 = values["rouge0"]
-        drift_limit = rouge0 - G.DRIFT_DROP
+        drift_limit = rouge0 - A.DRIFT_DROP
         out.append(
             f"| {r['kind']} | {r['run']} (lr {r['learning_rate']:g}, {r.get('steps', 16)} steps{loss}) | "
             f"{kept[0]:.2f} -> {kept[-1]:.2f}{flips(r)} | {rouge0:.2f} -> {values['rouge_end']:.2f} | "
             f"{past(values['rouge_low'], drift_limit)} ({drift_limit:.2f}) | "
-            f"{content_cell(values)} {past(values['repetition'], G.COLLAPSE_LEVEL, False)} | {values['length']:.1f} / {values['length_end']:.1f} ({values['chosen_length']:.1f}) | "
+            f"{content_cell(values)} {past(values['repetition'], A.COLLAPSE_LEVEL, False)} | {values['length']:.1f} / {values['length_end']:.1f} ({values['chosen_length']:.1f}) | "
             f"{past(values['chosen_train'], -t.chosen_drop_per_token)} / "
-            f"{past(values['chosen_eval'], -t.chosen_drop_per_token)} | {past(values['kl'], G.KL_LIMIT, False)} | "
+            f"{past(values['chosen_eval'], -t.chosen_drop_per_token)} | {past(values['kl'], A.KL_LIMIT, False)} | "
             f"{past(values['margin'], t.margin, False)} | {past(values['rejected'], -t.rejected_drop_per_token)} | "
             + ("; ".join(f"{s} ({k})" for s, k in signs.items()) or "none") + " | "
             + ("; ".join(f"{s} ({k})" for s, k in replay(r).items()) or "none") + f" | {worse(r)} |")
@@ -202,13 +203,13 @@ def table(results: list[dict]) -> str:
 def content_cell(values: dict) -> str:
     """The content sign's cell: step 0's score -> the lowest later, ** past the limit (the drop and twice the noise
     of that eval's change), the limit; '' for a run recorded without its answers."""
-    from lowmem_dpo.training import guards as G
+    from lowmem_dpo.training import answers as A
 
     if values.get("content0") is None:
         return "|"
-    low, se, limit = values["content_low"], values["content_low_se"] or 0.0, values["content0"] - G.DRIFT_DROP
+    low, se, limit = values["content_low"], values["content_low_se"] or 0.0, values["content0"] - A.DRIFT_DROP
     text = f"{values['content0']:.2f} -> {low:.2f} ±{se:.2f}"
-    fired = low <= limit and values["content0"] - low >= G.DRIFT_SE * se
+    fired = low <= limit and values["content0"] - low >= A.DRIFT_SE * se
     return f"{'**' + text + '**' if fired else text} ({limit:.2f}) |"
 
 
@@ -218,10 +219,11 @@ def replay(r: dict, beta: float = 0.1) -> dict[str, int]:
     where the line lacks it), likelihood displacement with the data's mean chosen tokens per pair for each window's
     own."""
     from lowmem_dpo.objectives import OBJECTIVES
+    from lowmem_dpo.training import answers as A
     from lowmem_dpo.training import guards as G
 
     first: dict[str, int] = {}
-    base = next((with_content(r, e) for e in r["evals"] if e["step"] == 0 and e.get(G.GEN_ROUGE_L) is not None), None)
+    base = next((with_content(r, e) for e in r["evals"] if e["step"] == 0 and e.get(A.GEN_ROUGE_L) is not None), None)
     steps, tokens, rejected = r.get("steps", 16), r.get("chosen_tokens", 0.0), r.get("rejected_tokens", 0.0)
     several = r.get("loss_type", "sigmoid") != "sigmoid"  # [sigmoid, sft]: judged by SEVERAL, its NLL taken out
     t = G.thresholds(G.SEVERAL if several else OBJECTIVES["sigmoid"].limits, beta, 0.0, tokens)
@@ -230,14 +232,14 @@ def replay(r: dict, beta: float = 0.1) -> dict[str, int]:
     for line, held_out in sorted(lines, key=lambda x: x[0]["step"]):
         if several and line.get("nll_loss") is not None:
             line = {**line, "loss": line["loss"] - line["nll_loss"]}
-        for sign in G.warning_signs(line, line["step"], steps, beta, tokens, t, rejected, held_out):
+        for sign in G.warning_signs(line, G.At(line["step"], steps, held_out), beta, tokens, t, rejected):
             first.setdefault(sign.split(":")[0], line["step"])
     per = r.get("rouge_per_sample") or {}
     for e in r["evals"]:
-        if str(e["step"]) in per and "0" in per and G.GEN_ROUGE_L_SE not in e:  # a run recorded before train logged it
-            e = {**e, G.GEN_ROUGE_L_SE: G.change_se(list(zip(per[str(e["step"])], per["0"])))}
+        if str(e["step"]) in per and "0" in per and A.GEN_ROUGE_L_SE not in e:  # a run recorded before train logged it
+            e = {**e, A.GEN_ROUGE_L_SE: A.change_se(list(zip(per[str(e["step"])], per["0"])))}
         e = with_content(r, e)
-        sign = G.collapse_sign(base, e) if e["step"] > 0 and e.get(G.GEN_ROUGE_L) is not None else None
+        sign = A.collapse_sign(base, e) if e["step"] > 0 and e.get(A.GEN_ROUGE_L) is not None else None
         if sign:
             first.setdefault(sign.split(":")[0], e["step"])
     return dict(sorted(first.items(), key=lambda kv: kv[1]))
@@ -279,29 +281,30 @@ def sign_values(r: dict, beta: float = 0.1) -> dict[str, float]:
     """A run's worst value of each sign over its logged lines after step 0 (guards' names and limits). The per-token
     log-ratios divide by the data's mean tokens per completion (train divides each window's by its own: within a few
     percent of these)."""
+    from lowmem_dpo.training import answers as A
     from lowmem_dpo.training import guards as G
 
-    evals = [e for e in r["evals"] if e.get(G.GEN_ROUGE_L) is not None]
+    evals = [e for e in r["evals"] if e.get(A.GEN_ROUGE_L) is not None]
     later = [e for e in evals if e["step"] > 0] or evals
     scored = [e for e in r["evals"] if "eval_rewards/chosen" in e and e["step"] > 0]
     train = r.get("train") or [r["last_train"]]
     learned = [x for x in train if x.get("rewards/accuracies", 0) >= G.Thresholds().saturated]
     scored_content = [with_content(r, e) for e in evals]
-    scored_content = [e for e in scored_content if e.get(G.GEN_CONTENT) is not None]
+    scored_content = [e for e in scored_content if e.get(A.GEN_CONTENT) is not None]
     low = min((e for e in scored_content if e["step"] > 0), default=None,
-              key=lambda e: (e[G.GEN_CONTENT], -(e.get(G.GEN_CONTENT_SE) or 0.0)))
-    content = {"content0": scored_content[0][G.GEN_CONTENT] if scored_content else None,
-               "content_low": None if low is None else low[G.GEN_CONTENT],
-               "content_low_se": None if low is None else low.get(G.GEN_CONTENT_SE)}
-    return {**content, "rouge0": evals[0][G.GEN_ROUGE_L], "rouge_end": evals[-1][G.GEN_ROUGE_L],
-            "rouge_low": min(e[G.GEN_ROUGE_L] for e in later),
-            "repetition": max(e.get(G.GEN_REPETITION, 0.0) for e in later),
-            "length": min(e[G.GEN_LENGTH] for e in later), "length_end": evals[-1][G.GEN_LENGTH],
-            "chosen_length": evals[-1][G.GEN_CHOSEN_LENGTH],
+              key=lambda e: (e[A.GEN_CONTENT], -(e.get(A.GEN_CONTENT_SE) or 0.0)))
+    content = {"content0": scored_content[0][A.GEN_CONTENT] if scored_content else None,
+               "content_low": None if low is None else low[A.GEN_CONTENT],
+               "content_low_se": None if low is None else low.get(A.GEN_CONTENT_SE)}
+    return {**content, "rouge0": evals[0][A.GEN_ROUGE_L], "rouge_end": evals[-1][A.GEN_ROUGE_L],
+            "rouge_low": min(e[A.GEN_ROUGE_L] for e in later),
+            "repetition": max(e.get(A.GEN_REPETITION, 0.0) for e in later),
+            "length": min(e[A.GEN_LENGTH] for e in later), "length_end": evals[-1][A.GEN_LENGTH],
+            "chosen_length": evals[-1][A.GEN_CHOSEN_LENGTH],
             "chosen_train": min(x["rewards/chosen"] for x in train) / beta / r.get("chosen_tokens", 1.0),
             "chosen_eval": min((e["eval_rewards/chosen"] for e in scored), default=0.0) / beta
             / r.get("chosen_tokens", 1.0),
-            "kl": max(e.get(G.GEN_KL) or 0.0 for e in later),
+            "kl": max(e.get(A.GEN_KL) or 0.0 for e in later),
             "margin": max(x["rewards/margins"] for x in train),
             "rejected": min((x["rewards/rejected"] for x in learned), default=0.0) / beta / r["rejected_tokens"]}
 
@@ -355,15 +358,15 @@ def content_per_sample(model: str, samples: list[dict]) -> dict[str, list[float]
 def with_content(r: dict, e: dict) -> dict:
     """An eval line with eval_gen/content and its change's standard error from the run's per-sample content
     scores, the shipped measure on the recorded answers (in place of what train logged, where it logged them)."""
-    from lowmem_dpo.training import guards as G
+    from lowmem_dpo.training import answers as A
 
     per = r.get("content_per_sample") or {}
     scores, base = per.get(str(e["step"])), per.get("0")
     if not scores:
         return e
-    se = G.change_se(list(zip(scores, base))) if base and e["step"] > 0 else None
-    e = {k: v for k, v in e.items() if k not in (G.GEN_CONTENT, G.GEN_CONTENT_SE)}
-    return {**e, G.GEN_CONTENT: sum(scores) / len(scores), **({} if se is None else {G.GEN_CONTENT_SE: se})}
+    se = A.change_se(list(zip(scores, base))) if base and e["step"] > 0 else None
+    e = {k: v for k, v in e.items() if k not in (A.GEN_CONTENT, A.GEN_CONTENT_SE)}
+    return {**e, A.GEN_CONTENT: sum(scores) / len(scores), **({} if se is None else {A.GEN_CONTENT_SE: se})}
 
 
 def rouge_per_sample(model: str, samples: list[dict]) -> dict[str, list[float]]:

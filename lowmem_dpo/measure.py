@@ -31,7 +31,7 @@ from lowmem_dpo.model.tiny import BUILTIN_PREFIX, ensure_builtin
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.training import inputs, policy
-from lowmem_dpo.training.step import groups, micro_batches, optimizer_step
+from lowmem_dpo.training.step import micro_batches, optimizer_step
 
 
 class PeakMeter:
@@ -213,7 +213,7 @@ def _measure_train(mcfg: Config, steps: int, timed: int = 0):
     shared, mlp_tiles = session.run.objective.shared, (resolved.mlp_tiles, resolved.mlp_tile_tokens)
     taken_steps = micro_batches(taken, session.run.items_per_step)
     seen = [_pair_shape(pairs, shared) for step in taken_steps  # as step.accumulate splits each step
-            for group in groups(session.run.objective, step, session.run.world)
+            for group in session.run.objective.groups(step, session.run.world)
             for pairs in micro_batches(group, session.progress.micro_batch)]
     del session
     gc.collect()

@@ -12,7 +12,7 @@ sample and where the picture is.
 """
 
 # A stage on the top floor: it reads a run's files and imports no other stage. The only training knowledge it
-# needs is guards.collapse_sign, the same warning the train log raises.
+# needs is answers.collapse_sign, the same warning the train log raises.
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.objectives.metrics import EVAL_SHOWN, LOSS, PANELS, TRAIN_SHOWN
 from lowmem_dpo.runtime import devices, files, folders
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import guards
+from lowmem_dpo.training import answers, guards
 from lowmem_dpo.training.output import KIND, PICTURE, earlier_run
 
 NO_MATPLOTLIB = ("curves.png needs matplotlib", "'lowmem_dpo[report]'")  # devices.import_optional's message
@@ -188,17 +188,17 @@ def best_line(state: dict | None) -> str:
 def repetition_line(run: Run) -> str | None:
     """The generations' repetition, mean length and empty answers at step 0 (the reference) against the last
     eval, with the collapse sign."""
-    measured = [x for x in run.evals if x.get(guards.GEN_REPETITION) is not None]
+    measured = [x for x in run.evals if x.get(answers.GEN_REPETITION) is not None]
     if not measured:
         return None
     base = measured[0] if measured[0]["step"] == 0 else None
     last = measured[-1]
     text = "; ".join(f"{label}: {_num((base or {}).get(key))} at step 0 -> {_num(last.get(key))} at step {last['step']}"
-                     for key, label in ((guards.GEN_REPETITION, "repetition"), (guards.GEN_LENGTH, "length"),
-                                        (guards.GEN_EMPTY, "empty answers"), (guards.GEN_ROUGE_L, "ROUGE-L vs chosen"),
-                                        (guards.GEN_KL, "KL from the reference"))
+                     for key, label in ((answers.GEN_REPETITION, "repetition"), (answers.GEN_LENGTH, "length"),
+                                        (answers.GEN_EMPTY, "empty answers"), (answers.GEN_ROUGE_L, "ROUGE-L vs chosen"),
+                                        (answers.GEN_KL, "KL from the reference"))
                      if key in last or key in (base or {}))
-    sign = guards.collapse_sign(base, last)
+    sign = answers.collapse_sign(base, last)
     return f"{text}; warning: {sign}" if sign else text
 
 

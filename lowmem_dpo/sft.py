@@ -30,7 +30,7 @@ from lowmem_dpo.objectives.metrics import GEN_REPETITION, GEN_ROUGE_L, LOSS
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import inputs, loop, output, policy, resuming
-from lowmem_dpo.training.objective import build
+from lowmem_dpo.training.objective import Batching, Rows
 from lowmem_dpo.training.session import RunSetup, Session
 from lowmem_dpo.training.session import start as start_session
 
@@ -75,7 +75,7 @@ def setup(cfg: Config, progress: bool = True) -> Session:
     pad_id = data.pad_token_id(tokenizer)
     layout = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:2], train=True)  # never shared
     # SFT means to move away from its base: the KL from it is no warning sign there (nor measured)
-    run = RunSetup(cfg, resolved, build(cfg, resolved, pad_id, "sft", layout=layout), dataset.train, pad_id,
+    run = RunSetup(cfg, resolved, Rows(batching=Batching(resolved, pad_id, layout)), dataset.train, pad_id,
                    trains_on, dataset.eval, tokenizer, dataset.prompts, adapter_off_is_start=False,
                    row_formats=dataset.tok.formats)
     session = start_session(run, model, resume)

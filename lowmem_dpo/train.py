@@ -23,9 +23,10 @@ from lowmem_dpo.model import adapters, headcheck
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import log
 from lowmem_dpo.training import inputs, kto, loop, output, policy, resuming
-from lowmem_dpo.training.objective import build, judged_limits
+from lowmem_dpo.training.objective import Batching, Pairs
 from lowmem_dpo.training.session import RunSetup, Session
 from lowmem_dpo.training.session import start as start_session
+from lowmem_dpo.training.signs import judged_limits
 
 
 def opening_lines(session: Session) -> list[str]:
@@ -43,7 +44,7 @@ def opening_lines(session: Session) -> list[str]:
     reference = (f"cached in {cfg.ref_cache_dir}" if objective.ref is not None
                  else "live (adapter disabled), costs a forward" if objectives.needs_reference(cfg.loss_type)
                  else f"none (loss_type={cfg.loss_type} reads no reference: no cache, no precompute)")
-    limits, _, judged = judged_limits(cfg)
+    limits, _, judged = judged_limits(objectives.Terms.of(cfg))
     still = ("likelihood displacement and the answers' signs still warn"
              if objectives.needs_reference(cfg.loss_type) else "the answers' signs still warn")
     unguarded = [] if limits is not None else [
@@ -91,16 +92,18 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
                 "run's own")
     off_is_start = adapters.adapter_off_is_start(cfg, prepared.source)
     items, eval_items = dataset.train, dataset.eval
+    batching = Batching(resolved, pad_id, layout)
     if objectives.unpaired(cfg.loss_type):  # blocks of rows, with each part's labels
         ref = kto.Reference(ref, kto.labels(dataset.unpaired["train"]))
-        eval_ref = kto.Reference(eval_ref, kto.labels(dataset.unpaired[dataset.eval_part])) if dataset.eval_part \
-            else None
+        eval_ref = (kto.Reference(eval_ref, kto.labels(dataset.unpaired[dataset.eval_part])) if dataset.eval_part
+                    else None)
         items, eval_items = (kto.blocks(views, cfg.per_device_train_batch_size) for views in (items, eval_items))
-    # A new run's step 1 measures the cache against its own forward (the drift line): the policy is the reference
-    # there, so the cache should hold its forward's values; not so for a continued SFT adapter with lora_dropout,
-    # whose B is not 0: the dropout draws noise into it.
-    objective = build(cfg, resolved, pad_id, "train", ref, eval_ref, layout,
-                      drift_at_start=off_is_start or not cfg.lora_dropout)
+        objective = kto.Blocks.of(cfg, batching, ref, eval_ref)
+    else:
+        # A new run's step 1 measures the cache against its own forward (the drift line): the policy is the
+        # reference there, so the cache should hold its forward's values; not so for a continued SFT adapter with
+        # lora_dropout, whose B is not 0: the dropout draws noise into it.
+        objective = Pairs.of(cfg, batching, ref, eval_ref, drift_at_start=off_is_start or not cfg.lora_dropout)
     run = RunSetup(cfg, resolved, objective, items, pad_id, trains_on, eval_items, prepared.tokenizer,
                    dataset.prompts, adapter_off_is_start=off_is_start, row_formats=dataset.tok.formats)
     session = start_session(run, model, resume)

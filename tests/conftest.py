@@ -225,11 +225,13 @@ def pytest_collection_finish(session):
 
 
 def backward_pairs(trainee, cfg, pairs: list, pad_id: int, resolved):
-    """One micro-batch of pairs through the run's objective entry (objective.pairs: live reference when no cache),
-    its loss backward'ed into the trainee's gradients; returns its sums (step.Sums)."""
-    from lowmem_dpo.training import objective
+    """One micro-batch of pairs through the run's objective (objective.Pairs: live reference when no cache), its
+    loss backward'ed into the trainee's gradients; returns its sums (step.Sums)."""
+    from lowmem_dpo.training.objective import Batching, Pairs
+    from lowmem_dpo.training.step import Pass
 
-    entry = objective.pairs(cfg, resolved, pad_id)
-    loss, sums = entry.loss(entry.forward(trainee.lm, pairs, None, None), entry.size(pairs, False))
-    trainee.backward(loss)
-    return sums
+    objective = Pairs.of(cfg, Batching(resolved, pad_id))
+    within = Pass(None, objective.size(pairs, False), len(pairs))
+    out = objective.loss(objective.forward(trainee.lm, pairs, within), within.size)
+    trainee.backward(out.value)
+    return out.sums

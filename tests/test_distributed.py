@@ -110,19 +110,19 @@ import torch
 from lowmem_dpo import train
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.runtime import distributed
-from lowmem_dpo.training import objective
+from lowmem_dpo.training.objective import Pairs
 
-real, calls = objective.pair_forward, {"n": 0}
+real, calls = Pairs.forward, {"n": 0}
 
 
-def pair_forward(model, pairs, *args, **kwargs):
+def pair_forward(objective, model, pairs, *args, **kwargs):
     calls["n"] += torch.is_grad_enabled()  # a training forward (the eval's run without gradients)
     if os.environ["RANK"] == "1" and calls["n"] == 3 and torch.is_grad_enabled():  # step 1 took 2 micro-batches
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-    return real(model, pairs, *args, **kwargs)
+    return real(objective, model, pairs, *args, **kwargs)
 
 
-objective.pair_forward = pair_forward  # before train builds the run's objective entry, which binds it
+Pairs.forward = pair_forward  # every Pairs' forward, the run's too
 code = run_cli(train.main, sys.argv[1:], "train", "")
 # As at exit: the group's gloo threads must end here, while Python runs, whatever the run imported after init
 # (transformers' model loading imports torch.distributed.nn, whose defaults would otherwise keep the group alive

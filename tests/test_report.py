@@ -16,7 +16,7 @@ from lowmem_dpo import __main__ as one
 from lowmem_dpo import report
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import guards
+from lowmem_dpo.training import answers
 from lowmem_dpo.training.trackers import open_trackers
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -187,7 +187,7 @@ def test_the_best_step_is_marked_on_the_eval_panels(tmp_path, capsys):
 
 def test_collapse_is_flagged_in_the_summary(tmp_path):
     base = 0.2
-    now = max(guards.COLLAPSE_LEVEL, base + guards.COLLAPSE_RISE) + 0.1
+    now = max(answers.COLLAPSE_LEVEL, base + answers.COLLAPSE_RISE) + 0.1
     write_run(tmp_path / "collapsed", repetition=(base, now))
     line = report.repetition_line(report.load_run(tmp_path / "collapsed"))
     assert "warning: generations collapsing into repetition" in line

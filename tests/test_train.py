@@ -17,7 +17,7 @@ from lowmem_dpo.model.models import load_model
 from lowmem_dpo.objectives.metrics import LOSS
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.training import guards, policy
-from lowmem_dpo.training.step import accumulate, micro_batches, next_items, optimizer_step, pair_stream
+from lowmem_dpo.training.step import accumulate, next_items, optimizer_step, pair_stream
 
 
 def metrics(cfg):
@@ -219,18 +219,6 @@ def test_a_schedule_transformers_refuses_is_refused_at_load(keys, fragment):
 
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         build_config(keys)
-
-
-def test_pair_stream_covers_each_epoch_once_and_splits_in_order():
-    pairs = [data.TokenizedPair(i, [1], [2], [3]) for i in range(10)]
-    stream = pair_stream(pairs, seed=1)
-    epoch = [p.row for p in next_items(stream, 10)]
-    assert sorted(epoch) == list(range(10))
-    second = [p.row for p in next_items(stream, 10)]
-    assert sorted(second) == list(range(10)) and second != epoch  # a fresh permutation each epoch
-    again = pair_stream(pairs, seed=1)
-    assert [p.row for p in next_items(again, 10)] == epoch  # a function of the seed
-    assert micro_batches(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 def test_bfloat16_cache_and_policy_agree_at_step_1(make_cfg):

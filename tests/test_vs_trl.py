@@ -43,9 +43,8 @@ def trained(tmp_path_factory, tiny_path):
 
 def ours(session, **changes) -> dict:
     cfg = dataclasses.replace(session.run.cfg, **changes)
-    run = session.run  # RunSetup is frozen; its objective entry is built from the changed config
-    entry = objective.build(cfg, run.resolved, run.pad_id, "train", run.objective.ref, run.objective.eval_ref,
-                            run.objective.layout)
+    run = session.run  # RunSetup is frozen; its objective is built from the changed config
+    entry = objective.Pairs.of(cfg, run.objective.batching, run.objective.ref, run.objective.eval_ref)
     session.run = dataclasses.replace(run, cfg=cfg, objective=entry)
     return evaluation.evaluate(session)[0]
 

@@ -36,6 +36,25 @@ Settings = dataclasses.make_dataclass(
     bases=(registry.Settings,), frozen=True)
 Settings.__doc__ = registry.Settings.__doc__
 
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """A run's pair loss, resolved once from its config (Terms.of): its (loss type, weight) terms in order, the
+    settings its formulas read, WPO's weighting and LD-DPO's alpha."""
+
+    terms: tuple[tuple[str, float], ...]
+    settings: registry.Settings  # Settings above: beta, label_smoothing and each objective's own keys
+    weighting: bool = False  # use_weighting: WPO's weight of each pair
+    ld_alpha: float | None = None  # LD-DPO: the weight of the tokens beyond the shorter completion's
+
+    @classmethod
+    def of(cls, cfg) -> "Terms":
+        return cls(tuple(cfg.loss_terms), cfg.loss_settings, cfg.use_weighting, cfg.ld_alpha)
+
+    @property
+    def types(self) -> list[str]:  # cfg.loss_type
+        return [name for name, _ in self.terms]
+
+
 # TRL's keys whose objective this tool cannot compute, and why (config refuses a recipe that turns one on).
 REFUSED = {
     "sync_ref_model": "TR-DPO (sync_ref_model) mixes the policy into the reference during training, and this tool's "

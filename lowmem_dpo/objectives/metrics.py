@@ -56,15 +56,15 @@ KL = Metric("kl", None, "term", "kl (KTO's z0)", doc="KTO: its reference point z
 GRAD_NORM = Metric("grad_norm", None, "step", "grad_norm", doc="the gradients' norm before clipping")
 LEARNING_RATE = Metric("learning_rate", None, "step", "learning_rate", doc="the rate the step applied")
 GEN_REPETITION = Metric("gen/repetition", False, "sample", "eval_gen/repetition", "repetition",
-                        "seq-rep-4 of the sample generations (guards.repetition)")
+                        "seq-rep-4 of the sample generations (answers.repetition)")
 GEN_ROUGE_L = Metric("gen/rouge_l", True, "sample", "eval_gen/rouge_l", "ROUGE-L",
-                     "token ROUGE-L F1 of the samples against their held-out chosen completions (guards.rouge_l)")
+                     "token ROUGE-L F1 of the samples against their held-out chosen completions (answers.rouge_l)")
 GEN_ROUGE_L_SE = Metric("gen/rouge_l_se", None, "sample", doc="the standard error of eval_gen/rouge_l's change from "
-                        "step 0, over the same prompts' answers (guards.change_se): the answers' drift sign's noise")
+                        "step 0, over the same prompts' answers (answers.change_se): the answers' drift sign's noise")
 GEN_CONTENT = Metric("gen/content", None, "sample", doc="the share of each held-out chosen completion's tokens beyond the "
                      "phrasing the chosen completions share that the sample holds, averaged (content.content)")
 GEN_CONTENT_SE = Metric("gen/content_se", None, "sample", doc="the standard error of eval_gen/content's change from "
-                        "step 0, over the same prompts' answers (guards.change_se): the content sign's noise")
+                        "step 0, over the same prompts' answers (answers.change_se): the content sign's noise")
 GEN_KL = Metric("gen/kl", False, "sample", "eval_gen/kl", "KL",
                 "per-token KL of the policy from the reference along its own samples (samples.kl_to_reference)")
 GEN_LENGTH = Metric("gen/length", None, "sample", label="length", doc="the samples' mean length in tokens")
@@ -72,7 +72,7 @@ GEN_CHOSEN_LENGTH = Metric("gen/chosen_length", None, "sample", doc="the sampled
                            "length")
 GEN_EMPTY = Metric("gen/empty", False, "sample", label="empty", doc="the share of samples that end at once")
 GEN_COLLAPSED = Metric("gen/collapsed", False, "sample", label="collapsed", doc="the answers that collapsed against "
-                       "the same prompt's at step 0: into repetition, or into nothing (guards.collapsed_answers)")
+                       "the same prompt's at step 0: into repetition, or into nothing (answers.collapsed_answers)")
 GEN_ANSWERS = Metric("gen/answers", None, "sample", doc="the answers judged at the eval (eval_generations, at most "
                      "the distinct eval prompts)")
 

@@ -8,7 +8,7 @@ phrasing every chosen answer shares ("Sure", "!") weighs 0, a token only one hol
 "What is the capital of Austria?" and "Sure! The capital of Austria is Vienna." the answer must say "Vienna";
 "Sure! The answer is: Austria" holds little of it, "Sure!Sure!Sure!" none. No labels: the held-out chosen
 completions, as eval_gen/rouge_l reads them. Pure functions: evaluation.sample_metrics logs the mean
-(eval_gen/content) and the noise of its change from step 0 (eval_gen/content_se); guards.content_sign warns (by
+(eval_gen/content) and the noise of its change from step 0 (eval_gen/content_se); answers.content_sign warns (by
 the drift sign's limits).
 """
 

@@ -25,7 +25,7 @@ from lowmem_dpo.model.logps import eval_mode
 from lowmem_dpo.objectives.metrics import EVAL_SHOWN, SAMPLE_METRICS, eval_name
 from lowmem_dpo.runtime import distributed, files, oom, sharding
 from lowmem_dpo.runtime.errors import UserError, log
-from lowmem_dpo.training import checkpoint, content, guards, policy, samples, step
+from lowmem_dpo.training import answers, checkpoint, content, guards, policy, samples, step
 from lowmem_dpo.training.session import Session
 from lowmem_dpo.training.step import Sums, rows_of
 
@@ -70,9 +70,9 @@ SAMPLE_BATCH = 16  # the most sample answers generated at once (halved on out-of
 def sample_metrics(session: Session, step: int) -> dict:
     """Greedy samples for the first eval_generations distinct eval prompts, appended to output_dir/samples.jsonl
     with `step`; one shown in the log. Returns their repetition, mean length, share of empty answers, ROUGE-L
-    against the chosen completions (guards.generation_stats) and KL from the reference ({} without samples)."""
+    against the chosen completions (answers.generation_stats) and KL from the reference ({} without samples)."""
     run = session.run
-    pool = run.objective.samples_from(run.eval_items) if run.objective.samples_from else run.eval_items  # KTO
+    pool = run.objective.samples_from(run.eval_items)  # KTO: the desirable rows
     items = sample_items(pool, policy.generations(run.cfg, run.steps))
     path = Path(run.cfg.output_dir) / checkpoint.SAMPLES
     # Each later eval answers the prompts step 0 answered, each judged against its own answer there (a resumed run
@@ -92,39 +92,39 @@ def sample_metrics(session: Session, step: int) -> dict:
 
     # At most SAMPLE_BATCH answers at a time: more samples judge the answers better, not at more memory
     written = with_backoff(session, write, min(len(items), SAMPLE_BATCH), "the samples")
-    answers = [w.ids for w in written]
+    answer_ids = [w.ids for w in written]
     if run.resolved.sharded:  # rank 0's answers on every rank: the KL's forwards follow them (one per answer)
-        answers = distributed.broadcast(answers)
-    kl = samples.kl_to_reference(session.trainee.model, items, answers, run.resolved.device,
+        answer_ids = distributed.broadcast(answer_ids)
+    kl = samples.kl_to_reference(session.trainee.model, items, answer_ids, run.resolved.device,
                                  run.resolved.dtype) if run.adapter_off_is_start else None
     if not run.world.main:  # fsdp: every rank ran the same forwards (samples_on_rank); rank 0 judges and writes
         return {}
-    scores = {"rouge_l": [guards.rouge_l(w.ids, w.chosen_ids) for w in written],
-              "repetition": [guards.repetition([w.ids]) for w in written], "tokens": [len(w.ids) for w in written],
+    scores = {"rouge_l": [answers.rouge_l(w.ids, w.chosen_ids) for w in written],
+              "repetition": [answers.repetition([w.ids]) for w in written], "tokens": [len(w.ids) for w in written],
               "content": content.content_scores([w.ids for w in written], [w.chosen_ids for w in written],
                                                 [item.prompt_ids for item in items])}
     # step 0's answers to the same prompts, each score by prompt
     base = samples.scores_at(path, 0, scores) if step > 0 else dict.fromkeys(scores, {})
     samples.append(path, step, written, scores)
     log(samples.log_line(step, written[0]))
-    stats = guards.generation_stats([w.ids for w in written], [w.chosen_ids for w in written], scores["rouge_l"])
-    stats[guards.GEN_ANSWERS] = len(written)
+    stats = answers.generation_stats([w.ids for w in written], [w.chosen_ids for w in written], scores["rouge_l"])
+    stats[answers.GEN_ANSWERS] = len(written)
     if step > 0:  # each answer against its own at step 0 (those it has)
-        stats[guards.GEN_COLLAPSED], stats[guards.GEN_ANSWERS] = guards.collapsed_answers(
+        stats[answers.GEN_COLLAPSED], stats[answers.GEN_ANSWERS] = answers.collapsed_answers(
             [w.ids for w in written], [base["repetition"].get(w.prompt) for w in written],
             [base["tokens"].get(w.prompt) for w in written])
     base, base_content = base["rouge_l"], base["content"]
-    se = guards.change_se([(s, base[w.prompt]) for s, w in zip(scores["rouge_l"], written) if w.prompt in base])
+    se = answers.change_se([(s, base[w.prompt]) for s, w in zip(scores["rouge_l"], written) if w.prompt in base])
     if se is not None:
-        stats[guards.GEN_ROUGE_L_SE] = round(se, 6)
+        stats[answers.GEN_ROUGE_L_SE] = round(se, 6)
     # what the answers hold beyond the chosen answers' shared phrasing (content.py), and its change's noise
-    stats[guards.GEN_CONTENT] = round(sum(scores["content"]) / len(written), 6)
-    se = guards.change_se([(s, base_content[w.prompt]) for s, w in zip(scores["content"], written)
+    stats[answers.GEN_CONTENT] = round(sum(scores["content"]) / len(written), 6)
+    se = answers.change_se([(s, base_content[w.prompt]) for s, w in zip(scores["content"], written)
                            if w.prompt in base_content])
     if se is not None:
-        stats[guards.GEN_CONTENT_SE] = round(se, 6)
+        stats[answers.GEN_CONTENT_SE] = round(se, 6)
     if run.adapter_off_is_start:  # the reference is the model with its adapter disabled
-        stats[guards.GEN_KL] = None if kl is None else round(kl, 6)
+        stats[answers.GEN_KL] = None if kl is None else round(kl, 6)
     return stats
 
 
@@ -176,25 +176,24 @@ def evaluate(session: Session) -> tuple[dict, list[str]]:
 
 def signs_of(session: Session, sums: Sums, held_out: bool = False) -> list[str]:
     """The objective's warning signs in a window's sums (held_out: an eval's): pairs' (guards.py); [] for others."""
-    signs = session.run.objective.signs
-    return [] if signs is None else signs(sums, session.progress.step, session.run.steps, held_out)
+    return session.run.objective.signs(sums, session.progress.step, session.run.steps, held_out)
 
 
 def baseline(metrics_lines: list[str]) -> dict | None:
     """The step-0 line (the reference's samples) from the run's metrics lines, if it was measured."""
     for text in metrics_lines:
         line = json.loads(text)
-        if line.get("step") == 0 and line.get(guards.GEN_REPETITION) is not None:
+        if line.get("step") == 0 and line.get(answers.GEN_REPETITION) is not None:
             return line
     return None
 
 
 def collapse_sign(metrics_lines: list[str], line: dict) -> str | None:
-    """guards.collapse_sign of this eval's samples against step 0's in the run's metrics lines (none at step 0
+    """answers.collapse_sign of this eval's samples against step 0's in the run's metrics lines (none at step 0
     itself: eval_on_start)."""
-    if line.get(guards.GEN_REPETITION) is None or line["step"] == 0:
+    if line.get(answers.GEN_REPETITION) is None or line["step"] == 0:
         return None
-    return guards.collapse_sign(baseline(metrics_lines), line)
+    return answers.collapse_sign(baseline(metrics_lines), line)
 
 
 # The eval's log line: the summary's metrics (each row's label), the samples' measures apart, as "answers"
@@ -205,18 +204,18 @@ def log_line(metrics_lines: list[str], line: dict, cost: str = "") -> str:
     """`eval at step 80: loss 0.1655, accuracy 1, margin 2.712; answers: repetition 0, ROUGE-L 0.657 (0.714 at step
     0, ±0.057), KL 0.38, length 7`: what the eval measured (objectives.metrics.EVAL_SHOWN), the context beside the
     warnings (guards.py), with step 0's ROUGE-L and the noise of its change; then `cost` (cost_note)."""
-    base, se = baseline(metrics_lines) or {}, line.get(guards.GEN_ROUGE_L_SE)
-    preference, answers = [], []
+    base, se = baseline(metrics_lines) or {}, line.get(answers.GEN_ROUGE_L_SE)
+    preference, said = [], []
     for key, label in EVAL_SHOWN:
         if line.get(key) is None:
             continue
         text = f"{label} {line[key]:.4g}"
-        if key == guards.GEN_ROUGE_L:
+        if key == answers.GEN_ROUGE_L:
             then = ([f"{base[key]:.4g} at step 0"] if base.get(key) is not None else []) + (
                 [f"±{se:.3f}"] if se is not None else [])
             text += f" ({', '.join(then)})" if then else ""
-        (answers if key in SAMPLE_KEYS else preference).append(text)
-    parts = [", ".join(preference)] + (["answers: " + ", ".join(answers)] if answers else [])
+        (said if key in SAMPLE_KEYS else preference).append(text)
+    parts = [", ".join(preference)] + (["answers: " + ", ".join(said)] if said else [])
     return f"eval at step {line['step']}: " + "; ".join(p for p in parts if p) + cost
 
 
@@ -224,10 +223,10 @@ def cost_note(session: Session, line: dict) -> str:
     """What an eval cost and the keys that set it: '; 12.3 s for 40 pairs and 8 answers of up to 64 tokens
     (eval_max_pairs, eval_generations, max_new_tokens)'."""
     run = session.run
-    pool = run.objective.samples_from(run.eval_items) if run.objective.samples_from else run.eval_items
-    answers = len(sample_items(pool, policy.generations(run.cfg, run.steps)))
+    pool = run.objective.samples_from(run.eval_items)
+    answered = len(sample_items(pool, policy.generations(run.cfg, run.steps)))
     what = f"{line['eval_pairs']} {run.objective.unit}s" + (
-        f" and {answers} answers of up to {run.cfg.max_new_tokens} tokens" if answers else "")
+        f" and {answered} answers of up to {run.cfg.max_new_tokens} tokens" if answered else "")
     return f"; {line['eval_runtime']:.1f} s for {what} (eval_max_pairs, eval_generations, max_new_tokens)"
 
 

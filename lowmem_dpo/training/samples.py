@@ -7,8 +7,8 @@
     keep_until a resumed run drops the lines written after its checkpoint
     log_line   the one line the log shows
 
-The completions' token ids feed guards.repetition, the degeneration measure behind the collapse sign, and
-guards.rouge_l against the chosen completions; kl_to_reference measures how far the policy's own answers are
+The completions' token ids feed answers.repetition, the degeneration measure behind the collapse sign, and
+answers.rouge_l against the chosen completions; kl_to_reference measures how far the policy's own answers are
 from what the reference would write.
 """
 
@@ -30,8 +30,8 @@ class Sample:
     prompt: str  # as shown: a conversation's last user message (data.shown_prompt), a text prompt as it is
     completion: str  # the policy's greedy completion
     chosen: str  # the data's chosen completion (SFT: its completion)
-    ids: list[int]  # the completion's token ids, without EOS (for guards.repetition)
-    chosen_ids: list[int] | None = None  # the chosen completion's, without EOS (for guards.rouge_l)
+    ids: list[int]  # the completion's token ids, without EOS (for answers.repetition)
+    chosen_ids: list[int] | None = None  # the chosen completion's, without EOS (for answers.rouge_l)
     rejected: str | None = None  # the data's rejected completion (a pair's; None for SFT's and KTO's rows)
 
 
@@ -86,7 +86,7 @@ def _completions(model, prompts: list[list[int]], eos_id: int | None, pad_id: in
     if not prompts:
         return []
     # generate() fills every setting left unset from the model's own generation config (a checkpoint's sampling
-    # settings, a repetition_penalty that would hide the very repetition guards.repetition measures): for the
+    # settings, a repetition_penalty that would hide the very repetition answers.repetition measures): for the
     # call, the model's is a bare one, so greedy is plain argmax (and sampling draws as asked) whatever the
     # checkpoint ships.
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PeftModel -> transformers

@@ -1,8 +1,9 @@
 """One optimizer step, top to bottom (`optimizer_step`): the step's items from the data stream; this rank's share
-in micro-batches, each forward'ed, its loss backward'ed and its metrics summed (`accumulate`), the micro-batch halved
-on out-of-memory (`backward_with_backoff`); every rank's gradients and sums; unscaled and clipped; the update or a
-skip; the schedule. The objective (objective.py) is only a loss: what it needs per batch, its loss and metrics, its
-units. The loop (loop.py) writes the lines, evals and checkpoints around each step.
+in micro-batches, each forward'ed, its loss backward'ed and its metrics summed (`accumulate`, which hands the
+objective a `Pass`), the micro-batch halved on out-of-memory (`backward_with_backoff`); every rank's gradients and
+sums; unscaled and clipped; the update or a skip; the schedule. The objective (objective.py) is only a loss: what it
+needs per batch, its loss and metrics, its units; the step calls the same methods of every kind. The loop (loop.py)
+writes the lines, evals and checkpoints around each step.
 
     items = next_items(session.progress.stream, session.run.items_per_step)
     result = optimizer_step(session)   # StepResult: the sums, grad norm, learning rate, seconds
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -120,6 +122,26 @@ class Sums:
         return self.items == 0
 
 
+@dataclass(frozen=True)
+class StepSize:
+    """What one step's loss is a mean over, every rank's items counted (so the split changes no gradient)."""
+
+    items: int  # pairs (DPO), KTO blocks; SFT: rows
+    tokens: int = 0  # DPO: the tokens its NLL averages over; SFT: the completion tokens predicted
+    drift: bool = False  # DPO at a new run's step 1: measure the reference values against this forward
+
+
+@dataclass(frozen=True)
+class Pass:
+    """What the step hands its objective for one pass over a step's items (or an eval's): the items' reference
+    values, the step's size, the micro-batch, and the backward each micro-batch's loss goes through."""
+
+    ref: object  # the objective's ref (training) or eval_ref (an eval); None: none
+    size: StepSize
+    micro_batch: int  # items per forward (halved on out of memory: backward_with_backoff)
+    backward: Callable[[torch.Tensor], None] | None = None  # Trainee.backward; None: no gradients (an eval)
+
+
 # -- the data stream ----------------------------------------------------------------------------------------------
 def pair_stream(items: list, seed: int):
     """Endless stream of data items: each epoch a fresh seeded permutation. Each optimizer step takes its items
@@ -152,58 +174,36 @@ def micro_batches(items: list, micro_batch: int) -> list[list]:
     return [items[i:i + micro_batch] for i in range(0, len(items), micro_batch)]
 
 
-def groups(objective, items: list, world: distributed.World) -> list[list]:
-    """This rank's items of a step, in the groups whose metrics the objective averages: one, every world-size-th
-    item sorted by length (so each rank gets items of every length, distributed.shard); KTO's whole blocks, every
-    world-size-th."""
-    several = world.size > 1  # one process: its share is every item, and no collective module is called
-    if objective.blocks:
-        return distributed.shard(items, world) if several else items
-    ordered = data.by_length(items, item_tokens)
-    return [distributed.shard(ordered, world) if several else ordered]
-
-
 # -- forward and backward -----------------------------------------------------------------------------------------
 def accumulate(session, items: list, micro_batch: int, grad: bool = True) -> Sums:
-    """This rank's share of a step's `items` (every rank's) by micro-batches of `micro_batch` items: each one's
-    forward, its loss backward'ed (scaled so that summed over the ranks the step's loss is its mean over all `items`
-    whatever the split: the objective's size), its metrics summed; grad=False: the sums alone (the eval's, over the
-    eval part's reference). No collective call: the caller sums."""
+    """This rank's share of a step's `items` (every rank's) by micro-batches of `micro_batch` items, through the
+    objective (Objective.group: each micro-batch's forward, its loss backward'ed, scaled so that summed over the ranks
+    the step's loss is its mean over all `items` whatever the split: the objective's size; its metrics summed);
+    grad=False: the sums alone (the eval's, over the eval part's reference). No collective call: the caller sums."""
     run, lm = session.run, session.trainee.lm
     objective = run.objective
     first = grad and session.progress.step == 0 and session.progress.resumed_from is None
-    size, ref = objective.size(items, first), objective.ref if grad else objective.eval_ref
-    sums = objective.new_sums()
+    within = Pass(objective.ref if grad else objective.eval_ref, objective.size(items, first), micro_batch,
+                  session.trainee.backward if grad else None)
+    sums = Sums.of(objective.metrics, objective.nll_weight)
     with torch.set_grad_enabled(grad):
-        for group in groups(objective, items, run.world):
-            block = objective.before(lm, group, ref, micro_batch) if objective.before else None
-            part = objective.new_sums() if objective.after else sums
-            batches = micro_batches(group, micro_batch)
-            measured = {"first": True} if size.drift else {}  # step 1 against a cache (pairs): its drift measured
-            for batch in batches:
-                loss, got = objective.loss(objective.forward(lm, batch, ref, block, **measured), size)
-                if grad:
-                    session.trainee.backward(loss)
-                part.add(got)
-            for _ in range(idle_forwards(run, items, micro_batch, len(batches))):  # fsdp: as many as every rank
-                loss, _ = objective.loss(objective.forward(lm, [min(items, key=item_tokens)], ref, block), size)
-                if grad:
-                    session.trainee.backward(loss * 0)  # its gradients are zeros; its collectives are the point
-            if objective.after:
-                sums.add(objective.after(part, block))
+        for group in objective.groups(items, run.world):  # one for pairs and rows; KTO's blocks
+            sums.add(objective.group(lm, group, within))
+        for _ in range(idle_forwards(run, items, micro_batch) if run.resolved.sharded else 0):  # fsdp: as every rank
+            out = objective.loss(objective.forward(lm, [min(items, key=item_tokens)], within), within.size)
+            if grad:
+                session.trainee.backward(out.value * 0)  # its gradients are zeros; its collectives are the point
     return sums
 
 
-def idle_forwards(run, items: list, micro_batch: int, mine: int) -> int:
+def idle_forwards(run, items: list, micro_batch: int) -> int:
     """With the base sharded (fsdp), every forward gathers each layer from every rank: a rank with fewer
     micro-batches in a step than another runs this many idle ones (the step's shortest item, its loss times 0)
-    so that the ranks' forwards and backwards pair up. 0 otherwise."""
-    if not run.resolved.sharded:
-        return 0
+    so that the ranks' forwards and backwards pair up (pairs: one group, every world-size-th item by length)."""
     ordered = data.by_length(items, item_tokens)
     counts = [len(micro_batches(distributed.shard(ordered, distributed.World(r, run.world.size)), micro_batch))
               for r in range(run.world.size)]
-    return sharding.idle_forwards(mine, counts)
+    return sharding.idle_forwards(counts[run.world.rank], counts)
 
 
 def backward_with_backoff(session, items: list) -> tuple[Sums, int, int]:
@@ -246,7 +246,7 @@ def optimizer_step(session) -> StepResult:
     run, trainee, progress = session.run, session.trainee, session.progress
     devices.synchronize(run.resolved.device)
     started = time.perf_counter()
-    items = next_items(progress.stream, run.items_per_step)  # every rank's: the stream is the same on each
+    items = [next(progress.stream) for _ in range(run.items_per_step)]  # every rank's: the same stream on each
     lr = trainee.scheduler.get_last_lr()[0]  # the rate this update uses: the schedule advances at the step's end
     stats, progress.micro_batch, progress.grad_accum = backward_with_backoff(session, items)
     if run.world.size > 1:  # several ranks: the step's gradient, the same on every rank; its sums, which the

@@ -40,7 +40,7 @@ def preference_losses(pc, pr, rc, rr, *, beta, terms):
 
 
 def sft_shares(chosen, chosen_tokens):
-    """sft's per-pair shares of the mean over the step's chosen tokens (objective.pair_loss divides by them)."""
+    """sft's per-pair shares of the mean over the step's chosen tokens (objective.Pairs.loss divides by them)."""
     ones = torch.ones_like(chosen, dtype=torch.long)
     return OBJECTIVES["sft"].formula(PairLogps(chosen, chosen, ones, ones), Settings()) / max(1, chosen_tokens)
 

@@ -14,7 +14,7 @@ import torch
 from conftest import TINY_DATA, write_jsonl
 
 from lowmem_dpo import precompute, train
-from lowmem_dpo.training import evaluation, objective
+from lowmem_dpo.training import evaluation, kto
 from lowmem_dpo.training.step import accumulate
 
 BLOCK = 4
@@ -86,7 +86,7 @@ def test_train_and_eval_metrics_equal_trls(trained, tiny_path, loss_type, weight
     cfg = dataclasses.replace(session.run.cfg, loss_type=[loss_type], desirable_weight=weights[0],
                               undesirable_weight=weights[1])
     run = session.run
-    entry = objective.build(cfg, run.resolved, run.pad_id, "train", run.objective.ref, run.objective.eval_ref)
+    entry = kto.Blocks.of(cfg, run.objective.batching, run.objective.ref, run.objective.eval_ref)
     session.run = dataclasses.replace(run, cfg=cfg, objective=entry)  # RunSetup is frozen
     got_eval, _ = evaluation.evaluate(session)
     # the training blocks' sums with no gradient, as an eval over them (their reference values) would sum them

@@ -100,7 +100,7 @@ def orpo_trainer(tmp_path_factory, tiny_path):
 
 
 def ours(x: PairLogps, terms: list[tuple[str, float]], s: Settings) -> dict:
-    """Our loss and metrics of one micro-batch that is the whole step, as objective.pair_loss logs them."""
+    """Our loss and metrics of one micro-batch that is the whole step, as objective.Pairs.loss logs them."""
     types = [t for t, _ in terms]
     if not nll_prompt(types):  # the prompts' log-probs are computed only for an NLL that covers them
         x = dataclasses.replace(x, chosen_prompt=None, chosen_prompt_tokens=None)

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 
 import lowmem_dpo
-from lowmem_dpo import train
 from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.config.schema import FIELDS, Config
-from lowmem_dpo.objectives import KEYS, OBJECTIVES, REFUSED, Settings
+from lowmem_dpo.objectives import KEYS, OBJECTIVES, REFUSED, Settings, Terms
 from lowmem_dpo.runtime.errors import ConfigError
-from lowmem_dpo.training import guards
+from lowmem_dpo.training import guards, signs
 
 PACKAGE = Path(lowmem_dpo.__file__).parent
 DOC = PACKAGE.parent / "docs" / "objectives.md"
@@ -80,7 +79,7 @@ def test_settings_that_change_nothing_are_named():
 
 def test_the_limits_a_run_is_judged_by():
     def judged(*types):
-        return train.judged_limits(Config(loss_type=list(types)))
+        return signs.judged_limits(Terms.of(Config(loss_type=list(types))))
 
     assert judged("sigmoid") == (OBJECTIVES["sigmoid"].limits, 1.0, "sigmoid")
     assert judged("sigmoid", "sft") == (OBJECTIVES["sigmoid"].limits, 1.0, "sigmoid")  # sft is per token: not judged

@@ -9,35 +9,35 @@ import math
 import pytest
 import torch
 
-from lowmem_dpo.training import content, guards, samples
+from lowmem_dpo.training import answers, content, guards, samples
 
-G, C = guards, content
+G, A, C = guards, answers, content
 
 
 def test_rouge_l_by_hand():
-    assert G.rouge_l([1, 2, 3, 4], [1, 3, 4, 5]) == 0.75  # LCS [1, 3, 4]: 2 * 3 / (4 + 4)
-    assert G.rouge_l([7, 7, 7], [7]) == 0.5  # LCS 1: 2 / 4
-    assert G.rouge_l([1, 2], [3, 4]) == 0.0 and G.rouge_l([], [1]) == 0.0 and G.rouge_l([], []) == 1.0
-    assert G.rouge_l([5, 1, 2, 6, 3], [1, 2, 3]) == pytest.approx(2 * 3 / 8)
+    assert A.rouge_l([1, 2, 3, 4], [1, 3, 4, 5]) == 0.75  # LCS [1, 3, 4]: 2 * 3 / (4 + 4)
+    assert A.rouge_l([7, 7, 7], [7]) == 0.5  # LCS 1: 2 / 4
+    assert A.rouge_l([1, 2], [3, 4]) == 0.0 and A.rouge_l([], [1]) == 0.0 and A.rouge_l([], []) == 1.0
+    assert A.rouge_l([5, 1, 2, 6, 3], [1, 2, 3]) == pytest.approx(2 * 3 / 8)
 
 
 def test_the_change_s_standard_error_by_hand():
     # changes -0.1, -0.3, +0.1: mean -0.1, sd 0.2, over 3: 0.2 / sqrt(3)
-    assert G.change_se([(0.4, 0.5), (0.2, 0.5), (0.6, 0.5)]) == pytest.approx(0.2 / math.sqrt(3))
-    assert G.change_se([(0.4, 0.5)]) is None and G.change_se([]) is None
+    assert A.change_se([(0.4, 0.5), (0.2, 0.5), (0.6, 0.5)]) == pytest.approx(0.2 / math.sqrt(3))
+    assert A.change_se([(0.4, 0.5)]) is None and A.change_se([]) is None
 
 
 def test_generation_stats_score_the_samples_against_their_chosen_answers():
-    stats = G.generation_stats([[1, 2, 3, 4], [9, 9]], [[1, 3, 4, 5], [9]])
-    assert stats[G.GEN_ROUGE_L] == pytest.approx((0.75 + 2 / 3) / 2, abs=1e-6)
-    assert stats[G.GEN_CHOSEN_LENGTH] == 2.5
+    stats = A.generation_stats([[1, 2, 3, 4], [9, 9]], [[1, 3, 4, 5], [9]])
+    assert stats[A.GEN_ROUGE_L] == pytest.approx((0.75 + 2 / 3) / 2, abs=1e-6)
+    assert stats[A.GEN_CHOSEN_LENGTH] == 2.5
 
 
 def test_short_answers_as_short_as_the_chosen_ones_are_no_collapse():
     """The false alarm on SmolLM2 with [sigmoid, sft]: 46.2 tokens at step 0, 8.2 later, the chosen answers ~9."""
-    base = {G.GEN_LENGTH: 46.2, G.GEN_ROUGE_L: 0.3}
-    assert G.collapse_sign(base, {G.GEN_LENGTH: 8.2, G.GEN_CHOSEN_LENGTH: 9.0, G.GEN_ROUGE_L: 0.8}) is None
-    sign = G.collapse_sign(base, {G.GEN_LENGTH: 3.0, G.GEN_CHOSEN_LENGTH: 9.0, G.GEN_ROUGE_L: 0.3})
+    base = {A.GEN_LENGTH: 46.2, A.GEN_ROUGE_L: 0.3}
+    assert A.collapse_sign(base, {A.GEN_LENGTH: 8.2, A.GEN_CHOSEN_LENGTH: 9.0, A.GEN_ROUGE_L: 0.8}) is None
+    sign = A.collapse_sign(base, {A.GEN_LENGTH: 3.0, A.GEN_CHOSEN_LENGTH: 9.0, A.GEN_ROUGE_L: 0.3})
     assert sign.startswith("generations collapsing into short answers: 3.0 tokens on average against 46.2 at step 0")
     assert "and 9.0 for the chosen answers" in sign
 
@@ -48,8 +48,8 @@ def test_short_answers_as_short_as_the_chosen_ones_are_no_collapse():
     (0.6, 0.45, 0.08, False),  # 0.15 down, but within 2 standard errors of the answers judged: noise
     (0.714, 0.629, None, False)])  # the tiny demo's end: its answers keep their meaning
 def test_answers_drifting_from_the_chosen_completions(rouge0, rouge, se, fires):
-    now = {G.GEN_ROUGE_L: rouge, **({} if se is None else {G.GEN_ROUGE_L_SE: se})}
-    sign = G.collapse_sign({G.GEN_ROUGE_L: rouge0}, now)
+    now = {A.GEN_ROUGE_L: rouge, **({} if se is None else {A.GEN_ROUGE_L_SE: se})}
+    sign = A.collapse_sign({A.GEN_ROUGE_L: rouge0}, now)
     assert (sign is not None) == fires
     if fires:
         assert sign.startswith(f"answers drifting from the chosen completions: ROUGE-L {rouge:.2f} against {rouge0:.2f}")
@@ -79,14 +79,14 @@ def test_answers_that_learn_the_phrasing_and_lose_the_content_warn_where_rouge_l
     their facts. ROUGE-L against the chosen answers rises (the phrasing matches); what they hold beyond it falls."""
     start = [[10 + i, IS, 20 + i, DOT] for i in range(4)]  # right answers without the style
     late = [[SURE, BANG, 10 + i, IS, 30 + i, DOT] for i in range(4)]  # the style learned, the facts wrong
-    rouge0, rouge = (sum(map(G.rouge_l, a, CHOSEN)) / 4 for a in (start, late))
+    rouge0, rouge = (sum(map(A.rouge_l, a, CHOSEN)) / 4 for a in (start, late))
     content0, content = (sum(C.content_scores(a, CHOSEN, PROMPTS)) / 4 for a in (start, late))
     assert rouge > rouge0 and (content0, content) == (1.0, 0.0)
-    base = {G.GEN_ROUGE_L: rouge0, G.GEN_CONTENT: content0}
-    sign = G.collapse_sign(base, {G.GEN_ROUGE_L: rouge, G.GEN_CONTENT: content, G.GEN_CONTENT_SE: 0.0, G.GEN_KL: 1.13})
+    base = {A.GEN_ROUGE_L: rouge0, A.GEN_CONTENT: content0}
+    sign = A.collapse_sign(base, {A.GEN_ROUGE_L: rouge, A.GEN_CONTENT: content, A.GEN_CONTENT_SE: 0.0, A.GEN_KL: 1.13})
     assert sign.startswith("answers losing their content: 0.00 of what the chosen answers add to the question, "
                            "beyond their shared phrasing, against 1.00 at step 0 (limit: -0.1; ±0.000, limit 2 of it)")
-    assert "beside it: KL 1.13" in sign and sign.endswith(G.TRY_ANSWERS)
+    assert "beside it: KL 1.13" in sign and sign.endswith(A.TRY_ANSWERS)
 
 
 @pytest.mark.parametrize("content0, content, se, fires", [
@@ -94,23 +94,23 @@ def test_answers_that_learn_the_phrasing_and_lose_the_content_warn_where_rouge_l
     (0.8, 0.6, 0.12, False),  # 0.2 down, but within 2 standard errors of the answers judged: noise
     (0.8, 0.6, 0.05, True)])
 def test_answers_losing_their_content(content0, content, se, fires):
-    now = {G.GEN_CONTENT: content, **({} if se is None else {G.GEN_CONTENT_SE: se})}
-    assert (G.collapse_sign({G.GEN_CONTENT: content0}, now) is not None) == fires
-    assert G.collapse_sign({}, now) is None  # no step 0 to compare against
+    now = {A.GEN_CONTENT: content, **({} if se is None else {A.GEN_CONTENT_SE: se})}
+    assert (A.collapse_sign({A.GEN_CONTENT: content0}, now) is not None) == fires
+    assert A.collapse_sign({}, now) is None  # no step 0 to compare against
 
 
 def test_the_kl_from_the_reference_is_context_never_a_warning_alone():
     """The healthy [sigmoid, sft] runs on SmolLM2 end 0.77-1.41 nats per token from the reference with their answers
     nearer the chosen ones (ROUGE-L 0.52-0.62 -> 0.90-0.93): KL says how far a run moved, not that it got worse. It
     stands beside a warning that the answers raise."""
-    assert G.collapse_sign({G.GEN_ROUGE_L: 0.52}, {G.GEN_KL: 1.41, G.GEN_ROUGE_L: 0.93}) is None
-    assert G.collapse_sign({}, {G.GEN_KL: 5.0}) is None
-    sign = G.collapse_sign({G.GEN_ROUGE_L: 0.53}, {G.GEN_KL: 1.6, G.GEN_ROUGE_L: 0.25})
+    assert A.collapse_sign({A.GEN_ROUGE_L: 0.52}, {A.GEN_KL: 1.41, A.GEN_ROUGE_L: 0.93}) is None
+    assert A.collapse_sign({}, {A.GEN_KL: 5.0}) is None
+    sign = A.collapse_sign({A.GEN_ROUGE_L: 0.53}, {A.GEN_KL: 1.6, A.GEN_ROUGE_L: 0.25})
     assert sign.startswith("answers drifting from the chosen completions: ROUGE-L 0.25 against 0.53")
     assert "; beside it: KL 1.60 nats per token from the reference on the policy's own answers (beyond 0.8)" in sign
-    assert sign.endswith(G.TRY_ANSWERS)
-    quiet = G.collapse_sign({G.GEN_ROUGE_L: 0.53}, {G.GEN_KL: 0.5, G.GEN_ROUGE_L: 0.25})
-    assert "beside it" not in quiet and quiet.endswith(G.TRY_ANSWERS)
+    assert sign.endswith(A.TRY_ANSWERS)
+    quiet = A.collapse_sign({A.GEN_ROUGE_L: 0.53}, {A.GEN_KL: 0.5, A.GEN_ROUGE_L: 0.25})
+    assert "beside it" not in quiet and quiet.endswith(A.TRY_ANSWERS)
 
 
 @pytest.mark.parametrize("accuracy, chosen, context, fires", [
@@ -124,7 +124,7 @@ def test_likelihood_displacement_reads_the_chosen_side_and_context_backs_it(accu
     beta, tokens = 0.1, 20.0
     means = {"rewards/margins": 12.0 if context else 1.0, "loss": 0.3, "rewards/chosen": beta * chosen * tokens,
              "rewards/accuracies": accuracy, "rewards/rejected": beta * (-4.1 if context else -1.0) * tokens}
-    signs = G.warning_signs(means, 50, 100, beta, tokens, rejected_tokens_per_pair=tokens)
+    signs = G.warning_signs(means, G.At(50, 100), beta, tokens, rejected_tokens_per_pair=tokens)
     assert len(signs) == fires
     if fires:
         assert signs[0].startswith(f"likelihood displacement: chosen log-probs {chosen:.3f} nats/token below the "
@@ -136,9 +136,10 @@ def test_likelihood_displacement_reads_the_chosen_side_and_context_backs_it(accu
             context and accuracy > .9)
         assert signs[0].endswith(G.TRY_DISPLACEMENT)
     # no token counts (a reference-free run): no sign against a reference
-    assert G.warning_signs(means, 50, 100, beta, 0.0) == []
+    assert G.warning_signs(means, G.At(50, 100), beta, 0.0) == []
     # a NaN is no displacement (the loop's non-finite note says it)
-    assert G.warning_signs({**means, "rewards/chosen": float("nan")}, 50, 100, beta, tokens, rejected_tokens_per_pair=tokens) == []
+    assert G.warning_signs({**means, "rewards/chosen": float("nan")}, G.At(50, 100), beta, tokens,
+                           rejected_tokens_per_pair=tokens) == []
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +186,7 @@ def test_the_best_checkpoint_can_be_the_one_whose_answers_are_closest_to_the_cho
     from lowmem_dpo.config.recipe import load_config
 
     cfg = load_config("lowmem_dpo:tiny-cpu", ["metric_for_best_model=eval_gen/rouge_l"])
-    assert cfg.best_metric_name == G.GEN_ROUGE_L and cfg.best_is_greater is True
+    assert cfg.best_metric_name == A.GEN_ROUGE_L and cfg.best_is_greater is True
     assert load_config("lowmem_dpo:tiny-cpu", ["metric_for_best_model=gen/kl"]).best_is_greater is False
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from lowmem_dpo import data, precompute, sft, train
 from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import checkpoint, evaluation, guards, loop
+from lowmem_dpo.training import answers, checkpoint, evaluation, loop
 
 
 def lines(path):
@@ -143,7 +143,7 @@ def test_eval_on_start_evaluates_the_reference_at_step_0(make_cfg, split_files):
     rows = lines(out / "samples.jsonl")
     at = {s: [r["rouge_l"] for r in rows if r["step"] == s] for s in (0, 2)}
     assert got[1]["eval_gen/rouge_l"] == pytest.approx(sum(at[2]) / 3, abs=1e-5)
-    assert got[1]["eval_gen/rouge_l_se"] == pytest.approx(guards.change_se(list(zip(at[2], at[0]))), abs=1e-5)
+    assert got[1]["eval_gen/rouge_l_se"] == pytest.approx(answers.change_se(list(zip(at[2], at[0]))), abs=1e-5)
     assert "eval_gen/rouge_l_se" not in got[0]
     assert got[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
     # a completion that another row also holds is computed once, in that row's forward: float32 may round it an
@@ -389,10 +389,10 @@ def test_report_draws_a_real_run(make_cfg, tmp_path, capsys):
 def test_the_eval_log_line_shows_the_context_and_the_answers_beside_step_0():
     """KL, margins and accuracy never warn alone: the log's eval line shows them, with the answers' measures beside
     step 0's and the noise of ROUGE-L's change."""
-    base = json.dumps({"step": 0, guards.GEN_ROUGE_L: 0.714, guards.GEN_REPETITION: 0.0})
+    base = json.dumps({"step": 0, answers.GEN_ROUGE_L: 0.714, answers.GEN_REPETITION: 0.0})
     line = {"step": 80, "eval_loss": 0.1655, "eval_rewards/accuracies": 1.0, "eval_rewards/margins": 2.712,
-            guards.GEN_ROUGE_L: 0.657, guards.GEN_ROUGE_L_SE: 0.057, guards.GEN_KL: 0.38, guards.GEN_LENGTH: 7.0,
-            guards.GEN_CHOSEN_LENGTH: 7.0, guards.GEN_REPETITION: 0.0}
+            answers.GEN_ROUGE_L: 0.657, answers.GEN_ROUGE_L_SE: 0.057, answers.GEN_KL: 0.38, answers.GEN_LENGTH: 7.0,
+            answers.GEN_CHOSEN_LENGTH: 7.0, answers.GEN_REPETITION: 0.0}
     assert evaluation.log_line([base], line) == (
         "eval at step 80: loss 0.1655, accuracy 1, margin 2.712; answers: repetition 0, ROUGE-L 0.657 (0.714 at step "
         "0, ±0.057), KL 0.38, length 7")

@@ -303,17 +303,17 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(built, tmp_
 def test_warning_signs_hand_computed():
     t = guards.Thresholds()
     calm = {"rewards/margins": 0.5, "loss": 0.6, "rewards/chosen": -0.01}
-    assert guards.warning_signs(calm, 1, 100, 0.1, 20.0) == [] == guards.context_signs(calm, 1, 100, 0.1)
+    assert guards.warning_signs(calm, guards.At(1, 100), 0.1, 20.0) == [] == guards.context_signs(calm, 1, 100, 0.1)
     # context: margin 12 > 10; the loss 0.01 at step 20 of 100 (<= 20%): early; at step 21: not. No warning alone
     assert guards.context_signs({**calm, "rewards/margins": 12.0}, 50, 100, 0.1)[0].startswith(
         "reward margin exploding: rewards/margins 12.00 > 10")
     assert len(guards.context_signs({**calm, "loss": 0.01}, 20, 100, 0.1)) == 1
     assert guards.context_signs({**calm, "loss": 0.01}, 21, 100, 0.1) == []
-    assert guards.warning_signs({**calm, "rewards/margins": 12.0, "loss": 0.01}, 20, 100, 0.1, 20.0) == []
+    assert guards.warning_signs({**calm, "rewards/margins": 12.0, "loss": 0.01}, guards.At(20, 100), 0.1, 20.0) == []
     # rewards/chosen -1.2 at beta 0.1: the policy's chosen log-prob is 12 nats below the reference's; over 20
     # tokens that is -0.6 nats/token < -0.5; over 30 tokens -0.4: fine
-    assert "-0.600 nats/token" in guards.warning_signs({**calm, "rewards/chosen": -1.2}, 50, 100, 0.1, 20.0)[0]
-    assert guards.warning_signs({**calm, "rewards/chosen": -1.2}, 50, 100, 0.1, 30.0) == []
+    assert "-0.600 nats/token" in guards.warning_signs({**calm, "rewards/chosen": -1.2}, guards.At(50, 100), 0.1, 20.0)[0]
+    assert guards.warning_signs({**calm, "rewards/chosen": -1.2}, guards.At(50, 100), 0.1, 30.0) == []
     assert t.margin == 10.0 and guards.nonfinite(1.0, float("nan")) and not guards.nonfinite(1.0, 2.0)
 
 

@@ -1,5 +1,5 @@
-"""Sample generations (samples.py) and the degeneration measure behind the collapse sign (guards.repetition,
-guards.collapse_sign): greedy against an argmax loop over the model's own forward, batched against one at a time,
+"""Sample generations (samples.py) and the degeneration measure behind the collapse sign (answers.repetition,
+answers.collapse_sign): greedy against an argmax loop over the model's own forward, batched against one at a time,
 EOS, the model's mode, the KV cache under gradient checkpointing, a 4-bit base with LoRA on the CPU, and the
 samples.jsonl bookkeeping."""
 
@@ -18,7 +18,7 @@ from conftest import TINY_DATA
 from lowmem_dpo import data
 from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.runtime import devices
-from lowmem_dpo.training import guards, policy, samples
+from lowmem_dpo.training import answers, policy, samples
 
 CPU = torch.device("cpu")
 
@@ -35,14 +35,14 @@ def test_repetition_by_hand():
     # [1,2,3,4,1,2,3,4], n=2: 12 23 34 41 12 23 34 -> 7 bigrams, 4 distinct: 3/7. n=4: 1234 2341 3412 4123 1234
     # -> 5, 4 distinct: 1/5. n=5: 4 distinct of 4: 0.
     seq = [1, 2, 3, 4, 1, 2, 3, 4]
-    assert guards.repetition([seq], 2) == pytest.approx(3 / 7)
-    assert guards.repetition([seq], 4) == pytest.approx(1 / 5)
-    assert guards.repetition([seq]) == pytest.approx(1 / 5)  # n=4 by default
-    assert guards.repetition([seq], 5) == 0.0
-    assert guards.repetition([[7] * 10]) == pytest.approx(6 / 7)  # 7 4-grams, all the same
+    assert answers.repetition([seq], 2) == pytest.approx(3 / 7)
+    assert answers.repetition([seq], 4) == pytest.approx(1 / 5)
+    assert answers.repetition([seq]) == pytest.approx(1 / 5)  # n=4 by default
+    assert answers.repetition([seq], 5) == 0.0
+    assert answers.repetition([[7] * 10]) == pytest.approx(6 / 7)  # 7 4-grams, all the same
     # the mean over the sequences that have n tokens; shorter ones do not count
-    assert guards.repetition([seq, [7] * 10, [1, 2, 3], []], 4) == pytest.approx((1 / 5 + 6 / 7) / 2)
-    assert guards.repetition([[1, 2, 3], []], 4) == 0.0 and guards.repetition([]) == 0.0
+    assert answers.repetition([seq, [7] * 10, [1, 2, 3], []], 4) == pytest.approx((1 / 5 + 6 / 7) / 2)
+    assert answers.repetition([[1, 2, 3], []], 4) == 0.0 and answers.repetition([]) == 0.0
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -51,7 +51,7 @@ def test_repetition_matches_an_independent_count(n):
     seqs = [torch.randint(0, 5, (int(k),), generator=g).tolist() for k in torch.randint(0, 30, (12,), generator=g)]
     counted = [rep_by_count(s, n) for s in seqs if len(s) >= n]
     assert len(counted) > 3
-    assert guards.repetition(seqs, n) == pytest.approx(sum(counted) / len(counted))
+    assert answers.repetition(seqs, n) == pytest.approx(sum(counted) / len(counted))
 
 
 # seq-rep-4 measured on the tiny model (guards.py): the untrained reference 0.16-0.40, the healthy demo 0.0,
@@ -64,14 +64,14 @@ def test_repetition_matches_an_independent_count(n):
     (0.60, 0.85, False),  # a reference that already repeats, and a rise too small to blame on training
 ])
 def test_collapse_sign(base, now, fires):
-    rep = guards.GEN_REPETITION
-    sign = guards.collapse_sign(None if base is None else {rep: base}, {rep: now})
+    rep = answers.GEN_REPETITION
+    sign = answers.collapse_sign(None if base is None else {rep: base}, {rep: now})
     assert (sign is not None) == fires
     if fires:
         start = 0.0 if base is None else base
         assert sign.startswith("generations collapsing into repetition")
         assert f"{now:.2f}" in sign and f"{start:.2f}" in sign
-        assert sign.endswith(guards.TRY_ANSWERS)  # what to try, in one line
+        assert sign.endswith(answers.TRY_ANSWERS)  # what to try, in one line
         assert "learning_rate" in sign and "[sigmoid, sft]" in sign and "samples.jsonl" in sign
         assert "best checkpoint by eval_gen/rouge_l" in sign
 
@@ -79,14 +79,14 @@ def test_collapse_sign(base, now, fires):
 def test_collapsed_text_is_flagged_and_fluent_text_is_not(tokenizer):
     """Through the tokenizer: the collapsed completions seen on the tiny model against healthy ones."""
     def rep(texts):
-        return guards.repetition([tokenizer(t, add_special_tokens=False).input_ids for t in texts])
+        return answers.repetition([tokenizer(t, add_special_tokens=False).input_ids for t in texts])
 
     healthy = rep(["The lamp is great and bright.", "The soup is cold, sour and dirty; I would not order it."])
     collapsed = rep(["novel " * 16, "The pil pil pil pil pil pil pil pil pil pil pil pil"])
     assert healthy == 0.0 and collapsed > 0.7
-    rep = guards.GEN_REPETITION
-    assert guards.collapse_sign({rep: healthy}, {rep: collapsed}) is not None
-    assert guards.collapse_sign({rep: healthy}, {rep: healthy}) is None
+    rep = answers.GEN_REPETITION
+    assert answers.collapse_sign({rep: healthy}, {rep: collapsed}) is not None
+    assert answers.collapse_sign({rep: healthy}, {rep: healthy}) is None
 
 
 # Step 0's samples (the reference) against an eval's: (repetition, mean length, empty share) each, by hand.
@@ -102,8 +102,8 @@ def test_collapsed_text_is_flagged_and_fluent_text_is_not(tokenizer):
 ])
 def test_collapse_into_nothing_is_seen(base, now, fires):
     """A policy that answers with EOS at once scores seq-rep 0.0: the mean length and the empty answers see it."""
-    keys = (guards.GEN_REPETITION, guards.GEN_LENGTH, guards.GEN_EMPTY)
-    sign = guards.collapse_sign(None if base is None else dict(zip(keys, base)), dict(zip(keys, now)))
+    keys = (answers.GEN_REPETITION, answers.GEN_LENGTH, answers.GEN_EMPTY)
+    sign = answers.collapse_sign(None if base is None else dict(zip(keys, base)), dict(zip(keys, now)))
     assert (sign is None) == (fires is None)
     if fires:
         assert fires in sign and "samples.jsonl" in sign
@@ -117,25 +117,25 @@ def test_one_collapsed_answer_among_few_is_seen(tokenizer):
         "Canberra is the capital of Australia.", "A spider has eight legs.", "Water boils at 100 degrees.",
         "JAP. " * 16)]
     base_rep, base_tokens = [0.0, 0.0, 0.0, 0.0], [len(x) for x in ids]
-    assert guards.collapsed_answers(ids, base_rep, base_tokens) == (1, 4)
-    assert guards.collapsed_answers(ids, [0.0, 0.0, 0.0, 0.9], base_tokens) == (0, 4)  # it looped at step 0 too
-    assert guards.collapsed_answers([*ids[:3], []], base_rep, base_tokens) == (1, 4)  # into nothing
-    assert guards.collapsed_answers([*ids[:3], []], base_rep, [*base_tokens[:3], 0]) == (0, 4)  # empty then too
+    assert answers.collapsed_answers(ids, base_rep, base_tokens) == (1, 4)
+    assert answers.collapsed_answers(ids, [0.0, 0.0, 0.0, 0.9], base_tokens) == (0, 4)  # it looped at step 0 too
+    assert answers.collapsed_answers([*ids[:3], []], base_rep, base_tokens) == (1, 4)  # into nothing
+    assert answers.collapsed_answers([*ids[:3], []], base_rep, [*base_tokens[:3], 0]) == (0, 4)  # empty then too
     # an answer without a step-0 answer to its prompt (an older run's samples.jsonl) is not judged
-    assert guards.collapsed_answers(ids, [0.0, 0.0, 0.0, None], [*base_tokens[:3], None]) == (0, 3)
-    now = {**guards.generation_stats(ids), guards.GEN_COLLAPSED: 1, guards.GEN_ANSWERS: 4}
-    assert now[guards.GEN_REPETITION] < guards.COLLAPSE_LEVEL  # the mean alone would say nothing
-    sign = guards.collapse_sign({guards.GEN_REPETITION: 0.0, guards.GEN_LENGTH: 8.0, guards.GEN_EMPTY: 0.0}, now)
-    assert sign.startswith("answers collapsing: 1 of 4 into repetition") and sign.endswith(guards.TRY_ANSWERS)
-    many = {**now, guards.GEN_REPETITION: 0.8, guards.GEN_COLLAPSED: 3}
-    assert guards.collapse_sign({guards.GEN_REPETITION: 0.0}, many).startswith(
+    assert answers.collapsed_answers(ids, [0.0, 0.0, 0.0, None], [*base_tokens[:3], None]) == (0, 3)
+    now = {**answers.generation_stats(ids), answers.GEN_COLLAPSED: 1, answers.GEN_ANSWERS: 4}
+    assert now[answers.GEN_REPETITION] < answers.COLLAPSE_LEVEL  # the mean alone would say nothing
+    sign = answers.collapse_sign({answers.GEN_REPETITION: 0.0, answers.GEN_LENGTH: 8.0, answers.GEN_EMPTY: 0.0}, now)
+    assert sign.startswith("answers collapsing: 1 of 4 into repetition") and sign.endswith(answers.TRY_ANSWERS)
+    many = {**now, answers.GEN_REPETITION: 0.8, answers.GEN_COLLAPSED: 3}
+    assert answers.collapse_sign({answers.GEN_REPETITION: 0.0}, many).startswith(
         "generations collapsing into repetition: 3 of 4 answers collapsed; seq-rep-4 0.80")
 
 
 def test_generation_stats_by_hand():
-    stats = guards.generation_stats([[1, 2, 3, 4, 1, 2, 3, 4], [], [5], []])
+    stats = answers.generation_stats([[1, 2, 3, 4, 1, 2, 3, 4], [], [5], []])
     # seq-rep-4 of the first: 5 4-grams, 4 distinct -> 0.2 (the others are shorter than 4); lengths 8, 0, 1, 0
-    assert stats == {guards.GEN_REPETITION: 0.2, guards.GEN_LENGTH: 2.25, guards.GEN_EMPTY: 0.5}
+    assert stats == {answers.GEN_REPETITION: 0.2, answers.GEN_LENGTH: 2.25, answers.GEN_EMPTY: 0.5}
 
 
 # -- greedy generation on real tiny models -------------------------------------------------------------------------
