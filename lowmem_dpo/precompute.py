@@ -157,17 +157,14 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     return batch, streaming.Plan(stream.layers, arch.layers_prefix) if streamed else None
 
 
-def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedCompletion]],
-                    run_cache: cache.RunCache, layout: bool | None, batch: int, shard_rows: int, need: int,
-                    progress: bool) -> None:
-    """Compute the sequences of `todo` (forward units, longest first) by batches and commit each chunk to the
-    run's cache under `layout`, at most `shard_rows` sequences a commit (a killed run keeps what it committed;
-    `need`: the bytes the free-space check asked for, which a full disk's message names). Several processes: each
-    its every world-size-th chunk. Out of memory halves the batch (down to 1 pair) for that chunk and the ones
-    after it."""
+def compute_missing(reference: ReferenceForward, every: list[list], run_cache: cache.RunCache, layout: bool | None,
+                    batch: int, need: int, progress: bool) -> None:
+    """Compute the sequences of `every` (forward units, longest first, cut into commits) by batches and commit
+    each chunk to the run's cache under `layout` (a killed run keeps what it committed; `need`: the bytes the
+    free-space check asked for, which a full disk's message names). Several processes: each its every
+    world-size-th chunk. Out of memory halves the batch (down to 1 pair) for that chunk and the ones after it."""
     from tqdm.auto import tqdm
 
-    every = commits(todo, shard_rows)
     mine = distributed.shard(every)
     total = sum(len(u) for chunk in mine for u in chunk)
     bar = tqdm(total=total, desc="precompute", unit="seq", dynamic_ncols=True,
@@ -305,7 +302,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
             units = forward_units(*dataset.all_pairs(), todo, forward_layout.shared)
             computed, t0 = len(todo), time.perf_counter()
             reference = ReferenceForward(model, pad_id, resolved, forward_layout, per_token=side.per_token)
-            compute_missing(reference, longest_first(units), run_cache, layout, batch, cfg.cache_shard_rows,
+            compute_missing(reference, commits(longest_first(units), cfg.cache_shard_rows), run_cache, layout, batch,
                             need[layout], progress)
             # the model's memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
             del model, reference
