@@ -32,7 +32,7 @@ from lowmem_dpo import data, objectives, preflight
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, place, require
 from lowmem_dpo.config.schema import Config
-from lowmem_dpo.data import cache
+from lowmem_dpo.data import cache, sides
 from lowmem_dpo.data import store as stores
 from lowmem_dpo.data.store import Value
 from lowmem_dpo.memory import cards, search
@@ -157,17 +157,14 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     return batch, streaming.Plan(stream.layers, arch.layers_prefix) if streamed else None
 
 
-def compute_missing(reference: ReferenceForward, todo: list[list[data.TokenizedCompletion]],
-                    run_cache: cache.RunCache, layout: bool | None, batch: int, shard_rows: int, need: int,
-                    progress: bool) -> None:
-    """Compute the sequences of `todo` (forward units, longest first) by batches and commit each chunk to the
-    run's cache under `layout`, at most `shard_rows` sequences a commit (a killed run keeps what it committed;
-    `need`: the bytes the free-space check asked for, which a full disk's message names). Several processes: each
-    its every world-size-th chunk. Out of memory halves the batch (down to 1 pair) for that chunk and the ones
-    after it."""
+def compute_missing(reference: ReferenceForward, every: list[list], run_cache: cache.RunCache, layout: bool | None,
+                    batch: int, need: int, progress: bool) -> None:
+    """Compute the sequences of `every` (forward units, longest first, cut into commits) by batches and commit
+    each chunk to the run's cache under `layout` (a killed run keeps what it committed; `need`: the bytes the
+    free-space check asked for, which a full disk's message names). Several processes: each its every
+    world-size-th chunk. Out of memory halves the batch (down to 1 pair) for that chunk and the ones after it."""
     from tqdm.auto import tqdm
 
-    every = commits(todo, shard_rows)
     mine = distributed.shard(every)
     total = sum(len(u) for chunk in mine for u in chunk)
     bar = tqdm(total=total, desc="precompute", unit="seq", dynamic_ncols=True,
@@ -280,33 +277,32 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
     sequences = dataset.sequences()  # key -> the sequence: one per key, however many rows pair it
     keys = list(sequences)
     side = inputs.run_side(cfg, resolved, prepared)
+    cache_layout = sides.CacheLayout.of_run(side, cfg)
     command = cache.rebuild_command(cfg, recipe)
     stores.refuse_earlier_format(cache_dir, command)  # before anything is written there
     folders.mark(cache_dir, "reference cache")  # every rank before it creates the store: a rank checking late sees it
     log(f"reference cache: {place(cfg, 'ref_cache_dir')}")
     with open_cache(cache_dir, side, command) as run_cache:
         # as rank 0 reads them: every process splits the same sequences (not so after another rank's first commit)
-        lacking = distributed.broadcast(run_cache.missing(sequences, reuse_twin=objectives.unpaired(cfg.loss_type))
+        lacking = distributed.broadcast(run_cache.missing(sequences, reuse_twin=cache_layout.reuse_twin)
                                         if distributed.is_main() else None)
         need = {layout: stores.room_for([sequences[keys[i]] for i in miss], side.per_token)
                 for layout, miss in lacking.items()}
         files.ensure_free_space(cache_dir, min(need.values()), "the reference cache",
                                 "Nothing was computed; the cache there is untouched.")
-        asked = None if side.twin is None or cfg.share_prompt == "auto" else cfg.share_prompt is True
-        complete_layouts = [layout for layout, miss in lacking.items() if not miss and asked in (None, layout)]
-        if complete_layouts:  # every sequence is there: no model
-            computed, layout, seconds = 0, complete_layouts[0], 0.0
+        if complete := cache_layout.complete(lacking):  # every sequence is there: no model
+            computed, layout, seconds = 0, complete[0], 0.0
         else:
             model, batch = load_model(cfg, resolved, prepared, len(keys))
             pad_id = data.pad_token_id(prepared.tokenizer)
             # decided on the dataset's pairs, as train decides: the two agree on the layout
             forward_layout = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.tok.pairs[:1], dataset.tok.pairs)
-            layout = forward_layout.shared if side.twin is not None else None  # the cache's 16-bit layout
+            layout = cache_layout.of_forward(forward_layout.shared)  # the cache's 16-bit layout
             todo = {keys[i] for i in lacking[layout]}
             units = forward_units(*dataset.all_pairs(), todo, forward_layout.shared)
             computed, t0 = len(todo), time.perf_counter()
             reference = ReferenceForward(model, pad_id, resolved, forward_layout, per_token=side.per_token)
-            compute_missing(reference, longest_first(units), run_cache, layout, batch, cfg.cache_shard_rows,
+            compute_missing(reference, commits(longest_first(units), cfg.cache_shard_rows), run_cache, layout, batch,
                             need[layout], progress)
             # the model's memory goes now (bitsandbytes' weights hold a reference cycle): train may follow
             del model, reference
@@ -323,7 +319,7 @@ def run(cfg: Config, progress: bool = True, prune: bool = False, recipe: str | N
     return cache_dir
 
 
-def open_cache(cache_dir: Path, side: cache.Side, command: str) -> cache.RunCache:
+def open_cache(cache_dir: Path, side: sides.Side, command: str) -> cache.RunCache:
     """The run's cache, created where there is none: the main process's first, so that it alone moves a damaged
     index aside for a new one (cache.open_store) before the others open the folder."""
     first = cache.for_run(cache_dir, side, create=True, command=command) if distributed.is_main() else None

@@ -18,7 +18,7 @@ from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schedule import learning_rate_warning
 from lowmem_dpo.config.schema import Config
-from lowmem_dpo.data import cache
+from lowmem_dpo.data import cache, sides
 from lowmem_dpo.model import adapters, headcheck
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import log
@@ -81,15 +81,14 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     pad_id = data.pad_token_id(prepared.tokenizer)
     # sharing decided on the same rows as precompute's (every row of dataset): the two agree on the layout
     layout = headcheck.bring_up(model, cfg, resolved, pad_id, dataset.train[:1], dataset.tok.pairs, train=True)
-    shared = layout.shared
-    if ref is not None and side.twin is not None:  # 16-bit: the values of this run's layout first
-        ref, eval_ref = reference_caches(cfg, prepared, side.preferring(shared), dataset, recipe)
-        if ref.shared != shared:
-            log(f"note: reference values were computed {'with' if ref.shared else 'without'} share_prompt and "
-                f"this run {'shares' if shared else 'does not share'} prompts: in "
-                f"{devices.dtype_name(resolved.dtype)} the two forwards round differently, so step 1 may sit ~1e-3 "
-                f"off ln 2; {cache.rebuild_command(cfg, recipe)} share_prompt={str(shared).lower()} computes this "
-                "run's own")
+    cache_layout = sides.CacheLayout.of_run(side, cfg)
+    reads = cache_layout.of_forward(layout.shared)
+    if ref is not None and reads is not None:  # 16-bit: the values of this run's layout first
+        ref, eval_ref = reference_caches(cfg, prepared, side.preferring(reads), dataset, recipe)
+        note = cache_layout.note(ref.shared, layout.shared, devices.dtype_name(resolved.dtype),
+                                 cache.rebuild_command(cfg, recipe))
+        if note:
+            log(note)
     off_is_start = adapters.adapter_off_is_start(cfg, prepared.source)
     items, eval_items = dataset.train, dataset.eval
     batching = Batching(resolved, pad_id, layout)
@@ -111,7 +110,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     return session
 
 
-def reference_caches(cfg: Config, prepared: inputs.Inputs, side: cache.Side, dataset: inputs.Data,
+def reference_caches(cfg: Config, prepared: inputs.Inputs, side: sides.Side, dataset: inputs.Data,
                      recipe: str | None) -> tuple:
     """The reference values of the dataset's rows and of the eval rows (inputs.cached_reference; None, None with
     ref_source=live)."""

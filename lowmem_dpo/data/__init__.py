@@ -9,7 +9,9 @@
     mix.py     a mixture of sources: the rows each gives (fraction, rows, max_train_samples), tokenized per source,
                and their formats (text, conversation)
     implicit.py  a row's prompt from the shared start of chosen and rejected
-    cache.py   the reference cache's keys: model side, row key, a run's values, what to say when rows lack one
+    sides.py   the reference cache's model side: its components and digest, its two layouts in 16 bits, and
+               which of them a run writes and reads (CacheLayout)
+    cache.py   the reference cache's keys: sequence key, a run's values, what to say when rows lack one
     store.py   the reference cache's store: one SQLite file of values under (model side, row key)
 
 The stages use the names below; each lives in the module that says so. The cache is data.cache's and

@@ -1,11 +1,9 @@
 """The reference cache's keys: each sequence's reference values are stored (store.py) under its model side and
 its sequence key, so a completion computed once under a prompt is never computed again, however the rows pair it.
 
-    model side    what the values depend on besides the sequence: the base's weights and config, the SFT adapter's
-                  files, the reference's dtype and quantization, how log-probs are computed (LOGPS_RULES), whether
-                  each token's log-prob is kept (LD-DPO's sums weigh tokens by where the pair's shorter completion
-                  ends, which only the row knows), and in a 16-bit dtype the forward's layout (share_prompt rounds
-                  differently). Hashed once per build (side_components, side_digest).
+    model side    what the values depend on besides the sequence: the reference's weights and precision, the
+                  log-prob rules, in a 16-bit dtype the forward's layout (sides.py: what exactly, and which layout
+                  a run writes and reads).
     sequence key  a digest of one prompt's and one completion's token ids, after template and truncation
                   (sequence_key): the ids train feeds the model. A pair reads two (pair_keys). A changed text, chat
                   template, tokenizer or max_length that changes a sequence's ids gives it a new key; one that
@@ -16,8 +14,8 @@ max_train_samples and the eval split never change a sequence's key: precompute c
 store lacks, and train looks each of its rows' sequences up. Old values stay until
 `lowmem-dpo precompute RECIPE --prune` drops what the recipe does not use.
 
-This module alone builds and compares keys: a stage asks its run's cache (for_run: a RunCache, below) and never
-keys a sequence or a side itself.
+This module and sides.py alone build and compare keys: a stage asks its run's cache (for_run: a RunCache, below)
+and sides.CacheLayout which layout it writes or reads, and never keys a sequence or a side itself.
 
 A cache of an earlier format (pair-keyed, or manifest.json and shards) is refused with what to remove and the
 command that rebuilds it (open_store): its values cannot be split into sequences, and no release wrote one. A
@@ -37,14 +35,11 @@ import torch
 
 from lowmem_dpo.data import store as stores
 from lowmem_dpo.data.encode import TokenizedCompletion
+from lowmem_dpo.data.sides import Side, side_digest
 from lowmem_dpo.runtime import folders
 from lowmem_dpo.runtime.errors import log
 
-FORMAT_VERSION = 3  # values per sequence; 2 was per pair, 1 was manifest.json and shards
 FINGERPRINT_FORMAT = 1  # the "format" in inputs.fingerprint_components
-# bump when logps.completion_logps gives other numbers for the same ids and weights (2: the LM head in tiles with an
-# online logsumexp, each sequence summed in float64)
-LOGPS_RULES = 2
 BUILD, REPORT = "build.json", "preflight.json"  # precompute's record of its last build, preflight's report
 # A side's components that are the reference's precision: a cache holding another precision can serve train as
 # built (ref_dtype, ref_quantization), and the message says so.
@@ -52,24 +47,6 @@ PRECISION_COMPONENTS = {"dtype", "quantization"}
 
 
 # -- the keys ----------------------------------------------------------------------------------------------------
-def side_components(weights: dict, dtype: str, quantization: str, shared: bool, per_token: bool = False) -> dict:
-    """The model side: `weights` (inputs.side_files: the base's and the SFT adapter's file digests), the
-    reference's dtype and quantization, the log-prob rules, and the forward's layout where it changes rounding (a
-    16-bit dtype: the shared-prompt forward rounds differently; in float32 the two agree to ~1e-6). per_token:
-    each token's log-prob is kept beside the sum (LD-DPO: any ld_alpha, any pairing); a side of its own, so that
-    the plain sides stay small."""
-    out = {"format": FORMAT_VERSION, "logps": LOGPS_RULES, **weights, "dtype": dtype, "quantization": quantization}
-    if per_token:
-        out["per_token"] = True
-    if dtype != "float32":
-        out["layout"] = "shared" if shared else "unshared"
-    return out
-
-
-def side_digest(components: dict) -> str:
-    return hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest()[:32]
-
-
 def sequence_key(prompt_ids: list[int], completion_ids: list[int]) -> bytes:
     """16 bytes of sha256 over one sequence's token ids: the prompt's and the completion's, each with its length,
     so the boundary counts."""
@@ -144,51 +121,6 @@ class RefCache:
             self.chosen[p.row], self.rejected[p.row] = (c.logps, r.logps) if ld_alpha is None else ld_sums(
                 c, r, ld_alpha)
             self.chosen_tokens[p.row], self.rejected_tokens[p.row] = c.tokens, r.tokens
-
-
-@dataclass(frozen=True)
-class Side:
-    """A model side of this run, in the layout it prefers, with its twin in the other layout (16-bit only)."""
-
-    components: dict
-    twin: dict | None = None  # the same side's components in the other layout; None in float32
-
-    @property
-    def digest(self) -> str:
-        return side_digest(self.components)
-
-    @property
-    def shared(self) -> bool | None:
-        layout = self.components.get("layout")
-        return None if layout is None else layout == "shared"
-
-    @property
-    def per_token(self) -> bool:
-        return bool(self.components.get("per_token"))
-
-    @property
-    def identity(self) -> str:
-        """The side whatever the layout: what a checkpoint records of the reference it trained against."""
-        return side_digest({k: v for k, v in self.components.items() if k != "layout"})
-
-    def layouts(self) -> dict:
-        """layout (None in float32, else whether shared) -> its components."""
-        if self.twin is None:
-            return {None: self.components}
-        return {self.shared: self.components, not self.shared: self.twin}
-
-    def preferring(self, shared: bool | None) -> "Side":
-        """This side preferring layout `shared` (None: as it is)."""
-        if shared is None or self.twin is None or shared == self.shared:
-            return self
-        return Side(self.twin, self.components)
-
-
-def run_side(weights: dict, dtype: str, quantization: str, shared: bool = False, per_token: bool = False) -> Side:
-    """A run's Side: in a 16-bit dtype both layouts, `shared` preferred; in float32 one."""
-    components = side_components(weights, dtype, quantization, shared, per_token)
-    twin = side_components(weights, dtype, quantization, not shared, per_token) if "layout" in components else None
-    return Side(components, twin)
 
 
 def open_store(cache_dir: Path, create: bool = False, command: str = "") -> stores.Store | None:

@@ -1,7 +1,7 @@
 """The reference cache's store: one SQLite file, ref_cache_dir/index.sqlite, holding each sequence's reference
 values under (model side, sequence key). cache.py makes the keys; this module keeps them.
 
-    sides      id (never reused: AUTOINCREMENT), digest (cache.side_digest), components (JSON: what the side is),
+    sides      id (never reused: AUTOINCREMENT), digest (sides.side_digest), components (JSON: what the side is),
                created
     sequences  side, key (16 bytes: cache.sequence_key of a prompt and one completion), logps (the completion's
                float64 log-prob sum: logps.sequence_sums), tokens (its token count), token_logps (each
@@ -130,7 +130,7 @@ class Value:
 
     logps: float  # the completion's log-prob sum
     tokens: int  # its token count
-    token_logps: bytes | None = None  # (tokens,) float32, where the side keeps them (cache.Side.per_token)
+    token_logps: bytes | None = None  # (tokens,) float32, where the side keeps them (sides.Side.per_token)
 
 
 @dataclass(frozen=True)

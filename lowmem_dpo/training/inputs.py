@@ -12,7 +12,7 @@ from pathlib import Path
 from lowmem_dpo import data, objectives
 from lowmem_dpo.config.schema import Config, keys_where
 from lowmem_dpo.config.sources import Source, label
-from lowmem_dpo.data import cache, unpaired
+from lowmem_dpo.data import cache, sides, unpaired
 from lowmem_dpo.model import models
 from lowmem_dpo.runtime import devices, distributed
 from lowmem_dpo.runtime.devices import Resolved, dtype_name
@@ -110,16 +110,16 @@ def fingerprint_components(cfg: Config, resolved: Resolved, model_path: Path, ad
     return {"format": cache.FINGERPRINT_FORMAT, **files, **{COMPONENT_NAMES.get(k, k): v for k, v in values.items()}}
 
 
-def run_side(cfg: Config, resolved: Resolved, prepared: Inputs, shared: bool = False) -> cache.Side:
-    """The model side (cache.py) of a run's reference: the base's weights and config, the SFT adapter's files, the
+def run_side(cfg: Config, resolved: Resolved, prepared: Inputs, shared: bool = False) -> sides.Side:
+    """The model side (sides.py) of a run's reference: the base's weights and config, the SFT adapter's files, the
     reference's resolved dtype and quantization; `shared` the preferred layout in 16 bits."""
     weights = {k: prepared.fingerprint[k] for k in ("model", "adapter")}
     # LD-DPO weighs each token by where the pair's shorter completion ends: its side keeps the token log-probs
-    return cache.run_side(weights, dtype_name(resolved.ref_dtype), resolved.ref_quantization, shared,
+    return sides.run_side(weights, dtype_name(resolved.ref_dtype), resolved.ref_quantization, shared,
                           per_token=cfg.ld_alpha is not None)
 
 
-def cached_reference(cfg: Config, prepared: Inputs, side: cache.Side, dataset: Data,
+def cached_reference(cfg: Config, prepared: Inputs, side: sides.Side, dataset: Data,
                      recipe: str | None = None) -> tuple:
     """(the dataset's rows' reference values, eval_dataset's or None) from the cache in ref_cache_dir, each row's
     sequences looked up by key under `side`; a UserError naming the rows without them and the command that

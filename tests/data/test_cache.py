@@ -450,10 +450,10 @@ def test_a_run_s_cache_keys_its_sequences_and_sides_itself(tmp_path, capsys):
     sequences asked for; the side is the run's in either layout, its identity the same. A value whose token count
     disagrees with its sequence is damaged: read refuses it naming its row and the command, missing drops it (one
     line) and lists it."""
-    from lowmem_dpo.data import cache
+    from lowmem_dpo.data import cache, sides
     from lowmem_dpo.data import store as stores
 
-    side = cache.run_side({"model": "m", "adapter": None}, "bfloat16", "none", shared=True)
+    side = sides.run_side({"model": "m", "adapter": None}, "bfloat16", "none", shared=True)
     pairs = [data.TokenizedPair(0, [1, 2], [3, 4], [5]), data.TokenizedPair(1, [1, 2], [6], [5])]  # one rejected
     tok = data.TokenizedData(pairs=pairs, num_rows=2, dropped=[])
     sequences = {k: seq for p in pairs for k, seq in zip(cache.pair_keys(p), cache.pair_sequences(p))}
