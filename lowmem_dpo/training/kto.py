@@ -27,7 +27,7 @@ from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
 from lowmem_dpo.model.logps import LM, completion_logps
 from lowmem_dpo.objectives import kto
-from lowmem_dpo.objectives import metrics as m
+from lowmem_dpo.objectives import metrics as metric_rows
 from lowmem_dpo.objectives.metrics import Metric
 from lowmem_dpo.runtime import devices, distributed
 from lowmem_dpo.training.objective import Batching, Loss, Objective
@@ -98,7 +98,7 @@ class Blocks(Objective):
     formula: Callable  # the unpaired objective's (objectives/kto.py): (UnpairedLogps, Settings) -> (n,) losses
     settings: objectives.Settings
     kl: bool = True  # the reference point is the KL estimate (kto); apo_zero_unpaired: z0 = 0
-    metrics: tuple[Metric, ...] = field(default=m.BLOCK_METRICS, init=False)  # each block's means
+    metrics: tuple[Metric, ...] = field(default=metric_rows.BLOCK_METRICS, init=False)  # each block's means
 
     @classmethod
     def of(cls, cfg: Config, batching: Batching, ref: Reference, eval_ref: Reference | None = None) -> "Blocks":
@@ -162,7 +162,7 @@ class Blocks(Objective):
         batch)."""
         x = output.x
         losses = self.formula(x, self.settings)  # (n,)
-        sums = Sums.of(m.BLOCK_METRICS)
+        sums = Sums.of(metric_rows.BLOCK_METRICS)
         sums.items, sums.tokens, sums.computed = len(x.logps), output.tokens, output.computed
         seen = (losses.detach().float().cpu(), x.logps.detach().float().cpu(), output.ref_logps, output.label)
         return BlockLoss(losses.sum() * (1.0 / (output.block_rows * size.items)), sums, seen)
@@ -175,17 +175,17 @@ class Blocks(Objective):
         losses, z0 (kl), each side's rewards and logps where it has rows, and their margin where it has both."""
         lossed, logps, ref_logps, label = (torch.cat(t) for t in zip(*seen))  # (N,) each
         rewards = kto.rewards(kto.UnpairedLogps(logps, ref_logps, label), self.settings)  # (N,), against float64
-        out = Sums.of(m.BLOCK_METRICS)
+        out = Sums.of(metric_rows.BLOCK_METRICS)
         out.items, out.tokens, out.computed = part.items, part.tokens + point.tokens, part.computed + point.computed
-        out.note(m.LOSS, lossed.mean().item(), 1)
-        out.note(m.KL, point.z0.item(), 1)
-        for (reward, logp), mask in (((m.REWARDS_CHOSEN, m.LOGPS_CHOSEN), label),
-                                     ((m.REWARDS_REJECTED, m.LOGPS_REJECTED), ~label)):
+        out.note(metric_rows.LOSS, lossed.mean().item(), 1)
+        out.note(metric_rows.KL, point.z0.item(), 1)
+        for (reward, logp), mask in (((metric_rows.REWARDS_CHOSEN, metric_rows.LOGPS_CHOSEN), label),
+                                     ((metric_rows.REWARDS_REJECTED, metric_rows.LOGPS_REJECTED), ~label)):
             if mask.any():
                 out.note(reward, rewards[mask].mean().item(), 1)
                 out.note(logp, logps[mask].mean().item(), 1)
         if label.any() and (~label).any():
-            out.note(m.MARGIN, rewards[label].mean().item() - rewards[~label].mean().item(), 1)
+            out.note(metric_rows.MARGIN, rewards[label].mean().item() - rewards[~label].mean().item(), 1)
         return out
 
     def samples_from(self, items: list) -> list:

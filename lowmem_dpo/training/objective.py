@@ -204,9 +204,9 @@ class Pairs(Objective):
         with torch.no_grad(), eval_mode(lm.model), devices.autocast(resolved.device, resolved.dtype):
             for pair in items:
                 batch = collate([pair], self.batching.pad_id, layout.packed).to(resolved.device)
-                c, r = completion_logps(lm, batch, ld_alpha=self.terms.ld_alpha).split()
-                chosen.append(c.logps.detach())
-                rejected.append(r.logps.detach())
+                chosen_side, rejected_side = completion_logps(lm, batch, ld_alpha=self.terms.ld_alpha).split()
+                chosen.append(chosen_side.logps.detach())
+                rejected.append(rejected_side.logps.detach())
         return torch.cat(chosen), torch.cat(rejected)  # (B,) each
 
     def loss(self, output: PairForward, size: StepSize) -> Loss:
