@@ -93,8 +93,8 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     items, eval_items = dataset.train, dataset.eval
     if objectives.unpaired(cfg.loss_type):  # blocks of rows, with each part's labels
         ref = kto.Reference(ref, kto.labels(dataset.unpaired["train"]))
-        eval_ref = kto.Reference(eval_ref, kto.labels(dataset.unpaired[dataset.eval_part])) if dataset.eval_part \
-            else None
+        eval_ref = (kto.Reference(eval_ref, kto.labels(dataset.unpaired[dataset.eval_part])) if dataset.eval_part
+                    else None)
         items, eval_items = (kto.blocks(views, cfg.per_device_train_batch_size) for views in (items, eval_items))
     # A new run's step 1 measures the cache against its own forward (the drift line): the policy is the reference
     # there, so the cache should hold its forward's values; not so for a continued SFT adapter with lora_dropout,
