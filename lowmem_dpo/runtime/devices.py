@@ -255,6 +255,15 @@ def import_bitsandbytes(needed_for: str):
     return bitsandbytes
 
 
+def check_bitsandbytes(resolved: Resolved) -> None:
+    """Fail before tokenizing and loading, not after, when the run needs bitsandbytes and it cannot load."""
+    needs_bnb = ([f"quantization={resolved.quantization}"] if resolved.quantization != "none" else []) + (
+        [f"optimizer={resolved.optimizer} (the {resolved.kind} rule)"]
+        if resolved.optimizer == rules.PAGED_ADAMW_8BIT else [])
+    if needs_bnb:
+        import_bitsandbytes(" and ".join(needs_bnb))
+
+
 # -- other optional packages (matplotlib for the report, tensorboard for report_to) --------------------------------
 def import_optional(module: str, needed_for: str, install: str):
     """`module`, imported on first use, or a UserError "{needed_for}: pip install {install}", e.g.

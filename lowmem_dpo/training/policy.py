@@ -21,7 +21,7 @@ from lowmem_dpo.memory import attention, cards, search
 from lowmem_dpo.memory.host import HostRam, host_problem, host_ram
 from lowmem_dpo.memory.setup import run_budget, setup_from_config
 from lowmem_dpo.model import activations, adapters, compute_copies, logps, models, streaming
-from lowmem_dpo.runtime import devices, distributed, heap, ram, rules, sharding
+from lowmem_dpo.runtime import devices, distributed, heap, ram, sharding
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training.step import Trainee
@@ -329,12 +329,3 @@ def check_host_ram(host: HostRam, stage: str) -> list[str]:
     if problem:
         raise UserError(problem)
     return [f"host RAM: {host.describe()}; {fmt(share)} {source}"]
-
-
-def check_bitsandbytes(resolved: devices.Resolved) -> None:
-    """Fail before tokenizing and loading, not after, when the run needs bitsandbytes and it cannot load."""
-    needs_bnb = ([f"quantization={resolved.quantization}"] if resolved.quantization != "none" else []) + (
-        [f"optimizer={resolved.optimizer} (the {resolved.kind} rule)"]
-        if resolved.optimizer == rules.PAGED_ADAMW_8BIT else [])
-    if needs_bnb:
-        devices.import_bitsandbytes(" and ".join(needs_bnb))
