@@ -215,7 +215,7 @@ def resolve(cfg) -> Resolved:
 
 def join(cfg, device: torch.device, reasons: list[str]) -> tuple[torch.device, bool]:
     """Under torchrun / accelerate launch: join the group; this rank's device (its GPU), and whether the recipe
-    shards the base over the ranks (fsdp=true; auto: the plan decides, training.policy.sharded_as_planned, and says
+    shards the base over the ranks (fsdp=true; auto: the plan decides, memory.cards.sharded_as_planned, and says
     so). One process: (device, False)."""
     device = distributed.init(device)
     w = distributed.world()
