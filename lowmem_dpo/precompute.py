@@ -36,7 +36,7 @@ from lowmem_dpo.data import cache, sides
 from lowmem_dpo.data import store as stores
 from lowmem_dpo.data.store import Value
 from lowmem_dpo.memory import cards, search
-from lowmem_dpo.memory.host import host_ram
+from lowmem_dpo.memory.host import check_host_ram, host_ram
 from lowmem_dpo.model import headcheck, streaming
 from lowmem_dpo.model.logps import completion_logps, lm_of
 from lowmem_dpo.runtime import devices, distributed, files, folders, heap, oom, sharding
@@ -129,14 +129,14 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
     the reference's forward fits the budget (memory_budget, or the device's), and on CUDA, last, the trailing
     decoder layers streamed from CPU RAM (no gradients here: each is copied once per batch). Returns (batch,
     what to stream)."""
-    budget = policy.planning_budget(cfg, resolved)
+    budget = policy.planning_budget(resolved)
     arch = search.arch_of_run(model_path, cfg, f"precompute_batch_size={cfg.precompute_batch_size} as given")
     if arch is None:
-        policy.sharded_as_planned(cfg, resolved, None, "precompute")
+        cards.sharded_as_planned(cfg, resolved, None, "precompute")
         return cfg.precompute_batch_size, None
     plan = cards.on_cards(arch, cfg, budget, distributed.world().size,
                           search.stage_knobs(cfg, "precompute", resolved.device.type), ("precompute",))
-    policy.sharded_as_planned(cfg, resolved, plan, "precompute")
+    cards.sharded_as_planned(cfg, resolved, plan, "precompute")
     batch, stream = plan.setup.precompute_batch, plan.streams.get("precompute")
     if resolved.share_prompt and not plan.setup.share_prompt:
         resolved.share_prompt = False
@@ -152,7 +152,7 @@ def memory_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> tu
         plan.prediction.precompute.peak_bytes, plan.prediction.precompute.transient, budget)
     if kept:
         log(kept)
-    for line in policy.check_host_ram(host_ram(arch, plan, "precompute", streamed), "precompute"):
+    for line in check_host_ram(host_ram(arch, plan, "precompute", streamed), "precompute"):
         log(line)
     return batch, streaming.Plan(stream.layers, arch.layers_prefix) if streamed else None
 

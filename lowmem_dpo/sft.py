@@ -62,7 +62,7 @@ def setup(cfg: Config, progress: bool = True) -> Session:
     resume = resuming.find_resume(cfg)
     # The planner plans a DPO step: 2 x per_device_train_batch_size sequences, twice an SFT step's.
     stream = policy.apply_plan(adapters.planned_lora(cfg, source), resolved, source.base_path)
-    policy.check_bitsandbytes(resolved)
+    devices.check_bitsandbytes(resolved)
     log(source.description)
     tokenizer = models.load_tokenizer(source.tokenizer_path, cfg.chat_template, source.base_path)
     dataset = inputs.load_data(cfg, tokenizer, progress, sft=True)  # logs the rows it skips and the eval split

@@ -68,7 +68,7 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     adapters.check_mode(cfg, prepared.source, resolved.quantization)
     resume = resuming.find_resume(cfg)  # before anything heavy: a bad path or changed settings fail fast
     stream = policy.apply_plan(adapters.planned_lora(cfg, prepared.source), resolved, prepared.model_path)
-    policy.check_bitsandbytes(resolved)
+    devices.check_bitsandbytes(resolved)
     log(prepared.source.description)
     dataset = inputs.load_data(cfg, prepared.tokenizer, progress)  # logs the rows it skips and the eval split
     side = inputs.run_side(cfg, resolved, prepared)

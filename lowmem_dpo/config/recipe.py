@@ -15,7 +15,7 @@ from typing import Optional
 import yaml
 
 from lowmem_dpo.config.coerce import check_bounds, coerce
-from lowmem_dpo.config.schema import FIELDS, HINTS, Config
+from lowmem_dpo.config.schema import FIELD_DEFAULTS, FIELDS, HINTS, RESUMABLE, RUN_LENGTH, Config
 from lowmem_dpo.objectives import REFUSED, needs_reference
 from lowmem_dpo.runtime import builtins
 from lowmem_dpo.runtime.errors import ConfigError
@@ -50,6 +50,28 @@ def folded(values: dict) -> dict:
                               "below 1 is the ratio)")
         out["warmup_steps"] = ratio
     return out
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """Config keys whose values differ from the checkpoint's, except those declared resumable (schema.py): those
+    that change nothing the run computes, and those that set its length (RUN_LENGTH)."""
+    try:  # a key folded since (warmup_ratio) read as the key it folds into
+        saved = folded(saved)
+    except ConfigError:
+        pass
+    keys = (set(saved) | set(current)) - RESUMABLE - RUN_LENGTH
+    # a key the checkpoint lacks (added to lowmem_dpo since it was written) ran at its default
+    saved = {**{k: FIELD_DEFAULTS[k] for k in keys if k in FIELD_DEFAULTS and k not in saved}, **saved}
+    return sorted(k for k in keys if declared(k, saved.get(k)) != declared(k, current.get(k)))
+
+
+def declared(key: str, value):
+    """A config value as its key's declared type, so that an older spelling compares equal (loss_type: sigmoid was
+    a string before it could be a list); as it is when it does not coerce."""
+    try:
+        return coerce(key, value, HINTS[key]) if key in HINTS and value is not None else value
+    except ConfigError:
+        return value
 
 
 def build_config(values: dict, sources: dict | None = None) -> Config:

@@ -42,7 +42,7 @@ def key(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fa
       numbers the run computes nor the data it sees (output places, logging, saving, guards). "length": the key
       sets how long the run is (max_steps, num_train_epochs): changing it continues the run, the schedule
       following the new total (resuming.follow_run_length). Any other key changed is refused on resume
-      (checkpoint.config_changes).
+      (recipe.config_changes).
     """
     assert not (reference and resumable), "a key that changes the reference changes the numbers"
     meta = {"doc": doc, "choices": choices, "min": min, "max": max, "min_exclusive": min_exclusive,
@@ -392,7 +392,7 @@ def keys_where(**meta) -> frozenset[str]:
                      if all(f.metadata[k] == v for k, v in meta.items()))
 
 
-# Keys that may change between a run and its resumption (checkpoint.config_changes); declared per field.
+# Keys that may change between a run and its resumption (recipe.config_changes); declared per field.
 RESUMABLE = keys_where(resumable=True)
 # Keys that set the run's length: changed on resume, the run continues to the new total (resuming.follow_run_length).
 RUN_LENGTH = keys_where(resumable="length")

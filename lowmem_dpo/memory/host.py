@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from lowmem_dpo.memory.arch import Arch
 from lowmem_dpo.memory.weights import base_weight_bytes, card_host_bytes
+from lowmem_dpo.runtime import devices, ram
+from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.rules import PAGED_ADAMW_8BIT
 from lowmem_dpo.runtime.units import fmt
 
@@ -101,3 +103,17 @@ def host_problem(host: HostRam, available: int, stage: str, source: str = "avail
             "pinned or paged memory past that fails in "
             f"cudaHostAlloc or ends in the kernel's out-of-memory killer. The largest, {name} ({fmt(largest)}), is "
             f"freed by {KNOBS[name]}")
+
+
+def check_host_ram(host: HostRam, stage: str) -> list[str]:
+    """The stage's host RAM (memory/host.py) against what this machine has available now, shared by the run's
+    processes on it: refused before anything loads when it does not fit; else the line that says it (none when
+    the stage pins and pages nothing)."""
+    if not host.total:
+        return []
+    available, source = ram.available()
+    share = available // devices.local_size()
+    problem = host_problem(host, share, stage, source if share == available else f"{source}, per process here")
+    if problem:
+        raise UserError(problem)
+    return [f"host RAM: {host.describe()}; {fmt(share)} {source}"]

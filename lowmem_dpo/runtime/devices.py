@@ -215,7 +215,7 @@ def resolve(cfg) -> Resolved:
 
 def join(cfg, device: torch.device, reasons: list[str]) -> tuple[torch.device, bool]:
     """Under torchrun / accelerate launch: join the group; this rank's device (its GPU), and whether the recipe
-    shards the base over the ranks (fsdp=true; auto: the plan decides, training.policy.sharded_as_planned, and says
+    shards the base over the ranks (fsdp=true; auto: the plan decides, memory.cards.sharded_as_planned, and says
     so). One process: (device, False)."""
     device = distributed.init(device)
     w = distributed.world()
@@ -253,6 +253,15 @@ def import_bitsandbytes(needed_for: str):
                         f"{detail}). Install it with: pip install 'bitsandbytes>=0.45' (on a GPU, after your CUDA "
                         "build of torch)") from None
     return bitsandbytes
+
+
+def check_bitsandbytes(resolved: Resolved) -> None:
+    """Fail before tokenizing and loading, not after, when the run needs bitsandbytes and it cannot load."""
+    needs_bnb = ([f"quantization={resolved.quantization}"] if resolved.quantization != "none" else []) + (
+        [f"optimizer={resolved.optimizer} (the {resolved.kind} rule)"]
+        if resolved.optimizer == rules.PAGED_ADAMW_8BIT else [])
+    if needs_bnb:
+        import_bitsandbytes(" and ".join(needs_bnb))
 
 
 # -- other optional packages (matplotlib for the report, tensorboard for report_to) --------------------------------

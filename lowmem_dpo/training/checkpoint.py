@@ -32,12 +32,9 @@ from pathlib import Path
 
 import torch
 
-from lowmem_dpo.config.coerce import coerce
-from lowmem_dpo.config.recipe import folded
-from lowmem_dpo.config.schema import FIELD_DEFAULTS, HINTS, RESUMABLE, RUN_LENGTH
 from lowmem_dpo.model import adapters
 from lowmem_dpo.runtime import files, folders
-from lowmem_dpo.runtime.errors import ConfigError, UserError, log
+from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training.step import Trainee
 
 FOLDER = "checkpoints"
@@ -216,28 +213,6 @@ def _json_or_empty(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return found if isinstance(found, dict) else {}
-
-
-def config_changes(saved: dict, current: dict) -> list[str]:
-    """Config keys whose values differ from the checkpoint's, except those declared resumable (config.py): those
-    that change nothing the run computes, and those that set its length (RUN_LENGTH)."""
-    try:  # a key folded since (warmup_ratio) read as the key it folds into
-        saved = folded(saved)
-    except ConfigError:
-        pass
-    keys = (set(saved) | set(current)) - RESUMABLE - RUN_LENGTH
-    # a key the checkpoint lacks (added to lowmem_dpo since it was written) ran at its default
-    saved = {**{k: FIELD_DEFAULTS[k] for k in keys if k in FIELD_DEFAULTS and k not in saved}, **saved}
-    return sorted(k for k in keys if declared(k, saved.get(k)) != declared(k, current.get(k)))
-
-
-def declared(key: str, value):
-    """A config value as its key's declared type, so that an older spelling compares equal (loss_type: sigmoid was
-    a string before it could be a list); as it is when it does not coerce."""
-    try:
-        return coerce(key, value, HINTS[key]) if key in HINTS and value is not None else value
-    except ConfigError:
-        return value
 
 
 def input_changes(saved: dict, current: dict) -> list[str]:

@@ -71,16 +71,20 @@ def file_components(cfg: Config, model_path: Path, adapter_path: Path | None, to
     it, see adapters.py), the tokenizer's files, and the datasets' bytes (dataset_component; `mix`: dataset's
     sources, when loaded). "eval_dataset" and "chat_template" are there only when set, so a cache built without
     them keeps its fingerprint; eval_fraction is not in it (the cache holds every row of dataset)."""
-    out = {
-        "model": files_digest(models.weight_files(model_path)),
-        "adapter": None if adapter_path is None else files_digest(models.adapter_files(adapter_path)),
-        "tokenizer": files_digest(models.tokenizer_files(tokenizer_path)),
-        "dataset": dataset_component(cfg, mix),
-    }
-    if cfg.eval_dataset is not None:
-        out["eval_dataset"] = data_component(cfg.eval_dataset, cfg.eval_split)
-    if cfg.chat_template is not None:  # the text it names, by content (a file's path may stay as its text changes)
-        out["chat_template"] = hashlib.sha256(models.chat_template_text(cfg.chat_template).encode()).hexdigest()
+    dataset = dataset_component(cfg, mix)
+    eval_dataset = None if cfg.eval_dataset is None else data_component(cfg.eval_dataset, cfg.eval_split)
+    # the model's files (models.py names them), then their digests
+    model_files = {"model": models.weight_files(model_path),
+                   "adapter": None if adapter_path is None else models.adapter_files(adapter_path),
+                   "tokenizer": models.tokenizer_files(tokenizer_path)}
+    # the text it names, by content (a file's path may stay as its text changes)
+    template = None if cfg.chat_template is None else models.chat_template_text(cfg.chat_template)
+    out = {**{k: None if paths is None else files_digest(paths) for k, paths in model_files.items()},
+           "dataset": dataset}
+    if eval_dataset is not None:
+        out["eval_dataset"] = eval_dataset
+    if template is not None:
+        out["chat_template"] = hashlib.sha256(template.encode()).hexdigest()
     for key in ("prompt_column", "chosen_column", "rejected_column"):  # which columns are read as which
         if getattr(cfg, key) is not None:
             out[key] = getattr(cfg, key)

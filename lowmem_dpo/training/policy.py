@@ -18,10 +18,10 @@ import torch
 from lowmem_dpo.config.schedule import make_schedule
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory import attention, cards, search
-from lowmem_dpo.memory.host import HostRam, host_problem, host_ram
-from lowmem_dpo.memory.setup import run_budget, setup_from_config
+from lowmem_dpo.memory.host import check_host_ram, host_ram
+from lowmem_dpo.memory.setup import default_budget, setup_from_config
 from lowmem_dpo.model import activations, adapters, compute_copies, logps, models, streaming
-from lowmem_dpo.runtime import devices, distributed, heap, ram, rules, sharding
+from lowmem_dpo.runtime import devices, distributed, heap, sharding
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 from lowmem_dpo.training.step import Trainee
@@ -216,15 +216,15 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
     cannot apply (quantization changes the numbers and the cache) is advised, with numbers. Sets resolved's
     micro_batch, gradient_checkpointing, activation_offloading, share_prompt and streamed_layers; returns what to
     stream, or None."""
-    budget = planning_budget(cfg, resolved)
+    budget = planning_budget(resolved)
     arch = search.arch_of_run(model_path, cfg, "using the device rule's choices")
-    if arch is None:
-        sharded_as_planned(cfg, resolved, None)
+    applied = None if arch is None else cards.on_cards(arch, cfg, budget, distributed.world().size,
+                                                        search.stage_knobs(cfg, "train", resolved.device.type),
+                                                        ("train",))
+    cards.sharded_as_planned(cfg, resolved, applied)  # no plan (a model the planner does not model): data parallel
+    if applied is None:
         return None
     setup = setup_from_config(cfg, budget)
-    applied = cards.on_cards(arch, cfg, budget, distributed.world().size,
-                             search.stage_knobs(cfg, "train", resolved.device.type), ("train",))
-    sharded_as_planned(cfg, resolved, applied)
     s, stream = applied.setup, applied.streams.get("train")
     if s.micro_batch != setup.micro_batch:
         resolved.micro_batch = s.micro_batch
@@ -250,91 +250,16 @@ def apply_plan(cfg: Config, resolved: devices.Resolved, model_path: Path) -> str
         resolved.activation_offloading = True
         resolved.reasons.append(f"activation_offloading=true (auto; the planner: needed to fit {fmt(budget)}, "
                                 f"{fmt(applied.prediction.train.details['offload.host_bytes'])} of pinned CPU RAM)")
-    report_fit(cfg, resolved, arch, applied, budget)
+    cards.report_fit(cfg, resolved, arch, applied, budget)
     # Streaming that does not make the run fit would only make it slower: the out-of-memory back-off has the last word
     resolved.streamed_layers = stream.layers if stream and applied.fits else 0
     resolved.reasons.extend(check_host_ram(host_ram(arch, applied, "train", bool(resolved.streamed_layers)), "train"))
     return streaming.Plan(stream.layers, arch.layers_prefix) if resolved.streamed_layers else None
 
 
-def report_fit(cfg: Config, resolved: devices.Resolved, arch, applied, budget: int) -> None:
-    """The planner's verdict on train as applied: its peak in the reasons (and on a CPU, the heap's choice that
-    follows), or a warning that it does not fit, with the knobs train cannot turn that would make it."""
-    stream = applied.streams.get("train")
-    advice = cards.on_cards(arch, cfg, budget, distributed.world().size, stages=("train",))  # train's knobs and others
-    better = {k: v for k, v in advice.overrides.items() if applied.overrides.get(k) != v}
-    peak = (stream.device_peak if stream else applied.prediction.train.peak_bytes)
-    if not applied.fits or (stream and better):
-        log(f"warning: the planner predicts this run does not fit {fmt(budget)} as configured"
-            + (f" (train peak {fmt(peak)} even with every knob it can turn)" if not applied.fits else
-               f" without streaming {stream.layers} decoder layers from CPU RAM")
-            + ("; it would with: " + " ".join(f"{k}={v}" for k, v in better.items()) if better and advice.fits
-               else "; lower max_length or per_device_train_batch_size")
-            + " (lowmem-dpo plan shows the terms)")
-    else:
-        resolved.reasons.append(f"planner: train peak {fmt(peak)} of a {fmt(budget)} budget")
-        kept = resolved.device.type == "cpu" and heap.keep_freed_blocks(peak, applied.prediction.train.transient,
-                                                                         budget)
-        if kept:  # the heap's line from devices.resolve, replaced
-            resolved.reasons = [kept if line.startswith(heap.LINE) else line for line in resolved.reasons]
-
-
-def planning_budget(cfg: Config, resolved: devices.Resolved) -> int:
-    """The budget a stage plans for (memory_budget, or the device's), the smallest of every process's: each
-    decides the micro-batch, the batch and fsdp from it, and they must decide alike (a sharded run's forwards are
-    collectives, paired only when every process runs the same batches)."""
-    budget = resolved.budget if resolved.budget is not None else run_budget(cfg, resolved.device.type)
+def planning_budget(resolved: devices.Resolved) -> int:
+    """The budget a stage plans for (memory_budget, or the device's: devices.resolve read it), the smallest of every
+    process's: each decides the micro-batch, the batch and fsdp from it, and they must decide alike (a sharded run's
+    forwards are collectives, paired only when every process runs the same batches)."""
+    budget = resolved.budget if resolved.budget is not None else default_budget(resolved.device.type)
     return distributed.smallest(budget)
-
-
-def sharded_as_planned(cfg: Config, resolved: devices.Resolved, plan, stage: str = "train") -> None:
-    """On several processes, fsdp=auto shards where the plan (memory/cards.py) does, and fsdp_offload_params=auto
-    puts the shards in CPU RAM where it does, a line saying why; no plan (a model the planner does not model):
-    data parallel. Refused before anything loads: a sharded KTO run (its blocks' forwards are not paired across
-    processes) and an 8-bit base (FSDP2 does not shard LLM.int8's weights)."""
-    auto_fsdp, auto_offload = cfg.fsdp == "auto", cfg.fsdp_offload_params == "auto"
-    if distributed.world().distributed and (auto_fsdp or auto_offload):
-        step = plan.steps[0] if plan is not None and plan.steps[0].startswith("fsdp") else None
-        why = step.partition("(")[2].rstrip(")") if step else "auto: no memory plan for this model"
-        if auto_fsdp:
-            resolved.sharded = plan is not None and plan.setup.sharded
-        resolved.shard_offload = resolved.sharded and (cfg.fsdp_offload_params is True or (
-            auto_offload and plan is not None and plan.setup.shard_offload))
-        if auto_fsdp:
-            line = devices.fsdp_line(resolved.sharded, why, resolved.shard_offload)
-        elif resolved.shard_offload:  # fsdp=true from the recipe (its line is logged), the offload the plan's
-            line = f"fsdp_offload_params=true ({why}): the shards in CPU RAM"
-        else:
-            line = None
-        if line and stage == "train":  # train logs its reasons in one block
-            resolved.reasons.append(line)
-        elif line:
-            log(line)
-    if not resolved.sharded:
-        return
-    problem = cards.unshardable(cfg, (stage,))
-    if problem:
-        raise UserError(f"fsdp: {problem}; set fsdp=false (data parallel)")
-
-
-def check_host_ram(host: HostRam, stage: str) -> list[str]:
-    """The stage's host RAM (memory/host.py) against what this machine has available now, shared by the run's
-    processes on it: refused before anything loads when it does not fit; else the line that says it (none when
-    the stage pins and pages nothing)."""
-    if not host.total:
-        return []
-    available, source = ram.available()
-    share = available // devices.local_size()
-    problem = host_problem(host, share, stage, source if share == available else f"{source}, per process here")
-    if problem:
-        raise UserError(problem)
-    return [f"host RAM: {host.describe()}; {fmt(share)} {source}"]
-
-
-def check_bitsandbytes(resolved: devices.Resolved) -> None:
-    """Fail before tokenizing and loading, not after, when the run needs bitsandbytes and it cannot load."""
-    needs_bnb = ([f"quantization={resolved.quantization}"] if resolved.quantization != "none" else []) + (
-        [f"optimizer={resolved.optimizer} (the {resolved.kind} rule)"]
-        if resolved.optimizer == rules.PAGED_ADAMW_8BIT else [])
-    if needs_bnb:
-        devices.import_bitsandbytes(" and ".join(needs_bnb))

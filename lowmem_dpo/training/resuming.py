@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from lowmem_dpo.config.recipe import config_changes, declared
 from lowmem_dpo.config.schema import RUN_LENGTH, Config
 from lowmem_dpo.objectives.metrics import LOSS, NLL_LOSS
 from lowmem_dpo.runtime import distributed
@@ -28,10 +29,10 @@ def find_resume(cfg: Config) -> tuple[Path | None, checkpoint.TrainerState | Non
         return None, None
     saved = checkpoint.read_state(resume_from)
     check_older_semantics(cfg, resume_from, saved)
-    changed = checkpoint.config_changes(saved.config, dataclasses.asdict(cfg))
+    changed = config_changes(saved.config, dataclasses.asdict(cfg))
     if changed:
         raise UserError(f"{resume_from} was written by a run with other settings ("
-                        + ", ".join(f"{k}: {checkpoint.declared(k, saved.config.get(k))!r} -> {getattr(cfg, k, None)!r}"
+                        + ", ".join(f"{k}: {declared(k, saved.config.get(k))!r} -> {getattr(cfg, k, None)!r}"
                                     for k in changed)
                         + f"); restore them to resume, or {checkpoint.new_run(cfg.output_dir)}")
     processes = distributed.world().size

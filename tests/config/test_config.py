@@ -199,8 +199,9 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
     the fingerprint or the resume check decides a key by a list of its own."""
     from dataclasses import asdict
 
+    from lowmem_dpo.config.recipe import config_changes
     from lowmem_dpo.runtime import devices
-    from lowmem_dpo.training import checkpoint, inputs
+    from lowmem_dpo.training import inputs
 
     def fingerprint(cfg):
         return inputs.fingerprint_components(cfg, devices.resolve(cfg), tiny_path)
@@ -216,7 +217,7 @@ def test_each_key_declares_what_changing_it_changes(make_cfg, tiny_path):
         meta = FIELDS[key].metadata
         if meta["reference"] != "files":
             assert (fingerprint(cfg) != fingerprint(base)) == (meta["reference"] == "value"), key
-        assert checkpoint.config_changes(asdict(base), asdict(cfg)) == ([] if meta["resumable"] else [key]), key
+        assert config_changes(asdict(base), asdict(cfg)) == ([] if meta["resumable"] else [key]), key
     # What the declarations say today: output places, logging, saving, guards and precompute's batching resume.
     assert keys_where(resumable=True) == {"output_dir", "ref_cache_dir", "logging_steps", "save_steps",
                                           "save_total_limit", "resume", "memory_budget", "precompute_batch_size",

@@ -17,7 +17,6 @@ from lowmem_dpo.memory.setup import setup_from_config
 from lowmem_dpo.memory.weights import base_weight_bytes, card_host_bytes, card_weight_bytes, linear_parts
 from lowmem_dpo.runtime import devices, sharding
 from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.training import policy
 
 GiB = 2**30
 RECIPE = REPO / "recipes" / "llama3.1-8b-qlora-12gb.yaml"
@@ -112,7 +111,7 @@ def test_a_sharded_run_refuses_what_it_cannot_shard(keys, message):
     resolved = devices.Resolved(torch.device("cpu"), "cpu", torch.float32, False, "adamw_torch",
                                 quantization=cfg.quantization, sharded=True)
     with pytest.raises(UserError, match=message):
-        policy.sharded_as_planned(cfg, resolved, None)
+        cards.sharded_as_planned(cfg, resolved, None)
 
 
 def test_out_of_memory_in_a_sharded_forward_ends_the_run_at_once_with_what_to_lower():

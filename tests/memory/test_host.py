@@ -12,13 +12,12 @@ from conftest import REPO
 
 from lowmem_dpo.config.recipe import load_config
 from lowmem_dpo.memory.arch import load_arch
-from lowmem_dpo.memory.host import checkpoint_bytes, host_problem, host_ram
+from lowmem_dpo.memory.host import check_host_ram, checkpoint_bytes, host_problem, host_ram
 from lowmem_dpo.memory.search import choose
 from lowmem_dpo.memory.setup import setup_from_config
 from lowmem_dpo.runtime import ram
 from lowmem_dpo.runtime.errors import UserError
 from lowmem_dpo.runtime.units import GiB, MiB
-from lowmem_dpo.training import policy
 
 LLAMA = REPO / "recipes" / "llama3.1-8b-qlora-12gb.yaml"
 MISTRAL = REPO / "recipes" / "mistral-7b-qlora-12gb.yaml"
@@ -87,16 +86,16 @@ def test_the_process_itself_keeps_a_margin():
 
 
 def test_the_check_refuses_before_loading_and_says_nothing_for_a_run_that_pins_nothing(monkeypatch):
-    """policy.check_host_ram, which train and precompute call before loading the model, against a simulated 8 GiB
+    """check_host_ram, which train and precompute call before loading the model, against a simulated 8 GiB
     of available RAM (monkeypatched: this machine's is what it is)."""
     arch, plan = plan_at(MISTRAL, 9984)
     monkeypatch.setattr(ram, "available", lambda: (8 * GiB, "available (MemAvailable)"))
     with pytest.raises(UserError, match=r"^train needs .* of host RAM .*activation_offloading=false"):
-        policy.check_host_ram(host_ram(arch, plan, "train"), "train")
+        check_host_ram(host_ram(arch, plan, "train"), "train")
     monkeypatch.setattr(ram, "available", lambda: (64 * GiB, "available (MemAvailable)"))
-    (line,) = policy.check_host_ram(host_ram(arch, plan, "train"), "train")
+    (line,) = check_host_ram(host_ram(arch, plan, "train"), "train")
     assert line.startswith("host RAM: ") and "pinned activations" in line and "64.00 GiB available" in line
-    assert policy.check_host_ram(host_ram(arch, plan, "precompute"), "precompute") == []
+    assert check_host_ram(host_ram(arch, plan, "precompute"), "precompute") == []
 
 
 @pytest.mark.parametrize("recipe", ["mistral-7b-qlora-12gb.yaml", "llama3.1-8b-qlora-12gb.yaml"])

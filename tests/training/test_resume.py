@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from lowmem_dpo import precompute, train
 from lowmem_dpo.config.cli import run_cli
-from lowmem_dpo.config.recipe import build_config
+from lowmem_dpo.config.recipe import build_config, config_changes
 from lowmem_dpo.data import cache
 from lowmem_dpo.objectives.metrics import BLOCK_METRICS, LOSS, MARGIN, NLL_LOSS
 from lowmem_dpo.runtime import devices, files
@@ -531,12 +531,12 @@ def test_a_checkpoint_from_before_the_transformers_schedules(tmp_path):
         resuming.check_older_semantics(cfg, tmp_path, saved)
     cdpo = dataclasses.replace(cfg, loss_type=["cdpo"])
     resuming.check_older_semantics(cdpo, tmp_path, saved)  # rewrites that run's sigmoid as today's cdpo
-    assert checkpoint.config_changes(saved.config, dataclasses.asdict(cdpo)) == []
+    assert config_changes(saved.config, dataclasses.asdict(cdpo)) == []
     assert "lr_scheduler_kwargs" in keys_where(resumable=False) - set(old)  # compared as its default: no change
     # a checkpoint of the keys as they were before warmup_ratio folded into warmup_steps: the same warmup resumes
     between = {**dataclasses.asdict(cfg), "warmup_ratio": 0.1, "warmup_steps": 0}
-    assert checkpoint.config_changes(between, dataclasses.asdict(dataclasses.replace(cfg, warmup_steps=0.1))) == []
-    assert checkpoint.config_changes(between, dataclasses.asdict(cfg)) == ["warmup_steps"]
+    assert config_changes(between, dataclasses.asdict(dataclasses.replace(cfg, warmup_steps=0.1))) == []
+    assert config_changes(between, dataclasses.asdict(cfg)) == ["warmup_steps"]
 
 
 def test_a_run_resumed_on_fewer_gpus_restores_the_states_of_the_gpus_it_has():
