@@ -62,6 +62,9 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     require(cfg, "train")
     output.check_output_dir(cfg, "train")  # a folder of other files is refused before anything loads
     resolved = devices.resolve(cfg)
+    # what the run's loss reads, decided once (the objectives' floor, beside the device's)
+    reads_cache = cfg.ref_source == "cache" and objectives.needs_reference(cfg.loss_type)
+    unpaired = objectives.unpaired(cfg.loss_type)
     for note in [*cfg.no_effect(), *filter(None, [learning_rate_warning(cfg.learning_rate)])]:
         log(f"warning: {note}")
     prepared = inputs.prepare(cfg, resolved)
@@ -71,11 +74,11 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     devices.check_bitsandbytes(resolved)
     log(prepared.source.description)
     dataset = inputs.load_data(cfg, prepared.tokenizer, progress)  # logs the rows it skips and the eval split
+    files_in = inputs.run_inputs(prepared.fingerprint, dataset.train)
     side = inputs.run_side(cfg, resolved, prepared)
     # Before anything heavy loads: rows without a reference value are refused in seconds.
-    ref, eval_ref = reference_caches(cfg, prepared, side, dataset, recipe)
-    trains_on = {**inputs.run_inputs(prepared.fingerprint, dataset.train),
-                 "reference cache": None if ref is None else side.identity}
+    ref, eval_ref = inputs.cached_reference(cfg, prepared, side, dataset, recipe) if reads_cache else (None, None)
+    trains_on = {**files_in, "reference cache": None if ref is None else side.identity}
     resuming.check_before_load(cfg, resume, trains_on, len(dataset.train))
     model = policy.setup_model(cfg, resolved, prepared.model_path, stream, source=prepared.source)
     pad_id = data.pad_token_id(prepared.tokenizer)
@@ -84,15 +87,16 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     cache_layout = sides.CacheLayout.of_run(side, cfg)
     reads = cache_layout.of_forward(layout.shared)
     if ref is not None and reads is not None:  # 16-bit: the values of this run's layout first
-        ref, eval_ref = reference_caches(cfg, prepared, side.preferring(reads), dataset, recipe)
+        ref, eval_ref = inputs.cached_reference(cfg, prepared, side.preferring(reads), dataset, recipe)
         note = cache_layout.note(ref.shared, layout.shared, devices.dtype_name(resolved.dtype),
                                  cache.rebuild_command(cfg, recipe))
         if note:
             log(note)
+    eval_ref = (eval_ref or ref) if dataset.eval else None  # a held-out part of dataset: its rows' values
     off_is_start = adapters.adapter_off_is_start(cfg, prepared.source)
     items, eval_items = dataset.train, dataset.eval
     batching = Batching(resolved, pad_id, layout)
-    if objectives.unpaired(cfg.loss_type):  # blocks of rows, with each part's labels
+    if unpaired:  # blocks of rows, with each part's labels
         ref = kto.Reference(ref, kto.labels(dataset.unpaired["train"]))
         eval_ref = (kto.Reference(eval_ref, kto.labels(dataset.unpaired[dataset.eval_part])) if dataset.eval_part
                     else None)
@@ -108,16 +112,6 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     session = start_session(run, model, resume)
     session.opening = opening_lines(session)
     return session
-
-
-def reference_caches(cfg: Config, prepared: inputs.Inputs, side: sides.Side, dataset: inputs.Data,
-                     recipe: str | None) -> tuple:
-    """The reference values of the dataset's rows and of the eval rows (inputs.cached_reference; None, None with
-    ref_source=live)."""
-    if cfg.ref_source != "cache" or not objectives.needs_reference(cfg.loss_type):
-        return None, None
-    ref, eval_ref = inputs.cached_reference(cfg, prepared, side, dataset, recipe)
-    return ref, (eval_ref or ref if dataset.eval else None)
 
 
 def run(cfg: Config, recipe: str | None = None, progress: bool = True) -> loop.TrainResult:

@@ -4,6 +4,7 @@ tokenize and look rows up the same way."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from dataclasses import dataclass, field
@@ -128,6 +129,9 @@ def cached_reference(cfg: Config, prepared: Inputs, side: sides.Side, dataset: D
     """(the dataset's rows' reference values, eval_dataset's or None) from the cache in ref_cache_dir, each row's
     sequences looked up by key under `side`; a UserError naming the rows without them and the command that
     computes them."""
+    # each part's rows, their keys and how a message names a row, before the cache opens
+    parts = [(part, tok, dataset.keys(part), functools.partial(dataset.name_row, part=part))
+             for part, tok in dataset.cached_parts()]
     cache_dir = Path(cfg.ref_cache_dir)
     command = cache.rebuild_command(cfg, recipe)
     run_cache = cache.for_run(cache_dir, side, command=command)
@@ -135,9 +139,8 @@ def cached_reference(cfg: Config, prepared: Inputs, side: sides.Side, dataset: D
         raise UserError(f"no reference cache in {str(cache_dir)!r}; build it with: {command}")
     refs = {}
     with run_cache:
-        for part, tok in dataset.cached_parts():
-            name = lambda row, part=part: dataset.name_row(row, part)  # noqa: E731
-            refs[part], lacking = run_cache.read(tok, name, dataset.keys(part), cfg.ld_alpha)
+        for part, tok, keys, name in parts:
+            refs[part], lacking = run_cache.read(tok, name, keys, cfg.ld_alpha)
             if lacking:
                 raise UserError(run_cache.missing_message(lacking, len(tok.pairs), name))
     return refs["train"], refs.get("eval")
