@@ -77,6 +77,21 @@ class Prediction:
     setup: Setup
 
 
+def _offloaded(arch: Arch, setup: Setup, kept: dict[str, int], layer: dict[str, int], layer_total: int
+               ) -> tuple[int, int]:
+    """activation_offloading: (the activations the device keeps, the host bytes they pin). What the backbone saves
+    (each layer's input with checkpointing, else each of its terms in `layer`, whose sum is `layer_total`; the
+    final norm's input) is pinned in host memory; the device keeps OFFLOAD_WINDOW layers' worth of it, the LM
+    head's inputs, the mask and LLM.int8's inputs (`kept`: kept_bytes)."""
+    per_layer = kept["layer_inputs"] // arch.layers if setup.gradient_checkpointing else layer_total
+    # each saved tensor pinned on its own: a layer's input (checkpointing), else each of a layer's terms
+    tensors = [per_layer] if setup.gradient_checkpointing else list(layer.values())
+    host = arch.layers * sum(pinned_bytes(n) for n in tensors) + pinned_bytes(kept["final_norm"])
+    activations = (kept["completion"] + kept["mask"] + kept["int8_inputs"]
+                   + min(arch.layers, OFFLOAD_WINDOW) * per_layer)
+    return activations, host
+
+
 def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     """Peak of one optimizer step: weights + LoRA state + what the forward keeps + the larger transient phase.
 
@@ -106,12 +121,7 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
     activations = sum(kept.values()) + (0 if setup.gradient_checkpointing else all_layers)
     host = 0
     if setup.activation_offloading:
-        per_layer = kept["layer_inputs"] // arch.layers if setup.gradient_checkpointing else layer_total
-        # each saved tensor pinned on its own: a layer's input (checkpointing), else each of a layer's terms
-        tensors = [per_layer] if setup.gradient_checkpointing else list(layer.values())
-        host = arch.layers * sum(pinned_bytes(n) for n in tensors) + pinned_bytes(kept["final_norm"])
-        activations = (kept["completion"] + kept["mask"] + kept["int8_inputs"]
-                       + min(arch.layers, OFFLOAD_WINDOW) * per_layer)
+        activations, host = _offloaded(arch, setup, kept, layer, layer_total)
     layer_phase = layer_working_bytes(arch, setup, n_seq, seq_len) + (
         layer_total if setup.gradient_checkpointing else 0)
     logits_phase = logits_train_bytes(arch, m, ad.lm_head, DTYPE_BYTES[setup.dtype], setup.device)
