@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from lowmem_dpo.memory.arch import ARCHS_DIR, shipped_archs  # noqa: E402
+from lowmem_dpo.memory.arch_source import ARCHS_DIR, shipped_archs  # noqa: E402
 from lowmem_dpo.runtime import files  # noqa: E402
 from lowmem_dpo.runtime.errors import UserError  # noqa: E402
 

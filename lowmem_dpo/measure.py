@@ -23,7 +23,8 @@ from lowmem_dpo import data, precompute, train
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.config.sources import Source
 from lowmem_dpo.data import cache
-from lowmem_dpo.memory.arch import arch_config_path, load_arch
+from lowmem_dpo.memory.arch import load_arch
+from lowmem_dpo.memory.arch_source import arch_config_path
 from lowmem_dpo.memory.model import predict
 from lowmem_dpo.memory.setup import Setup, setup_from_config
 from lowmem_dpo.model import headcheck, models

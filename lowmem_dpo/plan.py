@@ -53,7 +53,8 @@ from lowmem_dpo.config.cli import StageParser, run_cli
 from lowmem_dpo.config.recipe import load_config, require
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory import cards
-from lowmem_dpo.memory.arch import Arch, is_arch_only, load_arch
+from lowmem_dpo.memory.arch import Arch, load_arch
+from lowmem_dpo.memory.arch_source import is_arch_only
 from lowmem_dpo.memory.host import host_problem, host_ram
 from lowmem_dpo.memory.model import Prediction, StagePrediction, predict
 from lowmem_dpo.memory.search import KNOBS, LENGTH_STEP, STAGES, Plan, longest_max_length, stage_stream

@@ -25,7 +25,7 @@ from lowmem_dpo import chat, data, export, sft
 from lowmem_dpo.config.cli import run_cli
 from lowmem_dpo.config.recipe import build_config
 from lowmem_dpo.runtime import folders
-from lowmem_dpo.training import samples
+from lowmem_dpo.training import located, samples
 
 CPU = torch.device("cpu")
 MAX_NEW_TOKENS = 12
@@ -89,7 +89,7 @@ def test_one_answer_is_what_the_run_sampled(trained, capsys):
         assert run(folder, "--prompt", prompt) == 0
         out, err = capsys.readouterr()
         assert out == last[prompt] + "\n"
-        assert chat.recorded_formats(folder) == ["conversation"]
+        assert located.recorded_formats(folder) == ["conversation"]
         assert f"+ {folder} on cpu in float32; greedy, at most {MAX_NEW_TOKENS} new tokens; through the chat " \
                "template (the run trained on prompts rendered by the chat template), no system prompt" in err
         assert "Traceback" not in err

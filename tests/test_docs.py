@@ -88,7 +88,8 @@ def test_the_changelog_maps_every_moved_module_to_one_that_imports():
                    "lowmem_dpo.runtime.ram", "lowmem_dpo.model.packing",
                    "lowmem_dpo.runtime.kernels", "lowmem_dpo.runtime.sharding",
                    "lowmem_dpo.training.content", "lowmem_dpo.training.answers",
-                   "lowmem_dpo.training.signs", "lowmem_dpo.data.sides"}  # new modules
+                   "lowmem_dpo.training.signs", "lowmem_dpo.data.sides", "lowmem_dpo.config.checks",
+                   "lowmem_dpo.model.sdpa", "lowmem_dpo.training.located"}  # new modules
     moved = {m.name for m in pkgutil.walk_packages(lowmem_dpo.__path__, "lowmem_dpo.") if m.name.count(".") == 2
              and not m.name.startswith(("lowmem_dpo.data.", "lowmem_dpo.memory.", "lowmem_dpo.objectives."))} - added_since
     assert moved <= {new for _, new in rows}

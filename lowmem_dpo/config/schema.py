@@ -1,5 +1,5 @@
-"""One typed config for every stage: the keys, their types, docs and bounds, and the checks across keys. A recipe
-and its overrides become a Config in recipe.py:
+"""One typed config for every stage: the keys, their types, docs and bounds (checks.py: the checks across keys). A
+recipe and its overrides become a Config in recipe.py:
 
     lowmem-dpo train RECIPE.yaml learning_rate=1e-4 max_prompt_length=null
 
@@ -12,23 +12,18 @@ once, as a `ConfigError` that the stage entry points turn into exit code 2 and o
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import re
 import typing
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import yaml
 
+from lowmem_dpo.config import checks
 from lowmem_dpo.config.coerce import AUTO, Switch
-from lowmem_dpo.config.schedule import SCHEDULERS, schedule_problems
-from lowmem_dpo.config.sources import Source, repeated, yaml_form
-from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings, logs
-from lowmem_dpo.objectives import no_effect as objective_no_effect
-from lowmem_dpo.objectives import problems as objective_problems
-from lowmem_dpo.objectives.metrics import EVAL_METRICS, LOSS, row_of
-from lowmem_dpo.runtime.errors import UserError
-from lowmem_dpo.runtime.units import parse_size
+from lowmem_dpo.config.schedule import SCHEDULERS
+from lowmem_dpo.config.sources import Source, yaml_form
+from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings
+from lowmem_dpo.objectives.metrics import EVAL_METRICS, LOSS
 
 
 def key(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, reference=None,
@@ -50,6 +45,12 @@ def key(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fa
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def objective_key(name: str):
+    """The field of an objective's own key, as its Key in objectives.KEYS declares it (default, doc, bounds)."""
+    declared = KEYS[name]
+    return key(declared.default, declared.doc, **declared.bounds())
 
 
 @dataclass
@@ -184,12 +185,18 @@ class Config:
     loss_weights: Optional[list[float]] = key(None, "One weight per loss_type entry; null: 1 each.", min=0.0)
     label_smoothing: float = key(0.0, "Assumed share of flipped labels, for the objectives it changes (cdpo, robust, "
                                 "exo_pair, aot); as in TRL 1.16 it does not change sigmoid.", min=0.0, max=0.5)
-    # The objectives' own keys, each a field as its entry's Key declares it (objectives.KEYS: a new objective's key
-    # is declared there alone); a recipe names them flat, as TRL's configs do.
-    for _key in KEYS.values():
-        __annotations__[_key.name] = _key.kind
-        vars()[_key.name] = key(_key.default, _key.doc, **_key.bounds())
-    del _key
+    # The objectives' own keys (objectives.KEYS), in its order: each field's default, doc and bounds are its Key's; a
+    # recipe names them flat, as TRL's configs do. A new objective's key is declared in its entry and named here
+    # with its type (tests/config/test_config.py fails while the two differ).
+    f_divergence_type: str = objective_key("f_divergence_type")
+    f_alpha_divergence_coef: float = objective_key("f_alpha_divergence_coef")
+    use_weighting: bool = objective_key("use_weighting")
+    ld_alpha: Optional[float] = objective_key("ld_alpha")
+    discopop_tau: float = objective_key("discopop_tau")
+    simpo_gamma: float = objective_key("simpo_gamma")
+    alpha: float = objective_key("alpha")
+    desirable_weight: float = objective_key("desirable_weight")
+    undesirable_weight: float = objective_key("undesirable_weight")
     # -- optimizer and schedule ----------------------------------------------------------------------------------
     learning_rate: float = key(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
     lr_scheduler_type: str = key("linear", "transformers' schedule by its name (get_scheduler): the rate each step "
@@ -259,73 +266,12 @@ class Config:
 
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> list[str]:
-        """Cross-field checks; per-field types and ranges are checked at coercion time."""
-        problems = [p for p in [self.dataset and repeated(self.dataset, self.dataset_split)] if p]
-        if self.max_prompt_length is not None and self.max_prompt_length >= self.max_length:
-            problems.append(f"max_prompt_length={self.max_prompt_length} must be below max_length="
-                            f"{self.max_length}: a prompt that long leaves no room for the completion")
-        if self.ref_source == "live":
-            for name, policy_key in (("ref_quantization", "quantization"), ("ref_dtype", "dtype")):
-                value = getattr(self, name)
-                if value is not None and value != getattr(self, policy_key):
-                    problems.append(f"{name}={value}: ref_source=live computes the reference with the policy's own "
-                                    f"base ({policy_key}={getattr(self, policy_key)}); set {name}=null or use "
-                                    "ref_source=cache")
-        problems += objective_problems(self.loss_type, self.loss_weights, self.loss_settings)
-        problems += self._eval_problems()
-        problems += schedule_problems(self)
-        if self.memory_budget is not None:
-            try:
-                parse_size(self.memory_budget, "memory_budget")
-            except UserError as e:
-                problems.append(str(e))
-        if not self.lora_target_modules:
-            problems.append("lora_target_modules is empty: name at least one module or use all-linear")
-        regexes = [t for t in self.lora_target_modules if REGEX_CHARS.intersection(t)]
-        if len(self.lora_target_modules) > 1 and regexes:  # peft would take it as a name and match nothing
-            problems.append(f"lora_target_modules={self.lora_target_modules}: {regexes[0]!r} is a regex, which "
-                            "must be the only entry (peft matches one regex against full module names); write "
-                            "one regex for all of them, e.g. '.*\\.(q|v)_proj', or list plain names")
-        elif regexes:
-            try:
-                re.compile(regexes[0])
-            except re.error as e:
-                problems.append(f"lora_target_modules={regexes[0]!r} is not a valid regex ({e})")
-        return problems
+        """Cross-field checks (checks.py); per-field types and ranges are checked at coercion time."""
+        return checks.validate(self)
 
     def no_effect(self) -> list[str]:
-        """Keys set to values that change nothing in this run (as in TRL and transformers, which ignore them too):
-        the warnings train logs."""
-        notes = objective_no_effect(self.loss_type, self.loss_settings)
-        if self.lr_scheduler_type == "constant" and self.warmup_steps:
-            notes.append("lr_scheduler_type=constant has no warmup (as transformers'); use constant_with_warmup")
-        return notes
-
-    def _eval_problems(self) -> list[str]:
-        problems = []
-        if self.eval_dataset is not None and self.eval_fraction > 0:
-            problems.append(f"eval_dataset={self.eval_dataset} and eval_fraction={self.eval_fraction}: set one "
-                            "(eval_fraction holds rows of dataset out; eval_dataset names other rows)")
-        if self.metric_for_best_model not in EVAL_METRICS and f"eval_{self.metric_for_best_model}" not in EVAL_METRICS:
-            close = difflib.get_close_matches(self.metric_for_best_model, EVAL_METRICS, n=2)
-            problems.append(f"metric_for_best_model={self.metric_for_best_model}: not an eval metric; one of "
-                            f"{', '.join(close or EVAL_METRICS)}")
-        elif not logs(self.best_metric_name.removeprefix("eval_"), self.loss_type):
-            problems.append(f"metric_for_best_model={self.metric_for_best_model}: loss_type={self.loss_type} does not log it")
-        row = row_of(self.best_metric_name)
-        if row is not None and row.kind == "sample" and self.eval_generations == 0:
-            problems.append(f"metric_for_best_model={self.best_metric_name} measures the samples: set "
-                            "eval_generations above 0")
-        if self.load_best_model_at_end:
-            if not self.has_eval:
-                problems.append("load_best_model_at_end=true needs eval data: set eval_dataset or eval_fraction")
-            if not self.save_steps:
-                problems.append("load_best_model_at_end=true needs checkpoints to choose from: set save_steps")
-            elif self.eval_steps is not None and self.save_steps % self.eval_steps:
-                problems.append(f"load_best_model_at_end=true: save_steps={self.save_steps} must be a multiple of "
-                                f"eval_steps={self.eval_steps}, so that every checkpoint is evaluated (or set "
-                                "eval_steps=null: at every checkpoint)")
-        return problems
+        """Keys set to values that change nothing in this run: the warnings train logs (checks.py)."""
+        return checks.no_effect(self)
 
     @property
     def has_eval(self) -> bool:  # eval data: eval_dataset or eval_fraction
@@ -358,7 +304,7 @@ class Config:
         characters, as a string (peft matches it against each module's full name); else the list of names
         (peft matches each as a name suffix)."""
         targets = self.lora_target_modules
-        if targets == ["all-linear"] or (len(targets) == 1 and REGEX_CHARS.intersection(targets[0])):
+        if targets == ["all-linear"] or (len(targets) == 1 and checks.REGEX_CHARS.intersection(targets[0])):
             return targets[0]
         return targets
 
@@ -381,8 +327,6 @@ FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 FIELD_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
                   for f in dataclasses.fields(Config)}
-# A lora_target_modules entry with one of these is a regex ('.' alone is not: self_attn.q_proj is a name).
-REGEX_CHARS = frozenset("*+?[](){}|^$\\")
 HINTS = typing.get_type_hints(Config)
 
 

@@ -3,12 +3,8 @@ vocabulary, read from the model transformers builds from a config.json on the me
 architecture transformers has whose layers are alike and hold their weights in Linear layers), and what a LoRA
 target spec adapts in it.
 
-No weights are loaded. The config.json comes from a local model folder, a built-in model (lowmem_dpo:tiny-llama,
-lowmem_dpo:llama-25m), a shipped architecture-only file, lowmem_dpo:arch/NAME (mistral-7b-v0.1, llama-3.1-8b,
-llama-3.1-70b, qwen2.5-7b, qwen2.5-14b; also reached by its hub name: mistralai/Mistral-7B-v0.1, meta-llama/
-Llama-3.1-8B, meta-llama/Llama-3.1-70B, Qwen/Qwen2.5-7B, Qwen/Qwen2.5-14B and their -Instruct variants), or the hub
-(a few KB, online).
-"""
+No weights are loaded. Where the config.json comes from (a local folder, a built-in, a shipped architecture-only
+file, the hub): arch_source.py."""
 
 from __future__ import annotations
 
@@ -17,27 +13,12 @@ import functools
 import inspect
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
+from lowmem_dpo.memory.arch_source import arch_config_path
 from lowmem_dpo.model.logps import head_of
-from lowmem_dpo.model.models import attention_heads, meta_model, resolve_model_path, text_config
-from lowmem_dpo.model.tiny import BUILTIN_PREFIX
+from lowmem_dpo.model.models import attention_heads, meta_model, text_config
 from lowmem_dpo.runtime.errors import UserError
 
-ARCH_PREFIX = "lowmem_dpo:arch/"
-ARCHS_DIR = Path(__file__).resolve().parent / "archs"
-# Hub names (lowercase) whose architecture ships in archs/: the planner reads these without a download.
-HUB_ARCHS = {
-    "mistralai/mistral-7b-v0.1": "mistral-7b-v0.1", "mistralai/mistral-7b-instruct-v0.1": "mistral-7b-v0.1",
-    "meta-llama/llama-3.1-8b": "llama-3.1-8b",
-    "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
-    "meta-llama/meta-llama-3.1-8b": "llama-3.1-8b",
-    "meta-llama/meta-llama-3.1-8b-instruct": "llama-3.1-8b",
-    "qwen/qwen2.5-7b": "qwen2.5-7b", "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
-    "qwen/qwen2.5-14b": "qwen2.5-14b", "qwen/qwen2.5-14b-instruct": "qwen2.5-14b",
-    "meta-llama/llama-3.1-70b": "llama-3.1-70b", "meta-llama/llama-3.1-70b-instruct": "llama-3.1-70b",
-    "meta-llama/meta-llama-3.1-70b": "llama-3.1-70b", "meta-llama/meta-llama-3.1-70b-instruct": "llama-3.1-70b",
-}
 # The last name of an attention block's output projection, in the families transformers ships (Llama o_proj,
 # GPT-2 c_proj, GPT-NeoX dense, ...): its input is the attention output, which attention keeps anyway.
 OUT_PROJ_NAMES = ("o_proj", "out_proj", "c_proj", "dense", "wo", "o", "out", "proj", "attn_out")
@@ -310,36 +291,6 @@ def _resident(model, prefix: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(before), tuple(after)
 
 
-def shipped_archs() -> list[str]:
-    return sorted(p.parent.name for p in ARCHS_DIR.glob("*/config.json"))
-
-
-def arch_config_path(spec: str) -> Path:
-    """The config.json that model_name_or_path names, without loading or downloading weights."""
-    name = None
-    if spec.startswith(ARCH_PREFIX):
-        name = spec[len(ARCH_PREFIX):]
-    elif spec.lower() in HUB_ARCHS:
-        name = HUB_ARCHS[spec.lower()]
-    if name is not None:
-        path = ARCHS_DIR / name / "config.json"
-        if not path.is_file():
-            raise UserError(f"model_name_or_path={spec!r}: no shipped architecture {name!r}; shipped: "
-                            + ", ".join(ARCH_PREFIX + n for n in shipped_archs()))
-        return path
-    if spec.startswith(BUILTIN_PREFIX) or Path(spec).expanduser().exists() or spec.startswith((".", "/", "~")):
-        return resolve_model_path(spec) / "config.json"
-    try:  # a hub name the planner does not ship: its config.json alone (a few KB), when online
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(spec, "config.json"))
-    except Exception as e:
-        raise UserError(f"model_name_or_path={spec!r}: no such folder ({Path(spec).absolute()} does not exist), and "
-                        f"not a built-in, a shipped architecture ({', '.join(ARCH_PREFIX + n for n in shipped_archs())})"
-                        f" or a hub name whose config.json could be fetched ({type(e).__name__}); check the path, or "
-                        "pass a folder holding the model's config.json") from None
-
-
 @functools.lru_cache(maxsize=16)
 def load_arch(spec: str) -> Arch:
     """The Arch of model_name_or_path: its config.json, instantiated by transformers on the meta device."""
@@ -392,9 +343,3 @@ def adapted(arch: Arch, targets: str | tuple[str, ...]) -> Adapted:
     per_layer = tuple(tuple(m.name for m in arch.layer_linears if f"{arch.layers_prefix}.{i}.{m.name}" in hit)
                       for i in range(arch.layers))
     return Adapted(per_layer, arch.lm_head in hit, tuple(m.name for m in arch.outer_linears if m.name in hit))
-
-
-def is_arch_only(spec: str) -> bool:
-    """model_name_or_path names a shipped architecture (no weights here)."""
-    return spec.startswith(ARCH_PREFIX) or (spec.lower() in HUB_ARCHS and not Path(spec).is_dir())
-

@@ -228,7 +228,7 @@ def attention_saved_bytes(kernel: str, batch: int, heads: int, length: int, dtyp
     return _bytes(kernel, batch, heads, length, dtype_bytes, True, head_dim, kv_heads, False)[1]
 
 
-# -- the planner's view (memory/model.py): the kernel of a run's attention -----------------------------------------
+# -- the planner's view (memory/activations.py): the kernel of a run's attention -----------------------------------
 def cuda_attention(arch: Arch, setup: Setup, seq_len: int, masked: bool, grad: bool) -> tuple[str | None, bool]:
     """(the SDPA kernel, whether k and v are repeated to every query head) of one attention call. On CUDA from
     the rules above for the card the rule's kind implies (a -bf16 kind: Ampere or later, as an A100 (8, 0);

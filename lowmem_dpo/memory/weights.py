@@ -1,6 +1,6 @@
 """The memory model's weight terms: the frozen base's bytes per Linear as loaded (16-bit, NF4, LLM.int8), LoRA's
 matrices and AdamW's state for them, and a quantized Linear's dequantized copy while it multiplies. Pure
-functions of an architecture (arch.Arch); model.py adds the activations.
+functions of an architecture (arch.Arch); activations.py has the activations'.
 """
 
 from __future__ import annotations

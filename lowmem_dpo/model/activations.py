@@ -9,7 +9,7 @@ both are for sequences of thousands of tokens on a card that holds the weights b
 Tiles. A decoder MLP works on each token alone, so it can run on a few thousand tokens at a time, its (N*T, I)
 intermediates existing for one tile only. With gradients (train, where the plan needs it: memory/search.py) the
 forward runs the tiles without gradients and the backward recomputes them one at a time (_TiledMLPFunction): two
-passes per step, as an untiled MLP in a checkpointed layer, the backward's peak one tile's (memory/model.py). A
+passes per step, as an untiled MLP in a checkpointed layer, the backward's peak one tile's (memory/activations.py). A
 checkpointed layer's recompute, which torch stops once it has the layer's saved tensors, skips the MLP: its output
 is never read there, where nothing after the MLP saves a tensor (probe_recompute_stop asks once; else a third
 pass). Only forwards longer than a tile are tiled. With lora_dropout > 0 the backward draws the forward's masks.
@@ -23,8 +23,7 @@ so the copy overlaps the layer's recompute. A new forward with gradients drops w
 that raised). Off CUDA the activations are in host memory already: nothing moves (tests force the copies through
 the same bookkeeping).
 
-Kernels. Which scaled_dot_product_attention kernel a batch gets (math, flash, memory-efficient) decides whether
-the T x T scores exist: sdpa_kernel asks torch's own dispatcher, and headcheck logs the answer.
+Kernels: which attention kernel a batch gets, whether the T x T scores exist, is sdpa.py's.
 """
 
 from __future__ import annotations
@@ -355,46 +354,3 @@ def offload_activations(model: torch.nn.Module, device: torch.device, force: boo
     backbone.register_forward_pre_hook(offloader.enter)
     backbone.register_forward_hook(offloader.leave, always_call=True)  # also when the forward raises
     return offloader
-
-
-# -- attention kernels -------------------------------------------------------------------------------------------
-SDPA_KERNELS = {0: "math", 1: "flash", 2: "memory-efficient", 3: "cuDNN", 4: "device's own"}
-
-
-def sdpa_kernel(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
-                enable_gqa: bool = False) -> str:
-    """The kernel torch's scaled_dot_product_attention runs for these arguments (torch._fused_sdp_choice, torch's
-    own dispatcher: a private function, so "unknown" when it is missing or refuses them)."""
-    try:
-        choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                         enable_gqa=enable_gqa)
-    except Exception:  # noqa: BLE001 - a private function: any failure means we cannot tell
-        return "unknown"
-    return SDPA_KERNELS.get(int(choice), "unknown")
-
-
-class FirstCall(Exception):
-    """sdpa_calls(stop=True) ends the forward at the first attention call: the probe needs its arguments only."""
-
-
-@contextlib.contextmanager
-def sdpa_calls(stop: bool = False):
-    """The arguments of every torch.nn.functional.scaled_dot_product_attention call in the block (transformers looks
-    the function up at each call), as dicts: the kernel probe's input. stop: raise FirstCall at the first call, so
-    that a probe costs the embeddings and one layer's projections, not a forward (the caller catches it)."""
-    real = torch.nn.functional.scaled_dot_product_attention
-    seen: list[dict] = []
-
-    def recording(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        seen.append(dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
-                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa))
-        if stop:
-            raise FirstCall
-        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                    enable_gqa=enable_gqa)
-
-    torch.nn.functional.scaled_dot_product_attention = recording
-    try:
-        yield seen
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = real

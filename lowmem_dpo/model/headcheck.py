@@ -21,7 +21,7 @@ import torch
 
 from lowmem_dpo import data, objectives
 from lowmem_dpo.config.schema import Config
-from lowmem_dpo.model import activations, logps, packing
+from lowmem_dpo.model import logps, packing, sdpa
 from lowmem_dpo.model.head import FUSED, HEAD_TOKENS
 from lowmem_dpo.runtime import devices, kernels, oom
 from lowmem_dpo.runtime.errors import UserError, log
@@ -151,11 +151,11 @@ def attention_kernel(model, batch: data.Batch, dtype: torch.dtype, max_length: i
     impl = getattr(lm.config, "_attn_implementation", None)
     calls = []
     if impl in (None, "sdpa", logps.PACKED_ATTENTION):  # another implementation does not call SDPA: nothing to probe
-        with activations.sdpa_calls(stop=True) as calls, logps.eval_mode(model), \
+        with sdpa.sdpa_calls(stop=True) as calls, logps.eval_mode(model), \
                 devices.autocast(batch.input_ids.device, dtype):
             try:
                 logps.completion_logps(model, batch)
-            except activations.FirstCall:  # the first attention call's arguments are all the probe needs
+            except sdpa.FirstCall:  # the first attention call's arguments are all the probe needs
                 pass
     if not calls:
         kernel = f"{impl or 'its own'} attention"
@@ -165,7 +165,7 @@ def attention_kernel(model, batch: data.Batch, dtype: torch.dtype, max_length: i
         if train:
             c = {**c, **{k: c[k].detach().requires_grad_() for k in ("query", "key", "value")}}
         with torch.set_grad_enabled(train):  # torch looks at requires_grad only with gradients on
-            kernel = activations.sdpa_kernel(**c)
+            kernel = sdpa.sdpa_kernel(**c)
         mask = c["attn_mask"]
         line = (f"attention: SDPA's {kernel} kernel" + (
             f", with the {'shared rows' if batch.shared else 'padding'} mask {tuple(mask.shape)} as a bias"

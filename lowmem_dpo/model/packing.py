@@ -46,7 +46,7 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if sequence_bounds is None:
         return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                                      scaling=scaling, is_causal=is_causal, **kwargs)
-    sdpa = torch.nn.functional.scaled_dot_product_attention  # looked up at the call (activations.sdpa_calls)
+    sdpa = torch.nn.functional.scaled_dot_product_attention  # looked up at the call (sdpa.py's sdpa_calls)
     p = dropout if module.training else 0.0
     gqa = query.shape[1] != key.shape[1]
     # grouped-query k and v repeated to every query head where transformers' SDPA would repeat them: torch before

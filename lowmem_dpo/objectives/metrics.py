@@ -35,46 +35,62 @@ class Metric:
         return self.kind not in ("step", "sample")
 
 
-LOSS = Metric("loss", False, "pair", "loss", "loss", "the objective's loss, its terms weighted and summed",
-              bar=("loss", 4))
-REWARDS_CHOSEN = Metric("rewards/chosen", True, "pair", doc="beta * the chosen completion's log-ratio to the reference")
-REWARDS_REJECTED = Metric("rewards/rejected", False, "pair", doc="beta * the rejected completion's log-ratio")
-ACCURACY = Metric("rewards/accuracies", True, "pair", "rewards/accuracies", "accuracy",
-                  "the share of pairs whose chosen reward is above the rejected one", unpaired=False, bar=("acc", 2))
-MARGIN = Metric("rewards/margins", True, "pair", "rewards/margins", "margin", "chosen minus rejected reward",
-                bar=("margin", 3))
-LOGPS_CHOSEN = Metric("logps/chosen", True, "pair", doc="the policy's log-prob sum of the chosen completion")
-LOGPS_REJECTED = Metric("logps/rejected", False, "pair", doc="the policy's log-prob sum of the rejected completion")
-NLL_LOSS = Metric("nll_loss", False, "nll", doc="the chosen tokens' mean NLL, which the loss adds with its weight (the "
-                  "sft term, ORPO's own): logged when the loss has it")
-LOG_ODDS_RATIO = Metric("log_odds_ratio", True, "term", doc="ORPO: the mean log s(log odds ratio), the term beta "
-                        "scales", logged_by=("orpo",))
-LOG_ODDS_CHOSEN = Metric("log_odds_chosen", True, "term", doc="ORPO: the mean log odds ratio of chosen over rejected",
-                         logged_by=("orpo",))
-KL = Metric("kl", None, "term", "kl (KTO's z0)", doc="KTO: its reference point z0, the policy's KL estimate from the "
-            "reference on the mismatched pairs (TRL's kl)", logged_by=("kto",), bar=("kl", 4))
-GRAD_NORM = Metric("grad_norm", None, "step", "grad_norm", doc="the gradients' norm before clipping")
-LEARNING_RATE = Metric("learning_rate", None, "step", "learning_rate", doc="the rate the step applied")
-GEN_REPETITION = Metric("gen/repetition", False, "sample", "eval_gen/repetition", "repetition",
-                        "seq-rep-4 of the sample generations (answers.repetition)")
-GEN_ROUGE_L = Metric("gen/rouge_l", True, "sample", "eval_gen/rouge_l", "ROUGE-L",
-                     "token ROUGE-L F1 of the samples against their held-out chosen completions (answers.rouge_l)")
-GEN_ROUGE_L_SE = Metric("gen/rouge_l_se", None, "sample", doc="the standard error of eval_gen/rouge_l's change from "
-                        "step 0, over the same prompts' answers (answers.change_se): the answers' drift sign's noise")
-GEN_CONTENT = Metric("gen/content", None, "sample", doc="the share of each held-out chosen completion's tokens beyond the "
-                     "phrasing the chosen completions share that the sample holds, averaged (content.content)")
-GEN_CONTENT_SE = Metric("gen/content_se", None, "sample", doc="the standard error of eval_gen/content's change from "
-                        "step 0, over the same prompts' answers (answers.change_se): the content sign's noise")
-GEN_KL = Metric("gen/kl", False, "sample", "eval_gen/kl", "KL",
-                "per-token KL of the policy from the reference along its own samples (samples.kl_to_reference)")
-GEN_LENGTH = Metric("gen/length", None, "sample", label="length", doc="the samples' mean length in tokens")
-GEN_CHOSEN_LENGTH = Metric("gen/chosen_length", None, "sample", doc="the sampled prompts' chosen completions' mean "
-                           "length")
-GEN_EMPTY = Metric("gen/empty", False, "sample", label="empty", doc="the share of samples that end at once")
-GEN_COLLAPSED = Metric("gen/collapsed", False, "sample", label="collapsed", doc="the answers that collapsed against "
-                       "the same prompt's at step 0: into repetition, or into nothing (answers.collapsed_answers)")
-GEN_ANSWERS = Metric("gen/answers", None, "sample", doc="the answers judged at the eval (eval_generations, at most "
-                     "the distinct eval prompts)")
+LOSS = Metric(name="loss", greater_is_better=False, kind="pair", panel="loss", label="loss",
+              doc="the objective's loss, its terms weighted and summed", bar=("loss", 4))
+REWARDS_CHOSEN = Metric(name="rewards/chosen", greater_is_better=True, kind="pair",
+                        doc="beta * the chosen completion's log-ratio to the reference")
+REWARDS_REJECTED = Metric(name="rewards/rejected", greater_is_better=False, kind="pair",
+                          doc="beta * the rejected completion's log-ratio")
+ACCURACY = Metric(name="rewards/accuracies", greater_is_better=True, kind="pair", panel="rewards/accuracies",
+                  label="accuracy", doc="the share of pairs whose chosen reward is above the rejected one",
+                  unpaired=False, bar=("acc", 2))
+MARGIN = Metric(name="rewards/margins", greater_is_better=True, kind="pair", panel="rewards/margins", label="margin",
+                doc="chosen minus rejected reward", bar=("margin", 3))
+LOGPS_CHOSEN = Metric(name="logps/chosen", greater_is_better=True, kind="pair",
+                      doc="the policy's log-prob sum of the chosen completion")
+LOGPS_REJECTED = Metric(name="logps/rejected", greater_is_better=False, kind="pair",
+                        doc="the policy's log-prob sum of the rejected completion")
+NLL_LOSS = Metric(name="nll_loss", greater_is_better=False, kind="nll",
+                  doc="the chosen tokens' mean NLL, which the loss adds with its weight (the sft term, ORPO's own): "
+                  "logged when the loss has it")
+LOG_ODDS_RATIO = Metric(name="log_odds_ratio", greater_is_better=True, kind="term",
+                        doc="ORPO: the mean log s(log odds ratio), the term beta scales", logged_by=("orpo",))
+LOG_ODDS_CHOSEN = Metric(name="log_odds_chosen", greater_is_better=True, kind="term",
+                         doc="ORPO: the mean log odds ratio of chosen over rejected", logged_by=("orpo",))
+KL = Metric(name="kl", greater_is_better=None, kind="term", panel="kl (KTO's z0)",
+            doc="KTO: its reference point z0, the policy's KL estimate from the reference on the mismatched pairs "
+            "(TRL's kl)", logged_by=("kto",), bar=("kl", 4))
+GRAD_NORM = Metric(name="grad_norm", greater_is_better=None, kind="step", panel="grad_norm",
+                   doc="the gradients' norm before clipping")
+LEARNING_RATE = Metric(name="learning_rate", greater_is_better=None, kind="step", panel="learning_rate",
+                       doc="the rate the step applied")
+GEN_REPETITION = Metric(name="gen/repetition", greater_is_better=False, kind="sample", panel="eval_gen/repetition",
+                        label="repetition", doc="seq-rep-4 of the sample generations (answers.repetition)")
+GEN_ROUGE_L = Metric(name="gen/rouge_l", greater_is_better=True, kind="sample", panel="eval_gen/rouge_l",
+                     label="ROUGE-L", doc="token ROUGE-L F1 of the samples against their held-out chosen completions "
+                     "(answers.rouge_l)")
+GEN_ROUGE_L_SE = Metric(name="gen/rouge_l_se", greater_is_better=None, kind="sample",
+                        doc="the standard error of eval_gen/rouge_l's change from step 0, over the same prompts' "
+                        "answers (answers.change_se): the answers' drift sign's noise")
+GEN_CONTENT = Metric(name="gen/content", greater_is_better=None, kind="sample",
+                     doc="the share of each held-out chosen completion's tokens beyond the phrasing the chosen "
+                     "completions share that the sample holds, averaged (content.content)")
+GEN_CONTENT_SE = Metric(name="gen/content_se", greater_is_better=None, kind="sample",
+                        doc="the standard error of eval_gen/content's change from step 0, over the same prompts' "
+                        "answers (answers.change_se): the content sign's noise")
+GEN_KL = Metric(name="gen/kl", greater_is_better=False, kind="sample", panel="eval_gen/kl", label="KL",
+                doc="per-token KL of the policy from the reference along its own samples (samples.kl_to_reference)")
+GEN_LENGTH = Metric(name="gen/length", greater_is_better=None, kind="sample", label="length",
+                    doc="the samples' mean length in tokens")
+GEN_CHOSEN_LENGTH = Metric(name="gen/chosen_length", greater_is_better=None, kind="sample",
+                           doc="the sampled prompts' chosen completions' mean length")
+GEN_EMPTY = Metric(name="gen/empty", greater_is_better=False, kind="sample", label="empty",
+                   doc="the share of samples that end at once")
+GEN_COLLAPSED = Metric(name="gen/collapsed", greater_is_better=False, kind="sample", label="collapsed",
+                       doc="the answers that collapsed against the same prompt's at step 0: into repetition, or into "
+                       "nothing (answers.collapsed_answers)")
+GEN_ANSWERS = Metric(name="gen/answers", greater_is_better=None, kind="sample",
+                     doc="the answers judged at the eval (eval_generations, at most the distinct eval prompts)")
 
 METRICS = (LOSS, REWARDS_CHOSEN, REWARDS_REJECTED, ACCURACY, MARGIN, LOGPS_CHOSEN, LOGPS_REJECTED, NLL_LOSS,
            LOG_ODDS_RATIO, LOG_ODDS_CHOSEN, KL, GRAD_NORM, LEARNING_RATE, GEN_REPETITION, GEN_ROUGE_L, GEN_ROUGE_L_SE,

@@ -37,7 +37,7 @@ def trl_head_kernel():
         outputs = ("log_sum_sq_probs",) if weighting else ()
         # Saves memory: a call per 4096 rows, so its float32 gradient accumulator is (4096, H), not (M, H); split,
         # so that one concatenation builds h's gradient (slices would each make an (M, H) one; the plan counts the
-        # parts and the concatenation: memory/model.py's logits_train_bytes)
+        # parts and the concatenation: memory/activations.py's logits_train_bytes)
         parts = [ChunkedLogProbFunction.apply(hc, weight, bias, lc, 1.0, entries, softcap, scale, outputs)
                  for hc, lc in zip(h.split(tokens), labels.split(tokens))]
         if not parts:

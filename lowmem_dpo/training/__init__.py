@@ -20,6 +20,7 @@
     output.py       what a run writes into output_dir: the folder check, config.yaml, metrics.jsonl, the adapter
     trackers.py     report_to: the metrics to TensorBoard, trackio and wandb
     provenance.py   which base and adapters a trained adapter belongs on, checked against the files (export)
+    located.py      what a folder chat is given holds: a model, or an adapter on its base (provenance)
 
 Its face: inputs.prepare and inputs.load_data (a stage's model folder, tokenizer and rows), objective.Pairs and
 Rows, kto.Blocks, session.start, loop.run.

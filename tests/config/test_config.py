@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from lowmem_dpo.config.recipe import build_config, load_config
-from lowmem_dpo.config.schema import FIELDS, Config, keys_where
+from lowmem_dpo.config.schema import FIELDS, HINTS, Config, keys_where
+from lowmem_dpo.objectives import KEYS
 from lowmem_dpo.runtime.errors import ConfigError
 from lowmem_dpo.training.inputs import cache_settings
 
@@ -25,6 +26,21 @@ def test_override_coercion_by_declared_type(tmp_path):
     assert cfg.max_steps == 7 and cfg.beta == 0.25 and cfg.seed == 3
     assert cfg.max_prompt_length is None
     assert cfg.lora_target_modules == ["q_proj", "v_proj"]
+
+
+def test_the_objective_keys_are_fields_as_the_registry_declares_them():
+    """Config declares each objective key by name and type (a type checker sees them), in objectives.KEYS' order
+    after label_smoothing; each field's type, default, doc and bounds are its Key's. A key declared in the registry
+    alone, or a field whose type is not its Key's, fails here."""
+    names = list(FIELDS)
+    start = names.index("label_smoothing") + 1
+    assert names[start:start + len(KEYS)] == list(KEYS)
+    for name, declared in KEYS.items():
+        meta = FIELDS[name].metadata
+        assert HINTS[name] == declared.kind, name
+        assert FIELDS[name].default == declared.default and meta["doc"] == declared.doc, name
+        assert {bound: meta[bound] for bound in declared.bounds()} == declared.bounds(), name
+    assert Config().ld_alpha is None and Config().f_divergence_type == "reverse_kl"
 
 
 @pytest.mark.parametrize("null", ["null", "None", "none", "~", ""])

@@ -12,7 +12,8 @@ from lowmem_dpo.config.schema import FIELDS
 
 
 def test_every_key_is_read_documented_and_tested():
-    code = [p.read_text(encoding="utf-8") for p in (REPO / "lowmem_dpo").rglob("*.py") if p.name != "schema.py"]
+    declared = {REPO / "lowmem_dpo/config/schema.py", REPO / "lowmem_dpo/config/checks.py"}  # the keys, their checks
+    code = [p.read_text(encoding="utf-8") for p in (REPO / "lowmem_dpo").rglob("*.py") if p not in declared]
     docs = (REPO / "README.md").read_text(encoding="utf-8") + "".join(
         p.read_text(encoding="utf-8") for p in (REPO / "docs").glob("*.md"))
     tests = "".join(p.read_text(encoding="utf-8") for p in (REPO / "tests").rglob("*.py")

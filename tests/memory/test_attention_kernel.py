@@ -253,8 +253,9 @@ def mistral_setup(kind: str, dtype: str, length: int = 1024):
     ("cuda-12gb", "bfloat16", ("math", False)),  # refused at run time (rules.dtype_problem); the plan says why
 ])
 def test_the_planner_counts_the_kernel_the_card_runs(kind, dtype, want):
+    from lowmem_dpo.memory.activations import layer_saved_bytes
     from lowmem_dpo.memory.attention import cuda_attention, math_kept
-    from lowmem_dpo.memory.model import layer_saved_bytes, predict
+    from lowmem_dpo.memory.model import predict
 
     arch, setup = mistral_setup(kind, dtype)
     t, _ = setup.shapes("train")
@@ -281,7 +282,7 @@ def test_repeat_kv_heads_makes_transformers_pass_every_head_to_sdpa(monkeypatch,
     from conftest import build_tiny_model
     from transformers.integrations import sdpa_attention
 
-    from lowmem_dpo.model import activations, models
+    from lowmem_dpo.model import models, sdpa
 
     monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", sdpa_attention.use_gqa_in_sdpa)  # restored after
@@ -291,10 +292,10 @@ def test_repeat_kv_heads_makes_transformers_pass_every_head_to_sdpa(monkeypatch,
     ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
 
     def first_call():
-        with activations.sdpa_calls(stop=True) as seen:
+        with sdpa.sdpa_calls(stop=True) as seen:
             try:
                 model(input_ids=ids)
-            except activations.FirstCall:
+            except sdpa.FirstCall:
                 pass
         return seen[0]
 

@@ -14,14 +14,10 @@ import torch
 from lowmem_dpo.config.recipe import build_config, load_config
 from lowmem_dpo.data import Batch
 from lowmem_dpo.measure import PeakMeter, at_measured_shapes, measure, measure_slice
-from lowmem_dpo.memory.arch import (
-    ARCH_PREFIX,
-    ARCHS_DIR,
-    arch_from_model,
-    load_arch,
-    shipped_archs,
-)
-from lowmem_dpo.memory.model import logits_train_bytes, pinned_bytes, predict, predict_train
+from lowmem_dpo.memory.activations import logits_train_bytes
+from lowmem_dpo.memory.arch import arch_from_model, load_arch
+from lowmem_dpo.memory.arch_source import ARCH_PREFIX, ARCHS_DIR, shipped_archs
+from lowmem_dpo.memory.model import pinned_bytes, predict, predict_train
 from lowmem_dpo.memory.search import choose
 from lowmem_dpo.memory.setup import Setup, setup_from_config
 from lowmem_dpo.memory.weights import base_weight_bytes, layer_weight_bytes, linear_weight_bytes

@@ -18,7 +18,7 @@ from lowmem_dpo.memory.arch import load_arch
 from lowmem_dpo.memory.model import OFFLOAD_WINDOW, predict
 from lowmem_dpo.memory.search import LENGTH_STEP, TRAIN_KNOBS, choose, longest_max_length
 from lowmem_dpo.memory.setup import setup_from_config, with_prompts
-from lowmem_dpo.model import activations, headcheck, logps
+from lowmem_dpo.model import activations, headcheck, logps, sdpa
 from lowmem_dpo.model.models import load_model
 from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.units import GiB
@@ -149,7 +149,7 @@ def test_no_padding_mask_and_the_kernel_said(tiny_path, tokenizer):
     and the stage says which kernel: flash on this CPU; a shared batch passes its (B, 1, T, T) mask."""
     model = load_model(tiny_path, torch.device("cpu"), torch.float32)
     ids, mask, completion = batch(len(tokenizer))
-    with activations.sdpa_calls() as calls, torch.no_grad():
+    with sdpa.sdpa_calls() as calls, torch.no_grad():
         ours = logps.completion_logps(model, as_batch(ids, mask, completion)).logps
         logits = model(input_ids=ids, attention_mask=mask).logits.float()  # the model's own, with its padding mask
     assert calls[0]["attn_mask"] is None and calls[0]["is_causal"]

@@ -196,7 +196,7 @@ def test_grouped_query_heads_repeated_where_transformers_repeats_them(tiny_path,
     from transformers import AutoModelForCausalLM
     from transformers.integrations import sdpa_attention
 
-    from lowmem_dpo.model import activations, models
+    from lowmem_dpo.model import models, sdpa
 
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32, attn_implementation="sdpa").eval()
     packing.enable(model)
@@ -205,7 +205,7 @@ def test_grouped_query_heads_repeated_where_transformers_repeats_them(tiny_path,
         want = completion_logps(model, plain).logps
     monkeypatch.setattr(sdpa_attention, "use_gqa_in_sdpa", sdpa_attention.use_gqa_in_sdpa)  # restored after
     models.repeat_kv_heads()
-    with torch.no_grad(), activations.sdpa_calls() as calls:
+    with torch.no_grad(), sdpa.sdpa_calls() as calls:
         got = completion_logps(model, forced(plain)).logps
     assert calls and all(not c["enable_gqa"] and c["key"].shape[1] == c["query"].shape[1] == 4 for c in calls)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
