@@ -61,11 +61,12 @@ def setup(cfg: Config, recipe: str | None = None, progress: bool = True) -> Sess
     the optimizer; with resume=auto and a checkpoint in output_dir (or resume=PATH), continue from it."""
     require(cfg, "train")
     output.check_output_dir(cfg, "train")  # a folder of other files is refused before anything loads
+    notes = [*cfg.no_effect(), *filter(None, [learning_rate_warning(cfg.learning_rate)])]
     resolved = devices.resolve(cfg)
     # what the run's loss reads, decided once (the objectives' floor, beside the device's)
     reads_cache = cfg.ref_source == "cache" and objectives.needs_reference(cfg.loss_type)
     unpaired = objectives.unpaired(cfg.loss_type)
-    for note in [*cfg.no_effect(), *filter(None, [learning_rate_warning(cfg.learning_rate)])]:
+    for note in notes:
         log(f"warning: {note}")
     prepared = inputs.prepare(cfg, resolved)
     adapters.check_mode(cfg, prepared.source, resolved.quantization)

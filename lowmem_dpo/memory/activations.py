@@ -203,10 +203,10 @@ def logits_train_bytes(arch: Arch, completion_positions: int, lora_head: bool = 
     m = completion_positions
     if lora_head:
         return (4 + 1 + arch.softcapped_head) * chunk_tokens(arch, m) * arch.vocab * 4
+    tile = head_tile_bytes(arch, m, s, device)
     c, v = head_tile(m, arch.vocab)
     upcast = v * arch.hidden * 4 if s != 4 and (device != "cuda" or not OUT_DTYPE) and v < arch.vocab else 0
-    return head_tile_bytes(arch, m, s, device) + c * arch.hidden * 4 + m * arch.hidden * s * (1 + (device == "cuda")) \
-        + upcast
+    return tile + c * arch.hidden * 4 + m * arch.hidden * s * (1 + (device == "cuda")) + upcast
 
 
 def precompute_layer_bytes(arch: Arch, setup: Setup, n_seq: int, seq_len: int) -> int:

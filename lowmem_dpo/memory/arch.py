@@ -220,6 +220,9 @@ def arch_from_model(model, name: str) -> Arch:
     total = sum(p.numel() for p in model.parameters())  # tied weights count once
     outer = total - len(layers) * layer_params - (0 if tied or head is None else head.weight.numel())
     norms = [type(m).__name__.lower() for m in layers[0].modules() if "norm" in type(m).__name__.lower()]
+    # this module's readings first, then the model part's (attention_heads, head_of): a reader follows one way down
+    resident, outer_linears = _resident(model, prefix), _outer_linears(model, prefix, head)
+    sliding_window, context = _sliding_window(config), _context(config)
     _, kv_heads, head_dim = attention_heads(config)
     return Arch(name=name, model_type=str(config.model_type), hidden=hidden, layers=len(layers), heads=heads,
                 kv_heads=kv_heads, head_dim=head_dim, vocab=vocab,
@@ -227,13 +230,12 @@ def arch_from_model(model, name: str) -> Arch:
                 norms_per_layer=len(norms), norm_kind="rms" if all("rms" in n for n in norms) else "layer",
                 activation=str(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
                                or getattr(config, "activation_function", "")),
-                layers_prefix=prefix, lm_head=head_name, resident=_resident(model, prefix),
-                outer_linears=_outer_linears(model, prefix, head),
+                layers_prefix=prefix, lm_head=head_name, resident=resident, outer_linears=outer_linears,
                 softcapped_head=bool(head_of(model.config)[0].softcap),
                 eager_attention=getattr(config, "_attn_implementation", None) == "eager",
                 attention_softcap=bool(getattr(config, "attn_logit_softcapping", None)),
                 mlp_block=mlp_block if _one_input(getattr(layers[0], mlp_block, None)) else "",
-                sliding_window=_sliding_window(config), context=_context(config))
+                sliding_window=sliding_window, context=context)
 
 
 def _context(config) -> int | None:

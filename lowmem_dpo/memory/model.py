@@ -124,6 +124,7 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
         activations, host = _offloaded(arch, setup, kept, layer, layer_total)
     layer_phase = layer_working_bytes(arch, setup, n_seq, seq_len) + (
         layer_total if setup.gradient_checkpointing else 0)
+    gather = weights.embedding_gather_bytes(arch, setup)  # the weights' term before the LM head's (model/head.py)
     logits_phase = logits_train_bytes(arch, m, ad.lm_head, DTYPE_BYTES[setup.dtype], setup.device)
     breakdown = {
         "base_weights": sum(base.values()),
@@ -131,7 +132,7 @@ def predict_train(arch: Arch, setup: Setup) -> StagePrediction:
         "lora_grads": (4 + copy) * n_lora,  # the same for their gradients (model/compute_copies.py)
         "optimizer_state": weights.optimizer_state_bytes(shapes, setup.optimizer),
         "activations": activations,
-        "peak_phase": max(layer_phase, logits_phase, weights.embedding_gather_bytes(arch, setup) - activations),
+        "peak_phase": max(layer_phase, logits_phase, gather - activations),
     }
     if setup.device == "cuda" and setup.optimizer == ADAMW_TORCH:
         opt_step = 2 * 4 * n_lora  # foreach AdamW temporaries, when the activations are gone
@@ -159,9 +160,10 @@ def predict_precompute(arch: Arch, setup: Setup) -> StagePrediction:
     m = n_seq * completion
     base = weights.card_weight_bytes(arch, setup, reference=True)
     layer_phase = precompute_layer_bytes(arch, setup, n_seq, seq_len)
+    gather = weights.embedding_gather_bytes(arch, setup, True)
     logits_phase = (n_seq * seq_len + m) * arch.hidden * s + head_tile_bytes(arch, m, s, setup.device)  # one tile
     breakdown = {"base_weights": sum(base.values()), "lora_params": 0, "lora_grads": 0, "optimizer_state": 0,
-                 "activations": 0, "peak_phase": max(layer_phase, logits_phase, weights.embedding_gather_bytes(arch, setup, True))}
+                 "activations": 0, "peak_phase": max(layer_phase, logits_phase, gather)}
     tensor_peak = sum(breakdown.values())
     overhead = framework_overhead(setup.device, tensor_peak)
     breakdown["framework_overhead"] = overhead
