@@ -52,6 +52,7 @@ from lowmem_dpo.runtime import devices
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.training import provenance, samples
 from lowmem_dpo.training.located import Source, locate
+from lowmem_dpo.training.samples import Drawing, Placement
 
 USAGE = ("RUN_OR_MERGED [--prompt TEXT] [--max-new-tokens N] [--plain | --template] [--system TEXT] "
          "[--temperature T] [--top-p P] [--seed N] [--device auto|cpu|cuda|mps]")
@@ -90,21 +91,6 @@ def prompt_ids(tokenizer, messages: list[dict], templated: bool) -> list[int]:
                         f"{system}") from None
 
 
-@dataclass(frozen=True)
-class Drawing:
-    """How an answer's tokens are chosen: greedy (temperature 0), or sampled (samples.sample)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __str__(self) -> str:
-        if self.temperature == 0:
-            return "greedy"
-        seed = "" if self.seed is None else f", seed {self.seed}"
-        return f"sampling at temperature {self.temperature:g}, top_p {self.top_p:g}{seed}"
-
-
 @dataclass
 class Chat:
     """A loaded model and how it answers."""
@@ -125,8 +111,8 @@ class Chat:
     def answer(self, messages: list[dict]) -> str:
         """The answer to a conversation whose last turn is the user's, decoded as the samples are."""
         (out,) = samples.sample(self.model, [self.prompt(messages)], self.max_new_tokens, self.tokenizer.eos_token_id,
-                                data.pad_token_id(self.tokenizer), self.resolved.device, self.resolved.dtype,
-                                self.drawing.temperature, self.drawing.top_p, self.drawing.seed)
+                                data.pad_token_id(self.tokenizer), Placement(self.resolved.device, self.resolved.dtype),
+                                self.drawing)
         return self.tokenizer.decode(out, skip_special_tokens=True)
 
 

@@ -142,14 +142,14 @@ def _error_pct(predicted: int, measured: int) -> float:
     return round(100 * (predicted - measured) / measured, 1)
 
 
-def measured_columns(args, cfg: Config, arch: Arch, setup: Setup, budget: int, report: dict, columns: list,
-                     reference: bool = True):
+def measured_columns(args, cfg: Config, arch: Arch, setup: Setup, budget: int, report: dict, columns: list):
     """--measure: run the harness (measure.py); returns (the table's columns, its measured row, the notes), and
     puts the measurements and the errors against the prediction at the measured shapes into `report`."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    stages = ("train", "precompute") if reference else ("train",)  # no reference: no precompute to measure
+    # a loss that reads no reference (needs_reference) has no precompute to measure
+    stages = ("train", "precompute") if needs_reference(cfg.loss_type) else ("train",)
     if args.slice:
         result = measure.measure_slice(cfg, args.slice, args.steps)
         sliced, measured = result["prediction"], result["measured"]
@@ -324,7 +324,7 @@ def main(argv: list[str]) -> int:
     columns = [c for c in columns if reference or not c[0].startswith("precompute")]
     measured_row, notes = None, []
     if args.measure:
-        columns, measured_row, notes = measured_columns(args, cfg, arch, setup, budget, report, columns, reference)
+        columns, measured_row, notes = measured_columns(args, cfg, arch, setup, budget, report, columns)
     print(table(columns, budget, measured_row))
     for note in notes:
         print(note)

@@ -74,7 +74,7 @@ def by_hand(trained, tiny_path, messages: list[dict], plain: bool = False) -> st
     ids = (tokenizer(messages[-1]["content"])["input_ids"] if plain else tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
     (out,) = samples.greedy(model, [list(ids)], MAX_NEW_TOKENS, tokenizer.eos_token_id,
-                            data.pad_token_id(tokenizer), CPU, torch.float32)
+                            data.pad_token_id(tokenizer), samples.Placement(CPU, torch.float32))
     return tokenizer.decode(out, skip_special_tokens=True)
 
 

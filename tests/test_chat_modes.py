@@ -74,8 +74,8 @@ def test_sampled_answers_follow_the_seed(demo_run, capsys):
     assert [loaded.answer(t) for t in turns] == greedy
     ids = loaded.prompt(turns[0])
     args = (loaded.model, [ids], 10, loaded.tokenizer.eos_token_id, data.pad_token_id(loaded.tokenizer),
-            torch.device("cpu"), torch.float32)
-    assert samples.sample(*args, temperature=0) == samples.greedy(*args)
+            samples.Placement(torch.device("cpu"), torch.float32))
+    assert samples.sample(*args, samples.Drawing(temperature=0, top_p=0.5)) == samples.greedy(*args)
     capsys.readouterr()
     for _ in range(2):
         assert run(demo_run, "--prompt", PROMPTS[0], "--temperature", "1.0", "--top-p", "0.95", "--seed", "7") == 0

@@ -18,6 +18,7 @@ PACKAGE = Path(lowmem_dpo.__file__).parent
 MODULES = sorted(m.name for m in pkgutil.walk_packages(lowmem_dpo.__path__, "lowmem_dpo."))
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
+MAX_PARAMETERS = 7
 
 
 def module_file(name: str) -> Path:
@@ -171,6 +172,35 @@ def test_modules_and_functions_stay_small():
                 if lines > MAX_FUNCTION_LINES:
                     long_functions[f"{name}.{node.name}"] = lines
     assert long_functions == {}
+
+
+def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's parameters as the house counts them: each named one, *args and **kwargs one each; a method's
+    self or cls not (an autograd Function's ctx is one)."""
+    a = node.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    return len(names) - (names[:1] in (["self"], ["cls"])) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def test_no_function_takes_more_than_7_parameters():
+    """Related parameters travel together, in a small dataclass named for what it holds; a signature an outside
+    interface dictates takes what it passes in **kwargs."""
+    many = {}
+    for name in MODULES:
+        for node in ast.walk(ast.parse(module_file(name).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and parameter_count(node) > MAX_PARAMETERS:
+                many[f"{name}.{node.name}"] = parameter_count(node)
+    assert many == {}
+
+
+def test_the_parameter_count_can_fail():
+    """The count above sees every kind of parameter, and leaves out only a method's self or cls."""
+    tree = ast.parse("def f(a, b=1, /, c=2, *d, e, f=3, **g): pass\n"
+                     "class C:\n    def m(self, a): pass\n    @classmethod\n    def k(cls, *, a, b): pass\n"
+                     "    @staticmethod\n    def forward(ctx, a, b, c, d, e, f, g): pass\n")
+    counts = {n.name: parameter_count(n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert counts == {"f": 7, "m": 1, "k": 2, "forward": 8}
+    assert counts["forward"] > MAX_PARAMETERS
 
 
 @pytest.mark.parametrize("stage", ["precompute", "train", "preflight", "sft", "export"])

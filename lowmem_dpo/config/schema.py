@@ -26,10 +26,18 @@ from lowmem_dpo.objectives import KEYS, OBJECTIVES, Settings
 from lowmem_dpo.objectives.metrics import EVAL_METRICS, LOSS
 
 
-def key(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=False, reference=None,
-       resumable=False):
+@dataclass(frozen=True)
+class Above:
+    """A key's exclusive lower bound (key's `min`): its value must be above this one (min=Above(0.0): positive)."""
+
+    value: float
+
+
+def key(default, doc: str, *, choices=None, min=None, max=None, reference=None, resumable=False):
     """A config field with its one-line doc, validation bounds, and what a change of its value changes.
 
+    min, max: the value's bounds, included; min=Above(x): above x. (The field's metadata says "min" x and
+      "min_exclusive", as coerce.check_bounds reads them.)
     reference: the key changes the reference log-probs: "value" by its value, "files" by the files it names
       (inputs.file_components; a checkpoint records their digests). None: it does not. (The cache itself is keyed
       by each sequence's token ids and the model side: data/cache.py.)
@@ -40,8 +48,9 @@ def key(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fa
       (recipe.config_changes).
     """
     assert not (reference and resumable), "a key that changes the reference changes the numbers"
-    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "min_exclusive": min_exclusive,
-            "reference": reference, "resumable": resumable}
+    exclusive = isinstance(min, Above)
+    meta = {"doc": doc, "choices": choices, "min": min.value if exclusive else min, "max": max,
+            "min_exclusive": exclusive, "reference": reference, "resumable": resumable}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -50,7 +59,8 @@ def key(default, doc: str, *, choices=None, min=None, max=None, min_exclusive=Fa
 def objective_key(name: str):
     """The field of an objective's own key, as its Key in objectives.KEYS declares it (default, doc, bounds)."""
     declared = KEYS[name]
-    return key(declared.default, declared.doc, **declared.bounds())
+    return key(declared.default, declared.doc, choices=declared.choices, max=declared.max,
+               min=Above(declared.min) if declared.min_exclusive else declared.min)
 
 
 @dataclass
@@ -178,7 +188,7 @@ class Config:
                          choices=("none", "tensorboard", "trackio", "wandb"), resumable=True)
     run_name: Optional[str] = key(None, "The run's name in trackio and wandb; null: output_dir's name.", resumable=True)
     # -- DPO loss ------------------------------------------------------------------------------------------------
-    beta: float = key(0.1, "The loss's scale (DPO: the pull to the reference).", min=0.0, min_exclusive=True)
+    beta: float = key(0.1, "The loss's scale (DPO: the pull to the reference).", min=Above(0.0))
     loss_type: list = key(["sigmoid"], "The objective, or a list whose terms are summed with loss_weights, as TRL "
                          "1.16's DPOConfig: sigmoid (DPO), sigmoid_norm, ipo, hinge, robust, sft, ..., kto on unpaired "
                          "rows (the table in docs/objectives.md); [sigmoid, sft] is RPO.", choices=tuple(OBJECTIVES))
@@ -198,7 +208,7 @@ class Config:
     desirable_weight: float = objective_key("desirable_weight")
     undesirable_weight: float = objective_key("undesirable_weight")
     # -- optimizer and schedule ----------------------------------------------------------------------------------
-    learning_rate: float = key(5e-5, "Peak AdamW learning rate.", min=0.0, min_exclusive=True)
+    learning_rate: float = key(5e-5, "Peak AdamW learning rate.", min=Above(0.0))
     lr_scheduler_type: str = key("linear", "transformers' schedule by its name (get_scheduler): the rate each step "
                                 "applies is HF Trainer's. constant ignores warmup (constant_with_warmup has it); "
                                 "cosine_with_min_lr and warmup_stable_decay take lr_scheduler_kwargs.",
@@ -210,19 +220,19 @@ class Config:
                              "(ceil(ratio x steps)), as transformers 5 reads it (warmup_ratio, transformers 4's "
                              "key, is read as this ratio). 0: none.", min=0.0)
     weight_decay: float = key(0.0, "AdamW weight decay on the LoRA parameters.", min=0.0)
-    max_grad_norm: Optional[float] = key(1.0, "Clip the gradient norm to this; null disables clipping.", min=0.0,
-                                        min_exclusive=True)
+    max_grad_norm: Optional[float] = key(1.0, "Clip the gradient norm to this; null disables clipping.",
+                                        min=Above(0.0))
     per_device_train_batch_size: int = key(4, "Preference pairs per micro-batch (2x sequences in the forward). "
                                           "Activation memory grows linearly with it.", min=1)
     gradient_accumulation_steps: int = key(1, "Micro-batches per optimizer step (memory-free batch growth).", min=1)
     max_steps: int = key(-1, "Optimizer steps to run; -1 runs num_train_epochs. Raising it continues a finished or "
                         "interrupted run from its last checkpoint.", min=-1, resumable="length")
     num_train_epochs: float = key(1.0, "Passes over the data when max_steps is -1 (raising it continues the run, as "
-                                 "max_steps).", min=0.0, min_exclusive=True, resumable="length")
+                                 "max_steps).", min=Above(0.0), resumable="length")
     seed: int = key(42, "Seed for LoRA init and data order.", min=0)
     # -- LoRA ----------------------------------------------------------------------------------------------------
     lora_r: int = key(8, "LoRA rank. Trainable params (and their grads + 2 AdamW states) grow with it.", min=1)
-    lora_alpha: float = key(16.0, "LoRA scaling numerator (scale = alpha / r).", min=0.0, min_exclusive=True)
+    lora_alpha: float = key(16.0, "LoRA scaling numerator (scale = alpha / r).", min=Above(0.0))
     lora_dropout: float = key(0.0, "Dropout on the LoRA input. The base model's own dropout is always off, as "
                              "in TRL.", min=0.0, max=1.0)
     lora_target_modules: list = key(["all-linear"], "Module names to adapt, a list or comma-separated (matched "

@@ -67,6 +67,31 @@ class TokenizedData:
     formats: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Tokenizing:
+    """What tokenizing one dataset's rows reads: the tokenizer, the lengths that cut each row (max_length and
+    max_prompt_length, as TRL 1.16 cuts: module doc), and for its messages the dataset's `spec` (its path or name)
+    and where(i), row i's place there (rows.row_locator; a mixture's rows: their source's file and line)."""
+
+    tokenizer: object
+    max_length: int
+    max_prompt_length: int | None
+    spec: str
+    where: Callable[[int], str]
+
+
+@dataclass
+class Tally:
+    """What tokenizing a dataset leaves out and cuts, filled chunk by chunk: the rows skipped, by reason (SKIPS);
+    the kept rows cut, by part (TRUNCATIONS, or COMPLETION); each tokenized row's whole_length; and the datasets
+    whose format check_format noted (it says so once)."""
+
+    skipped: dict[str, list[int]]
+    truncated: dict[str, list[int]]
+    whole: list[int] = field(default_factory=list)
+    noted: set = field(default_factory=set)
+
+
 def _is_empty(value) -> bool:
     if isinstance(value, list):
         return not any(m["content"].strip() for m in value)
@@ -153,40 +178,38 @@ def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None,
     """Tokenize every row (TRL 1.16 conventions, see module doc), in dataset order. Structural problems are
     UserErrors; unusable rows are skipped and logged (SKIPS), or refused with `strict`; so is every row skipped."""
     _eos_text(tokenizer)
-    where = where or row_locator(spec, len(ds))  # `where`: a mixture's rows name their place in their source
+    # `where`: a mixture's rows name their place in their source
+    tokenizing = Tokenizing(tokenizer, max_length, max_prompt_length, spec, where or row_locator(spec, len(ds)))
+    where = tokenizing.where
     pairs: list[TokenizedPair] = []
-    skipped: dict[str, list[int]] = {reason: [] for reason in SKIPS}
-    truncated: dict[str, list[int]] = {part: [] for part in TRUNCATIONS}
-    whole: list[int] = []
-    noted: set = set()
+    tally = Tally({reason: [] for reason in SKIPS}, {part: [] for part in TRUNCATIONS})
     for checked, kind in _checked_chunks(ds, spec, where, REQUIRED, progress):
         usable = []
         for i, row in checked:
             reason = skip_reason(row)
             if reason:
-                skipped[reason].append(i)
+                tally.skipped[reason].append(i)
             else:
                 usable.append((i, row))
-        check_format(tokenizer, kind, spec, noted)
+        check_format(tokenizer, kind, spec, tally.noted)
         encoded = _encode(usable, tokenizer, kind == "conversation", spec, where) if usable else []
         for (i, _), (p, pc, pr) in zip(usable, encoded):
             prompt_len = prompt_length(p, [pc, pr])
-            whole.append(whole_length(prompt_len, [pc, pr], max_prompt_length))
+            tally.whole.append(whole_length(prompt_len, [pc, pr], max_prompt_length))
             split = _split_prompt(p, [pc, pr], max_length, max_prompt_length, prompt_len)
             if split is None:
-                skipped["prompt_too_long"].append(i)
+                tally.skipped["prompt_too_long"].append(i)
                 continue
             prompt_ids, (chosen_ids, rejected_ids), prompt_cut, (chosen_cut, rejected_cut) = split
             cut = {"prompt": prompt_cut, "chosen": chosen_cut, "rejected": rejected_cut}
             if chosen_ids == rejected_ids:
-                skipped["identical_tokens"].append(i)
+                tally.skipped["identical_tokens"].append(i)
                 continue
             for part in TRUNCATIONS:
                 if cut[part]:
-                    truncated[part].append(i)
+                    tally.truncated[part].append(i)
             pairs.append(TokenizedPair(i, prompt_ids, chosen_ids, rejected_ids))
-    return _checked_result(pairs, len(ds), skipped, truncated, whole, spec, max_length, max_prompt_length, strict,
-                           where)
+    return _checked_result(pairs, len(ds), tally, tokenizing, strict)
 
 
 def _eos_text(tokenizer) -> str:
@@ -216,15 +239,14 @@ def _checked_chunks(ds, spec: str, where: Callable[[int], str], required: tuple[
     bar.close()
 
 
-def _checked_result(items: list, num_rows: int, skipped: dict[str, list[int]], truncated: dict[str, list[int]],
-                    whole: list[int], spec: str, max_length: int, max_prompt_length: int | None, strict: bool,
-                    where: Callable[[int], str]) -> TokenizedData:
+def _checked_result(items: list, num_rows: int, tally: Tally, tokenizing: Tokenizing, strict: bool) -> TokenizedData:
     """The TokenizedData of the rows kept, its skips checked (strict, every row skipped) and logged."""
-    skipped = {k: sorted(v) for k, v in skipped.items() if v}
-    tok = TokenizedData(items, num_rows, sorted(r for rows in skipped.values() for r in rows), skipped, truncated,
-                        whole)
-    check_skips(tok.skipped, tok.num_rows, len(items), spec, max_length, strict, where, kept(tok).whole)
-    for line in summary_lines(tok, max_length, max_prompt_length, where, spec):
+    skipped = {k: sorted(v) for k, v in tally.skipped.items() if v}
+    tok = TokenizedData(items, num_rows, sorted(r for rows in skipped.values() for r in rows), skipped,
+                        tally.truncated, tally.whole)
+    check_skips(tok.skipped, tok.num_rows, len(items), tokenizing, strict, kept(tok).whole)
+    for line in summary_lines(tok, tokenizing.max_length, tokenizing.max_prompt_length, tokenizing.where,
+                              tokenizing.spec):
         log(line)
     return tok
 
@@ -233,13 +255,13 @@ def _reason_text(reason: str, max_length: int) -> str:
     return SKIPS[reason][0].replace("max_length", f"max_length={max_length}")
 
 
-def check_skips(skipped: dict[str, list[int]], num_rows: int, kept: int, spec: str, max_length: int,
-                strict: bool, where: Callable[[int], str] | None = None, whole: int | None = None) -> None:
+def check_skips(skipped: dict[str, list[int]], num_rows: int, kept: int, tokenizing: Tokenizing, strict: bool,
+                whole: int | None = None) -> None:
     """UserError when rows were skipped and `strict` is set (naming the first), or when every row was (whole: the
     max_length that keeps 95% of the rows whole, lengths.Kept.whole, named when it is above max_length)."""
     if not skipped or (kept and not strict):
         return
-    where = where or row_locator(spec, num_rows)
+    spec, where, max_length = tokenizing.spec, tokenizing.where, tokenizing.max_length
     first, reason = min((rows[0], reason) for reason, rows in skipped.items())
     others = sum(map(len, skipped.values())) - 1
     if kept and strict:
@@ -320,41 +342,36 @@ def tokenize_completions(ds, tokenizer, max_length: int, max_prompt_length: int 
     alone reaches max_length, are skipped and logged (strict: refused)."""
     _eos_text(tokenizer)
     column = sft_column(ds, spec)
-    where = where or row_locator(spec, len(ds))  # `where`: a mixture's rows name their place in their source
+    # `where`: a mixture's rows name their place in their source
+    tokenizing = Tokenizing(tokenizer, max_length, max_prompt_length, spec, where or row_locator(spec, len(ds)))
     items: list[TokenizedCompletion] = []
-    skipped: dict[str, list[int]] = {"empty_completion": [], "prompt_too_long": []}
-    cut: list[int] = []
-    whole: list[int] = []
-    noted: set = set()
-    for checked, kind in _checked_chunks(ds, spec, where, ("prompt", column), progress):
-        for i, _, p, c, uncut in completion_rows(checked, kind, column, tokenizer, max_length, max_prompt_length,
-                                                 spec, where, skipped, noted, whole=whole):
+    tally = Tally({"empty_completion": [], "prompt_too_long": []}, {COMPLETION: []})
+    for checked, kind in _checked_chunks(ds, spec, tokenizing.where, ("prompt", column), progress):
+        for i, _, p, c, uncut in completion_rows(checked, kind, column, tokenizing, tally):
             items.append(TokenizedCompletion(i, p, c))
             if len(c) < len(uncut):
-                cut.append(i)
-    return _checked_result(items, len(ds), skipped, {COMPLETION: cut}, whole, spec, max_length, max_prompt_length,
-                           strict, where)
+                tally.truncated[COMPLETION].append(i)
+    return _checked_result(items, len(ds), tally, tokenizing, strict)
 
 
-def completion_rows(checked: list, kind: str | None, column: str, tokenizer, max_length: int,
-                    max_prompt_length: int | None, spec: str, where: Callable[[int], str], skipped: dict,
-                    noted: set, keep_empty: bool = False, whole: list[int] | None = None):
+def completion_rows(checked: list, kind: str | None, column: str, tokenizing: Tokenizing, tally: Tally,
+                    keep_empty: bool = False):
     """(index, row, prompt ids, completion ids, the whole completion's ids) of each usable row of one checked chunk
     (SFT's rows, KTO's), prompt + `column` tokenized as tokenize_rows tokenizes prompt + chosen; the rows left out
-    are added to `skipped` (empty_completion, prompt_too_long). keep_empty (KTO, as TRL): an empty text is a row
-    too (its completion the EOS alone); only a missing (null) one is left out. whole: each tokenized row's
-    whole_length is appended to it."""
+    are added to the tally's skipped (empty_completion, prompt_too_long), each tokenized row's whole_length to its
+    whole. keep_empty (KTO, as TRL): an empty text is a row too (its completion the EOS alone); only a missing
+    (null) one is left out."""
+    tokenizer, spec, where = tokenizing.tokenizer, tokenizing.spec, tokenizing.where
     empty = (lambda v: v is None) if keep_empty else _is_empty
     usable = [(i, r) for i, r in checked if not (empty(r["prompt"]) or empty(r[column]))]
-    skipped["empty_completion"] += sorted({i for i, _ in checked} - {i for i, _ in usable})
-    check_format(tokenizer, kind, spec, noted)
+    tally.skipped["empty_completion"] += sorted({i for i, _ in checked} - {i for i, _ in usable})
+    check_format(tokenizer, kind, spec, tally.noted)
     encoded = _encode_completions(usable, column, tokenizer, kind == "conversation", spec, where) if usable else []
     for (i, row), (p, pc) in zip(usable, encoded):
         prompt_len = prompt_length(p, [pc])
-        if whole is not None:
-            whole.append(whole_length(prompt_len, [pc], max_prompt_length))
-        split = _split_prompt(p, [pc], max_length, max_prompt_length, prompt_len)
+        tally.whole.append(whole_length(prompt_len, [pc], tokenizing.max_prompt_length))
+        split = _split_prompt(p, [pc], tokenizing.max_length, tokenizing.max_prompt_length, prompt_len)
         if split is None:
-            skipped["prompt_too_long"].append(i)
+            tally.skipped["prompt_too_long"].append(i)
         else:
             yield i, row, split[0], split[1][0], pc[prompt_len:]

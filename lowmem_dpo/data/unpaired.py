@@ -21,8 +21,10 @@ from typing import Callable
 
 from lowmem_dpo.data.encode import (
     COMPLETION,
+    Tally,
     TokenizedData,
     TokenizedPair,
+    Tokenizing,
     _checked_chunks,
     _checked_result,
     _eos_text,
@@ -79,24 +81,20 @@ def tokenize_unpaired(ds, tokenizer, max_length: int, max_prompt_length: int | N
     """Every row of `ds` as KTO rows (module doc), in TRL's order; skips logged (strict: refused)."""
     _eos_text(tokenizer)
     where = where or row_locator(spec, len(ds))
+    tokenizing = Tokenizing(tokenizer, max_length, max_prompt_length, spec, where)
     columns = ("chosen", "rejected") if paired(ds) else ("completion",)
     items: list[TokenizedUnpaired] = []
-    skipped: dict[str, list[int]] = {"empty_completion": [], "prompt_too_long": []}
-    cut: list[int] = []
-    whole: list[int] = []
-    noted: set = set()
+    tally = Tally({"empty_completion": [], "prompt_too_long": []}, {COMPLETION: []})
     for checked, kind in _checked_chunks(ds, spec, where, ("prompt", *columns), progress):
         for column in columns:
-            for i, row, prompt, completion, uncut in completion_rows(checked, kind, column, tokenizer, max_length,
-                                                                     max_prompt_length, spec, where, skipped, noted,
-                                                                     keep_empty=True, whole=whole):
+            for i, row, prompt, completion, uncut in completion_rows(checked, kind, column, tokenizing, tally,
+                                                                     keep_empty=True):
                 label = column == "chosen" if len(columns) == 2 else _label(row, spec, where(i))
                 items.append(TokenizedUnpaired(i, prompt, completion, label, uncut=uncut))
                 if len(completion) < len(uncut):
-                    cut.append(i)
-    skipped = {k: sorted(set(v)) for k, v in skipped.items()}
-    return _checked_result(unpair_order(items) if len(columns) == 2 else items, len(ds), skipped, {COMPLETION: cut},
-                           whole, spec, max_length, max_prompt_length, strict, where)
+                    tally.truncated[COMPLETION].append(i)
+    tally.skipped = {k: sorted(set(v)) for k, v in tally.skipped.items()}
+    return _checked_result(unpair_order(items) if len(columns) == 2 else items, len(ds), tally, tokenizing, strict)
 
 
 def unpair_order(items: list[TokenizedUnpaired]) -> list[TokenizedUnpaired]:

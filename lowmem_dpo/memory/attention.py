@@ -2,10 +2,10 @@
 kernel holds beyond q, k, v and its output: pure functions of numbers (no torch, no device), so that the planner
 counts the (batch, heads, T, T) scores where, and only where, they exist.
 
-    sdpa_kernel((7, 5), "float16", gqa=True, mask=False, head_dim=128, length=1024, grad=True)    # "math"
-    expand_kv((7, 5), "float16", gqa=True, mask=False, head_dim=128)                              # True
-    attention_scores_bytes("math", batch=4, heads=32, length=1024, dtype_bytes=2, grad=True,
-                           head_dim=128, kv_heads=8)                                             # 1.69 GiB
+    sdpa_kernel(Card((7, 5)), "float16", gqa=True, mask=False, head_dim=128, length=1024, grad=True)  # "math"
+    expand_kv((7, 5), "float16", gqa=True, mask=False, head_dim=128)                                # True
+    attention_scores_bytes("math", AttentionShape(batch=4, heads=32, length=1024, dtype_bytes=2, head_dim=128,
+                                                  kv_heads=8), grad=True)                          # 1.69 GiB
 
 The rules follow torch's CUDA dispatcher, aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (select_sdp_backend,
 can_use_{cudnn,flash,mem_efficient}_attention) and sdp_utils_cpp.h, as in torch 2.11-2.13: dense tensors, dropout 0
@@ -42,6 +42,8 @@ every head first. expand_kv says when the project should make it take the repeat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from lowmem_dpo.memory.arch import Arch
 from lowmem_dpo.memory.setup import DTYPE_BYTES, Setup
 
@@ -54,6 +56,35 @@ PREFER_CUDNN_AFTER = 91500  # check_prefer_cudnn_attention: cudnn_version > 9150
 CUDNN_D256_FROM = 91000  # check_cudnn_tensor_shapes: head_dim <= 256 on sm90 from cuDNN 9.10.0, else <= 128
 LSE_ROWS_MEM_EFFICIENT = 32  # memory-efficient's logsumexp rows: ceil(T / 32) * 32
 ROWS_FLASH_BACKWARD = 128  # flash's backward rounds the query rows of its float32 buffers up to 128
+
+
+@dataclass(frozen=True)
+class Card:
+    """A CUDA card as torch's SDPA dispatcher sees it: its (major, minor) capability (torch.cuda.get_device_capability:
+    T4 (7, 5), A100 (8, 0), H100/H200 (9, 0)), the runtime cuDNN (cudnn_first; None: assumed new enough), and whether
+    the torch has pytorch#191085, the memory-efficient kernel's GQA (main after 2.13)."""
+
+    capability: tuple[int, int]
+    cudnn: int | None = None
+    mem_efficient_gqa: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One SDPA call's numbers: `batch` sequences (a DPO micro-batch of 2 pairs unshared is 4), `heads` query heads,
+    `length` tokens per sequence, `dtype_bytes` bytes per element of q, k and v; head_dim (0: the terms it scales
+    left out) and kv_heads, the k/v heads (None: as many as query heads)."""
+
+    batch: int
+    heads: int
+    length: int
+    dtype_bytes: int
+    head_dim: int = 0
+    kv_heads: int | None = None
+
+    @property
+    def kv(self) -> int:  # the k/v heads
+        return self.heads if self.kv_heads is None else self.kv_heads
 
 
 def _dtype(dtype: str) -> str:
@@ -107,14 +138,11 @@ def _cudnn_ok(cap, dtype: str, head_dim: int, length: int, cudnn: int | None) ->
     return 0 < head_dim <= limit and head_dim % 8 == 0  # check_cudnn_tensor_shapes
 
 
-def sdpa_kernel(capability: tuple[int, int], dtype: str, gqa: bool, mask: bool, head_dim: int, length: int,
-                grad: bool, *, cudnn: int | None = None, mem_efficient_gqa: bool = False) -> str:
-    """The kernel torch's CUDA scaled_dot_product_attention picks: "flash", "memory-efficient", "cuDNN" or "math".
-
-    capability: the card's (major, minor) (torch.cuda.get_device_capability: T4 (7, 5), A100 (8, 0), H100/H200 (9, 0));
-    dtype: of q, k, v; gqa: enable_gqa with fewer k/v heads than q heads; mask: an attn_mask is passed (else
-    is_causal); head_dim: of q, k and v alike; length: tokens per sequence; grad: q, k or v need gradients (train).
-    cudnn: the runtime cuDNN (cudnn_first); mem_efficient_gqa: a torch with pytorch#191085 (main after 2.13)."""
+def sdpa_kernel(card: Card, dtype: str, gqa: bool, mask: bool, head_dim: int, length: int, grad: bool) -> str:
+    """The kernel torch's CUDA scaled_dot_product_attention picks on `card`: "flash", "memory-efficient", "cuDNN" or
+    "math". dtype: of q, k, v; gqa: enable_gqa with fewer k/v heads than q heads; mask: an attn_mask is passed (else
+    is_causal); head_dim: of q, k and v alike; length: tokens per sequence; grad: q, k or v need gradients (train)."""
+    capability, cudnn, mem_efficient_gqa = card.capability, card.cudnn, card.mem_efficient_gqa
     dt = _dtype(dtype)
     order = ("cuDNN", "flash", "memory-efficient") if cudnn_first(capability, cudnn) else ("flash", "memory-efficient")
     for kernel in order:  # select_sdp_backend: the first kernel whose filters all pass; math, enabled, after these
@@ -138,9 +166,9 @@ def expand_kv(capability: tuple[int, int], dtype: str, gqa: bool, mask: bool, he
     and where the expanded call falls to math too (bfloat16 on a T4: the memory-efficient kernel wants sm80)."""
     if not gqa:
         return False
-    kw = dict(cudnn=cudnn, mem_efficient_gqa=mem_efficient_gqa)
-    as_is = sdpa_kernel(capability, dtype, True, mask, head_dim, length, grad, **kw)
-    expanded = sdpa_kernel(capability, dtype, False, mask, head_dim, length, grad, **kw)
+    card = Card(capability, cudnn, mem_efficient_gqa)
+    as_is = sdpa_kernel(card, dtype, True, mask, head_dim, length, grad)
+    expanded = sdpa_kernel(card, dtype, False, mask, head_dim, length, grad)
     return as_is == "math" and expanded != "math"
 
 
@@ -150,10 +178,11 @@ def repeat_kv_bytes(batch: int, heads: int, kv_heads: int, length: int, head_dim
     return 2 * batch * (heads - kv_heads) * length * head_dim * dtype_bytes
 
 
-def _math_bytes(batch: int, heads: int, kv_heads: int, length: int, head_dim: int, dtype_bytes: int, grad: bool,
-                causal: bool) -> tuple[int, int, int]:
+def _math_bytes(shape: AttentionShape, grad: bool, causal: bool) -> tuple[int, int, int]:
     """(forward peak, kept for backward, backward peak) of _scaled_dot_product_attention_math, beyond q, k, v, the
     output and their gradients. Each term measured by allocation on a CPU with torch 2.13 (the test)."""
+    batch, heads, kv_heads, length = shape.batch, shape.heads, shape.kv, shape.length
+    head_dim, dtype_bytes = shape.head_dim, shape.dtype_bytes
     c = SCORE_BYTES
     e = batch * heads * length * length  # elements of one (N, H, T, T) tensor
     f = batch * heads * length * head_dim  # elements of one (N, H, T, D) tensor: q's heads
@@ -178,13 +207,14 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _fused_bytes(kernel: str, batch: int, heads: int, kv_heads: int, length: int, head_dim: int, dtype_bytes: int,
-                 grad: bool) -> tuple[int, int, int]:
+def _fused_bytes(kernel: str, shape: AttentionShape, grad: bool) -> tuple[int, int, int]:
     """(forward peak, kept for backward, backward peak) of flash, memory-efficient or cuDNN beyond q, k, v, the
     output and their gradients. Forward: the float32 logsumexp, (N, H, T) (memory-efficient: rows rounded up to 32;
     memory-efficient and cuDNN only compute it with gradients). Backward (flash-attention's mha_bwd; the others
     assumed alike): a float32 (N, H, T) softmax_d and, with head_dim, a float32 (N, T, H, D) dQ accumulator, rows
     rounded up to 128; flash with GQA also dK, dV at every query head, in the dtype, before it sums them per group."""
+    batch, heads, kv_heads, length = shape.batch, shape.heads, shape.kv, shape.length
+    head_dim, dtype_bytes = shape.head_dim, shape.dtype_bytes
     rows = _round_up(length, LSE_ROWS_MEM_EFFICIENT) if kernel == "memory-efficient" else length
     lse = batch * heads * rows * 4 if (grad or kernel == "flash") else 0  # float32 (N, H, T)
     if not grad:
@@ -196,36 +226,32 @@ def _fused_bytes(kernel: str, batch: int, heads: int, kv_heads: int, length: int
     return lse, lse, lse + work
 
 
-def _bytes(kernel, batch, heads, length, dtype_bytes, grad, head_dim, kv_heads, causal) -> tuple[int, int, int]:
+def _bytes(kernel: str, shape: AttentionShape, grad: bool, causal: bool) -> tuple[int, int, int]:
     if kernel not in KERNELS:
         raise ValueError(f"kernel {kernel!r}: one of {', '.join(KERNELS)}")
-    kv = heads if kv_heads is None else kv_heads
     if kernel == "math":
-        return _math_bytes(batch, heads, kv, length, head_dim, dtype_bytes, grad, causal)
-    return _fused_bytes(kernel, batch, heads, kv, length, head_dim, dtype_bytes, grad)
+        return _math_bytes(shape, grad, causal)
+    return _fused_bytes(kernel, shape, grad)
 
 
-def attention_scores_bytes(kernel: str, batch: int, heads: int, length: int, dtype_bytes: int, grad: bool, *,
-                           head_dim: int = 0, kv_heads: int | None = None, causal: bool = True) -> int:
-    """The most bytes one SDPA call of `kernel` holds at once beyond q, k, v and its output (and in backward beyond
-    their gradients): its forward's peak, and with grad the larger of that and its backward's. batch: sequences
-    in the call (a DPO micro-batch of 2 pairs unshared is 4); heads: query heads; dtype_bytes: of q, k, v.
+def attention_scores_bytes(kernel: str, shape: AttentionShape, grad: bool, causal: bool = True) -> int:
+    """The most bytes one SDPA call of `kernel` and `shape` holds at once beyond q, k, v and its output (and in
+    backward beyond their gradients): its forward's peak, and with grad the larger of that and its backward's.
 
     math: float32 (N, H, T, T) scores, softmax and a bool (9 bytes an element) in forward; with grad, in backward
     the kept softmax and two float32 gradients of it (12 bytes an element). head_dim (0: left out) adds the
     O(N*H*T*D) float32 copies of q, k, v (kv_heads: k/v heads, default heads); causal the (T, T) float32 bias.
     flash, memory-efficient, cuDNN: O(N*H*T) float32 rows (and, with head_dim, backward's float32 dQ)."""
-    forward, _, backward = _bytes(kernel, batch, heads, length, dtype_bytes, grad, head_dim, kv_heads, causal)
+    forward, _, backward = _bytes(kernel, shape, grad, causal)
     return max(forward, backward)
 
 
-def attention_saved_bytes(kernel: str, batch: int, heads: int, length: int, dtype_bytes: int, *,
-                          head_dim: int = 0, kv_heads: int | None = None) -> int:
+def attention_saved_bytes(kernel: str, shape: AttentionShape) -> int:
     """What one SDPA call with gradients keeps for backward beyond q, k, v and its output, once its forward returned
     (each layer's, until its backward; with checkpointing, the recomputed layer's): math its float32 softmax
     (N, H, T, T), with head_dim its float32 scaled q and k^T and, for GQA or a 16-bit dtype, a float32 v at every
     head; the others their float32 logsumexp (N, H, T)."""
-    return _bytes(kernel, batch, heads, length, dtype_bytes, True, head_dim, kv_heads, False)[1]
+    return _bytes(kernel, shape, True, False)[1]
 
 
 # -- the planner's view (memory/activations.py): the kernel of a run's attention -----------------------------------
@@ -240,7 +266,7 @@ def cuda_attention(arch: Arch, setup: Setup, seq_len: int, masked: bool, grad: b
         return None, gqa and masked
     card = (8, 0) if setup.kind.endswith("-bf16") else (7, 5)
     expand = gqa and (masked or expand_kv(card, setup.dtype, gqa, masked, arch.head_dim, grad=grad, length=seq_len))
-    return sdpa_kernel(card, setup.dtype, gqa and not expand, masked, arch.head_dim, seq_len, grad), expand
+    return sdpa_kernel(Card(card), setup.dtype, gqa and not expand, masked, arch.head_dim, seq_len, grad), expand
 
 
 def math_kept(arch: Arch, setup: Setup, n_seq: int, seq_len: int, masked: bool) -> tuple[int, int]:
@@ -251,6 +277,6 @@ def math_kept(arch: Arch, setup: Setup, n_seq: int, seq_len: int, masked: bool) 
         return 0, 0
     s = DTYPE_BYTES[setup.dtype]
     kv = arch.heads if expand else arch.kv_heads
-    kw = dict(head_dim=arch.head_dim, kv_heads=kv)
-    kept = attention_saved_bytes("math", n_seq, arch.heads, seq_len, s, **kw)
-    return kept, attention_scores_bytes("math", n_seq, arch.heads, seq_len, s, True, **kw) - kept
+    shape = AttentionShape(n_seq, arch.heads, seq_len, s, head_dim=arch.head_dim, kv_heads=kv)
+    kept = attention_saved_bytes("math", shape)
+    return kept, attention_scores_bytes("math", shape, True) - kept

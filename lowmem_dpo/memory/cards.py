@@ -20,16 +20,21 @@ from lowmem_dpo.config.coerce import AUTO
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.memory.arch import Arch
 from lowmem_dpo.memory.search import KNOBS, STAGES, Plan, choose
-from lowmem_dpo.memory.setup import setup_from_config
+from lowmem_dpo.memory.setup import Setup, setup_from_config
 from lowmem_dpo.runtime import devices, distributed, heap
 from lowmem_dpo.runtime.errors import UserError, log
 from lowmem_dpo.runtime.units import fmt
 
 
-def _plan(arch: Arch, cfg, budget: int, processes: int, knobs, stages, sharded: bool, offload: bool,
-          prompt_tokens: int | None = None) -> Plan:
-    setup = dataclasses.replace(setup_from_config(cfg, budget, processes), sharded=sharded, shard_offload=offload,
-                                prompt_tokens=prompt_tokens)
+def _setup(cfg, budget: int, processes: int, prompt_tokens: int | None) -> Setup:
+    """The recipe's setup on `processes` processes, for data whose shortest prompt is prompt_tokens (None: not known)."""
+    return dataclasses.replace(setup_from_config(cfg, budget, processes), prompt_tokens=prompt_tokens)
+
+
+def _plan(arch: Arch, setup: Setup, budget: int, knobs, stages, sharded: bool, offload: bool) -> Plan:
+    """search.choose's plan of `setup`, its base sharded or not and the shards offloaded or not (a sharded run
+    streams no layers)."""
+    setup = dataclasses.replace(setup, sharded=sharded, shard_offload=offload)
     return choose(arch, setup, budget, tuple(k for k in knobs if k != "stream") if sharded else knobs, stages)
 
 
@@ -38,8 +43,10 @@ def on_cards(arch: Arch, cfg, budget: int, processes: int = 1, knobs=KNOBS, stag
     """The plan a run of `processes` processes applies (one: search.choose as it is), per card; fsdp and
     fsdp_offload_params decided as the module doc says, the reason in the plan's steps. prompt_tokens: the data's
     shortest prompt, where known (plan --prompt-tokens)."""
+    setup = _setup(cfg, budget, processes, prompt_tokens)
+
     def plan(knobs, sharded: bool, offload: bool) -> Plan:
-        return _plan(arch, cfg, budget, processes, knobs, stages, sharded, offload, prompt_tokens)
+        return _plan(arch, setup, budget, knobs, stages, sharded, offload)
 
     offload_asked = cfg.fsdp_offload_params is True
     if processes < 2 or cfg.fsdp is False:
@@ -88,7 +95,8 @@ def alternatives(arch: Arch, cfg, budget: int, processes: int, knobs=KNOBS, stag
                  prompt_tokens: int | None = None) -> list[tuple[str, Plan]]:
     """Each way to run on `processes` cards, per card, for `plan --nproc`: data parallel (as search.choose plans
     it, streaming included), fsdp, fsdp with the shards in CPU RAM."""
-    return [(name, _plan(arch, cfg, budget, processes, knobs, stages, sharded, offload, prompt_tokens))
+    setup = _setup(cfg, budget, processes, prompt_tokens)
+    return [(name, _plan(arch, setup, budget, knobs, stages, sharded, offload))
             for name, sharded, offload in (("data parallel", False, False), ("fsdp", True, False),
                                            ("fsdp + offload", True, True))]
 

@@ -1,7 +1,7 @@
 """The LM head of a frozen nn.Linear in (token, vocabulary) tiles: each row's log p(label) through an online
 logsumexp, with no (rows, V) logits and no float32 tile kept for backward. Pure: tensors in, tensors out.
 
-    logp, aligned = tiled_logps(h, lm_head.weight, lm_head.bias, labels, head, weighting, None, None)  # (M,), (M,)|None
+    logp, aligned = tiled_logps(h, lm_head.weight, lm_head.bias, labels, Tiling(head, weighting))  # (M,), (M,)|None
 
 A tile is HEAD_TOKENS rows of hidden states against as many vocabulary entries as keep its float32 logits at
 HEAD_TILE_ELEMENTS (64 MiB). The forward keeps each row's logsumexp; the backward recomputes each tile, turns it
@@ -14,6 +14,7 @@ the softmax and the sums in float32. TRL 1.16's DPOTrainer computes the same til
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,6 +28,25 @@ FUSED: dict[str, Callable] = {}
 # vocabulary; one tile of the whole vocabulary for up to 2^24 / V tokens).
 HEAD_TOKENS = 4096
 HEAD_TILE_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Tile:
+    """An LM-head tile's size: `tokens` rows of hidden states x `entries` vocabulary entries; None: head_tile's
+    defaults (tests pick small ones)."""
+
+    tokens: int | None = None
+    entries: int | None = None
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """What TiledLogps computes beyond its tensors: through `head`'s transform (logps.Head: scale, softcap), with
+    weighting also WPO's aligned log-probs, in tiles of `tile`'s size."""
+
+    head: object
+    weighting: bool = False
+    tile: Tile = Tile()
 
 
 def head_tile(rows: int, vocab: int, tokens: int | None = None, entries: int | None = None) -> tuple[int, int]:
@@ -67,20 +87,21 @@ def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> 
 
 
 class TiledLogps(torch.autograd.Function):
-    """log p(label) of each row of h (M, H) through a frozen nn.Linear LM head (weight (V, H), bias) and `head`'s
-    transform (logps.Head), in tiles of `tokens` x `entries` (None: head_tile's defaults) with an online logsumexp:
-    (M,) float32, and with weighting WPO's aligned log-probs (M,), detached (else None). No (rows, V) logits, and none
+    """log p(label) of each row of h (M, H) through a frozen nn.Linear LM head (weight (V, H), bias) and the `tiling`
+    head's transform (logps.Head), in tiles of its tile's size with an online logsumexp: (M,) float32, and with its
+    weighting WPO's aligned log-probs (M,), detached (else None). No (rows, V) logits, and none
     in float32 beyond one tile. The backward recomputes each tile and accumulates the hidden states' gradient over the
     vocabulary in float32. The matmuls run in the compute dtype (autocast's, else h's); the transform, the softmax
     and the sums in float32."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                head, weighting: bool, tokens: int | None, entries: int | None):
+                tiling: Tiling):
+        head, weighting = tiling.head, tiling.weighting
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         rows, vocab = h.shape[0], weight.shape[0]
-        c, v = head_tile(rows, vocab, tokens, entries)
+        c, v = head_tile(rows, vocab, tiling.tile.tokens, tiling.tile.entries)
         logp = torch.empty(rows, dtype=torch.float32, device=h.device)  # (M,)
         lse = torch.empty_like(logp)  # (M,) logsumexp of each row's logits
         aligned = torch.empty_like(logp) if weighting else None  # (M,) WPO's log p(label) - log sum_v p(v)^2
@@ -138,7 +159,7 @@ class TiledLogps(torch.autograd.Function):
                 acc = _add_product(acc, gy, weight[s:s + v].to(dtype))  # (c, H)
                 del gy
             grad_h[a:a + c] = acc
-        return grad_h, None, None, None, None, None, None, None
+        return grad_h, None, None, None, None
 
 
-tiled_logps = TiledLogps.apply  # (h, weight, bias, labels, head, weighting, tokens, entries): every argument, in order
+tiled_logps = TiledLogps.apply  # (h, weight, bias, labels, tiling): every argument, in order

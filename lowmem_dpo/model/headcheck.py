@@ -253,21 +253,21 @@ def decide_sharing(model, pairs: list, pad_id: int, resolved: devices.Resolved, 
     return False
 
 
-def decide_packing(model, items: list, collate, pad_id: int, device: torch.device, dtype: torch.dtype,
-                   setting: bool | str, max_length: int, shared: bool) -> bool:
+def decide_packing(model, first: data.Batch, device: torch.device, dtype: torch.dtype, setting: bool | str,
+                   max_length: int, shared: bool) -> bool:
     """Whether the stage runs each micro-batch as one packed row (padding_free: packing.py): when the model
-    qualifies (packing.problem) and, with its attention switched to the packed one, the first rows (at most 2
-    items, laid out by `collate`: data.collate, collate_shared or collate_completions) give the padded
-    log-probs. `setting` (padding_free: auto or a bool): false keeps the padded batches; true refuses a model that
-    cannot (exit 2); auto falls back to padding with a note. The attention stays switched when packed."""
+    qualifies (packing.problem) and, with its attention switched to the packed one, the `first` rows (at most
+    CHECK_ROWS items, collated as the stage lays them out: data.collate, collate_shared or collate_completions)
+    give the padded log-probs. `setting` (padding_free: auto or a bool): false keeps the padded batches; true
+    refuses a model that cannot (exit 2); auto falls back to padding with a note. The attention stays switched
+    when packed."""
     if setting is False:
         return False
     lm = logps.causal_lm(model)
     problem = packing.problem(lm, max_length, shared)
     if problem is None:
         packing.enable(lm)
-        plain = collate(items[:CHECK_ROWS], pad_id)
-        problem = checked(model, plain.to(device), dataclasses.replace(plain, packed=data.pack(plain)).to(device),
+        problem = checked(model, first.to(device), dataclasses.replace(first, packed=data.pack(first)).to(device),
                           dtype, "packed")
         if problem is not None:
             packing.disable(lm)
@@ -312,8 +312,8 @@ def bring_up(model, cfg: Config, resolved: devices.Resolved, pad_id: int, first:
     shared = pairs is not None and not objectives.unpaired(cfg.loss_type) and decide_sharing(
         model, pairs, pad_id, resolved, dtype, cfg.share_prompt, cfg.max_length)
     collate = data.collate_shared if shared else collate
-    packed = decide_packing(model, pairs or first, collate, pad_id, resolved.device, dtype, cfg.padding_free,
-                            cfg.max_length, shared)
+    packed = decide_packing(model, collate((pairs or first)[:CHECK_ROWS], pad_id), resolved.device, dtype,
+                            cfg.padding_free, cfg.max_length, shared)
     log(attention_kernel(model, collate(first, pad_id, packed=packed).to(resolved.device), dtype, cfg.max_length,
                          train=train))
     return data.Layout(shared, packed)

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from lowmem_dpo.model.head import FUSED, HEAD_TILE_ELEMENTS, tiled_logps
+from lowmem_dpo.model.head import FUSED, HEAD_TILE_ELEMENTS, Tile, Tiling, tiled_logps
 
 
 @dataclass
@@ -259,19 +259,21 @@ def _prompt_targets(attention_mask: torch.Tensor, completion_mask: torch.Tensor,
     return seq, label - 1, label, n_out + seq, pairs
 
 
-def chunked_head(lm_head, head: Head, h: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None,
-                 weighting: bool = False, chunk_vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_head(lm_head, head: Head, h: torch.Tensor, labels: torch.Tensor, tile: Tile | None,
+                 weighting: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_logps of the hidden states h (M, H) predicting `labels` (M,): (M,) fp32 log-probs, and with weighting
-    WPO's aligned ones (M,), detached. A frozen nn.Linear head runs in tiles of chunk_tokens rows x chunk_vocab
-    entries (head.head_tile's defaults) with an online logsumexp (head.tiled_logps; a fused kernel where the
-    stage set one for the device: head.FUSED); any other (LoRA on the head, a trainable one) in checkpointed chunks of
-    chunk_tokens rows (default: HEAD_TILE_ELEMENTS of logits), the whole vocabulary each."""
+    WPO's aligned ones (M,), detached. A frozen nn.Linear head runs in tiles of `tile`'s rows x entries (None:
+    head.head_tile's defaults) with an online logsumexp (head.tiled_logps; a fused kernel where the stage set one
+    for the device: head.FUSED); any other (LoRA on the head, a trainable one) in checkpointed chunks of the tile's
+    rows (default: HEAD_TILE_ELEMENTS of logits), the whole vocabulary each."""
+    tile = tile or Tile()
+    chunk_tokens = tile.tokens
     if (type(lm_head) is torch.nn.Linear and not lm_head.weight.requires_grad
             and (lm_head.bias is None or not lm_head.bias.requires_grad)):
-        kernel = FUSED.get(h.device.type) if chunk_tokens is None and chunk_vocab is None else None
+        kernel = FUSED.get(h.device.type) if tile.tokens is None and tile.entries is None else None
         if kernel is not None:
             return kernel(h, lm_head.weight, lm_head.bias, labels, head.scale, head.softcap, weighting)
-        return tiled_logps(h, lm_head.weight, lm_head.bias, labels, head, weighting, chunk_tokens, chunk_vocab)
+        return tiled_logps(h, lm_head.weight, lm_head.bias, labels, Tiling(head, weighting, tile))
     if chunk_tokens is None:
         chunk_tokens = max(1, HEAD_TILE_ELEMENTS // lm_head.weight.shape[0])
     grad = torch.is_grad_enabled() and h.requires_grad
@@ -326,9 +328,8 @@ def last_hidden(lm: LM, batch) -> torch.Tensor:
                        use_cache=False).last_hidden_state  # (N, T, H)
 
 
-def completion_logps(model, batch, chunk_tokens: int | None = None, prompts: bool = False, weighting: bool = False,
-                     ld_alpha: float | None = None, per_token: bool = False,
-                     chunk_vocab: int | None = None) -> SequenceLogps:
+def completion_logps(model, batch, tile: Tile | None = None, prompts: bool = False, weighting: bool = False,
+                     ld_alpha: float | None = None, per_token: bool = False) -> SequenceLogps:
     """Sum of log p over each sequence's completion tokens of a collated batch (data.Batch), shifted by one (position
     t-1 predicts token t), through `model` (a PeftModel or a CausalLM, or its parts as lm_of read them once).
 
@@ -341,7 +342,7 @@ def completion_logps(model, batch, chunk_tokens: int | None = None, prompts: boo
     prompt_tokens), through the same chunked LM head. weighting: also each sequence's sum
     of WPO's aligned log-probs (aligned), detached. ld_alpha (pairs): LD-DPO's sums, each completion's tokens beyond
     its pair's shorter completion's count weighted by ld_alpha. per_token (not with prompts): also each sequence's
-    token log-probs, in order (tokens).
+    token log-probs, in order (tokens). tile: the LM head's tiles (chunked_head; None: its defaults).
     """
     lm = model if isinstance(model, LM) else lm_of(model)
     lm_head, head = lm.lm_head, lm.head
@@ -361,7 +362,7 @@ def completion_logps(model, batch, chunk_tokens: int | None = None, prompts: boo
         h = hidden[seq_idx.to(hidden.device), pred.to(hidden.device)]  # (M, H)
     labels = input_ids[seq_idx, label]  # (M,)
     tok, aligned_tok = chunked_head(lm_head, head, h.to(lm_head.weight.device), labels.to(lm_head.weight.device),
-                                    chunk_tokens, weighting, chunk_vocab)
+                                    tile, weighting)
     if weight is not None:  # the completions' tokens come first in tok, the prompts' (unweighted) after
         tok = torch.cat([tok[:weight.shape[0]].double() * weight.to(tok.device), tok[weight.shape[0]:].double()])
     out = out.to(tok.device)

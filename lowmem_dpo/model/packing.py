@@ -34,14 +34,18 @@ _registered: list[bool] = []
 GQA_SDPA = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)  # enable_gqa
 
 
-def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout: float = 0.0,
-              scaling: float | None = None, is_causal: bool | None = None, sequence_bounds=None, shared_splits=None,
-              **kwargs):
+def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
     """transformers' attention call (query (1, Hq, S, D), key and value (1, Hkv, S, D)) over a packed row:
     SDPA per sequence between consecutive `sequence_bounds`; a shared row's (its `shared_splits` entry: the ends of
     its prompt and of its chosen, from its start) as [prompt, chosen] and [prompt, rejected]. Returns (1, S, Hq, D)
-    and no weights. Without sequence_bounds: transformers' own SDPA."""
+    and no weights. Without sequence_bounds: transformers' own SDPA.
+
+    Its signature is transformers' AttentionInterface's: the layer passes dropout, scaling, is_causal and the
+    backbone's own keywords (Packed.kwargs: sequence_bounds, shared_splits) in kwargs."""
     from transformers.integrations import sdpa_attention
+
+    dropout, scaling, is_causal = kwargs.pop("dropout", 0.0), kwargs.pop("scaling", None), kwargs.pop("is_causal", None)
+    sequence_bounds, shared_splits = kwargs.pop("sequence_bounds", None), kwargs.pop("shared_splits", None)
 
     if sequence_bounds is None:
         return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

@@ -10,15 +10,18 @@ import contextlib
 import torch
 
 SDPA_KERNELS = {0: "math", 1: "flash", 2: "memory-efficient", 3: "cuDNN", 4: "device's own"}
+# torch.nn.functional.scaled_dot_product_attention's options after attn_mask, with its defaults
+SDPA_OPTIONS = {"dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
-def sdpa_kernel(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None,
-                enable_gqa: bool = False) -> str:
+def sdpa_kernel(query, key, value, attn_mask=None, **options) -> str:
     """The kernel torch's scaled_dot_product_attention runs for these arguments (torch._fused_sdp_choice, torch's
-    own dispatcher: a private function, so "unknown" when it is missing or refuses them)."""
+    own dispatcher: a private function, so "unknown" when it is missing or refuses them). It takes what
+    scaled_dot_product_attention takes, its options (SDPA_OPTIONS) by keyword: a call sdpa_calls recorded."""
+    options = {**SDPA_OPTIONS, **options}
     try:
-        choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                         enable_gqa=enable_gqa)
+        choice = torch._fused_sdp_choice(query, key, value, attn_mask, options["dropout_p"], options["is_causal"],
+                                         scale=options["scale"], enable_gqa=options["enable_gqa"])
     except Exception:  # noqa: BLE001 - a private function: any failure means we cannot tell
         return "unknown"
     return SDPA_KERNELS.get(int(choice), "unknown")
@@ -36,13 +39,14 @@ def sdpa_calls(stop: bool = False):
     real = torch.nn.functional.scaled_dot_product_attention
     seen: list[dict] = []
 
-    def recording(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        seen.append(dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
-                         is_causal=is_causal, scale=scale, enable_gqa=enable_gqa))
+    # In scaled_dot_product_attention's place, it takes what that takes: the options after attn_mask by keyword
+    # (SDPA_OPTIONS, as transformers and packing.attention pass them), each recorded with its default when unset
+    def recording(query, key, value, attn_mask=None, **options):
+        options = {**SDPA_OPTIONS, **options}
+        seen.append(dict(query=query, key=key, value=value, attn_mask=attn_mask, **options))
         if stop:
             raise FirstCall
-        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                    enable_gqa=enable_gqa)
+        return real(query, key, value, attn_mask=attn_mask, **options)
 
     torch.nn.functional.scaled_dot_product_attention = recording
     try:

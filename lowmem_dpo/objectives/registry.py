@@ -79,10 +79,6 @@ class Key:
     def kind(self):
         return self.type or type(self.default)
 
-    def bounds(self) -> dict:
-        """What config/schema.py's field takes beyond the default and the doc."""
-        return dict(choices=self.choices, min=self.min, max=self.max, min_exclusive=self.min_exclusive)
-
 
 @dataclass(frozen=True)
 class Limits:

@@ -18,6 +18,7 @@ import fcntl
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -73,13 +74,23 @@ def check_writable(folder: Path, key: str) -> None:
         raise UserError(f"{key}={str(folder)!r}: no permission to write in {existing}; name a folder you can write")
 
 
+@dataclass(frozen=True)
+class Beside:
+    """Writing into a folder of other files (check's `beside`): `writes`, the names this kind writes there; `allowed`
+    (overwrite_output_dir): such a folder is accepted when none of its files has one of those names; `hint`: how
+    to allow it, offered by a refusal when none has."""
+
+    writes: frozenset[str] = frozenset()
+    allowed: bool = False
+    hint: str = ""
+
+
 def check(folder: Path, kind: str, key: str, earlier: Callable[[Path], bool] | None = None,
-          writes: frozenset[str] = frozenset(), beside: bool = False, hint: str = "", hidden: bool = False) -> None:
+          beside: Beside = Beside(), hidden: bool = False) -> None:
     """Refuse (UserError) to write `kind` into `folder` (named by config key or argument `key`) unless it is new or
     empty, marked as this tool's `kind`, or (`earlier`) recognised by its content as this tool's from before the
-    marker. `writes`: the names this kind writes there; `beside` (overwrite_output_dir): a folder of other files
-    is accepted when none of them has one of those names, and `hint` offers it when none has. `hidden`: hidden
-    entries count too (a stage that replaces the whole folder)."""
+    marker, or a folder of other files `beside` accepts. `hidden`: hidden entries count too (a stage that replaces
+    the whole folder)."""
     assert kind in KINDS, kind
     folder = Path(folder)
     check_writable(folder, key)
@@ -93,15 +104,16 @@ def check(folder: Path, kind: str, key: str, earlier: Callable[[Path], bool] | N
     if marker is not None or (earlier is not None and earlier(folder)):
         return
     held = visible(folder, hidden)
-    clash = sorted(set(held) & writes)
-    if beside and not clash:
+    clash = sorted(set(held) & beside.writes)
+    if beside.allowed and not clash:
         log(f"{key}={folder}: writing beside its {len(held)} files ({listed(held)}), none of which it replaces")
         return
     why = (f"its {MARKER} is not a marker this tool wrote" if (folder / MARKER).exists() else
            f"it has no {MARKER}, so this is not a folder this tool wrote")
     raise UserError(f"{key}={str(folder)!r} holds files this tool did not write ({listed(held)}): {why}"
-                    + (f", and {listed(clash)} would be replaced" if beside else "")
-                    + f". Name a new or empty folder ({fresh})" + (f", {hint}" if hint and not clash else ""))
+                    + (f", and {listed(clash)} would be replaced" if beside.allowed else "")
+                    + f". Name a new or empty folder ({fresh})"
+                    + (f", {beside.hint}" if beside.hint and not clash else ""))
 
 
 def mark(folder: Path, kind: str, files: list[str] = ()) -> None:

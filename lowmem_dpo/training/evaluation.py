@@ -84,11 +84,12 @@ def sample_metrics(session: Session, step: int) -> dict:
     if not items:
         return {}
 
+    placement = samples.Placement(run.resolved.device, run.resolved.dtype, synced=run.resolved.sharded)
+
     def write(n: int) -> list:
         return [w for i in range(0, len(items), n) for w in samples.generate(
-            session.trainee.model, items[i:i + n], run.tokenizer, run.cfg.max_new_tokens, run.resolved.device,
-            run.resolved.dtype, shown=[run.prompts.get(item.row) for item in items[i:i + n]],
-            synced=run.resolved.sharded)]
+            session.trainee.model, items[i:i + n], run.tokenizer, run.cfg.max_new_tokens, placement,
+            shown=[run.prompts.get(item.row) for item in items[i:i + n]])]
 
     # At most SAMPLE_BATCH answers at a time: more samples judge the answers better, not at more memory
     written = with_backoff(session, write, min(len(items), SAMPLE_BATCH), "the samples")

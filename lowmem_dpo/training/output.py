@@ -76,9 +76,9 @@ def check_output_dir(cfg, stage: str) -> None:
     this tool, which is then marked); with overwrite_output_dir, a folder whose files have none of RUN_FILES'
     names. Anything else is refused, naming its files: nothing a user had is replaced."""
     kind = KIND[stage]
-    folders.check(Path(cfg.output_dir), kind, "output_dir", lambda folder: earlier_run(folder, kind), RUN_FILES,
-                  cfg.overwrite_output_dir, "or set overwrite_output_dir=true to write beside files whose names it "
-                  "does not use")
+    beside = folders.Beside(RUN_FILES, cfg.overwrite_output_dir, "or set overwrite_output_dir=true to write beside "
+                            "files whose names it does not use")
+    folders.check(Path(cfg.output_dir), kind, "output_dir", lambda folder: earlier_run(folder, kind), beside)
 
 
 def running(cfg, stage: str):

@@ -35,6 +35,32 @@ class Sample:
     rejected: str | None = None  # the data's rejected completion (a pair's; None for SFT's and KTO's rows)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where generation runs the model: on `device`, its compute in `dtype` (autocast); synced (fsdp: each forward
+    gathers from every process): every process runs forwards until all are done (generate's synced_gpus),
+    whatever token each met its end at."""
+
+    device: object  # a torch.device, or its name
+    dtype: torch.dtype
+    synced: bool = False
+
+
+@dataclass(frozen=True)
+class Drawing:
+    """How an answer's tokens are chosen: greedy (temperature 0), or sampled (sample)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __str__(self) -> str:
+        if self.temperature == 0:
+            return "greedy"
+        seed = "" if self.seed is None else f", seed {self.seed}"
+        return f"sampling at temperature {self.temperature:g}, top_p {self.top_p:g}{seed}"
+
+
 def _left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (B, T)
@@ -45,40 +71,39 @@ def _left_padded(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.T
     return ids.to(device), mask.to(device)
 
 
-def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None, pad_id: int, device,
-           dtype, synced: bool = False) -> list[list[int]]:
+def greedy(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None, pad_id: int,
+           placement: Placement) -> list[list[int]]:
     """Greedy completions of `prompts` (token ids), each cut before its first EOS, generated ids only.
 
     One left-padded batch through transformers' generate with the KV cache. The model runs in eval mode (no
     dropout; gradient checkpointing, which only acts in training mode, then leaves the cache on) and goes back to
-    its previous mode afterwards. synced (fsdp: each forward gathers from every process): every process runs
-    forwards until all are done (generate's synced_gpus), whatever token each met its end at."""
-    return _completions(model, prompts, eos_id, pad_id, device, dtype, synced, do_sample=False, num_beams=1,
+    its previous mode afterwards."""
+    return _completions(model, prompts, eos_id, pad_id, placement, do_sample=False, num_beams=1,
                         max_new_tokens=max_new_tokens)
 
 
-def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None, pad_id: int, device, dtype,
-           temperature: float, top_p: float = 1.0, seed: int | None = None) -> list[list[int]]:
+def sample(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None, pad_id: int,
+           placement: Placement, drawing: Drawing) -> list[list[int]]:
     """Sampled completions of `prompts`, as greedy's otherwise (the same batch, cache, mode and cuts): each token
-    drawn from the next-token distribution at `temperature`, within the smallest set of tokens whose probability
-    reaches `top_p` (1: every token; no top-k). temperature 0 is greedy. `seed`: the draws of torch's generator
-    seeded so (the same seed, the same answers; the global random state is left as it was); None: drawn from
-    torch's global generator as it stands."""
-    if temperature == 0:
-        return greedy(model, prompts, max_new_tokens, eos_id, pad_id, device, dtype)
-    draw = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, num_beams=1,
+    drawn from the next-token distribution at the drawing's temperature, within the smallest set of tokens whose
+    probability reaches its top_p (1: every token; no top-k). temperature 0 is greedy. Its seed: the draws of
+    torch's generator seeded so (the same seed, the same answers; the global random state is left as it was);
+    None: drawn from torch's global generator as it stands."""
+    if drawing.temperature == 0:
+        return greedy(model, prompts, max_new_tokens, eos_id, pad_id, placement)
+    draw = dict(do_sample=True, temperature=drawing.temperature, top_p=drawing.top_p, top_k=0, num_beams=1,
                 max_new_tokens=max_new_tokens)
-    if seed is None:
-        return _completions(model, prompts, eos_id, pad_id, device, dtype, **draw)
-    on = torch.device(device)
+    if drawing.seed is None:
+        return _completions(model, prompts, eos_id, pad_id, placement, **draw)
+    on = torch.device(placement.device)
     cuda = [on.index if on.index is not None else torch.cuda.current_device()] if on.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):  # the seeded draws, then the global state as it was
-        torch.manual_seed(seed)
-        return _completions(model, prompts, eos_id, pad_id, device, dtype, **draw)
+        torch.manual_seed(drawing.seed)
+        return _completions(model, prompts, eos_id, pad_id, placement, **draw)
 
 
-def _completions(model, prompts: list[list[int]], eos_id: int | None, pad_id: int, device, dtype,
-                 synced: bool = False, **settings) -> list[list[int]]:
+def _completions(model, prompts: list[list[int]], eos_id: int | None, pad_id: int, placement: Placement,
+                 **settings) -> list[list[int]]:
     """generate() of `prompts` under the GenerationConfig of `settings` alone (greedy's doc), each completion cut
     before its first EOS."""
     from transformers import GenerationConfig
@@ -91,13 +116,13 @@ def _completions(model, prompts: list[list[int]], eos_id: int | None, pad_id: in
     # checkpoint ships.
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PeftModel -> transformers
     config = GenerationConfig(use_cache=True, eos_token_id=eos_id, pad_token_id=pad_id, **settings)
-    ids, mask = _left_padded(prompts, pad_id, device)
+    ids, mask = _left_padded(prompts, pad_id, placement.device)
     saved_config = hf_model.generation_config
     hf_model.generation_config = GenerationConfig()
     try:
-        with torch.no_grad(), devices.autocast(device, dtype), eval_mode(model):
+        with torch.no_grad(), devices.autocast(placement.device, placement.dtype), eval_mode(model):
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                 synced_gpus=synced)  # (B, T + new)
+                                 synced_gpus=placement.synced)  # (B, T + new)
     finally:
         hf_model.generation_config = saved_config
     completions = []
@@ -107,14 +132,13 @@ def _completions(model, prompts: list[list[int]], eos_id: int | None, pad_id: in
     return completions
 
 
-def generate(model, items: list, tokenizer, max_new_tokens: int, device, dtype,
-             shown: list[str | None] | None = None, synced: bool = False) -> list[Sample]:
+def generate(model, items: list, tokenizer, max_new_tokens: int, placement: Placement,
+             shown: list[str | None] | None = None) -> list[Sample]:
     """Greedy samples for `items` (data.TokenizedPair, or data.TokenizedCompletion whose completion stands as
     chosen), decoded without special tokens. `shown`: each item's prompt as the log shows it (a conversation's last
     user message: data.shown_prompt); None (or a None entry): the prompt's tokens decoded."""
     prompts = [item.prompt_ids for item in items]
-    outs = greedy(model, prompts, max_new_tokens, tokenizer.eos_token_id, data.pad_token_id(tokenizer), device,
-                  dtype, synced)
+    outs = greedy(model, prompts, max_new_tokens, tokenizer.eos_token_id, data.pad_token_id(tokenizer), placement)
     samples = []
     for item, ids, text in zip(items, outs, shown or [None] * len(items)):
         chosen = item.chosen_ids if isinstance(item, data.TokenizedPair) else item.completion_ids

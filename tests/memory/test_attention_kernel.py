@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from lowmem_dpo.memory.attention import (
+    AttentionShape,
+    Card,
     _math_bytes,
     attention_saved_bytes,
     attention_scores_bytes,
@@ -30,8 +32,8 @@ MISTRAL = dict(heads=32, kv_heads=8, head_dim=128)
 PAIRS_2 = 4
 
 
-def kernel(cap, dtype="bfloat16", gqa=True, mask=False, head_dim=128, length=1024, grad=True, **kw):
-    return sdpa_kernel(cap, dtype, gqa, mask, head_dim, length, grad, **kw)
+def kernel(cap, dtype="bfloat16", gqa=True, mask=False, head_dim=128, length=1024, grad=True, **card):
+    return sdpa_kernel(Card(cap, **card), dtype, gqa, mask, head_dim, length, grad)
 
 
 # -- which kernel ---------------------------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def test_memory_efficient_gqa_as_on_torch_main():
 def test_the_installed_torch_is_the_one_the_rules_follow():
     """The rules are torch 2.11-2.13's: the installed torch's own sdp_utils_cpp.h (shipped in the wheel) has the
     two-argument check_batch_size_and_num_heads_dense, without the supports_mqa that came with memory-efficient GQA.
-    A torch with it needs sdpa_kernel(..., mem_efficient_gqa=True) and this module's table read again."""
+    A torch with it needs sdpa_kernel(Card(..., mem_efficient_gqa=True), ...) and this module's table read again."""
     header = Path(torch.__file__).parent / "include/ATen/native/transformers/sdp_utils_cpp.h"
     if not header.exists():
         pytest.skip("this torch ships no ATen headers")
@@ -132,46 +134,49 @@ def test_unknown_arguments_are_refused():
     with pytest.raises(ValueError):
         kernel(A100, "int8")
     with pytest.raises(ValueError):
-        attention_scores_bytes("eager", 1, 1, 8, 2, True)
+        attention_scores_bytes("eager", AttentionShape(1, 1, 8, 2), True)
 
 
 # -- what each kernel holds -----------------------------------------------------------------------------------------
 def test_math_bytes_for_mistral_at_1024_and_2048_tokens():
     """The issue's 1.5-2 GiB at 1,024 tokens (a micro-batch of 2 pairs: 4 sequences), the scores 4x at 2,048."""
-    at_1k = attention_scores_bytes("math", PAIRS_2, 32, 1024, 2, True, head_dim=128, kv_heads=8)
-    at_2k = attention_scores_bytes("math", PAIRS_2, 32, 2048, 2, True, head_dim=128, kv_heads=8)
+    at_1k = attention_scores_bytes("math", AttentionShape(PAIRS_2, 32, 1024, 2, head_dim=128, kv_heads=8), True)
+    at_2k = attention_scores_bytes("math", AttentionShape(PAIRS_2, 32, 2048, 2, head_dim=128, kv_heads=8), True)
     assert 1.5 * GiB <= at_1k <= 2 * GiB
     assert at_1k == int(1.6875 * GiB)  # backward: float32 softmax, dP, dS (12 bytes an element) + O(T*D) copies
     assert 3.5 * at_1k < at_2k <= 4 * at_1k  # the O(T*D) float32 copies grow 2x
-    scores_1k = attention_scores_bytes("math", PAIRS_2, 32, 1024, 2, True, causal=False)
+    scores_1k = attention_scores_bytes("math", AttentionShape(PAIRS_2, 32, 1024, 2), True, causal=False)
     assert scores_1k == PAIRS_2 * 32 * 1024 * 1024 * 12 == int(1.5 * GiB)
-    assert attention_scores_bytes("math", PAIRS_2, 32, 2048, 2, True, causal=False) == 4 * scores_1k
+    assert attention_scores_bytes("math", AttentionShape(PAIRS_2, 32, 2048, 2), True, causal=False) == 4 * scores_1k
     # forward alone (no gradients): scores, softmax, a bool: 9 bytes an element; 2 sequences: half
-    assert attention_scores_bytes("math", PAIRS_2, 32, 1024, 2, False, causal=False) == PAIRS_2 * 32 * 1024**2 * 9
-    assert attention_scores_bytes("math", 2, 32, 1024, 2, True, causal=False) == scores_1k // 2
+    assert attention_scores_bytes("math", AttentionShape(PAIRS_2, 32, 1024, 2), False, causal=False) \
+        == PAIRS_2 * 32 * 1024**2 * 9
+    assert attention_scores_bytes("math", AttentionShape(2, 32, 1024, 2), True, causal=False) == scores_1k // 2
     # kept for backward per layer: the float32 softmax, and with head_dim float32 q, k^T and the repeated v
-    assert attention_saved_bytes("math", PAIRS_2, 32, 1024, 2) == PAIRS_2 * 32 * 1024**2 * 4
-    assert attention_saved_bytes("math", PAIRS_2, 32, 1024, 2, **{k: MISTRAL[k] for k in ("head_dim", "kv_heads")}) \
+    assert attention_saved_bytes("math", AttentionShape(PAIRS_2, 32, 1024, 2)) == PAIRS_2 * 32 * 1024**2 * 4
+    mistral = AttentionShape(PAIRS_2, 32, 1024, 2, **{k: MISTRAL[k] for k in ("head_dim", "kv_heads")})
+    assert attention_saved_bytes("math", mistral) \
         == PAIRS_2 * 32 * 1024 * (1024 + 3 * 128) * 4
 
 
 def test_fused_kernels_hold_rows_linear_in_length():
     for k in ("flash", "memory-efficient", "cuDNN"):
         for grad in (True, False):
-            b1 = attention_scores_bytes(k, PAIRS_2, 32, 1024, 2, grad, head_dim=128, kv_heads=8)
-            b2 = attention_scores_bytes(k, PAIRS_2, 32, 2048, 2, grad, head_dim=128, kv_heads=8)
+            b1 = attention_scores_bytes(k, AttentionShape(PAIRS_2, 32, 1024, 2, head_dim=128, kv_heads=8), grad)
+            b2 = attention_scores_bytes(k, AttentionShape(PAIRS_2, 32, 2048, 2, head_dim=128, kv_heads=8), grad)
             assert b2 == 2 * b1
-            assert b1 < attention_scores_bytes("math", PAIRS_2, 32, 1024, 2, grad) / 10
+            assert b1 < attention_scores_bytes("math", AttentionShape(PAIRS_2, 32, 1024, 2), grad) / 10
     # the logsumexp: float32 (N, H, T); memory-efficient's rows rounded up to 32
-    assert attention_saved_bytes("flash", PAIRS_2, 32, 1024, 2) == PAIRS_2 * 32 * 1024 * 4
-    assert attention_saved_bytes("memory-efficient", 1, 1, 1000, 2) == 1024 * 4
-    assert attention_scores_bytes("flash", PAIRS_2, 32, 1024, 2, False) == PAIRS_2 * 32 * 1024 * 4
-    assert attention_scores_bytes("memory-efficient", PAIRS_2, 32, 1024, 2, False) == 0
+    assert attention_saved_bytes("flash", AttentionShape(PAIRS_2, 32, 1024, 2)) == PAIRS_2 * 32 * 1024 * 4
+    assert attention_saved_bytes("memory-efficient", AttentionShape(1, 1, 1000, 2)) == 1024 * 4
+    assert attention_scores_bytes("flash", AttentionShape(PAIRS_2, 32, 1024, 2), False) == PAIRS_2 * 32 * 1024 * 4
+    assert attention_scores_bytes("memory-efficient", AttentionShape(PAIRS_2, 32, 1024, 2), False) == 0
 
 
 def test_repeat_kv_costs_k_and_v_at_every_head():
     assert repeat_kv_bytes(PAIRS_2, 32, 8, 1024, 128, 2) == 2 * PAIRS_2 * 24 * 1024 * 128 * 2  # 48 MiB
-    assert repeat_kv_bytes(PAIRS_2, 32, 8, 1024, 128, 2) < attention_scores_bytes("math", PAIRS_2, 32, 1024, 2, True) / 20
+    scores = attention_scores_bytes("math", AttentionShape(PAIRS_2, 32, 1024, 2), True)
+    assert repeat_kv_bytes(PAIRS_2, 32, 8, 1024, 128, 2) < scores / 20
 
 
 # -- the math kernel's bytes, measured ------------------------------------------------------------------------------
@@ -223,12 +228,13 @@ def test_math_bytes_match_torchs_math_kernel_on_cpu(dtype, kv, grad):
     forward, kept, backward = _measure_math(dtype, n, h, kv, t, d, grad)
     s = torch.tensor([], dtype=dtype).element_size()
     slack = n * h * t + 1024  # _safe_softmax's (N, H, T, 1) bool row flags, 0-d scalars
-    terms = _math_bytes(n, h, kv, t, d, s, grad, True)  # (forward peak, kept, backward peak), term by term
+    shape = AttentionShape(n, h, t, s, head_dim=d, kv_heads=kv)
+    terms = _math_bytes(shape, grad, True)  # (forward peak, kept, backward peak), term by term
     assert all(abs(m - p) <= slack for m, p in zip((forward, kept, backward), terms)), ((forward, kept, backward), terms)
-    predicted = attention_scores_bytes("math", n, h, t, s, grad, head_dim=d, kv_heads=kv)
+    predicted = attention_scores_bytes("math", shape, grad)
     assert abs(max(forward, backward) - predicted) <= slack
     if grad:
-        assert kept == attention_saved_bytes("math", n, h, t, s, head_dim=d, kv_heads=kv)
+        assert kept == attention_saved_bytes("math", shape)
     assert forward > n * h * t * t * 9  # the (N, H, T, T) float32 scores and softmax and a bool, at once
 
 

@@ -11,6 +11,7 @@ from conftest import TINY_DATA, build_tiny_model, cached, stored_sequences
 
 from lowmem_dpo import data, precompute, sft, train
 from lowmem_dpo.model import headcheck, logps
+from lowmem_dpo.model.head import Tile
 from lowmem_dpo.model.logps import Head, completion_logps, head_of
 from lowmem_dpo.model.models import load_model
 from lowmem_dpo.runtime.errors import UserError
@@ -80,7 +81,7 @@ def test_logps_equal_the_models_own_forward(name, arch_dir, tokenizer, monkeypat
     batch = data.collate(pairs, data.pad_token_id(tokenizer))
     with torch.no_grad():
         want = own_logps(model, batch)
-        got = completion_logps(model, batch, chunk_tokens=7, chunk_vocab=100)  # the head's tiles: 7 tokens x 100 entries of the 461
+        got = completion_logps(model, batch, tile=Tile(7, 100))  # the head's tiles: 7 tokens x 100 entries of the 461
         assert torch.allclose(got.logps, want, atol=1e-4, rtol=0), (got.logps - want).abs().max()
         if name in TRANSFORMED:  # the transform matters: a plain head would be off by far more than 1e-4
             monkeypatch.setitem(logps.HEADS, name, logps._plain)

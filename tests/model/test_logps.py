@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lowmem_dpo import data
+from lowmem_dpo.model.head import Tile
 from lowmem_dpo.model.logps import completion_logps
 from lowmem_dpo.model.models import load_model
 
@@ -35,7 +36,7 @@ def test_chunked_equals_full_log_softmax(model, tokenizer, chunk, entries):
     """Tiles of `chunk` rows x `entries` vocabulary entries (the tiny vocabulary is 461: 100 makes 5 tiles, the
     online logsumexp across them): the full log-softmax's sums, in float64."""
     batch = data.collate(some_pairs(tokenizer), 0)
-    got = completion_logps(model, batch, chunk_tokens=chunk, chunk_vocab=entries)
+    got = completion_logps(model, batch, tile=Tile(chunk, entries))
     want = naive_logps(model, batch)
     assert got.logps.dtype == torch.float64
     assert torch.allclose(got.logps, want.double(), atol=1e-4, rtol=1e-5)
@@ -52,7 +53,7 @@ def test_gradients_match_unchunked(tiny_path, tokenizer, chunk, entries):
     m = get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     batch = data.collate(some_pairs(tokenizer, 4), 0)
     params = [p for p in m.parameters() if p.requires_grad]
-    got = completion_logps(m, batch, chunk_tokens=chunk, chunk_vocab=entries)
+    got = completion_logps(m, batch, tile=Tile(chunk, entries))
     g1 = torch.autograd.grad(got.logps.sum(), params)
     want = naive_logps(m, batch)
     g2 = torch.autograd.grad(want.sum(), params)
@@ -73,7 +74,7 @@ def test_trl_fused_head_equals_ours(model, tokenizer, weighting):
     head, lm_head = Head(scale=0.5, softcap=3.0), model.get_output_embeddings()
     h = torch.randn(300, lm_head.in_features, generator=torch.Generator().manual_seed(0), requires_grad=True)
     labels = torch.randint(0, lm_head.out_features, (300,), generator=torch.Generator().manual_seed(1))
-    ours, ours_aligned = chunked_head(lm_head, head, h, labels, 128, weighting, 200)
+    ours, ours_aligned = chunked_head(lm_head, head, h, labels, Tile(128, 200), weighting)
     theirs, theirs_aligned = kernel(h, lm_head.weight, None, labels, head.scale, head.softcap, weighting)
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
     if weighting:
@@ -125,7 +126,7 @@ def test_wpo_aligned_sums_equal_the_full_distribution_s(model, tokenizer, shared
     tok = logp.gather(-1, plain.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (N, T-1)
     want = ((tok - torch.logsumexp(2 * logp, dim=-1)) * plain.completion_mask[:, 1:]).sum(-1)  # (N,)
     batch = data.collate_shared(pairs, 0) if shared else plain
-    got = completion_logps(model, batch, chunk_tokens=7, weighting=True)
+    got = completion_logps(model, batch, tile=Tile(7), weighting=True)
     assert torch.allclose(got.aligned, want.double(), atol=1e-4, rtol=1e-5) and not got.aligned.requires_grad
     assert torch.allclose(got.logps, naive_logps(model, plain).double(), atol=1e-4, rtol=1e-5)
 
@@ -151,7 +152,7 @@ def test_ld_alpha_weights_the_tokens_beyond_the_shorter_completion(model, tokeni
     want = (tok * (on - beyond)).sum(1) + 0.25 * (tok * beyond).sum(1)  # (N,)
     assert beyond.sum() > 0 and not torch.allclose(want, (tok * on).sum(1))
     batch = data.collate_shared(pairs, 0) if shared else plain
-    got = completion_logps(model, batch, chunk_tokens=7, ld_alpha=0.25)
+    got = completion_logps(model, batch, tile=Tile(7), ld_alpha=0.25)
     assert torch.allclose(got.logps, want.double(), atol=1e-4, rtol=1e-5)
     assert got.n_tokens.tolist() == counts.long().tolist()
 

@@ -131,7 +131,7 @@ def test_a_model_that_cannot_pack_is_refused_or_falls_back(tiny_path, pairs, cap
     from transformers import AutoModelForCausalLM
 
     eager = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32, attn_implementation="eager")
-    args = (pairs, data.collate, 0, torch.device("cpu"), torch.float32)
+    args = (data.collate(pairs[:headcheck.CHECK_ROWS], 0), torch.device("cpu"), torch.float32)
     with pytest.raises(UserError, match="padding_free=true: this model cannot run packed rows: its attention "
                                         "implementation is 'eager'"):
         headcheck.decide_packing(eager, *args, True, 64, False)

@@ -198,5 +198,6 @@ def test_the_chosen_answer_is_cut_at_its_end_of_turn_as_the_samples_are(peft_mod
     eos = tokenizer.eos_token_id
     item = data.TokenizedPair(row=0, prompt_ids=tokenizer("Write a review.")["input_ids"],
                               chosen_ids=[5, 6, eos, 7], rejected_ids=[8])
-    sample = samples.generate(peft_model, [item], tokenizer, 4, torch.device("cpu"), torch.float32)[0]
+    placement = samples.Placement(torch.device("cpu"), torch.float32)
+    sample = samples.generate(peft_model, [item], tokenizer, 4, placement)[0]
     assert sample.chosen_ids == [5, 6] and eos not in sample.ids

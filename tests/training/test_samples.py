@@ -186,7 +186,8 @@ def argmax_loop(model, prompt: list[int], max_new_tokens: int, eos_id: int | Non
 
 def greedy(model, prompts, tokenizer, max_new_tokens=24, eos_id="tokenizer"):
     eos = tokenizer.eos_token_id if eos_id == "tokenizer" else eos_id
-    return samples.greedy(model, prompts, max_new_tokens, eos, data.pad_token_id(tokenizer), CPU, torch.float32)
+    return samples.greedy(model, prompts, max_new_tokens, eos, data.pad_token_id(tokenizer),
+                          samples.Placement(CPU, torch.float32))
 
 
 def test_greedy_is_the_argmax_of_the_model_and_batching_changes_nothing(lora_model, pairs, tokenizer):
@@ -262,7 +263,7 @@ def test_a_4bit_base_with_lora_generates(tmp_path, tiny_path, tokenizer, pairs):
 
 
 def test_generate_decodes_pairs_and_completions(lora_model, pairs, tokenizer):
-    got = samples.generate(lora_model, pairs[:2], tokenizer, 12, CPU, torch.float32)
+    got = samples.generate(lora_model, pairs[:2], tokenizer, 12, samples.Placement(CPU, torch.float32))
     ids = greedy(lora_model, [p.prompt_ids for p in pairs[:2]], tokenizer, max_new_tokens=12)
     for s, p, i in zip(got, pairs, ids):
         assert s.ids == i
@@ -271,10 +272,10 @@ def test_generate_decodes_pairs_and_completions(lora_model, pairs, tokenizer):
         assert s.chosen == tokenizer.decode(p.chosen_ids, skip_special_tokens=True) and s.chosen.strip()
     sft_items = data.tokenize_completions(data.load_rows(str(TINY_DATA)).select(range(2)), tokenizer, 64, None,
                                           progress=False).pairs
-    got = samples.generate(lora_model, sft_items, tokenizer, 12, CPU, torch.float32)
+    got = samples.generate(lora_model, sft_items, tokenizer, 12, samples.Placement(CPU, torch.float32))
     assert [s.chosen for s in got] == [tokenizer.decode(c.completion_ids, skip_special_tokens=True)
                                        for c in sft_items]
-    assert samples.generate(lora_model, [], tokenizer, 12, CPU, torch.float32) == []
+    assert samples.generate(lora_model, [], tokenizer, 12, samples.Placement(CPU, torch.float32)) == []
 
 
 # -- samples.jsonl -------------------------------------------------------------------------------------------------
