@@ -237,15 +237,15 @@ def chunk_with_backoff(reference: ReferenceForward, chunk: list[list[data.Tokeni
         bar.n = start  # a retry computes the chunk from its start
         return units_logps(reference, chunk, size * rows_per_pair, bar), size
 
-    return oom.halving_on_oom(
-        attempt, batch, reference.resolved.device,
+    said = oom.Said(
         lambda n: f"out of memory in precompute: retrying with precompute_batch_size={n}",
         "out of memory in precompute with 1 pair per forward: lower max_length, or set ref_quantization=4bit "
         "(lowmem-dpo plan RECIPE.yaml shows what fits); the sequences computed so far are kept, and the "
         "rerun computes only the rest",
-        collective=sharding.oom_message("precompute_batch_size or max_length", reference.resolved.shard_offload,
-                                        "the sequences computed so far are kept, and the rerun computes only the "
-                                        "rest") if reference.resolved.sharded else None)
+        sharding.oom_message("precompute_batch_size or max_length", reference.resolved.shard_offload,
+                             "the sequences computed so far are kept, and the rerun computes only the rest")
+        if reference.resolved.sharded else None)
+    return oom.halving_on_oom(attempt, batch, reference.resolved.device, said)
 
 
 def load_model(cfg: Config, resolved: devices.Resolved, prepared: inputs.Inputs, sequences: int):

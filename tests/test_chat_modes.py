@@ -95,7 +95,7 @@ def test_a_mixture_records_each_source_s_format(tokenizer, tmp_path):
     def formats(*paths) -> list[str]:
         mix = data.load_mixture([Source(str(p)) for p in paths], "train", 0, None, data.load_rows)
         return data.tokenize_mixture(mix, lambda rows, spec, where: data.tokenize_rows(
-            rows, tokenizer, 64, None, spec=spec, progress=False, where=where)).formats
+            rows, tokenizer, 64, None, spec=data.Named(spec, where), progress=False)).formats
 
     assert formats(text) == ["text"] and formats(turns) == ["conversation"]
     assert formats(turns, text) == ["conversation", "text"]

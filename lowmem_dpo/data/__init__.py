@@ -33,6 +33,7 @@ from lowmem_dpo.data.batch import (
 from lowmem_dpo.data.encode import (
                                    SKIPS,
                                    TRUNCATIONS,
+                                   Named,
                                    TokenizedCompletion,
                                    TokenizedData,
                                    TokenizedPair,
@@ -47,7 +48,7 @@ from lowmem_dpo.data.mix import Mixture, load_mixture, tokenize_mixture
 from lowmem_dpo.data.rows import REQUIRED, data_files, load_rows
 from lowmem_dpo.data.split import held_out, holdout_rows, prompt_keys, shown_prompt
 
-__all__ = ["Batch", "Layout", "PACK_MIN_PADDING", "Packed", "pack", "by_length", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "TRUNCATIONS", "TokenizedCompletion",
+__all__ = ["Batch", "Layout", "PACK_MIN_PADDING", "Packed", "pack", "by_length", "collate", "collate_completions", "collate_shared", "pad_token_id", "SKIPS", "Named", "TRUNCATIONS", "TokenizedCompletion",
            "TokenizedData", "TokenizedPair", "check_skips", "kept", "skip_reasons", "Kept", "losses_over", "nearest_rank", "tokenize_completions", "tokenize_rows",
            "REQUIRED", "data_files", "load_rows", "held_out", "holdout_rows",
            "prompt_keys", "shown_prompt", "Mixture", "load_mixture", "tokenize_mixture"]

@@ -80,6 +80,21 @@ class Tokenizing:
     where: Callable[[int], str]
 
 
+@dataclass(frozen=True)
+class Named:
+    """A dataset's rows as messages name them: the dataset (`spec`: its path or name) and where(i), row i's place
+    there (a mixture's rows: their source's file and line)."""
+
+    spec: str
+    where: Callable[[int], str] | None = None  # None: by their place in spec (rows.row_locator)
+
+
+def named(spec: "str | Named", rows: int) -> Named:
+    """`spec` as Named, its `where` filled: a path or name's rows by their place in it (rows.row_locator)."""
+    spec = spec if isinstance(spec, Named) else Named(spec)
+    return spec if spec.where is not None else Named(spec.spec, row_locator(spec.spec, rows))
+
+
 @dataclass
 class Tally:
     """What tokenizing a dataset leaves out and cuts, filled chunk by chunk: the rows skipped, by reason (SKIPS);
@@ -172,15 +187,14 @@ def _split_prompt(prompt: list[int], full: list[list[int]], max_length: int, max
     return prompt_ids, [c[:room] for c in completions], prompt_cut, [len(c) > room for c in completions]
 
 
-def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None, spec: str = "dataset",
-                  progress: bool = True, strict: bool = False, where: Callable[[int], str] | None = None
-                  ) -> TokenizedData:
+def tokenize_rows(ds, tokenizer, max_length: int, max_prompt_length: int | None, spec: str | Named = "dataset",
+                  progress: bool = True, strict: bool = False) -> TokenizedData:
     """Tokenize every row (TRL 1.16 conventions, see module doc), in dataset order. Structural problems are
     UserErrors; unusable rows are skipped and logged (SKIPS), or refused with `strict`; so is every row skipped."""
     _eos_text(tokenizer)
-    # `where`: a mixture's rows name their place in their source
-    tokenizing = Tokenizing(tokenizer, max_length, max_prompt_length, spec, where or row_locator(spec, len(ds)))
-    where = tokenizing.where
+    rows = named(spec, len(ds))  # a mixture's rows name their place in their source
+    tokenizing = Tokenizing(tokenizer, max_length, max_prompt_length, rows.spec, rows.where)
+    spec, where = rows.spec, rows.where
     pairs: list[TokenizedPair] = []
     tally = Tally({reason: [] for reason in SKIPS}, {part: [] for part in TRUNCATIONS})
     for checked, kind in _checked_chunks(ds, spec, where, REQUIRED, progress):
@@ -333,17 +347,17 @@ def _encode_completions(usable: list[tuple[int, dict]], column: str, tokenizer, 
     return list(zip(enc[:len(rows)], enc[len(rows):]))
 
 
-def tokenize_completions(ds, tokenizer, max_length: int, max_prompt_length: int | None, spec: str = "dataset",
-                         progress: bool = True, strict: bool = False, where: Callable[[int], str] | None = None
-                         ) -> TokenizedData:
+def tokenize_completions(ds, tokenizer, max_length: int, max_prompt_length: int | None,
+                         spec: str | Named = "dataset", progress: bool = True, strict: bool = False) -> TokenizedData:
     """SFT rows: prompt + completion (or chosen), tokenized as tokenize_rows tokenizes a chosen completion (text:
     EOS appended unless there, as TRL's SFTTrainer does; conversations: the chat template), so the SFT model's
     completion is the sequence the DPO stage scores. Rows with an empty prompt or completion, or whose prompt
     alone reaches max_length, are skipped and logged (strict: refused)."""
     _eos_text(tokenizer)
+    rows = named(spec, len(ds))  # a mixture's rows name their place in their source
+    spec = rows.spec
     column = sft_column(ds, spec)
-    # `where`: a mixture's rows name their place in their source
-    tokenizing = Tokenizing(tokenizer, max_length, max_prompt_length, spec, where or row_locator(spec, len(ds)))
+    tokenizing = Tokenizing(tokenizer, max_length, max_prompt_length, spec, rows.where)
     items: list[TokenizedCompletion] = []
     tally = Tally({"empty_completion": [], "prompt_too_long": []}, {COMPLETION: []})
     for checked, kind in _checked_chunks(ds, spec, tokenizing.where, ("prompt", column), progress):

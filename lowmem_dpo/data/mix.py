@@ -2,7 +2,7 @@
 tokenize each source's rows on their own, so that a message about a row names its source's file and line.
 
     mix = load_mixture(cfg.dataset, cfg.dataset_split, cfg.seed, cfg.max_train_samples, data.load_rows)
-    tok = tokenize_mixture(mix, lambda rows, spec, where: data.tokenize_rows(rows, ..., spec=spec, where=where))
+    tok = tokenize_mixture(mix, lambda rows, spec, where: data.tokenize_rows(rows, ..., spec=data.Named(spec, where)))
 
 Which rows (docs/data.md, Mixtures): a row's score is sha256 of the seed and the row's content (its JSON, keys sorted,
 null values left out, so a column that only other rows have does not change it). A source with a fraction or a

@@ -17,10 +17,10 @@ over its own rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 from lowmem_dpo.data.encode import (
     COMPLETION,
+    Named,
     Tally,
     TokenizedData,
     TokenizedPair,
@@ -29,8 +29,8 @@ from lowmem_dpo.data.encode import (
     _checked_result,
     _eos_text,
     completion_rows,
+    named,
 )
-from lowmem_dpo.data.rows import row_locator
 from lowmem_dpo.objectives.kto import kl_partners
 from lowmem_dpo.runtime.errors import UserError
 
@@ -75,12 +75,12 @@ def _label(row: dict, spec: str, where: str) -> bool:
     return value
 
 
-def tokenize_unpaired(ds, tokenizer, max_length: int, max_prompt_length: int | None, spec: str = "dataset",
-                      progress: bool = True, strict: bool = False, where: Callable[[int], str] | None = None
-                      ) -> TokenizedData:
+def tokenize_unpaired(ds, tokenizer, max_length: int, max_prompt_length: int | None, spec: str | Named = "dataset",
+                      progress: bool = True, strict: bool = False) -> TokenizedData:
     """Every row of `ds` as KTO rows (module doc), in TRL's order; skips logged (strict: refused)."""
     _eos_text(tokenizer)
-    where = where or row_locator(spec, len(ds))
+    rows = named(spec, len(ds))  # a mixture's rows name their place in their source
+    spec, where = rows.spec, rows.where
     tokenizing = Tokenizing(tokenizer, max_length, max_prompt_length, spec, where)
     columns = ("chosen", "rejected") if paired(ds) else ("completion",)
     items: list[TokenizedUnpaired] = []

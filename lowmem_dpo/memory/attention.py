@@ -3,7 +3,7 @@ kernel holds beyond q, k, v and its output: pure functions of numbers (no torch,
 counts the (batch, heads, T, T) scores where, and only where, they exist.
 
     sdpa_kernel(Card((7, 5)), "float16", gqa=True, mask=False, head_dim=128, length=1024, grad=True)  # "math"
-    expand_kv((7, 5), "float16", gqa=True, mask=False, head_dim=128)                                # True
+    expand_kv(Card((7, 5)), "float16", gqa=True, mask=False, head_dim=128)                          # True
     attention_scores_bytes("math", AttentionShape(batch=4, heads=32, length=1024, dtype_bytes=2, head_dim=128,
                                                   kv_heads=8), grad=True)                          # 1.69 GiB
 
@@ -156,9 +156,8 @@ def sdpa_kernel(card: Card, dtype: str, gqa: bool, mask: bool, head_dim: int, le
     return "math"
 
 
-def expand_kv(capability: tuple[int, int], dtype: str, gqa: bool, mask: bool, head_dim: int, *,
-              grad: bool = True, length: int = 1024, cudnn: int | None = None,
-              mem_efficient_gqa: bool = False) -> bool:
+def expand_kv(card: Card, dtype: str, gqa: bool, mask: bool, head_dim: int, *, grad: bool = True,
+              length: int = 1024) -> bool:
     """Whether repeating the k/v heads to every query head before SDPA (transformers' repeat_kv, so that enable_gqa
     is off) gets a fused kernel where GQA as is falls to math: a T4 (sm75) in float16, where flash and cuDNN need sm80
     and the memory-efficient kernel takes no GQA; any card in float32; head_dim > 256. The cost: k and v at every
@@ -166,7 +165,6 @@ def expand_kv(capability: tuple[int, int], dtype: str, gqa: bool, mask: bool, he
     and where the expanded call falls to math too (bfloat16 on a T4: the memory-efficient kernel wants sm80)."""
     if not gqa:
         return False
-    card = Card(capability, cudnn, mem_efficient_gqa)
     as_is = sdpa_kernel(card, dtype, True, mask, head_dim, length, grad)
     expanded = sdpa_kernel(card, dtype, False, mask, head_dim, length, grad)
     return as_is == "math" and expanded != "math"
@@ -265,8 +263,9 @@ def cuda_attention(arch: Arch, setup: Setup, seq_len: int, masked: bool, grad: b
     if setup.device != "cuda" or arch.eager_attention:
         return None, gqa and masked
     card = (8, 0) if setup.kind.endswith("-bf16") else (7, 5)
+    card = Card(card)
     expand = gqa and (masked or expand_kv(card, setup.dtype, gqa, masked, arch.head_dim, grad=grad, length=seq_len))
-    return sdpa_kernel(Card(card), setup.dtype, gqa and not expand, masked, arch.head_dim, seq_len, grad), expand
+    return sdpa_kernel(card, setup.dtype, gqa and not expand, masked, arch.head_dim, seq_len, grad), expand
 
 
 def math_kept(arch: Arch, setup: Setup, n_seq: int, seq_len: int, masked: bool) -> tuple[int, int]:

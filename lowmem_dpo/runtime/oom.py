@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -49,14 +51,23 @@ def out_of_memory_means(message: str):
         raise UserError(message) from None
 
 
-def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: str, cleanup=None, any_rank=None,
-                   collective: str | None = None):
+@dataclass(frozen=True)
+class Said:
+    """What halving_on_oom says: each retry's log line (retrying(new size)), the UserError when out of memory at 1
+    (exhausted), and where the attempt's forwards are collectives (fsdp), which a process cannot leave alone, the
+    UserError at the first out of memory (collective; the launcher ends the others); None: not so."""
+
+    retrying: Callable[[int], str]
+    exhausted: str
+    collective: str | None = None
+
+
+def halving_on_oom(run, size: int, device: torch.device, said: Said, cleanup=None, any_rank=None):
     """run(size), retried at half the size on out-of-memory, down to 1: `cleanup()` (e.g. drop a partial step's
-    gradients) and the cached blocks released before each retry, whose log line is retrying(new size). Out of
-    memory at 1 raises UserError(exhausted). `any_rank(failed)` says whether any process failed
-    (distributed.any_rank; `run` makes no collective call): then every process retries at the same size. None: one
-    process, whose own failure decides. collective: `run`'s forwards are collectives (fsdp), which a process
-    cannot leave alone: out of memory raises UserError(collective) at once, and the launcher ends the others."""
+    gradients) and the cached blocks released before each retry, whose log line is said.retrying(new size). Out of
+    memory at 1 raises UserError(said.exhausted); with said.collective, the first one raises it. `any_rank(failed)`
+    says whether any process failed (distributed.any_rank; `run` makes no collective call): then every process
+    retries at the same size. None: one process, whose own failure decides."""
     while True:
         failed = False
         try:
@@ -66,17 +77,17 @@ def halving_on_oom(run, size: int, device: torch.device, retrying, exhausted: st
                 raise
             seen_out_of_memory(e)
             del e  # its traceback holds the failed attempt's tensors
-            if collective:
-                raise UserError(collective) from None
+            if said.collective:
+                raise UserError(said.collective) from None
             failed = True
         if (failed if any_rank is None else any_rank(failed)):
             if cleanup is not None:
                 cleanup()
             release_memory(device)
             if size == 1:
-                raise UserError(exhausted) from None
+                raise UserError(said.exhausted) from None
             size = max(1, size // 2)
-            log(retrying(size))
+            log(said.retrying(size))
         else:
             return result
 

@@ -43,15 +43,15 @@ def with_backoff(session: Session, attempt, size: int, what: str, every_rank: bo
     """attempt(size), retried at half the size (down to 1) on out-of-memory (oom.halving_on_oom): the eval's
     micro-batches and the samples' batch can meet a fuller GPU than the training step did. every_rank: every
     process runs it, and all retry when one runs out (the eval); else rank 0 alone (the samples)."""
-    return oom.halving_on_oom(
-        attempt, size, session.run.resolved.device,
+    said = oom.Said(
         retrying=lambda n: f"out of memory in {what} at step {session.progress.step}: retrying {n} at a time",
         exhausted=f"out of memory in {what} at step {session.progress.step}, one at a time; lower eval_max_pairs, "
                   "eval_generations or max_new_tokens (the last checkpoint is intact)",
-        any_rank=distributed.any_rank if every_rank else None,
         collective=sharding.oom_message("eval_max_pairs, eval_generations or max_new_tokens",
                                         session.run.resolved.shard_offload, "the last checkpoint is intact")
         if session.run.resolved.sharded else None)
+    return oom.halving_on_oom(attempt, size, session.run.resolved.device, said,
+                              any_rank=distributed.any_rank if every_rank else None)
 
 
 def sample_items(items: list, n: int) -> list:

@@ -246,8 +246,8 @@ def _tokenize(cfg: Config, tokenizer, sources: list[Source], split: str, progres
     tokenize = data.tokenize_completions if sft else unpaired.tokenize_unpaired if rows else data.tokenize_rows
     mix = data.load_mixture(sources, split, cfg.seed, cap, load)
     return mix, data.tokenize_mixture(mix, lambda rows, spec, where: tokenize(
-        rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=spec, progress=progress, strict=cfg.strict,
-        where=where))
+        rows, tokenizer, cfg.max_length, cfg.max_prompt_length, spec=data.Named(spec, where), progress=progress,
+        strict=cfg.strict))
 
 
 def _held_out(cfg: Config, mix: data.Mixture, tok: data.TokenizedData) -> tuple[list, list]:

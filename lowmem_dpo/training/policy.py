@@ -138,7 +138,8 @@ def attention_path(model, device: torch.device, dtype: torch.dtype, grad: bool) 
         return
     heads, kv, head_dim = models.attention_heads(models.text_config(model.config))
     card, cudnn = models.sdpa_card(device)
-    if attention.expand_kv(card, devices.dtype_name(dtype), kv < heads, False, head_dim, grad=grad, cudnn=cudnn):
+    if attention.expand_kv(attention.Card(card, cudnn), devices.dtype_name(dtype), kv < heads, False, head_dim,
+                           grad=grad):
         log(models.repeat_kv_heads())
 
 

@@ -213,17 +213,18 @@ def backward_with_backoff(session, items: list) -> tuple[Sums, int, int]:
     run, progress = session.run, session.progress
     rows, unit = rows_of(items), run.objective.unit
     mine, step = math.ceil(rows / run.world.size), progress.step + 1
-    return oom.halving_on_oom(
-        lambda n: (accumulate(session, items, n), n, math.ceil(mine / n)), progress.micro_batch, run.resolved.device,
+    said = oom.Said(
         retrying=lambda n: f"out of memory at step {step}: retrying with per_device_train_batch_size={n} "
                            f"gradient_accumulation_steps={math.ceil(mine / n)} (the same {rows} {unit}s per step)",
         exhausted=f"out of memory at step {step} with 1 {unit} per micro-batch; lower max_length, or set "
                   "quantization=4bit / gradient_checkpointing=true (lowmem-dpo plan RECIPE.yaml shows what "
                   "fits)",
-        cleanup=session.trainee.zero_grad,  # drop the partial step's gradients
-        any_rank=distributed.any_rank if run.world.size > 1 else None,  # every rank retries when one ran out
         collective=sharding.oom_message("per_device_train_batch_size or max_length", run.resolved.shard_offload)
         if run.resolved.sharded else None)
+    return oom.halving_on_oom(
+        lambda n: (accumulate(session, items, n), n, math.ceil(mine / n)), progress.micro_batch, run.resolved.device,
+        said, cleanup=session.trainee.zero_grad,  # drop the partial step's gradients
+        any_rank=distributed.any_rank if run.world.size > 1 else None)  # every rank retries when one ran out
 
 
 # -- the update ---------------------------------------------------------------------------------------------------

@@ -42,11 +42,11 @@ def test_t4_gqa_without_a_mask_falls_to_math_and_repeat_kv_gets_memory_efficient
     GQA; with k/v repeated to every head (enable_gqa off) the memory-efficient kernel runs, in float16."""
     assert kernel(T4, "float16") == "math"
     assert kernel(T4, "float16", gqa=False) == "memory-efficient"
-    assert expand_kv(T4, "float16", True, False, 128) is True
-    assert expand_kv(T4, "float16", False, False, 128) is False  # no GQA: nothing to repeat
+    assert expand_kv(Card(T4), "float16", True, False, 128) is True
+    assert expand_kv(Card(T4), "float16", False, False, 128) is False  # no GQA: nothing to repeat
     # bfloat16 on a T4 (the project trains float16 there): memory-efficient wants sm80 for bf16, so math either way
     assert kernel(T4, "bfloat16") == kernel(T4, "bfloat16", gqa=False) == "math"
-    assert expand_kv(T4, "bfloat16", True, False, 128) is False
+    assert expand_kv(Card(T4), "bfloat16", True, False, 128) is False
     # a mask (shared prompts): transformers repeats k/v itself; the memory-efficient kernel takes the mask
     assert kernel(T4, "float16", gqa=False, mask=True) == "memory-efficient"
     assert kernel(V100, "float16", gqa=False) == "memory-efficient"
@@ -55,7 +55,7 @@ def test_t4_gqa_without_a_mask_falls_to_math_and_repeat_kv_gets_memory_efficient
 def test_a100_and_ampere_cards_run_flash_with_gqa():
     assert kernel(A100) == kernel(A100, "float16") == "flash"
     assert kernel(A100, grad=False) == kernel(RTX4090) == kernel(A10) == "flash"
-    assert expand_kv(A100, "bfloat16", True, False, 128) is False
+    assert expand_kv(Card(A100), "bfloat16", True, False, 128) is False
     assert kernel(A100, cudnn=99999) == "flash"  # cuDNN is preferred on sm90/sm100/sm103 only
 
 
@@ -78,7 +78,7 @@ def test_float32_never_runs_flash():
     for cap in (A100, RTX4090, H100, RTX5090):
         assert kernel(cap, "float32", gqa=False) == "memory-efficient"
         assert kernel(cap, "float32") == "math"
-        assert expand_kv(cap, "float32", True, False, 128) is True
+        assert expand_kv(Card(cap), "float32", True, False, 128) is True
     assert kernel(T4, "float32", gqa=False) == "memory-efficient"
 
 
@@ -86,12 +86,12 @@ def test_head_dim_limits():
     assert kernel(A100, head_dim=256) == "flash"
     assert kernel(A100, head_dim=264) == "math"  # flash: <= 256; memory-efficient: no GQA
     assert kernel(A100, head_dim=512, gqa=False) == "memory-efficient"  # no upper bound, a multiple of 8
-    assert expand_kv(A100, "bfloat16", True, False, 512) is True
+    assert expand_kv(Card(A100), "bfloat16", True, False, 512) is True
     # flash's backward on sm86-sm89 / sm120-121 refuses head_dim in (192, 224]; inference is fine
     assert kernel(A10, head_dim=200) == kernel(RTX5090, head_dim=200) == "math"
     assert kernel(A10, head_dim=200, grad=False) == kernel(A100, head_dim=200) == "flash"
     assert kernel(A10, head_dim=256) == "flash"  # (224, 256] passes without dropout
-    assert expand_kv(A10, "bfloat16", True, False, 200) is True
+    assert expand_kv(Card(A10), "bfloat16", True, False, 200) is True
     # cuDNN: <= 128, <= 256 on sm90 from cuDNN 9.10; a multiple of 8
     assert kernel(H100, head_dim=256) == "cuDNN"
     assert kernel(H100, head_dim=256, cudnn=90800) == "flash"  # 9.8: cuDNN not preferred either
@@ -108,13 +108,13 @@ def test_a_mask_rules_out_flash():
     for cap in (A100, A10, RTX4090):
         assert kernel(cap, mask=True, gqa=False) == "memory-efficient"
         assert kernel(cap, mask=True) == "math"
-        assert expand_kv(cap, "bfloat16", True, True, 128) is True
+        assert expand_kv(Card(cap), "bfloat16", True, True, 128) is True
 
 
 def test_memory_efficient_gqa_as_on_torch_main():
     """pytorch#191085 (main, after 2.13) gives the memory-efficient kernel GQA: no repeat needed on a T4."""
     assert kernel(T4, "float16", mem_efficient_gqa=True) == "memory-efficient"
-    assert expand_kv(T4, "float16", True, False, 128, mem_efficient_gqa=True) is False
+    assert expand_kv(Card(T4, mem_efficient_gqa=True), "float16", True, False, 128) is False
 
 
 def test_the_installed_torch_is_the_one_the_rules_follow():

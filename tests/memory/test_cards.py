@@ -130,6 +130,6 @@ def test_out_of_memory_in_a_sharded_forward_ends_the_run_at_once_with_what_to_lo
     message = sharding.oom_message("per_device_train_batch_size or max_length", offloaded=False)
     with pytest.raises(UserError, match="out of memory with fsdp: .*lower per_device_train_batch_size or max_length, "
                                         "or set fsdp_offload_params=true"):
-        oom.halving_on_oom(run, 4, torch.device("cpu"), str, "exhausted", collective=message)
+        oom.halving_on_oom(run, 4, torch.device("cpu"), oom.Said(str, "exhausted", collective=message))
     assert calls == [4]
-    assert oom.halving_on_oom(run, 4, torch.device("cpu"), str, "exhausted") == 1 and calls == [4, 4, 2, 1]
+    assert oom.halving_on_oom(run, 4, torch.device("cpu"), oom.Said(str, "exhausted")) == 1 and calls == [4, 4, 2, 1]
