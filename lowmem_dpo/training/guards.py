@@ -2,7 +2,7 @@
 
 A warning names evidence of damage: step 1's cache that is not the policy's forward (drift_lines), likelihood
 displacement (warning_signs, on a logged line's window or the held-out pairs), answers that collapse or drift from
-the chosen ones (collapse_sign, on the samples), non-finite losses (step.optimizer_step skips the update;
+the chosen ones (answers.py's collapse_sign, on the samples), non-finite losses (step.optimizer_step skips the update;
 max_nonfinite_steps in a row stop the run). How far the run moved from its reference (the margin, an early
 loss near 0, the rejected side's fall, the answers' KL) is context: shown beside a warning when past its own limit
 (with_context), never a warning alone, for a run that learns its data moves far. Each warning ends with what to

@@ -113,8 +113,8 @@ class Blocks(Objective):
         """One block: its reference point, then its rows by micro-batches (each loss backward'ed), then its
         means (block_means)."""
         point = self.reference_point(lm, views, within)
-        inner = BlockPass(within.ref, within.size, within.micro_batch, within.backward, point)
-        part, seen = self.new_sums(), []
+        inner = BlockPass(**vars(within), point=point)
+        part, seen = Sums.of(self.metrics, self.nll_weight), []
         for batch in micro_batches(views, within.micro_batch):
             out = self.loss(self.forward(lm, batch, inner), within.size)
             if within.backward is not None:

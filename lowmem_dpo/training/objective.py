@@ -5,13 +5,15 @@ training/kto.py's `Blocks`).
 An objective holds its settings, the pad id and the run's resolved choices (`Batching`), and the reference values
 of its items. Each class says what a micro-batch needs (`forward`: its items into log-probs, with the reference's
 where it reads one; a dataclass), a function from those to the loss and the metric sums (`loss`: a `Loss`), and its
-units (`size`: what a step's loss is a mean over, counted over every rank's items). `run` takes this rank's share of
-a step's items through them by micro-batches, backward'ing each loss; KTO overrides its per-group part. The step
-(step.py) hands it a `step.Pass`, backs off on out of memory and sums the ranks.
+units (`size`: what a step's loss is a mean over, counted over every rank's items). `groups` splits this rank's
+share of a step's items into the groups whose metrics it averages, and `group` takes one through them by
+micro-batches, backward'ing each loss; KTO overrides `group`. The step (step.accumulate) hands it a `step.Pass`,
+backs off on out of memory and sums the ranks.
 
     objective = Pairs.of(cfg, Batching(resolved, pad_id, layout), ref=ref, eval_ref=eval_ref)
     within = step.Pass(objective.ref, objective.size(pairs, False), micro_batch=16, backward=trainee.backward)
-    sums = objective.run(trainee.lm, pairs, world, within)      # lm: the policy's parts (logps.lm_of)
+    for group in objective.groups(pairs, world):
+        sums = objective.group(trainee.lm, group, within)       # lm: the policy's parts (logps.lm_of)
     out = objective.loss(objective.forward(trainee.lm, pairs, within), within.size)   # one micro-batch: a Loss
 """
 
@@ -141,15 +143,17 @@ class Pairs(Objective):
     drift_at_start: bool = False  # a new run's step 1 measures the cache against its own forward (the drift line)
     # resolved from the terms (__post_init__): their loss types, whether the loss reads the reference's log-probs,
     # whether the NLL term covers the chosen rows' prompts (ORPO), the objective whose rewards it logs
-    types: list[str] = field(init=False)
+    types: tuple[str, ...] = field(init=False)
     reference: bool = field(init=False)
     prompts: bool = field(init=False)
     logged: objectives.Objective = field(init=False)
 
     def __post_init__(self):
-        types, nll_weight = self.terms.types, objectives.nll_weight(list(self.terms.terms))
-        resolved = dict(types=types, reference=objectives.needs_reference(types), prompts=objectives.nll_prompt(types),
+        types, nll_weight = tuple(self.terms.types), objectives.nll_weight(list(self.terms.terms))
+        reference = objectives.needs_reference(types)
+        resolved = dict(types=types, reference=reference, prompts=objectives.nll_prompt(types),
                         logged=objectives.primary(types), nll_weight=nll_weight,
+                        drift_at_start=self.drift_at_start and reference and self.ref is not None,  # a cache's drift
                         metrics=(*metric_rows.PAIR_METRICS, *metric_rows.term_metrics(types),
                                  *([metric_rows.NLL_LOSS] if nll_weight is not None else [])))
         for name, value in resolved.items():
@@ -159,7 +163,7 @@ class Pairs(Objective):
     def of(cls, cfg, batching: Batching, ref: cache.RefCache | None = None, eval_ref: cache.RefCache | None = None,
            drift_at_start: bool = False) -> "Pairs":
         return cls(batching=batching, terms=objectives.Terms.of(cfg), ref=ref, eval_ref=eval_ref,
-                   drift_at_start=drift_at_start and ref is not None)
+                   drift_at_start=drift_at_start)
 
     def forward(self, lm: LM, items: list[data.TokenizedPair], within: Pass) -> PairForward:
         """The policy's log-probs of a micro-batch of pairs, and the reference's: the cache's rows (within.ref), or

@@ -199,7 +199,8 @@ def accumulate(session, items: list, micro_batch: int, grad: bool = True) -> Sum
 def idle_forwards(run, items: list, micro_batch: int) -> int:
     """With the base sharded (fsdp), every forward gathers each layer from every rank: a rank with fewer
     micro-batches in a step than another runs this many idle ones (the step's shortest item, its loss times 0)
-    so that the ranks' forwards and backwards pair up (pairs: one group, every world-size-th item by length)."""
+    so that the ranks' forwards and backwards pair up. Called only sharded; for pairs and rows (one group, every
+    world-size-th item by length): KTO's blocks are never sharded (memory.cards.unshardable refuses them)."""
     ordered = data.by_length(items, item_tokens)
     counts = [len(micro_batches(distributed.shard(ordered, distributed.World(r, run.world.size)), micro_batch))
               for r in range(run.world.size)]
@@ -247,7 +248,7 @@ def optimizer_step(session) -> StepResult:
     run, trainee, progress = session.run, session.trainee, session.progress
     devices.synchronize(run.resolved.device)
     started = time.perf_counter()
-    items = [next(progress.stream) for _ in range(run.items_per_step)]  # every rank's: the same stream on each
+    items = next_items(progress.stream, run.items_per_step)  # every rank's: the stream is the same on each
     lr = trainee.scheduler.get_last_lr()[0]  # the rate this update uses: the schedule advances at the step's end
     stats, progress.micro_batch, progress.grad_accum = backward_with_backoff(session, items)
     if run.world.size > 1:  # several ranks: the step's gradient, the same on every rank; its sums, which the
