@@ -76,7 +76,7 @@ def tied_modules(model) -> set[str]:
     inputs, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None or inputs.weight is not head.weight:
         return set()
-    return {name for name, m in model.named_modules() if m is inputs or m is head}
+    return {name for name, module in model.named_modules() if module is inputs or module is head}
 
 
 def layout(module, pair: LoraPair, where: str) -> str:

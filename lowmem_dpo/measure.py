@@ -162,7 +162,7 @@ def _longest_rows(cfg: Config, tokenizer, n: int, out: Path) -> list[Source]:
     written = []
     for k, rows in sorted(by_part.items()):
         path = out / f"rows-{k}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        path.write_text("".join(json.dumps(written_row) + "\n" for written_row in rows), encoding="utf-8")
         written.append(Source(str(path)))
     return written
 
@@ -245,16 +245,16 @@ def measure(cfg: Config, steps: int = 2, timed: int = 0) -> dict:
                                    padding_free=False)
         pre, (pre_t, pre_m, n_pre), _ = _measure_precompute(mcfg, prepared, resolved)
         tr, seen, shared, times, mlp_tiles = _measure_train(mcfg, steps, timed)
-    t = max(s[0] for s in seen)
-    m = max(s[1] for s in seen)
+    t = max(shape[0] for shape in seen)
+    positions = max(shape[1] for shape in seen)
     n_train = cfg.per_device_train_batch_size * (1 if shared else 2)
     return {
         "device": resolved.device.type,
         "dtype": devices.dtype_name(resolved.dtype),
         "train": {"measured_peak_bytes": tr.peak_bytes, "entry_bytes": tr.entry_bytes, "steps": steps,
-                  "seq_len": t, "completion_tokens": math.ceil(m / n_train), "share_prompt": shared,
+                  "seq_len": t, "completion_tokens": math.ceil(positions / n_train), "share_prompt": shared,
                   "mlp_tiles": mlp_tiles[0], "mlp_tile_tokens": mlp_tiles[1],
-                  "step_s": [round(s, 3) for s, _ in times], "step_tokens": [n for _, n in times]},
+                  "step_s": [round(shape, 3) for shape, _ in times], "step_tokens": [n for _, n in times]},
         "precompute": {"measured_peak_bytes": pre.peak_bytes, "entry_bytes": pre.entry_bytes,
                        "seq_len": pre_t, "completion_tokens": math.ceil(pre_m / n_pre)},
     }

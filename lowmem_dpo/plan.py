@@ -77,15 +77,17 @@ def _rows(shapes: dict) -> str:
     return f"T={shapes['seq_len']}" + (" (shared rows)" if shapes.get("shared") else "")
 
 
-def describe_setup(s: Setup, stage: str, shapes: dict) -> str:
+def describe_setup(setup: Setup, stage: str, shapes: dict) -> str:
     if stage == "precompute":
-        return (f"{s.ref_dtype}, quantization {s.ref_quantization}, batch {s.precompute_batch} pairs, "
+        return (f"{setup.ref_dtype}, quantization {setup.ref_quantization}, batch {setup.precompute_batch} pairs, "
                 f"{_rows(shapes)}")
-    return (f"{s.dtype}, quantization {s.quantization}, checkpointing {'on' if s.gradient_checkpointing else 'off'}"
-            f"{', activation offloading' if s.activation_offloading else ''}, "
-            f"micro-batch {s.micro_batch} pairs x {s.grad_accum} accumulation, {_rows(shapes)}, "
-            f"LoRA r={s.lora_r} on {s.lora_targets if isinstance(s.lora_targets, str) else ','.join(s.lora_targets)}, "
-            f"{s.optimizer}")
+    return (f"{setup.dtype}, quantization {setup.quantization}, "
+            f"checkpointing {'on' if setup.gradient_checkpointing else 'off'}"
+            f"{', activation offloading' if setup.activation_offloading else ''}, "
+            f"micro-batch {setup.micro_batch} pairs x {setup.grad_accum} accumulation, {_rows(shapes)}, "
+            f"LoRA r={setup.lora_r} on "
+            f"{setup.lora_targets if isinstance(setup.lora_targets, str) else ','.join(setup.lora_targets)}, "
+            f"{setup.optimizer}")
 
 
 def table(columns: list[tuple[str, StagePrediction]], budget: int, measured: list[int | None] | None = None) -> str:
@@ -101,7 +103,7 @@ def table(columns: list[tuple[str, StagePrediction]], budget: int, measured: lis
                  + "".join(f"{'yes' if p.peak_bytes <= budget else 'NO':>{col}}" for _, p in columns))
     if measured:
         lines.append(f"{'measured (tensor peak)':{width}}"
-                     + "".join(f"{fmt(m) if m is not None else '':>{col}}" for m in measured))
+                     + "".join(f"{fmt(peak) if peak is not None else '':>{col}}" for peak in measured))
     return "\n".join(lines)
 
 
@@ -161,17 +163,17 @@ def measured_columns(args, cfg: Config, arch: Arch, setup: Setup, budget: int, r
         sliced = predict(arch, measure.at_measured_shapes(setup, measured))
     row, notes = [], []
     for stage in stages:
-        m, p = measured[stage], getattr(sliced, stage)
-        entry = {**m, "predicted_at_measured_shapes": p.tensor_peak_bytes,
-                 "error_pct": _error_pct(p.tensor_peak_bytes, m["measured_peak_bytes"])}
+        measurement, p = measured[stage], getattr(sliced, stage)
+        entry = {**measurement, "predicted_at_measured_shapes": p.tensor_peak_bytes,
+                 "error_pct": _error_pct(p.tensor_peak_bytes, measurement["measured_peak_bytes"])}
         if args.slice:
             report["slice"][stage] = {**p.to_json(budget), **entry}
         else:
             report[stage].update(entry)
-        row.append(m["measured_peak_bytes"])
-        notes.append(f"measured {stage}: {fmt(m['measured_peak_bytes'])} on {measured['device']} "
-                     f"(T={m['seq_len']}, {m['completion_tokens']} completion tokens/sequence); predicted at "
-                     f"those shapes {fmt(p.tensor_peak_bytes)}: {entry['error_pct']:+.1f}%")
+        row.append(measurement["measured_peak_bytes"])
+        notes.append(f"measured {stage}: {fmt(measurement['measured_peak_bytes'])} on {measured['device']} "
+                     f"(T={measurement['seq_len']}, {measurement['completion_tokens']} completion tokens/sequence); "
+                     f"predicted at those shapes {fmt(p.tensor_peak_bytes)}: {entry['error_pct']:+.1f}%")
     return columns, row + [None] * (len(columns) - len(row)), notes
 
 
@@ -201,7 +203,7 @@ def print_cards(arch: Arch, cfg: Config, budget: int, processes: int, knobs, sta
         print(f"  fsdp: not for this run: {problem}")
     for name, plan in cards.alternatives(arch, cfg, budget, processes, knobs, stages, prompt_tokens)[
             :1 if problem else None]:
-        streamed = {stage: s.device_peak for stage, s in plan.streams.items()}  # streaming: the card's peak
+        streamed = {stage: stream.device_peak for stage, stream in plan.streams.items()}  # streaming: the card's peak
         peaks = "  ".join(f"{stage} {fmt(streamed.get(stage, getattr(plan.prediction, stage).peak_bytes))}"
                           for stage in stages)
         shards = (f"; its shard {fmt(card_host_bytes(arch, plan.setup.dtype, plan.setup.quantization, processes))}"
@@ -224,12 +226,12 @@ def print_host_ram(arch: Arch, chosen: Plan, reference: bool = True, processes: 
 
 def print_lengths(arch: Arch, chosen: Plan, budget: int) -> None:
     """The longest max_length that fits, per micro-batch: the trade between pairs per forward and length."""
-    s = chosen.setup
-    print(f"longest max_length that fits {fmt(budget)} ({s.quantization} base, checkpointing, no streaming), by "
+    setup = chosen.setup
+    print(f"longest max_length that fits {fmt(budget)} ({setup.quantization} base, checkpointing, no streaming), by "
           "pairs per micro-batch" + (f", at most the model's context of {arch.context} positions:" if arch.context
                                      else ":"))
     for b in (1, 2, 4, 8):
-        length, plan = longest_max_length(arch, s, budget, b)
+        length, plan = longest_max_length(arch, setup, budget, b)
         if not length:
             print(f"  {b}: none")
             break
@@ -264,7 +266,7 @@ def print_data_lengths(cfg: Config) -> None:
     if not tok.whole:
         return
     whole = sum(n <= cfg.max_length for n in tok.whole)
-    shown = ", ".join(f"p{round(100 * s)} {data.nearest_rank(tok.whole, s)}" for s in LENGTH_SHARES)
+    shown = ", ".join(f"p{round(100 * share)} {data.nearest_rank(tok.whole, share)}" for share in LENGTH_SHARES)
     print(f"data     {tok.num_rows} rows, tokens to keep a row whole (prompt + longest completion, as tokenized): "
           f"{shown}, max {max(tok.whole)}; max_length={cfg.max_length} keeps {whole} of {len(tok.whole)} "
           f"({whole / len(tok.whole):.0%}) whole")

@@ -112,7 +112,7 @@ def summary_lines(rep: dict) -> list[str]:
     skipped = sum(rep["skipped"].values())
     head = f"preflight: {rep['pairs']} pairs of {rep['rows']} rows"
     if skipped:
-        head += f" ({skipped} skipped: " + ", ".join(f"{n} {r}" for r, n in rep["skipped"].items()) + ")"
+        head += f" ({skipped} skipped: " + ", ".join(f"{n} {reason}" for reason, n in rep["skipped"].items()) + ")"
     cut = rep["truncated"]
     head += ("; truncation not recorded in this cache" if cut is None else
              f"; truncated: {cut['chosen']} chosen, {cut['rejected']} rejected, {cut['prompt']} prompts")
@@ -148,7 +148,7 @@ def save(cache_dir: Path, rep: dict) -> dict:
     return rep
 
 
-def unpaired_lines(rows: list, s, needs_kl: bool) -> list[str]:
+def unpaired_lines(rows: list, settings, needs_kl: bool) -> list[str]:
     """KTO's rows (data.unpaired's) instead of pairs: how many of each class, and warnings: the class weights
     (s: Settings) outside KTO's advice for them (objectives.kto.weight_advice, as TRL 1.16 warns); KL sequences
     whose partner row has the same prompt (data in prompt order: a block of one prompt's completions estimates
@@ -156,8 +156,9 @@ def unpaired_lines(rows: list, s, needs_kl: bool) -> list[str]:
     desirable = [row.desirable for row in rows]
     good = sum(desirable)
     lines = [f"preflight: {len(desirable)} unpaired training rows: {good} desirable, {len(desirable) - good} "
-             f"undesirable (desirable_weight={s.desirable_weight}, undesirable_weight={s.undesirable_weight})"]
-    advice = kto.weight_advice(good, len(desirable) - good, s)
+             f"undesirable (desirable_weight={settings.desirable_weight}, "
+             f"undesirable_weight={settings.undesirable_weight})"]
+    advice = kto.weight_advice(good, len(desirable) - good, settings)
     if advice is not None:
         (d_low, d_high), (u_low, u_high) = advice
         lines.append(f"warning: the classes are unbalanced past KTO's advice (desirable_weight x desirable rows / "

@@ -229,10 +229,10 @@ def summary_lines(run: Run, picture: Path | None) -> list[str]:
     if rep:
         lines.append(rep)
     if run.samples:
-        s = run.samples[-1]
-        prompt, completion = (json.dumps(_short(s[k], n), ensure_ascii=False)
+        sample = run.samples[-1]
+        prompt, completion = (json.dumps(_short(sample[k], n), ensure_ascii=False)
                               for k, n in zip(("prompt", "completion"), SAMPLE_CHARS))
-        lines.append(f"last sample (step {s['step']}): {prompt} -> {completion}")
+        lines.append(f"last sample (step {sample['step']}): {prompt} -> {completion}")
     lines.append(f"curves: {picture}" if picture else "curves: not drawn")
     return lines
 

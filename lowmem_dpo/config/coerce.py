@@ -42,10 +42,10 @@ def describe(tp) -> str:
 def _to_bool(name: str, raw) -> bool:
     if isinstance(raw, bool):
         return raw
-    s = str(raw).strip().lower()
-    if s in ("true", "yes", "1", "on"):
+    word = str(raw).strip().lower()
+    if word in ("true", "yes", "1", "on"):
         return True
-    if s in ("false", "no", "0", "off"):
+    if word in ("false", "no", "0", "off"):
         return False
     raise ConfigError(f"{name}={raw!r}: expected true or false")
 
@@ -81,12 +81,12 @@ def _to_float(name: str, raw) -> float:
 
 def _to_list(name: str, raw) -> list[str]:
     if isinstance(raw, str):
-        items = [s.strip() for s in raw.strip().strip("[]").split(",")]
+        items = [item.strip() for item in raw.strip().strip("[]").split(",")]
     elif isinstance(raw, (list, tuple)):
-        items = [str(s).strip() for s in raw]
+        items = [str(item).strip() for item in raw]
     else:
         raise ConfigError(f"{name}={raw!r}: expected a list of names or a comma-separated string")
-    return [s for s in items if s]
+    return [item for item in items if item]
 
 
 def _to_str(name: str, raw) -> str:

@@ -68,12 +68,12 @@ def repeated(sources: list[Source], default_split: str) -> str | None:
     """The problem of a source named twice (the same file however spelled, the same split with dataset_split as
     `default_split`): its rows would be taken twice. None when each is named once."""
     seen: dict[tuple, int] = {}
-    for i, s in enumerate(sources):
-        j = seen.setdefault((os.path.normpath(os.path.abspath(s.path)) if os.path.exists(s.path) else s.path,
-                             s.split or default_split), i)
+    for i, source in enumerate(sources):
+        path = os.path.normpath(os.path.abspath(source.path)) if os.path.exists(source.path) else source.path
+        j = seen.setdefault((path, source.split or default_split), i)
         if j != i:
-            return (f"dataset[{i}]: {s.path!r} (split {s.split or default_split}) is already dataset[{j}]; name each "
-                    "source once (its fraction or rows says how much)")
+            return (f"dataset[{i}]: {source.path!r} (split {source.split or default_split}) is already dataset[{j}]; "
+                    "name each source once (its fraction or rows says how much)")
     return None
 
 
@@ -115,11 +115,11 @@ def yaml_form(value):
     """A config value as YAML writes it: a list of sources as their recipe form (a single plain source as its
     path, so a config.yaml of one source reads as it always did); any other value as it is."""
     if isinstance(value, list) and value and all(isinstance(v, Source) for v in value):
-        forms = [s.yaml_form() for s in value]
+        forms = [source.yaml_form() for source in value]
         return forms[0] if len(forms) == 1 and isinstance(forms[0], str) else forms
     return value
 
 
 def label(sources: list[Source]) -> str:
     """The sources for messages: the path of one, the paths of a mixture joined by ' + '."""
-    return " + ".join(s.path for s in sources)
+    return " + ".join(source.path for source in sources)

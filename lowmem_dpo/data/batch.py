@@ -149,16 +149,17 @@ def _padded(rows: list[int], seqs: list[list[int]], comp: list[int], pad_token_i
             packed: bool = False) -> Batch:
     """N sequences right-padded to the longest; the last comp[i] tokens of sequence i are its completion;
     packed: with their Packed row (packed_if_padded)."""
-    T = max(len(s) for s in seqs)
+    T = max(len(seq) for seq in seqs)
     n = len(seqs)
     input_ids = torch.full((n, T), pad_token_id, dtype=torch.long)  # (N, T)
     attention_mask = torch.zeros((n, T), dtype=torch.long)  # (N, T)
     completion_mask = torch.zeros((n, T), dtype=torch.long)  # (N, T)
-    for i, (s, c) in enumerate(zip(seqs, comp)):
-        input_ids[i, :len(s)] = torch.tensor(s)
-        attention_mask[i, :len(s)] = 1
-        completion_mask[i, len(s) - c:len(s)] = 1
-    b = Batch(torch.tensor(rows, dtype=torch.long), input_ids, attention_mask, completion_mask, sum(len(s) for s in seqs))
+    for i, (seq, c) in enumerate(zip(seqs, comp)):
+        input_ids[i, :len(seq)] = torch.tensor(seq)
+        attention_mask[i, :len(seq)] = 1
+        completion_mask[i, len(seq) - c:len(seq)] = 1
+    b = Batch(torch.tensor(rows, dtype=torch.long), input_ids, attention_mask, completion_mask,
+              sum(len(seq) for seq in seqs))
     return packed_if_padded(b, packed)
 
 

@@ -109,7 +109,7 @@ class Tally:
 
 def _is_empty(value) -> bool:
     if isinstance(value, list):
-        return not any(m["content"].strip() for m in value)
+        return not any(message["content"].strip() for message in value)
     return value is None or not value.strip()
 
 
@@ -157,14 +157,15 @@ def _encode(usable: list[tuple[int, dict]], tokenizer, conversational: bool, spe
             where: Callable[[int], str]) -> list[tuple[list[int], list[int], list[int]]]:
     """(prompt ids, prompt+chosen ids, prompt+rejected ids) per (index, row)."""
     if conversational:
-        return [(_conversation_ids(tokenizer, r["prompt"], spec, where(i), add_generation_prompt=True),
-                 _conversation_ids(tokenizer, r["prompt"] + r["chosen"], spec, where(i)),
-                 _conversation_ids(tokenizer, r["prompt"] + r["rejected"], spec, where(i))) for i, r in usable]
-    rows = [r for _, r in usable]
+        return [(_conversation_ids(tokenizer, row["prompt"], spec, where(i), add_generation_prompt=True),
+                 _conversation_ids(tokenizer, row["prompt"] + row["chosen"], spec, where(i)),
+                 _conversation_ids(tokenizer, row["prompt"] + row["rejected"], spec, where(i))) for i, row in usable]
+    rows = [row for _, row in usable]
     eos = tokenizer.eos_token
-    prompts = [r["prompt"] for r in rows]
-    chosen = [r["prompt"] + (r["chosen"] if r["chosen"].endswith(eos) else r["chosen"] + eos) for r in rows]
-    rejected = [r["prompt"] + (r["rejected"] if r["rejected"].endswith(eos) else r["rejected"] + eos) for r in rows]
+    prompts = [row["prompt"] for row in rows]
+    chosen = [row["prompt"] + (row["chosen"] if row["chosen"].endswith(eos) else row["chosen"] + eos) for row in rows]
+    rejected = [row["prompt"] + (row["rejected"] if row["rejected"].endswith(eos) else row["rejected"] + eos)
+                for row in rows]
     enc = tokenizer(prompts + chosen + rejected)["input_ids"]
     n = len(rows)
     return list(zip(enc[:n], enc[n:2 * n], enc[2 * n:]))
@@ -256,7 +257,7 @@ def _checked_chunks(ds, spec: str, where: Callable[[int], str], required: tuple[
 def _checked_result(items: list, num_rows: int, tally: Tally, tokenizing: Tokenizing, strict: bool) -> TokenizedData:
     """The TokenizedData of the rows kept, its skips checked (strict, every row skipped) and logged."""
     skipped = {k: sorted(v) for k, v in tally.skipped.items() if v}
-    tok = TokenizedData(items, num_rows, sorted(r for rows in skipped.values() for r in rows), skipped,
+    tok = TokenizedData(items, num_rows, sorted(row for rows in skipped.values() for row in rows), skipped,
                         tally.truncated, tally.whole)
     check_skips(tok.skipped, tok.num_rows, len(items), tokenizing, strict, kept(tok).whole)
     for line in summary_lines(tok, tokenizing.max_length, tokenizing.max_prompt_length, tokenizing.where,
@@ -282,8 +283,8 @@ def check_skips(skipped: dict[str, list[int]], num_rows: int, kept: int, tokeniz
         raise UserError(f"dataset {spec!r} {where(first)}: {_reason_text(reason, max_length)}, and strict=true "
                         f"refuses such rows ({others} more in this data): {SKIPS[reason][1]}, or set strict=false "
                         "to skip them")
-    detail = "; ".join(f"{len(rows)} because {_reason_text(r, max_length)} (first: {where(rows[0])}; "
-                       f"{SKIPS[r][1]})" for r, rows in skipped.items())
+    detail = "; ".join(f"{len(rows)} because {_reason_text(cause, max_length)} (first: {where(rows[0])}; "
+                       f"{SKIPS[cause][1]})" for cause, rows in skipped.items())
     advice = (f"; max_length={whole} keeps 95% of the rows whole (prompt and longest completion, as tokenized)"
               if whole is not None and whole > max_length else "")
     raise UserError(f"dataset {spec!r}: all {num_rows} rows were skipped, so no row is left to use: {detail}{advice}")
@@ -294,9 +295,9 @@ def summary_lines(tok: TokenizedData, max_length: int, max_prompt_length: int | 
     """Log lines: the rows kept, skipped and cut, always; the rows skipped by reason with their first rows."""
     lines = [f"dataset {spec!r}: {kept(tok).text(max_length)}"]
     if tok.skipped:
-        parts = [f"{len(rows)} because {_reason_text(r, max_length)} ("
+        parts = [f"{len(rows)} because {_reason_text(reason, max_length)} ("
                  + ", ".join(map(where, rows[:3])) + (", ..." if len(rows) > 3 else "") + ")"
-                 for r, rows in tok.skipped.items()]
+                 for reason, rows in tok.skipped.items()]
         lines.append(f"skipped {len(tok.dropped)} of {tok.num_rows} rows: " + "; ".join(parts)
                      + " (strict=true refuses them instead)")
     cut = {part: len(rows) for part, rows in tok.truncated.items() if rows}
@@ -318,7 +319,7 @@ def kept(tok: TokenizedData) -> Kept:
 
 def skip_reasons(skipped: dict[str, list[int]], max_length: int) -> str:
     """"28 because the prompt alone reaches max_length=38, ...": the rows skipped, by reason."""
-    return ", ".join(f"{len(rows)} because {_reason_text(r, max_length)}" for r, rows in skipped.items())
+    return ", ".join(f"{len(rows)} because {_reason_text(reason, max_length)}" for reason, rows in skipped.items())
 
 
 # -- SFT rows -----------------------------------------------------------------------------------------------------
@@ -338,12 +339,12 @@ def _encode_completions(usable: list[tuple[int, dict]], column: str, tokenizer, 
                         where: Callable[[int], str]) -> list[tuple]:
     """(prompt ids, prompt+completion ids) per (index, row), as _encode tokenizes prompt+chosen."""
     if conversational:
-        return [(_conversation_ids(tokenizer, r["prompt"], spec, where(i), add_generation_prompt=True),
-                 _conversation_ids(tokenizer, r["prompt"] + r[column], spec, where(i))) for i, r in usable]
-    rows = [r for _, r in usable]
+        return [(_conversation_ids(tokenizer, row["prompt"], spec, where(i), add_generation_prompt=True),
+                 _conversation_ids(tokenizer, row["prompt"] + row[column], spec, where(i))) for i, row in usable]
+    rows = [row for _, row in usable]
     eos = tokenizer.eos_token
-    full = [r["prompt"] + (r[column] if r[column].endswith(eos) else r[column] + eos) for r in rows]
-    enc = tokenizer([r["prompt"] for r in rows] + full)["input_ids"]
+    full = [row["prompt"] + (row[column] if row[column].endswith(eos) else row[column] + eos) for row in rows]
+    enc = tokenizer([row["prompt"] for row in rows] + full)["input_ids"]
     return list(zip(enc[:len(rows)], enc[len(rows):]))
 
 
@@ -377,7 +378,7 @@ def completion_rows(checked: list, kind: str | None, column: str, tokenizing: To
     (null) one is left out."""
     tokenizer, spec, where = tokenizing.tokenizer, tokenizing.spec, tokenizing.where
     empty = (lambda v: v is None) if keep_empty else _is_empty
-    usable = [(i, r) for i, r in checked if not (empty(r["prompt"]) or empty(r[column]))]
+    usable = [(i, entry) for i, entry in checked if not (empty(entry["prompt"]) or empty(entry[column]))]
     tally.skipped["empty_completion"] += sorted({i for i, _ in checked} - {i for i, _ in usable})
     check_format(tokenizer, kind, spec, tally.noted)
     encoded = _encode_completions(usable, column, tokenizer, kind == "conversation", spec, where) if usable else []

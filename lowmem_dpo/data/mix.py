@@ -162,16 +162,16 @@ def load_mixture(sources: list[Source], default_split: str, seed: int, cap: int 
     """Each source loaded with `load(path, split)` (its checks name the source), its rows taken, the total capped
     at `cap` (module doc); one log line per source when any is taken in part or there are several."""
     parts = []
-    for i, s in enumerate(sources):
-        split = s.split or default_split
-        ds = load(s.path, split)
+    for i, source in enumerate(sources):
+        split = source.split or default_split
+        ds = load(source.path, split)
         name = "dataset" if len(sources) == 1 else f"dataset[{i}]"
-        if s.rows is not None and s.rows > len(ds):
-            raise UserError(f"{name} {s.path!r}: rows={s.rows}, but it has {len(ds)} rows; lower rows, or set "
-                            "fraction: 1 to take every row")
-        scores = row_scores(ds, seed) if s.selects else None
-        indices = lowest(scores, take_count(s, len(ds))) if s.selects else None
-        parts.append(Part(name, s, split, ds, indices, scores))
+        if source.rows is not None and source.rows > len(ds):
+            raise UserError(f"{name} {source.path!r}: rows={source.rows}, but it has {len(ds)} rows; lower rows, or "
+                            "set fraction: 1 to take every row")
+        scores = row_scores(ds, seed) if source.selects else None
+        indices = lowest(scores, take_count(source, len(ds))) if source.selects else None
+        parts.append(Part(name, source, split, ds, indices, scores))
     total = sum(map(len, parts))
     if cap is not None and total > cap:
         _cap(parts, seed, cap)
@@ -216,10 +216,10 @@ def tokenize_mixture(mix: Mixture, tokenize: Callable[[object, str, Callable | N
             item.row += p.offset
         out.pairs += tok.pairs
         out.num_rows += tok.num_rows
-        out.dropped += [r + p.offset for r in tok.dropped]
+        out.dropped += [row + p.offset for row in tok.dropped]
         for reason, rows in tok.skipped.items():
-            out.skipped.setdefault(reason, []).extend(r + p.offset for r in rows)
+            out.skipped.setdefault(reason, []).extend(row + p.offset for row in rows)
         for part, rows in tok.truncated.items():
-            out.truncated.setdefault(part, []).extend(r + p.offset for r in rows)
+            out.truncated.setdefault(part, []).extend(row + p.offset for row in rows)
         out.whole += tok.whole
     return out

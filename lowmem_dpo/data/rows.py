@@ -68,8 +68,8 @@ def _value_kind(value) -> str | None:
         return None
     if isinstance(value, str):
         return "text"
-    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                       and isinstance(m.get("content"), str) for m in value):
+    if isinstance(value, list) and all(isinstance(message, dict) and isinstance(message.get("role"), str)
+                                       and isinstance(message.get("content"), str) for message in value):
         return "conversation"
     return "invalid"
 
@@ -158,7 +158,7 @@ def check_file(path: Path, spec: str, required: tuple[str, ...] = REQUIRED, keys
     if suffix == ".csv":
         lines = _decoded_lines(path, spec)
         # the header and the first row, blank lines skipped as datasets skips them; then the rest decoded
-        records = list(itertools.islice((r for r in csv.reader(text for _, text in lines) if r), 2))
+        records = list(itertools.islice((record for record in csv.reader(text for _, text in lines) if record), 2))
         for _ in lines:
             pass
         if len(records) < 2:
@@ -258,7 +258,7 @@ def column_hint(missing: list[str], names: list[str], keys: dict[str, str] | Non
     `missing` columns (keys: a column read under another name -> its own, so that `worse` is rejected_column's), each
     with a column of `names` that no key reads, in order (COLUMN when none is left); "" when no key names one."""
     keys = keys or {}
-    named = [keys.get(m, m) for m in missing if keys.get(m, m) in COLUMN_KEYS]
+    named = [keys.get(column, column) for column in missing if keys.get(column, column) in COLUMN_KEYS]
     if not named:
         return ""
     free = [c for c in names if c not in COLUMN_KEYS and c not in keys and c not in ("label", "completion")]
@@ -277,7 +277,8 @@ def as_turns(row: dict, columns: tuple[str, ...], turns: bool, system_prompt: st
         for column in columns:
             if isinstance(row[column], str):
                 out[column] = [{"role": "assistant", "content": row[column]}]
-    if system_prompt is not None and isinstance(prompt, list) and not any(m["role"] == "system" for m in prompt):
+    if system_prompt is not None and isinstance(prompt, list) and not any(message["role"] == "system"
+                                                                          for message in prompt):
         prompt = [{"role": "system", "content": system_prompt}, *prompt]
     out["prompt"] = prompt
     return out

@@ -19,7 +19,8 @@ def prompt_key(value) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        value = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in value]
+        value = [{k: v for k, v in message.items() if v is not None} if isinstance(message, dict) else message
+                 for message in value]
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
@@ -28,8 +29,8 @@ def shown_prompt(value) -> str:
     text parts), not the chat template's rendering with the roles glued to the text."""
     if isinstance(value, str):
         return value.strip()
-    messages = [m for m in value or [] if isinstance(m, dict)]
-    users = [m for m in messages if m.get("role") == "user"] or messages
+    messages = [message for message in value or [] if isinstance(message, dict)]
+    users = [message for message in messages if message.get("role") == "user"] or messages
     content = users[-1].get("content") if users else ""
     if isinstance(content, list):  # content parts: {"type": "text", "text": ...}
         content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))

@@ -96,7 +96,7 @@ def tables(cache_dir: str | Path) -> set[str]:
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro" + ("" if wal else "&immutable=1"), uri=True)
         try:
-            return {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            return {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         finally:
             db.close()
     except sqlite3.Error:
@@ -120,7 +120,7 @@ WAIT_S = 600  # how long a writer waits for another process's commit before givi
 def room_for(seqs: list, per_token: bool) -> int:
     """What storing `seqs` (data.TokenizedCompletion) takes on disk, at most, for precompute's free-space check
     (and 1 MiB for SQLite's own); per_token: with each token's log-prob."""
-    tokens = sum(len(s.completion_ids) for s in seqs) if per_token else 0
+    tokens = sum(len(seq.completion_ids) for seq in seqs) if per_token else 0
     return len(seqs) * ROOM_SEQUENCE_BYTES + tokens * ROOM_TOKEN_BYTES + (1 << 20)
 
 
@@ -299,7 +299,8 @@ class Store:
 
     def file_bytes(self) -> int:
         """The index's files on disk (the write-ahead log included)."""
-        return sum(p.stat().st_size for p in (Path(f"{self.path}{s}") for s in ("", "-wal", "-shm")) if p.is_file())
+        files = (Path(f"{self.path}{suffix}") for suffix in ("", "-wal", "-shm"))
+        return sum(p.stat().st_size for p in files if p.is_file())
 
 
 def _busy(run: Callable, wait_s: float = WAIT_S):
@@ -371,7 +372,7 @@ def move_aside(cache_dir: str | Path) -> Path:
     path = Path(cache_dir) / INDEX
     stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
     aside = path.with_name(f"{INDEX}.damaged-{stamp}")
-    while any(aside.with_name(aside.name + s).exists() for s in ("", "-wal", "-shm")):
+    while any(aside.with_name(aside.name + suffix).exists() for suffix in ("", "-wal", "-shm")):
         n += 1
         aside = path.with_name(f"{INDEX}.damaged-{stamp}-{n}")
     for suffix in ("-wal", "-shm", ""):

@@ -84,34 +84,34 @@ class Arch:
         return self.kv_heads * self.head_dim
 
     def role(self, role: str) -> list[Linear]:
-        return [m for m in self.layer_linears if m.role == role]
+        return [linear for linear in self.layer_linears if linear.role == role]
 
     @property
     def intermediate(self) -> int:
         """I: the MLP's inner width, the input of its down projection."""
-        return max((m.in_features for m in self.role("mlp_out")), default=4 * self.hidden)
+        return max((linear.in_features for linear in self.role("mlp_out")), default=4 * self.hidden)
 
     @property
     def gated_mlp(self) -> bool:
         """SwiGLU-style (gate and up, separate or fused: 2*I out of the MLP input) rather than fc -> act -> proj."""
-        return sum(m.out_features for m in self.role("mlp_in")) == 2 * self.intermediate
+        return sum(linear.out_features for linear in self.role("mlp_in")) == 2 * self.intermediate
 
     def distinct_inputs(self, linears) -> int:
         """Summed width of the distinct tensors `linears` read: H for the attention's input projections (q/k/v
         share the normed input), H for the MLP's (gate/up or fc), and each other Linear's own input; the
         attention output projection's input is the attention output, kept by attention anyway (0)."""
-        roles = {m.role for m in linears}
+        roles = {linear.role for linear in linears}
         return ((self.hidden if "attn_in" in roles else 0) + (self.hidden if "mlp_in" in roles else 0)
-                + sum(m.in_features for m in linears if m.role in ("mlp_out", "other")))
+                + sum(linear.in_features for linear in linears if linear.role in ("mlp_out", "other")))
 
     def quantized_inputs(self) -> int:
         """Summed width of the distinct inputs of all of a layer's Linears, the attention output projection's
         included (what LLM.int8 keeps per layer)."""
-        return self.distinct_inputs(self.layer_linears) + sum(m.in_features for m in self.role("attn_out"))
+        return self.distinct_inputs(self.layer_linears) + sum(linear.in_features for linear in self.role("attn_out"))
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """One decoder layer's Linear layers: name -> (in_features, out_features)."""
-        return {m.name: (m.in_features, m.out_features) for m in self.layer_linears}
+        return {linear.name: (linear.in_features, linear.out_features) for linear in self.layer_linears}
 
     def params(self) -> int:
         head = 0 if self.tie_word_embeddings else self.vocab * self.hidden
@@ -119,7 +119,7 @@ class Arch:
 
     def layer_extra_params(self) -> int:
         """One layer's parameters beside its Linear weights: norms and biases (kept in the dtype when quantized)."""
-        return self.layer_params - sum(m.in_features * m.out_features for m in self.layer_linears)
+        return self.layer_params - sum(linear.in_features * linear.out_features for linear in self.layer_linears)
 
     def with_layers(self, layers: int) -> "Arch":
         return dataclasses.replace(self, name=f"{self.name} (first {layers} layers)", layers=layers)
@@ -133,8 +133,9 @@ class Arch:
     def module_names(self) -> list[tuple[str, Linear | None]]:
         """Every adaptable module's full name in the model, with its layer's Linear (the outer ones: with their
         full name; None for the LM head)."""
-        out = [(f"{self.layers_prefix}.{i}.{m.name}", m) for i in range(self.layers) for m in self.layer_linears]
-        return out + [(m.name, m) for m in self.outer_linears] + [(self.lm_head, None)]
+        out = [(f"{self.layers_prefix}.{i}.{linear.name}", linear) for i in range(self.layers)
+               for linear in self.layer_linears]
+        return out + [(linear.name, linear) for linear in self.outer_linears] + [(self.lm_head, None)]
 
 
 def _linear_shape(module) -> tuple[int, int] | None:
@@ -152,7 +153,8 @@ def _decoder_layers(model) -> tuple[str, list]:
     """(prefix, layers): the ModuleList holding the most parameters, the decoder's layer stack."""
     import torch
 
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    lists = [(n, module) for n, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module)]
     if not lists:
         raise UserError("no decoder layer stack (ModuleList) found")
     name, layers = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
@@ -164,15 +166,16 @@ def _roles(layer, hidden: int) -> tuple[Linear, ...]:
     their shapes: in an attention block, the output projection (by name, else the last Linear writing H) reads
     the attention output and the others the normed input; elsewhere, the Linears reading H feed the MLP's
     inner width and the one writing H from a wider input is the down projection."""
-    found = [(n, m, _linear_shape(m)) for n, m in layer.named_modules()]
-    found = [(n, m, sh) for n, m, sh in found if sh is not None]
-    attn = [(n, m, sh) for n, m, sh in found if any(k in n.split(".")[0].lower() for k in ("attn", "attention"))]
+    found = [(n, module, _linear_shape(module)) for n, module in layer.named_modules()]
+    found = [(n, module, sh) for n, module, sh in found if sh is not None]
+    attn = [(n, module, sh) for n, module, sh in found
+            if any(k in n.split(".")[0].lower() for k in ("attn", "attention"))]
     out_proj = next((n for n, _, sh in attn if n.split(".")[-1] in OUT_PROJ_NAMES and sh[1] == hidden), None)
     if out_proj is None and attn:
         out_proj = next((n for n, _, sh in reversed(attn) if sh[1] == hidden), None)
     attn_names = {n for n, _, _ in attn}
     out = []
-    for n, m, (i, o) in found:
+    for n, module, (i, o) in found:
         if n in attn_names:
             role = "attn_out" if n == out_proj else "attn_in"
         elif i == hidden:
@@ -181,7 +184,7 @@ def _roles(layer, hidden: int) -> tuple[Linear, ...]:
             role = "mlp_out"
         else:
             role = "other"
-        out.append(Linear(n, i, o, getattr(m, "bias", None) is not None, role))
+        out.append(Linear(n, i, o, getattr(module, "bias", None) is not None, role))
     return tuple(out)
 
 
@@ -204,11 +207,12 @@ def arch_from_model(model, name: str) -> Arch:
         raise UserError(f"{config.model_type}: its decoder layers differ from each other")
     linears = _roles(layers[0], hidden)
     layer_params = sum(p.numel() for p in layers[0].parameters())
-    if sum(m.in_features * m.out_features for m in linears) < MIN_LINEAR_SHARE * layer_params:
+    if sum(linear.in_features * linear.out_features for linear in linears) < MIN_LINEAR_SHARE * layer_params:
         raise UserError(f"{config.model_type}: its layers keep most weights outside Linear layers (e.g. fused "
                         "experts), which the memory model does not describe")
     # Outside attention, one MLP: a block (mlp, ffn, feed_forward) or Linears on the layer itself (OPT's fc1/fc2).
-    blocks = {m.name.split(".")[0] if "." in m.name else "" for m in linears if not m.role.startswith("attn")}
+    blocks = {linear.name.split(".")[0] if "." in linear.name else "" for linear in linears
+              if not linear.role.startswith("attn")}
     mlp_block = next(iter(blocks), "")
     if len(blocks) > 1:
         raise UserError(f"{config.model_type}: its layers hold Linear layers in {', '.join(sorted(blocks))} beside "
@@ -216,10 +220,11 @@ def arch_from_model(model, name: str) -> Arch:
                         "describe")
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
-    head_name = next((n for n, m in model.named_modules() if m is head), "lm_head")
+    head_name = next((n for n, module in model.named_modules() if module is head), "lm_head")
     total = sum(p.numel() for p in model.parameters())  # tied weights count once
     outer = total - len(layers) * layer_params - (0 if tied or head is None else head.weight.numel())
-    norms = [type(m).__name__.lower() for m in layers[0].modules() if "norm" in type(m).__name__.lower()]
+    norms = [type(module).__name__.lower() for module in layers[0].modules()
+             if "norm" in type(module).__name__.lower()]
     # this module's readings first, then the model part's (attention_heads, head_of): a reader follows one way down
     resident, outer_linears = _resident(model, prefix), _outer_linears(model, prefix, head)
     sliding_window, context = _sliding_window(config), _context(config)
@@ -270,13 +275,13 @@ def _outer_linears(model, prefix: str, head) -> tuple[Linear, ...]:
     import torch
 
     out = []
-    for n, m in model.named_modules():
-        if m is head or n == prefix or n.startswith(prefix + "."):
+    for n, module in model.named_modules():
+        if module is head or n == prefix or n.startswith(prefix + "."):
             continue
-        if isinstance(m, torch.nn.Embedding):
-            out.append(Linear(n, m.num_embeddings, m.embedding_dim, False, "embedding"))
-        elif (shape := _linear_shape(m)) is not None:
-            out.append(Linear(n, *shape, getattr(m, "bias", None) is not None, "outer"))
+        if isinstance(module, torch.nn.Embedding):
+            out.append(Linear(n, module.num_embeddings, module.embedding_dim, False, "embedding"))
+        elif (shape := _linear_shape(module)) is not None:
+            out.append(Linear(n, *shape, getattr(module, "bias", None) is not None, "outer"))
     return tuple(out)
 
 
@@ -284,11 +289,12 @@ def _resident(model, prefix: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The modules outside the layer stack that own tensors themselves (embeddings, rotary buffers, final norm,
     LM head), split into those before the stack and those after it, in model order."""
     before, after, seen_stack = [], [], False
-    for n, m in model.named_modules():
+    for n, module in model.named_modules():
         if n == prefix or n.startswith(prefix + "."):
             seen_stack = True
             continue
-        if n and (any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))):
+        if n and (any(True for _ in module.parameters(recurse=False))
+                  or any(True for _ in module.buffers(recurse=False))):
             (after if seen_stack else before).append(n)
     return tuple(before), tuple(after)
 
@@ -316,7 +322,7 @@ class Adapted:
         """(in, out) of every adapted Linear in the model (an embedding: (rows, width), as LoRA's A and B)."""
         lin = arch.linears()
         out = [lin[n] for names in self.per_layer for n in names]
-        out += [(m.in_features, m.out_features) for m in arch.outer_linears if m.name in self.outer]
+        out += [(linear.in_features, linear.out_features) for linear in arch.outer_linears if linear.name in self.outer]
         return out + ([(arch.hidden, arch.vocab)] if self.lm_head else [])
 
     @property
@@ -334,7 +340,7 @@ def adapted(arch: Arch, targets: str | tuple[str, ...]) -> Adapted:
 
     names = arch.module_names()
     if targets == "all-linear":
-        hit = [n for n, m in names if m is not None and m.role != "embedding"]
+        hit = [n for n, linear in names if linear is not None and linear.role != "embedding"]
     else:
         config = LoraConfig(target_modules=targets if isinstance(targets, str) else list(targets))
         hit = [n for n, _ in names if check_target_module_exists(config, n)]
@@ -342,6 +348,7 @@ def adapted(arch: Arch, targets: str | tuple[str, ...]) -> Adapted:
     if not hit:
         raise UserError(f"lora_target_modules={targets!r} matches no Linear of {arch.model_type} (its layer "
                         f"Linears: {', '.join(arch.linears())}; LM head: {arch.lm_head})")
-    per_layer = tuple(tuple(m.name for m in arch.layer_linears if f"{arch.layers_prefix}.{i}.{m.name}" in hit)
-                      for i in range(arch.layers))
-    return Adapted(per_layer, arch.lm_head in hit, tuple(m.name for m in arch.outer_linears if m.name in hit))
+    per_layer = tuple(tuple(linear.name for linear in arch.layer_linears
+                            if f"{arch.layers_prefix}.{i}.{linear.name}" in hit) for i in range(arch.layers))
+    outer = tuple(linear.name for linear in arch.outer_linears if linear.name in hit)
+    return Adapted(per_layer, arch.lm_head in hit, outer)

@@ -88,7 +88,8 @@ def unshardable(cfg, stages=STAGES) -> str | None:
 def _note(plan: Plan, step: str, fsdp: bool = False, offload: bool = False) -> Plan:
     overrides = {**plan.overrides, **({"fsdp": "true"} if fsdp else {}),
                  **({"fsdp_offload_params": "true"} if offload else {})}
-    return dataclasses.replace(plan, overrides=overrides, steps=[step] + [s for s in plan.steps if s != "fits as given"])
+    earlier = [line for line in plan.steps if line != "fits as given"]
+    return dataclasses.replace(plan, overrides=overrides, steps=[step] + earlier)
 
 
 def alternatives(arch: Arch, cfg, budget: int, processes: int, knobs=KNOBS, stages=STAGES,

@@ -120,13 +120,13 @@ class Plan:
 
     @property
     def offload_layers(self) -> int:
-        return max((s.layers for s in self.streams.values()), default=0)
+        return max((stream.layers for stream in self.streams.values()), default=0)
 
     def to_json(self, budget: int) -> dict:
         return {"fits": self.fits, "overrides": self.overrides, "steps": self.steps,
                 "offload_bytes": self.offload_bytes, "precompute_offload_bytes": self.precompute_offload_bytes,
                 "offload_layers": self.offload_layers,
-                "stream": {stage: s.to_json() for stage, s in self.streams.items()},
+                "stream": {stage: stream.to_json() for stage, stream in self.streams.items()},
                 "train": self.prediction.train.to_json(budget, self.offload_bytes),
                 "precompute": self.prediction.precompute.to_json(budget, self.precompute_offload_bytes)}
 
@@ -214,28 +214,29 @@ def _steps(arch: Arch, start: Setup, end: Setup, budget: int) -> tuple[list[str]
     return steps, overrides
 
 
-def stream_step(stage: str, s: Stream, layers: int, budget: int) -> str:
-    return (f"{stage}: stream {s.layers} of {layers} decoder layers from pinned CPU RAM ({fmt(s.cpu_bytes)}), "
-            f"device peak {fmt(s.device_peak)}" + ("" if s.device_peak <= budget else " - still over the budget")
-            + f"; {fmt(s.bytes_per_step)} copied per {'optimizer step' if stage == 'train' else 'batch'} "
-            f"(~{s.seconds_per_step:.2f} s at {STREAM_BYTES_PER_S / 1e9:.0f} GB/s; {stage} does it by itself on "
+def stream_step(stage: str, stream: Stream, layers: int, budget: int) -> str:
+    return (f"{stage}: stream {stream.layers} of {layers} decoder layers from pinned CPU RAM "
+            f"({fmt(stream.cpu_bytes)}), device peak {fmt(stream.device_peak)}"
+            + ("" if stream.device_peak <= budget else " - still over the budget")
+            + f"; {fmt(stream.bytes_per_step)} copied per {'optimizer step' if stage == 'train' else 'batch'} "
+            f"(~{stream.seconds_per_step:.2f} s at {STREAM_BYTES_PER_S / 1e9:.0f} GB/s; {stage} does it by itself on "
             "CUDA)")
 
 
-def _largest_mlp_tiles(arch: Arch, s: Setup, budget: int) -> Setup:
+def _largest_mlp_tiles(arch: Arch, setup: Setup, budget: int) -> Setup:
     """The MLP's tiles only for the memory they save: whole where train fits so, else in the largest tiles (the
     default, doubled while train fits and a tile is below a micro-batch's tokens), each tile being one more pass
     over a 4-bit base's dequantized weights."""
-    whole = dataclasses.replace(s, mlp_tiles=False)
+    whole = dataclasses.replace(setup, mlp_tiles=False)
     if _fits(arch, whole, "train", budget):
         return whole
-    tokens = s.sequences("train") * s.shapes("train")[0]  # a micro-batch's
-    while 2 * s.mlp_tile_tokens < tokens:
-        bigger = dataclasses.replace(s, mlp_tile_tokens=2 * s.mlp_tile_tokens)
+    tokens = setup.sequences("train") * setup.shapes("train")[0]  # a micro-batch's
+    while 2 * setup.mlp_tile_tokens < tokens:
+        bigger = dataclasses.replace(setup, mlp_tile_tokens=2 * setup.mlp_tile_tokens)
         if not _fits(arch, bigger, "train", budget):
             break
-        s = bigger
-    return s
+        setup = bigger
+    return setup
 
 
 def choose(arch: Arch, cfg_like, budget: int, knobs=KNOBS, stages=STAGES) -> Plan:
@@ -270,9 +271,9 @@ def choose(arch: Arch, cfg_like, budget: int, knobs=KNOBS, stages=STAGES) -> Pla
         if stage == "train" and not cur.gradient_checkpointing:  # streaming saves nothing with every layer's
             cur = dataclasses.replace(cur, gradient_checkpointing=True)  # activations kept: train turns it on
             pred = predict(arch, cur)
-        s = streams[stage] = stage_stream(arch, cur, pred, stage, budget)
-        fits = fits and s.device_peak <= budget
-        steps.append(stream_step(stage, s, arch.layers, budget))
+        stream = streams[stage] = stage_stream(arch, cur, pred, stage, budget)
+        fits = fits and stream.device_peak <= budget
+        steps.append(stream_step(stage, stream, arch.layers, budget))
     return Plan(cur, pred, overrides, steps or ["fits as given"], fits, streams)
 
 

@@ -132,7 +132,8 @@ class _TiledMLPFunction(torch.autograd.Function):
             return torch.empty(x.shape, dtype=x.dtype, device="meta")
         device = x.device.type
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        dropout = any(isinstance(m, torch.nn.Dropout) and m.training and m.p > 0 for m in tiler.mlp.modules())
+        dropout = any(isinstance(module, torch.nn.Dropout) and module.training and module.p > 0
+                      for module in tiler.mlp.modules())
         ctx.rng = devices.rng_state(x.device) if dropout else None
         with torch.no_grad():
             return tiler.run(x)
@@ -202,7 +203,7 @@ def probe_recompute_stop(model: torch.nn.Module, tiled: list[TiledMLP], forward_
         t.tokens, t.grad_tiles, t.skip_in_recompute = 1, True, True
     ids = torch.zeros(1, 2, dtype=torch.long, device=embedding.device)  # (1, 2)
     cuda = [embedding.device] if embedding.device.type == "cuda" else []
-    modes = {m: m.training for m in model.modules()}
+    modes = {module: module.training for module in model.modules()}
     model.train()  # transformers checkpoints a layer only in train mode: the probe's point
     try:
         with torch.random.fork_rng(devices=cuda), torch.enable_grad(), forward_context:
@@ -211,8 +212,8 @@ def probe_recompute_stop(model: torch.nn.Module, tiled: list[TiledMLP], forward_
         stops = True
     except RecomputedPastMLP:
         stops = False
-    for m, training in modes.items():
-        m.training = training
+    for module, training in modes.items():
+        module.training = training
     for p in params:  # what the tiles' backward added into .grad
         p.grad = None
     for t, (tokens, grad_tiles) in zip(tiled, kept):
@@ -291,39 +292,39 @@ class Offloader:
         if not self.end_queued:  # the host copies go when the whole backward is done
             torch.autograd.Variable._execution_engine.queue_callback(self.reset)
             self.end_queued = True
-        s = self.saved.get(key)
-        if s is None:
+        saved = self.saved.get(key)
+        if saved is None:
             raise RuntimeError("activation offloading: this backward needs a tensor saved by a forward before the last "
                                "one with gradients, which the offloader has dropped; set activation_offloading=false")
-        if s.device_tensor is None:
-            self._fetch(s)
-        out = s.device_tensor
-        devices.wait(s.event, device=self.device)  # the compute stream waits for the copy back
-        s.unpacked += 1
-        if s.consumed:
-            s.device_tensor, s.event = None, None  # autograd holds it now
+        if saved.device_tensor is None:
+            self._fetch(saved)
+        out = saved.device_tensor
+        devices.wait(saved.event, device=self.device)  # the compute stream waits for the copy back
+        saved.unpacked += 1
+        if saved.consumed:
+            saved.device_tensor, saved.event = None, None  # autograd holds it now
         below = max((k for k, other in self.saved.items()
                      if k < key and other.device_tensor is None and not other.consumed), default=None)
         if below is not None:
             self._fetch(self.saved[below])  # the next one the backward reaches, while this layer computes
         return out
 
-    def _fetch(self, s: Saved) -> None:
+    def _fetch(self, saved: Saved) -> None:
         """Start copying a saved tensor back to the device (allocated on the compute stream, which the side stream
         waits for: a reused block is never written while a kernel still reads it; the side stream's copies run in
         order, so a copy to the host still in flight ends before this one starts)."""
-        out = torch.empty(s.host.shape, dtype=s.host.dtype, device=self.device)
+        out = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=self.device)
         free = devices.mark(self.device)  # on the compute stream: after every queued reader of out's reused block
         with devices.on_stream(self.stream):
             devices.wait(free, self.stream)
-            devices.copy_async(out, s.host)
-        s.device_tensor, s.event = out, devices.mark(self.device, self.stream)
+            devices.copy_async(out, saved.host)
+        saved.device_tensor, saved.event = out, devices.mark(self.device, self.stream)
         self.fetched += 1
 
     def reset(self) -> None:
         """Forget every offloaded tensor (a backward's end, or a forward whose backward never ran or raised)."""
-        for s in self.saved.values():  # a prefetched copy not used: its memory goes once the copy is done
-            devices.wait(s.event, device=self.device)
+        for saved in self.saved.values():  # a prefetched copy not used: its memory goes once the copy is done
+            devices.wait(saved.event, device=self.device)
         self.saved.clear()
         self.keys.clear()
         self.end_queued = False

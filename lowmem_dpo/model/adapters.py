@@ -41,7 +41,7 @@ def carries_adapter(model: torch.nn.Module) -> bool:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return getattr(model, "_hf_peft_config_loaded", False) or any(
-        isinstance(m, BaseTunerLayer) for m in model.modules())
+        isinstance(module, BaseTunerLayer) for module in model.modules())
 
 
 def check_no_adapter(model: torch.nn.Module, wanted: str) -> None:
@@ -109,8 +109,8 @@ def linear_module_names(model: torch.nn.Module) -> set[str]:
     """Short names of the linear layers `all-linear` adapts: every nn.Linear (bitsandbytes' included) but the
     LM head."""
     head = model.get_output_embeddings()
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and m is not head}
+    return {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not head}
 
 
 def lora_conflicts(cfg: Config, adapter_config: dict, all_linear: set[str]) -> dict[str, tuple]:
@@ -135,10 +135,10 @@ def set_lora_dropout(model, p: float) -> None:
     not the one the SFT stage trained with: dropout is a training knob, not part of the adapter."""
     from peft.tuners.lora import LoraLayer
 
-    for m in model.modules():
-        if isinstance(m, LoraLayer):
-            for name in m.lora_dropout:
-                m.lora_dropout[name] = torch.nn.Dropout(p) if p > 0 else torch.nn.Identity()
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for name in module.lora_dropout:
+                module.lora_dropout[name] = torch.nn.Dropout(p) if p > 0 else torch.nn.Identity()
     for peft_config in model.peft_config.values():
         peft_config.lora_dropout = p
 

@@ -61,7 +61,8 @@ def lora_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
         for name in ("lora_A", "lora_B"):
             parts = getattr(module, name, None)
             if isinstance(parts, torch.nn.ModuleDict):
-                out += [m for m in parts.values() if type(m) is torch.nn.Linear and m.weight.requires_grad]
+                out += [linear for linear in parts.values()
+                        if type(linear) is torch.nn.Linear and linear.weight.requires_grad]
     return out
 
 
@@ -70,7 +71,8 @@ class ComputeCopies:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         linears = lora_linears(model) if dtype in COMPUTE_DTYPES else []
-        self.params = [t for m in linears for t in (m.weight, m.bias) if t is not None and t.requires_grad]
+        self.params = [t for linear in linears for t in (linear.weight, linear.bias)
+                       if t is not None and t.requires_grad]
         n = sum(p.numel() for p in self.params)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.flat = torch.empty(n, dtype=dtype, device=device)  # (n,) every copy, one after the other

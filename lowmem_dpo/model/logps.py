@@ -138,13 +138,13 @@ def head_of(config) -> tuple[Head, bool]:
 def eval_mode(model):
     """`model` in eval mode for the block (no dropout, LoRA's included), every module's own mode restored after:
     the eval, the samples and the first batch's checks compute what the policy is, not one dropout draw of it."""
-    modes = {m: m.training for m in model.modules()}
+    modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
         yield model
     finally:
-        for m, training in modes.items():
-            m.training = training
+        for module, training in modes.items():
+            module.training = training
 
 
 def causal_lm(model):

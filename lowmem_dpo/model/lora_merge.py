@@ -96,11 +96,11 @@ def lora_pairs(state: dict[str, torch.Tensor], config: dict, where: str) -> list
     check_config(config, where)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
-        m = _KEY.fullmatch(key)
-        if m is None:
+        match = _KEY.fullmatch(key)
+        if match is None:
             raise UserError(f"{where}: adapter key {key!r} is not a LoRA weight (lora_A/lora_B); lowmem_dpo.export "
                             "merges plain LoRA adapters only: merge this one with peft (merge_and_unload)")
-        parts.setdefault(m.group(1), {})[m.group(2)] = tensor
+        parts.setdefault(match.group(1), {})[match.group(2)] = tensor
     pairs = []
     for module, p in sorted(parts.items()):
         embedding = "lora_embedding_A" in p or "lora_embedding_B" in p

@@ -258,9 +258,9 @@ def model_positions(path: Path) -> int | None:
 
 def disable_dropout(model: torch.nn.Module) -> None:
     """The base model's dropout is off for DPO, as in TRL: policy and reference must see the same function."""
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
 
 
 def quantization_config(quantization: str, compute_dtype: torch.dtype):
@@ -288,9 +288,9 @@ def _one_numeric_path(model: torch.nn.Module) -> None:
     path in both stages."""
     import bitsandbytes as bnb
 
-    for m in model.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def _own_unquantized_weights(model: torch.nn.Module) -> None:

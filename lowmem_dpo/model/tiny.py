@@ -70,8 +70,8 @@ def preference_rows(n: int = 384, seed: int = 0) -> list[dict]:
 
 def _corpus() -> list[str]:
     texts = []
-    for r in preference_rows(2000, seed=1):
-        texts += [r["prompt"] + r["chosen"], r["prompt"] + r["rejected"]]
+    for row in preference_rows(2000, seed=1):
+        texts += [row["prompt"] + row["chosen"], row["prompt"] + row["rejected"]]
     texts += ["<|user|>\n", "<|assistant|>\n", "<|system|>\n"] * 50
     return texts
 
@@ -119,13 +119,13 @@ def pretrain(model, tok, steps: int) -> None:
     same steps on the same batches every build."""
     import torch
 
-    texts = [r["prompt"] + c for r in preference_rows(2000, seed=2) for c in (r["chosen"], r["rejected"])]
+    texts = [row["prompt"] + c for row in preference_rows(2000, seed=2) for c in (row["chosen"], row["rejected"])]
     seqs = [tok(t).input_ids + [tok.eos_token_id] for t in texts]
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), tok.pad_token_id)  # (N, T), right-padded
     mask = torch.zeros_like(ids)  # (N, T)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    for i, seq in enumerate(seqs):
+        ids[i, :len(seq)], mask[i, :len(seq)] = torch.tensor(seq), 1
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
     model.train()
@@ -165,8 +165,8 @@ def ensure_builtin(spec: str) -> Path:
 def write_jsonl(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

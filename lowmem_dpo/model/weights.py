@@ -83,7 +83,8 @@ def tensors(folder: Path) -> list[TensorInfo]:
         try:
             with safe_open(str(path), framework="pt") as f:
                 names = {name: f.get_slice(name) for name in f.keys()}
-                found = [(name, s.get_dtype(), tuple(s.get_shape())) for name, s in names.items()]
+                found = [(name, tensor_slice.get_dtype(), tuple(tensor_slice.get_shape()))
+                         for name, tensor_slice in names.items()]
         except Exception as e:  # safetensors' own error types for a cut or corrupt header
             raise UserError(f"{path}: not a readable safetensors file ({type(e).__name__}: {str(e)[:120]}); "
                             "restore the base's weights") from None

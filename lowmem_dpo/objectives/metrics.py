@@ -95,11 +95,12 @@ GEN_ANSWERS = Metric(name="gen/answers", greater_is_better=None, kind="sample",
 METRICS = (LOSS, REWARDS_CHOSEN, REWARDS_REJECTED, ACCURACY, MARGIN, LOGPS_CHOSEN, LOGPS_REJECTED, NLL_LOSS,
            LOG_ODDS_RATIO, LOG_ODDS_CHOSEN, KL, GRAD_NORM, LEARNING_RATE, GEN_REPETITION, GEN_ROUGE_L, GEN_ROUGE_L_SE,
            GEN_CONTENT, GEN_CONTENT_SE, GEN_KL, GEN_LENGTH, GEN_CHOSEN_LENGTH, GEN_EMPTY, GEN_COLLAPSED, GEN_ANSWERS)
-BY_NAME = {m.name: m for m in METRICS}
-PAIR_METRICS = tuple(m for m in METRICS if m.kind == "pair")  # a preference pair's, each run of pairs logs them
+BY_NAME = {metric.name: metric for metric in METRICS}
+# a preference pair's, each run of pairs logs them
+PAIR_METRICS = tuple(metric for metric in METRICS if metric.kind == "pair")
 # KTO's, in TRL's KTOTrainer order: each a mean over a step's blocks of the block's own mean
 BLOCK_METRICS = (LOSS, KL, REWARDS_CHOSEN, LOGPS_CHOSEN, REWARDS_REJECTED, LOGPS_REJECTED, MARGIN)
-SAMPLE_METRICS = tuple(m for m in METRICS if m.kind == "sample")
+SAMPLE_METRICS = tuple(metric for metric in METRICS if metric.kind == "sample")
 
 
 def eval_name(name: str) -> str:
@@ -113,38 +114,41 @@ def row_of(key: str) -> Metric | None:
 
 def term_metrics(loss_types) -> tuple[Metric, ...]:
     """The metrics of kind term that a run of `loss_types` logs (its objectives' own)."""
-    return tuple(m for m in METRICS if m.kind == "term" and set(m.logged_by) & set(loss_types))
+    return tuple(metric for metric in METRICS if metric.kind == "term" and set(metric.logged_by) & set(loss_types))
 
 
 def logged(name: str, loss_types, nll: bool, unpaired: bool = False) -> bool:
     """Whether a run of `loss_types` logs metric `name` (nll: its loss has an NLL term, objectives.nll_weight;
     unpaired: it trains on unpaired rows, KTO)."""
-    m = BY_NAME[name]
+    metric = BY_NAME[name]
     if unpaired:
-        return m in BLOCK_METRICS or not m.summed
-    return m in term_metrics(loss_types) if m.kind == "term" else nll if m.kind == "nll" else True
+        return metric in BLOCK_METRICS or not metric.summed
+    return metric in term_metrics(loss_types) if metric.kind == "term" else nll if metric.kind == "nll" else True
 
 
-def train_key(m: Metric) -> str | None:
-    return None if m.kind == "sample" else m.name
+def train_key(metric: Metric) -> str | None:
+    return None if metric.kind == "sample" else metric.name
 
 
 # metric_for_best_model: an eval metric with a direction, by its eval name
-EVAL_METRICS = {m.eval: m.greater_is_better for m in METRICS if m.greater_is_better is not None and m.kind != "step"}
+EVAL_METRICS = {metric.eval: metric.greater_is_better for metric in METRICS
+                if metric.greater_is_better is not None and metric.kind != "step"}
 # the report's panels: (title, train key or None, eval key or None)
-PANELS = tuple((m.panel, train_key(m), None if m.kind == "step" else m.eval) for m in METRICS if m.panel)
-TRAIN_SHOWN = tuple((m.name, m.label) for m in METRICS if m.label and m.kind == "pair")
-EVAL_SHOWN = tuple((m.eval, m.label) for m in METRICS if m.label)
-BAR = tuple(m for m in METRICS if m.bar)
+PANELS = tuple((metric.panel, train_key(metric), None if metric.kind == "step" else metric.eval)
+               for metric in METRICS if metric.panel)
+TRAIN_SHOWN = tuple((metric.name, metric.label) for metric in METRICS if metric.label and metric.kind == "pair")
+EVAL_SHOWN = tuple((metric.eval, metric.label) for metric in METRICS if metric.label)
+BAR = tuple(metric for metric in METRICS if metric.bar)
 
 
 def bar_numbers(line: dict, prefix: str = "") -> dict[str, str]:
     """The progress bar's numbers from a metrics line (prefix "eval_": an eval line's), by the rows' bar labels."""
-    return {prefix + m.bar[0]: f"{line[prefix + m.name]:.{m.bar[1]}f}" for m in BAR
-            if line.get(prefix + m.name) is not None}
+    return {prefix + metric.bar[0]: f"{line[prefix + metric.name]:.{metric.bar[1]}f}" for metric in BAR
+            if line.get(prefix + metric.name) is not None}
 
 
 def closing_note(line: dict) -> str:
     """The last train line as the closing log line shows it (': loss 0.6931, rewards/accuracies 0.50'), or ''."""
-    shown = [f"{m.name} {line[m.name]:.{m.bar[1]}f}" for m in BAR if line.get(m.name) is not None]
+    shown = [f"{metric.name} {line[metric.name]:.{metric.bar[1]}f}" for metric in BAR
+             if line.get(metric.name) is not None]
     return ": " + ", ".join(shown) if line.get(LOSS.name) is not None else ""

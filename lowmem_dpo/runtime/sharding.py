@@ -35,16 +35,16 @@ def is_sharded(model) -> bool:
     """Whether some module of `model` was sharded by fully_shard."""
     from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The model's decoder layers: the modules whose class transformers names in _no_split_modules (the units
     accelerate's FSDP wraps too)."""
     names = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    return [module for module in model.modules() if type(module).__name__ in names]
 
 
 def storage_problem(model) -> str | None:

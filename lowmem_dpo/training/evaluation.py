@@ -115,12 +115,12 @@ def sample_metrics(session: Session, step: int) -> dict:
             [w.ids for w in written], [base["repetition"].get(w.prompt) for w in written],
             [base["tokens"].get(w.prompt) for w in written])
     base, base_content = base["rouge_l"], base["content"]
-    se = answers.change_se([(s, base[w.prompt]) for s, w in zip(scores["rouge_l"], written) if w.prompt in base])
+    se = answers.change_se([(score, base[w.prompt]) for score, w in zip(scores["rouge_l"], written) if w.prompt in base])
     if se is not None:
         stats[answers.GEN_ROUGE_L_SE] = round(se, 6)
     # what the answers hold beyond the chosen answers' shared phrasing (content.py), and its change's noise
     stats[answers.GEN_CONTENT] = round(sum(scores["content"]) / len(written), 6)
-    se = answers.change_se([(s, base_content[w.prompt]) for s, w in zip(scores["content"], written)
+    se = answers.change_se([(score, base_content[w.prompt]) for score, w in zip(scores["content"], written)
                            if w.prompt in base_content])
     if se is not None:
         stats[answers.GEN_CONTENT_SE] = round(se, 6)
@@ -198,7 +198,7 @@ def collapse_sign(metrics_lines: list[str], line: dict) -> str | None:
 
 
 # The eval's log line: the summary's metrics (each row's label), the samples' measures apart, as "answers"
-SAMPLE_KEYS = {m.eval for m in SAMPLE_METRICS}
+SAMPLE_KEYS = {metric.eval for metric in SAMPLE_METRICS}
 
 
 def log_line(metrics_lines: list[str], line: dict, cost: str = "") -> str:

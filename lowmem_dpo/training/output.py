@@ -98,23 +98,24 @@ def start_output(run: RunSetup) -> Path:
     out_dir = Path(run.cfg.output_dir)
     folders.mark(out_dir, KIND[run.objective.name])  # before the first file: the folder is this run's
     log(f"writing to {place(run.cfg, 'output_dir')}")
-    resolved_note = "".join(f"# resolved {r}\n" for r in run.resolved.reasons)
+    resolved_note = "".join(f"# resolved {reason}\n" for reason in run.resolved.reasons)
     files.atomic_write_bytes(out_dir / RUN_CONFIG, (run.cfg.to_yaml() + resolved_note).encode())
     log(resolved_line(run.resolved, run.cfg.per_device_train_batch_size, out_dir / RUN_CONFIG, run.world))
     return out_dir
 
 
-def resolved_line(r: devices.Resolved, batch: int, config: Path, world: distributed.World) -> str:
+def resolved_line(resolved: devices.Resolved, batch: int, config: Path, world: distributed.World) -> str:
     """What the device rules and the planner chose, in one line, and where their reasons are."""
-    micro = r.micro_batch or batch
+    micro = resolved.micro_batch or batch
     processes = f", process {world.rank} of {world.size}" if world.size > 1 else ""
-    parts = [f"{r.device.type} in {devices.dtype_name(r.dtype)}{processes}"
-             + ("" if r.quantization == "none" else f" on a {r.quantization} base"),
+    parts = [f"{resolved.device.type} in {devices.dtype_name(resolved.dtype)}{processes}"
+             + ("" if resolved.quantization == "none" else f" on a {resolved.quantization} base"),
              f"micro-batch {micro}" + ("" if micro == batch else f" (the recipe's {batch} split by the planner)"),
-             f"gradient checkpointing {'on' if r.gradient_checkpointing else 'off'}", f"optimizer {r.optimizer}"]
-    parts += [f"{r.streamed_layers} layers streamed from CPU RAM"] * bool(r.streamed_layers)
-    parts += ["activations offloaded"] * r.activation_offloading + ["the base sharded (fsdp)"] * r.sharded
-    return f"resolved: {', '.join(parts)}; the {len(r.reasons)} reasons are in {config} (# resolved)"
+             f"gradient checkpointing {'on' if resolved.gradient_checkpointing else 'off'}",
+             f"optimizer {resolved.optimizer}"]
+    parts += [f"{resolved.streamed_layers} layers streamed from CPU RAM"] * bool(resolved.streamed_layers)
+    parts += ["activations offloaded"] * resolved.activation_offloading + ["the base sharded (fsdp)"] * resolved.sharded
+    return f"resolved: {', '.join(parts)}; the {len(resolved.reasons)} reasons are in {config} (# resolved)"
 
 
 def open_metrics(session: Session, out_dir: Path):

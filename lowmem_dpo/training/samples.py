@@ -187,9 +187,9 @@ def append(path: Path, step: int, samples: list[Sample], scores: dict[str, list]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
-        for i, s in enumerate(samples):
-            line = {"step": step, "prompt": s.prompt, "completion": s.completion, "chosen": s.chosen,
-                    **({} if s.rejected is None else {"rejected": s.rejected}),
+        for i, sample in enumerate(samples):
+            line = {"step": step, "prompt": sample.prompt, "completion": sample.completion, "chosen": sample.chosen,
+                    **({} if sample.rejected is None else {"rejected": sample.rejected}),
                     **{name: round(values[i], 6) for name, values in (scores or {}).items()}}
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
         f.flush()
