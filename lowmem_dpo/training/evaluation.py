@@ -72,15 +72,8 @@ def sample_metrics(session: Session, step: int) -> dict:
     with `step`; one shown in the log. Returns their repetition, mean length, share of empty answers, ROUGE-L
     against the chosen completions (answers.generation_stats) and KL from the reference ({} without samples)."""
     run = session.run
-    pool = run.objective.samples_from(run.eval_items)  # KTO: the desirable rows
-    items = sample_items(pool, policy.generations(run.cfg, run.steps))
     path = Path(run.cfg.output_dir) / checkpoint.SAMPLES
-    # Each later eval answers the prompts step 0 answered, each judged against its own answer there (a resumed run
-    # given more steps would ask for more with eval_generations null: they would have no baseline)
-    answered = set(samples.scores_at(path, 0, ["completion"])["completion"]) if step > 0 and run.world.main else None
-    answered = distributed.broadcast(answered) if run.resolved.sharded else answered
-    if answered:
-        items = [item for item in items if run.prompts.get(item.row) in answered] or items
+    items = answer_items(session, step, path)
     if not items:
         return {}
 
@@ -127,6 +120,20 @@ def sample_metrics(session: Session, step: int) -> dict:
     if run.adapter_off_is_start:  # the reference is the model with its adapter disabled
         stats[answers.GEN_KL] = None if kl is None else round(kl, 6)
     return stats
+
+
+def answer_items(session: Session, step: int, path: Path) -> list:
+    """The eval items whose prompts an eval at `step` answers: the first eval_generations distinct ones; after step
+    0, those step 0 answered (`path`: samples.jsonl), each judged against its own answer there (a resumed run given
+    more steps would ask for more with eval_generations null: they would have no baseline)."""
+    run = session.run
+    pool = run.objective.samples_from(run.eval_items)  # KTO: the desirable rows
+    items = sample_items(pool, policy.generations(run.cfg, run.steps))
+    answered = set(samples.scores_at(path, 0, ["completion"])["completion"]) if step > 0 and run.world.main else None
+    answered = distributed.broadcast(answered) if run.resolved.sharded else answered
+    if answered:
+        items = [item for item in items if run.prompts.get(item.row) in answered] or items
+    return items
 
 
 def samples_on_rank(session: Session) -> bool:
