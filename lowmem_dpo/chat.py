@@ -147,8 +147,8 @@ def system_turn(source: Source, templated: bool, system: str | None) -> tuple[st
         raise UserError("--system gives a system turn, which only the chat template renders, and this chat gives "
                         "prompts as plain text (as training refuses system_prompt on plain-text rows): pass "
                         "--template to chat through the template, or leave --system out")
-    turn, whence = (system, "--system") if system is not None else \
-        ((source.record or {}).get("system_prompt"), "the run's system_prompt")
+    turn, whence = ((system, "--system") if system is not None
+                    else ((source.record or {}).get("system_prompt"), "the run's system_prompt"))
     if not templated:
         return None, "; the run's system_prompt is left out: plain text has no system turn" if turn else ""
     if not turn:

@@ -146,8 +146,8 @@ def adapter_pairs(adapter: Path) -> tuple[str, list[LoraPair]]:
             state = load_file(str(weights_file))
         except Exception as e:  # safetensors' own error types for a cut or corrupt file
             raise UserError(f"{weights_file}: not a readable safetensors file ({type(e).__name__}: "
-                            f"{str(e)[:120]}); re-save the adapter, or point ADAPTER_DIR at an intact checkpoint") \
-                from None
+                            f"{str(e)[:120]}); re-save the adapter, or point ADAPTER_DIR at an intact checkpoint"
+                            ) from None
     else:
         state = torch.load(weights_file, map_location="cpu", weights_only=True)
     return where, lora_merge.lora_pairs(state, models.read_adapter_config(adapter, "ADAPTER_DIR"), where)

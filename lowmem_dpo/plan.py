@@ -179,8 +179,8 @@ def measured_columns(args, cfg: Config, arch: Arch, setup: Setup, budget: int, r
 
 def print_plan(chosen: Plan, budget: int, reference: bool = True) -> None:
     c = chosen.setup
-    mlp = (f" (the MLP in tiles of {c.mlp_tile_tokens} tokens)" if c.mlp_tiles else " (the MLP whole)") \
-        if c.gradient_checkpointing else ""
+    mlp = ((f" (the MLP in tiles of {c.mlp_tile_tokens} tokens)" if c.mlp_tiles else " (the MLP whole)")
+           if c.gradient_checkpointing else "")
     print(f"plan: quantization={c.quantization} gradient_checkpointing={str(c.gradient_checkpointing).lower()}{mlp} "
           f"micro-batch {c.micro_batch} x {c.grad_accum} accumulation, "
           + (f"precompute batch {c.precompute_batch}, " if reference else "")

@@ -182,6 +182,22 @@ def parameter_count(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return len(names) - (names[:1] in (["self"], ["cls"])) + (a.vararg is not None) + (a.kwarg is not None)
 
 
+def continued_lines(source: str) -> list[int]:
+    """The lines of `source` that end in a backslash continuation (a string token's own lines left out)."""
+    import io
+    import tokenize
+    in_strings = {n for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.STRING
+                  for n in range(tok.start[0], tok.end[0])}
+    return [n for n, line in enumerate(source.splitlines(), 1) if line.rstrip().endswith("\\") and n not in in_strings]
+
+
+def test_no_line_continues_with_a_backslash():
+    """Parentheses continue a line: readers that follow the code by its tokens (farm-studio walk) lose every function
+    after a backslash continuation."""
+    assert {n: lines for n in MODULES if (lines := continued_lines(module_file(n).read_text()))} == {}
+    assert continued_lines('x = 1 + \\\n    2\ns = """a \\\nb"""\n') == [1]  # the check can fail
+
+
 def test_no_function_takes_more_than_7_parameters():
     """Related parameters travel together, in a small dataclass named for what it holds; a signature an outside
     interface dictates takes what it passes in **kwargs."""

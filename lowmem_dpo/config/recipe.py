@@ -194,8 +194,8 @@ def yaml_problem(recipe: str, text: str, e) -> str:
     lines = text.splitlines()
     shown = lines[mark.line].strip()[:80] if mark.line < len(lines) else ""
     start = getattr(e, "context_mark", None)
-    began = f", {e.context} that starts at line {start.line + 1}" if start is not None and \
-        start.line != mark.line and getattr(e, "context", None) else ""
+    began = (f", {e.context} that starts at line {start.line + 1}"
+             if start is not None and start.line != mark.line and getattr(e, "context", None) else "")
     return (f"recipe {recipe!r} line {mark.line + 1}, column {mark.column + 1}: not valid YAML ({problem}{began})"
             f"{f': {shown!r}' if shown else ''}; each line is `key: value` (a list item `- value`, a comment after #)")
 

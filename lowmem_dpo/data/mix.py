@@ -180,10 +180,10 @@ def load_mixture(sources: list[Source], default_split: str, seed: int, cap: int 
         p.offset, offset = offset, offset + len(p)
     if len(parts) > 1 or parts[0].indices is not None:
         for p in parts:
-            how = f"fraction={p.source.fraction}" if p.source.fraction is not None else \
-                f"rows={p.source.rows}" if p.source.rows is not None else "every row"
-            capped = f"; max_train_samples={cap} keeps {cap} of the {total} taken" if cap is not None and total > cap \
-                else ""
+            how = (f"fraction={p.source.fraction}" if p.source.fraction is not None
+                   else f"rows={p.source.rows}" if p.source.rows is not None else "every row")
+            capped = (f"; max_train_samples={cap} keeps {cap} of the {total} taken" if cap is not None and total > cap
+                      else "")
             log(f"{p.name} {p.source.path}: {len(p)} of {len(p.loaded)} rows ({how}{capped})")
     return Mixture(parts)
 

@@ -326,8 +326,8 @@ def _load(spec: str, split: str, required: tuple[str, ...], keys: dict[str, str]
                 if split not in ds:
                     raise UserError(f"dataset {spec!r} has splits {list(ds)}; set dataset_split to one of them")
                 ds = ds[split]
-        elif spec.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS or path.parent.exists() \
-                and str(path.parent) not in (".", ""):
+        elif (spec.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS
+              or path.parent.exists() and str(path.parent) not in (".", "")):
             raise UserError(f"dataset {spec!r} not found: give the path of a .jsonl/.json/.parquet/.csv file or "
                             "a datasets save_to_disk folder")
         else:

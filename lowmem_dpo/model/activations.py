@@ -149,8 +149,8 @@ class _TiledMLPFunction(torch.autograd.Function):
         leaves = [compute_copies.read_by_forward(p) for p in ctx.params]  # what the MLP's forward reads
         sums: list[torch.Tensor | None] = [None] * len(leaves)  # float32: the tiles' gradients, each rounded once
         enabled, dtype = ctx.autocast
-        with devices.restored_rng(x.device, ctx.rng), torch.autocast(x.device.type, dtype=dtype, enabled=enabled), \
-                torch.enable_grad():
+        with (devices.restored_rng(x.device, ctx.rng), torch.autocast(x.device.type, dtype=dtype, enabled=enabled),
+              torch.enable_grad()):
             for a, b in tiler.tiles(flat.shape[0]):
                 part = flat[a:b].detach().requires_grad_(wants_x)  # (b - a, H), a view of x
                 out = tiler.forward(part.unsqueeze(0))  # (1, b - a, H_out)

@@ -96,8 +96,8 @@ def check_head(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
 
 
 def describe(head: logps.Head) -> str:
-    parts = ([f"logits x {head.scale:g}"] if head.scale != 1.0 else []) + \
-        ([f"softcap {head.softcap:g}"] if head.softcap else [])
+    parts = (([f"logits x {head.scale:g}"] if head.scale != 1.0 else [])
+             + ([f"softcap {head.softcap:g}"] if head.softcap else []))
     return ", ".join(parts) or "plain lm_head"
 
 
@@ -151,8 +151,8 @@ def attention_kernel(model, batch: data.Batch, dtype: torch.dtype, max_length: i
     impl = getattr(lm.config, "_attn_implementation", None)
     calls = []
     if impl in (None, "sdpa", logps.PACKED_ATTENTION):  # another implementation does not call SDPA: nothing to probe
-        with sdpa.sdpa_calls(stop=True) as calls, logps.eval_mode(model), \
-                devices.autocast(batch.input_ids.device, dtype):
+        with (sdpa.sdpa_calls(stop=True) as calls, logps.eval_mode(model),
+              devices.autocast(batch.input_ids.device, dtype)):
             try:
                 logps.completion_logps(model, batch)
             except sdpa.FirstCall:  # the first attention call's arguments are all the probe needs

@@ -78,8 +78,8 @@ def huge_pages() -> tuple[bool, str]:
     if not _thp.get("asked"):
         if THP_ENV in os.environ:
             return False, f"{THP_ENV}={os.environ[THP_ENV]} from the environment"
-        return False, f"torch was imported before lowmem_dpo, so its allocator did not see {THP_ENV}=1 (set it " \
-                      "in the environment)"
+        return False, (f"torch was imported before lowmem_dpo, so its allocator did not see {THP_ENV}=1 (set it "
+                       "in the environment)")
     if mode != "madvise":
         return False, f"this kernel's transparent huge pages are {mode or 'not there'}"
     return True, f"{THP_ENV}=1"

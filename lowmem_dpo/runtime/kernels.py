@@ -63,8 +63,8 @@ def probe(kernel, device: torch.device) -> str | None:
     want = torch.log_softmax(h.float() @ weight.t(), dim=-1).gather(1, labels[:, None])[:, 0]  # (16,)
     (want_grad,) = torch.autograd.grad(want.sum(), h)
     off = max(float((got - want).abs().max()), float((grad - want_grad).abs().max()))
-    return None if off <= PROBE_TOLERANCE else f"its probe is {off:.3g} off torch's log-probs (tolerance " \
-                                               f"{PROBE_TOLERANCE:g})"
+    return None if off <= PROBE_TOLERANCE else (f"its probe is {off:.3g} off torch's log-probs (tolerance "
+                                                f"{PROBE_TOLERANCE:g})")
 
 
 def why_not_fused(device: torch.device) -> tuple[object, str | None]:

@@ -36,8 +36,8 @@ class Rule:
 _CKPT_SMALL_GPU = "checkpointing on: it trades ~30% compute for activation memory, which a 7B run needs here"
 _PAGED = ("paged 8-bit AdamW: LoRA optimizer state at 2 bytes/param, paged to CPU RAM under memory pressure "
           "instead of an out-of-memory error")
-_CPU_FREE = "no checkpointing: RAM is plentiful and recomputation only costs time; torch AdamW (bitsandbytes' " \
-            "paged optimizers need CUDA)"
+_CPU_FREE = ("no checkpointing: RAM is plentiful and recomputation only costs time; torch AdamW (bitsandbytes' "
+             "paged optimizers need CUDA)")
 _FP16 = "float16 with dynamic loss scaling (GradScaler; no bf16 on this card, and float32 would double memory)"
 _CUDA_OFFLOAD = ("optimizer state (paged); trailing decoder layers streamed from pinned CPU RAM when the planner "
                  "says nothing else fits the budget")

@@ -67,8 +67,8 @@ def earlier_run(folder: Path, kind: str) -> bool:
     if lines and dpo != (kind == KIND["train"]):
         return False
     # ours: every one of RUN_KEYS, and most of the keys a Config has (an older version's lacks the newest)
-    return isinstance(config, dict) and all(k in config for k in RUN_KEYS) and \
-        len(set(config) & set(FIELDS)) >= len(FIELDS) // 2
+    return (isinstance(config, dict) and all(k in config for k in RUN_KEYS)
+            and len(set(config) & set(FIELDS)) >= len(FIELDS) // 2)
 
 
 def check_output_dir(cfg, stage: str) -> None:

@@ -200,8 +200,8 @@ def scores_at(path: Path, step: int, names) -> dict[str, dict[str, float]]:
     completion), read once: {name: {prompt: value}} ({} for a name where the file, the step or the scores are
     absent)."""
     path = Path(path)
-    lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()] \
-        if path.is_file() else []
+    lines = ([json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+             if path.is_file() else [])
     return {name: {x["prompt"]: x[name] for x in lines if x.get("step") == step and x.get(name) is not None}
             for name in names}
 
