@@ -44,7 +44,7 @@ def opening_lines(session: Session) -> list[str]:
     reference = (f"cached in {cfg.ref_cache_dir}" if objective.ref is not None
                  else "live (adapter disabled), costs a forward" if objectives.needs_reference(cfg.loss_type)
                  else f"none (loss_type={cfg.loss_type} reads no reference: no cache, no precompute)")
-    limits, _, judged = judged_limits(objectives.Terms.of(cfg))
+    limits, _, judged = judged_limits(objective.terms)
     still = ("likelihood displacement and the answers' signs still warn"
              if objectives.needs_reference(cfg.loss_type) else "the answers' signs still warn")
     unguarded = [] if limits is not None else [

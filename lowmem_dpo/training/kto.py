@@ -25,12 +25,12 @@ import torch
 from lowmem_dpo import data, objectives
 from lowmem_dpo.config.schema import Config
 from lowmem_dpo.data import cache
-from lowmem_dpo.model.logps import LM, completion_logps
+from lowmem_dpo.model.logps import LM
 from lowmem_dpo.objectives import kto
 from lowmem_dpo.objectives import metrics as metric_rows
 from lowmem_dpo.objectives.metrics import Metric
-from lowmem_dpo.runtime import devices, distributed
-from lowmem_dpo.training.objective import Batching, Loss, Objective
+from lowmem_dpo.runtime import distributed
+from lowmem_dpo.training.objective import Batching, Loss, Objective, row_forward
 from lowmem_dpo.training.step import Pass, StepSize, Sums, micro_batches
 
 
@@ -123,14 +123,6 @@ class Blocks(Objective):
             seen.append(out.seen)
         return self.block_means(part, point, seen)
 
-    def policy_logps(self, lm: LM, items: list[data.TokenizedCompletion]):
-        """The policy's completion log-prob sums of `items` (N,), the forward's tokens and the positions it
-        computed (padding included)."""
-        resolved = self.batching.resolved
-        batch = data.collate_completions(items, self.batching.pad_id, self.packed).to(resolved.device)
-        with devices.autocast(resolved.device, resolved.dtype):
-            return completion_logps(lm, batch).logps, batch.num_tokens, batch.computed_tokens
-
     def reference_point(self, lm: LM, views: list, within: Pass) -> Point:
         """z0 of a block (module doc), by micro-batches, and the KL forward's tokens; 0 for apo_zero_unpaired.
         Over this process's block only: TRL averages the processes' block means at each micro-step, a collective
@@ -141,15 +133,16 @@ class Blocks(Objective):
         logps, tokens, computed = [], 0, 0
         with torch.no_grad():
             for i in range(0, len(views), within.micro_batch):
-                got, n, c = self.policy_logps(lm, sequences(views[i:i + within.micro_batch], kl=True))
-                logps.append(got)
-                tokens, computed = tokens + n, computed + c
+                got = row_forward(lm, sequences(views[i:i + within.micro_batch], kl=True), self.batching)
+                logps.append(got.logps.logps)
+                tokens, computed = tokens + got.tokens, computed + got.computed
         share = kto.kl_share(torch.cat(logps).cpu(), within.ref.cache.rejected[[v.row for v in views]])
         return Point(kto.reference_point(share), tokens, len(views), computed)
 
     def forward(self, lm: LM, items: list, within: BlockPass) -> BlockForward:
         """A micro-batch of a block's rows as its loss reads them (kto.UnpairedLogps) and the forward's tokens."""
-        got, tokens, computed = self.policy_logps(lm, sequences(items, kl=False))
+        own = row_forward(lm, sequences(items, kl=False), self.batching)
+        got, tokens, computed = own.logps.logps, own.tokens, own.computed
         rows = torch.tensor([v.row for v in items])
         ref_logps, label = within.ref.cache.chosen[rows], within.ref.desirable[rows]  # (n,) float64, bool; CPU
         x = kto.UnpairedLogps(got, ref_logps.to(got.device, got.dtype), label.to(got.device),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -43,6 +43,11 @@ class Batching:
     resolved: devices.Resolved
     pad_id: int
     layout: data.Layout = data.Layout()
+    # pairs' collate for the layout (data.collate_shared: each prompt once per pair), chosen once (__post_init__)
+    collate: Callable = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "collate", data.collate_shared if self.layout.shared else data.collate)
 
 
 @dataclass
@@ -173,8 +178,7 @@ class Pairs(Objective):
         alone = None  # before the batch's forward: its graph is not yet held while these run
         if within.size.drift and resolved.dtype != torch.float32 and len(items) > 1 and not resolved.sharded:
             alone = self.forward_alone(lm, items)  # one pair alone is the batch; sharded: the ranks' forwards pair
-        collate = data.collate_shared if layout.shared else data.collate
-        batch = collate(items, self.batching.pad_id, layout.packed).to(resolved.device)
+        batch = self.batching.collate(items, self.batching.pad_id, layout.packed).to(resolved.device)
         ref_chosen = ref_rejected = None  # a loss that reads no reference
         with devices.autocast(resolved.device, resolved.dtype):
             if self.reference and within.ref is not None:  # (B,) each, float64 on the CPU
@@ -203,11 +207,10 @@ class Pairs(Objective):
         the same numbers as the micro-batch's in exact arithmetic. 16-bit kernels that block by shape (GPUs; CPUs
         with AVX512-BF16 or AMX) round the two layouts differently: how much is this device's own rounding."""
         resolved, layout, chosen, rejected = self.batching.resolved, self.batching.layout, [], []
-        collate = data.collate_shared if layout.shared else data.collate
         # eval mode: no dropout (nor its random draws); at step 1 the adapter is the identity either way
         with torch.no_grad(), eval_mode(lm.model), devices.autocast(resolved.device, resolved.dtype):
             for pair in items:
-                batch = collate([pair], self.batching.pad_id, layout.packed).to(resolved.device)
+                batch = self.batching.collate([pair], self.batching.pad_id, layout.packed).to(resolved.device)
                 chosen_side, rejected_side = completion_logps(lm, batch, ld_alpha=self.terms.ld_alpha).split()
                 chosen.append(chosen_side.logps.detach())
                 rejected.append(rejected_side.logps.detach())
@@ -264,6 +267,15 @@ class RowForward:
     computed: int  # the positions it computed, padding included
 
 
+def row_forward(lm: LM, items: list[data.TokenizedCompletion], batching: Batching) -> RowForward:
+    """Prompt/completion rows through the policy (SFT's rows; KTO's completions and KL sequences): their completion
+    log-prob sums (B,), the forward's tokens and the positions it computed (padding included)."""
+    resolved = batching.resolved
+    batch = data.collate_completions(items, batching.pad_id, batching.layout.packed).to(resolved.device)
+    with devices.autocast(resolved.device, resolved.dtype):
+        return RowForward(completion_logps(lm, batch), batch.num_tokens, batch.computed_tokens)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rows(Objective):
     """SFT's objective: the completion tokens' mean NLL (TRL's SFTTrainer with completion_only_loss)."""
@@ -273,10 +285,7 @@ class Rows(Objective):
 
     def forward(self, lm: LM, items: list[data.TokenizedCompletion], within: Pass) -> RowForward:
         """A micro-batch's completion log-prob sums (B,), its forward's tokens and the positions it computed."""
-        resolved = self.batching.resolved
-        batch = data.collate_completions(items, self.batching.pad_id, self.packed).to(resolved.device)
-        with devices.autocast(resolved.device, resolved.dtype):
-            return RowForward(completion_logps(lm, batch), batch.num_tokens, batch.computed_tokens)
+        return row_forward(lm, items, self.batching)
 
     def loss(self, output: RowForward, size: StepSize) -> Loss:
         """The micro-batch's share of the mean NLL over the step's completion tokens, and its sums."""
